@@ -1,0 +1,42 @@
+"""Pure cache core: page allocator, radix prefix cache, sessions, leases and accounting.
+
+Single-threaded by contract, no I/O, no grpc/protobuf/torch imports (numpy only). Time comes from an
+injected clock so timeouts are tested without sleeping.
+"""
+
+from cache_service.core.allocator import PageAllocator
+from cache_service.core.cache import KVCacheCore
+from cache_service.core.config import CoreConfig
+from cache_service.core.errors import ErrorCode, InvariantError, KVCacheError, Reason
+from cache_service.core.types import (
+    AppendResult,
+    CloseResult,
+    CommitResult,
+    EngineInfo,
+    MatchResult,
+    OpenResult,
+    ReapResult,
+    SessionInfo,
+    SessionState,
+    Stats,
+)
+
+__all__ = [
+    "AppendResult",
+    "CloseResult",
+    "CommitResult",
+    "CoreConfig",
+    "EngineInfo",
+    "ErrorCode",
+    "InvariantError",
+    "KVCacheCore",
+    "KVCacheError",
+    "MatchResult",
+    "OpenResult",
+    "PageAllocator",
+    "ReapResult",
+    "Reason",
+    "SessionInfo",
+    "SessionState",
+    "Stats",
+]

@@ -1,0 +1,52 @@
+"""Core configuration: sizes in pages and tokens, times in seconds. Frozen; validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class CoreConfig:
+    num_pages: int
+    """Pages in the pool, page 0 included (reserved as the null page, never handed out)."""
+    page_size: int
+    """Tokens per page."""
+    session_timeout_seconds: float = 600.0
+    """Default sliding session timeout; 0 means sessions never time out."""
+    lease_ttl_seconds: float = 30.0
+    """Default engine lease TTL when RegisterEngine asks for none."""
+    session_budget_pages: int = 0
+    """Most pages that sessions may hold privately (held + in flight); 0 means no budget beyond the pool."""
+    max_session_tokens: int = 0
+    """Per-session cap on context + reservation, in tokens; 0 means no cap beyond the pool."""
+    eviction_policy: str = "lru"
+    """Name in `cache_service.core.radix.EVICTION_POLICIES`."""
+    demote_idle_sessions: bool = True
+    """Under pool or budget pressure, demote idle sessions LRU-first into evictable radix entries."""
+    expired_lease_memory: int = 4096
+    """How many expired engine ids are remembered to answer LEASE_EXPIRED instead of ENGINE_NOT_FOUND."""
+
+    def __post_init__(self) -> None:
+        if self.num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {self.num_pages}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.session_timeout_seconds < 0:
+            raise ValueError(f"session_timeout_seconds must be >= 0, got {self.session_timeout_seconds}")
+        if self.lease_ttl_seconds <= 0:
+            raise ValueError(f"lease_ttl_seconds must be > 0, got {self.lease_ttl_seconds}")
+        if not 0 <= self.session_budget_pages <= self.num_pages - 1:
+            raise ValueError(
+                f"session_budget_pages must be in [0, {self.num_pages - 1}], got {self.session_budget_pages}"
+            )
+        if self.max_session_tokens < 0:
+            raise ValueError(f"max_session_tokens must be >= 0, got {self.max_session_tokens}")
+
+    @property
+    def usable_pages(self) -> int:
+        return self.num_pages - 1
+
+    @property
+    def budget_pages(self) -> int:
+        """The effective session budget in pages (the whole pool when none is set)."""
+        return self.session_budget_pages or self.usable_pages

@@ -1,0 +1,430 @@
+"""Radix prefix cache at page granularity, namespaced by cache salt.
+
+Keys are token ids as little-endian int32 bytes, cut to whole pages: only full pages are cached. A node
+owns a run of pages (`pages`, one id per page) and the tokens that produced them (`key`). Comparisons are
+bytes slices compared by memcmp; a walk copies each node's span of the query once, never the remaining
+key per node.
+
+Locks count per node along the path to the root, as in SGLang: `lock(node)` pins every ancestor. An
+unbalanced unlock raises InvariantError before changing anything. Splits keep the original node object
+as the lower half, so a lock handle (a node) stays valid whatever splits happen above it.
+
+Eviction frees unlocked leaves in policy order (LRU by default) from a heap with lazy invalidation:
+O(log n) per leaf touched, no rebuild per call; the heap is compacted when stale entries outnumber
+live ones. `evict(n)` frees exactly n pages when it can, trimming a leaf from its tail (the remaining
+pages are still a valid prefix).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from cache_service.core.errors import InvariantError
+from cache_service.core.types import EMPTY_PAGES, PageArray, TokenArray
+
+TOKEN_BYTES = 4
+_HEAP_SLACK = 1024
+
+
+class RadixNode:
+    """A run of cached pages. Internal to the tree; callers hold nodes only as lock handles."""
+
+    __slots__ = (
+        "children",
+        "heap_ver",
+        "hits",
+        "id",
+        "key",
+        "lock_ref",
+        "pages",
+        "parent",
+        "salt",
+        "tick",
+    )
+
+    def __init__(self, node_id: int, key: bytes, pages: PageArray, parent: RadixNode | None) -> None:
+        self.id = node_id
+        self.key = key
+        self.pages = pages
+        self.parent = parent
+        self.children: dict[bytes, RadixNode] = {}
+        self.lock_ref = 0
+        self.tick = 0
+        self.hits = 0
+        self.heap_ver = 0
+        self.salt: str | None = None  # set on roots only
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.pages.size)
+
+    def __repr__(self) -> str:
+        return f"RadixNode(id={self.id}, pages={self.pages.tolist()}, lock_ref={self.lock_ref})"
+
+
+class EvictionPolicy(Protocol):
+    """Orders unlocked leaves for eviction: the smallest key goes first."""
+
+    def key(self, node: RadixNode) -> tuple[int, ...]: ...
+
+
+class LRUPolicy:
+    """Least recently used first (ticks are a logical clock, so order is deterministic)."""
+
+    def key(self, node: RadixNode) -> tuple[int, ...]:
+        return (node.tick,)
+
+
+class LFUPolicy:
+    """Fewest hits first, then least recently used."""
+
+    def key(self, node: RadixNode) -> tuple[int, ...]:
+        return (node.hits, node.tick)
+
+
+EVICTION_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRUPolicy, "lfu": LFUPolicy}
+
+
+@dataclass(frozen=True, slots=True)
+class RadixMatch:
+    num_pages: int
+    pages: PageArray
+    node: RadixNode | None
+    """The locked node covering exactly the matched pages (only when matched with lock=True and
+    num_pages > 0)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RadixInsert:
+    num_existing_pages: int
+    """Leading pages that were already cached: the caller's copies of them are duplicates."""
+    pages: PageArray
+    """The tree's pages for the whole key after the insert (existing ones first)."""
+    node: RadixNode | None
+    """The node ending exactly at the end of the key (None for an empty key)."""
+
+
+def token_key(tokens: TokenArray, page_size: int, max_tokens: int | None = None) -> bytes:
+    """The radix key of `tokens[:max_tokens]`, cut to whole pages."""
+    n = tokens.size if max_tokens is None else min(tokens.size, max_tokens)
+    n -= n % page_size
+    return tokens[:n].astype("<i4", copy=False).tobytes()
+
+
+class RadixTree:
+    """Page-granular radix tree. Owns one allocator reference per page it holds (released via `free`)."""
+
+    def __init__(
+        self, page_size: int, free_pages: Callable[[PageArray], None], policy: str = "lru"
+    ) -> None:
+        if policy not in EVICTION_POLICIES:
+            raise ValueError(f"unknown eviction policy {policy!r}; known: {sorted(EVICTION_POLICIES)}")
+        self.page_size = page_size
+        self.page_bytes = page_size * TOKEN_BYTES
+        self._free_pages = free_pages
+        self._policy = EVICTION_POLICIES[policy]()
+        self._roots: dict[str, RadixNode] = {}
+        self._next_id = 1
+        self._tick = 0
+        self._heap: list[tuple[tuple[int, ...], int, int, RadixNode]] = []
+        self._evictable_leaves: set[RadixNode] = set()
+        self.evictable_pages = 0
+        self.locked_pages = 0
+        self.evicted_pages_total = 0
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def cached_pages(self) -> int:
+        return self.evictable_pages + self.locked_pages
+
+    @property
+    def num_salts(self) -> int:
+        return len(self._roots)
+
+    def match(self, salt: str, key: bytes, *, lock: bool = False, touch: bool = True) -> RadixMatch:
+        """Longest cached prefix of `key` (whole pages) under `salt`.
+
+        With lock=True the match is pinned and returned as `node` (splitting a node when the match ends
+        inside it); the caller must `unlock(node)` exactly once. touch=False leaves LRU order alone (a
+        read-only probe).
+        """
+        root = self._roots.get(salt)
+        if root is None or not key:
+            return RadixMatch(0, EMPTY_PAGES, None)
+        node, matched, into = self._walk(root, key, touch=touch)
+        if matched == 0:
+            return RadixMatch(0, EMPTY_PAGES, None)
+        pages = self._path_pages(node, into, matched)
+        if not lock:
+            return RadixMatch(matched, pages, None)
+        if into < node.num_pages:
+            node = self._split(node, into)
+        self.lock(node)
+        return RadixMatch(matched, pages, node)
+
+    def insert(self, salt: str, key: bytes, pages: PageArray) -> RadixInsert:
+        """Cache `pages` under `key` (len(key) == len(pages) * page_bytes).
+
+        Pages the tree already holds for a leading part of the key are left alone: the result says how
+        many, and the caller frees its own copies of them. The new tail pages become tree-owned (the tree
+        takes over the caller's allocator reference). The returned node ends exactly at the key's end.
+        """
+        num_pages = len(key) // self.page_bytes
+        if len(key) != num_pages * self.page_bytes or pages.size != num_pages:
+            raise InvariantError(
+                f"radix insert needs whole pages: key has {len(key)} bytes, {pages.size} pages given"
+            )
+        if num_pages == 0:
+            return RadixInsert(0, EMPTY_PAGES, None)
+        root = self._roots.get(salt)
+        if root is None:
+            root = RadixNode(0, b"", EMPTY_PAGES, None)
+            root.salt = salt
+            root.lock_ref = 1  # roots are never evicted
+            self._roots[salt] = root
+        node, matched, into = self._walk(root, key, touch=True)
+        if matched:
+            existing = self._path_pages(node, into, matched)
+            if into < node.num_pages:
+                node = self._split(node, into)
+        else:
+            existing = EMPTY_PAGES
+        if matched == num_pages:
+            return RadixInsert(matched, existing, node)
+        new_key = key[matched * self.page_bytes :]
+        new_pages = np.array(pages[matched:], dtype=np.int32)
+        leaf = RadixNode(self._new_id(), new_key, new_pages, node)
+        leaf.tick = self._tick
+        node.children[new_key[: self.page_bytes]] = leaf
+        self.evictable_pages += leaf.num_pages
+        self._update_leaf(node)
+        self._update_leaf(leaf)
+        all_pages = np.concatenate((existing, new_pages)) if matched else new_pages.copy()
+        return RadixInsert(matched, all_pages, leaf)
+
+    # ------------------------------------------------------------------ locks
+
+    def lock(self, node: RadixNode) -> None:
+        """Pin `node` and its ancestors: their pages move from evictable to locked."""
+        n: RadixNode | None = node
+        while n is not None and n.parent is not None:
+            if n.lock_ref == 0:
+                self.evictable_pages -= n.num_pages
+                self.locked_pages += n.num_pages
+                self._drop_leaf(n)
+            n.lock_ref += 1
+            n = n.parent
+
+    def unlock(self, node: RadixNode) -> None:
+        """Release one `lock(node)`. An unlock without a matching lock raises before changing anything."""
+        n: RadixNode | None = node
+        while n is not None and n.parent is not None:
+            if n.lock_ref <= 0:
+                raise InvariantError(
+                    f"radix lock balance: unlock of node {n.id} whose lock_ref is {n.lock_ref}"
+                )
+            n = n.parent
+        n = node
+        while n is not None and n.parent is not None:
+            n.lock_ref -= 1
+            if n.lock_ref == 0:
+                self.locked_pages -= n.num_pages
+                self.evictable_pages += n.num_pages
+                self._update_leaf(n)
+            n = n.parent
+
+    # ------------------------------------------------------------------ eviction
+
+    def evict(self, num_pages: int) -> int:
+        """Free up to `num_pages` unlocked pages, leaves first in policy order. Returns pages freed."""
+        freed = 0
+        heap = self._heap
+        while freed < num_pages and heap:
+            _, _, ver, node = heapq.heappop(heap)
+            if ver != node.heap_ver or node not in self._evictable_leaves:
+                continue  # stale entry
+            take = min(num_pages - freed, node.num_pages)
+            if take == node.num_pages:
+                self._free_pages(node.pages)
+                self._remove_leaf(node)
+            else:
+                keep = node.num_pages - take
+                self._free_pages(node.pages[keep:])
+                node.pages = node.pages[:keep].copy()
+                node.key = node.key[: keep * self.page_bytes]
+                self.evictable_pages -= take
+                self._push(node)
+            freed += take
+        self.evicted_pages_total += freed
+        return freed
+
+    # ------------------------------------------------------------------ internals
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id - 1
+
+    def _walk(self, root: RadixNode, key: bytes, *, touch: bool) -> tuple[RadixNode, int, int]:
+        """Follow `key` down from `root`: (deepest node reached, pages matched, pages matched into it).
+
+        `into` equals the node's page count unless the match stops inside the node.
+        """
+        pb = self.page_bytes
+        n = len(key)
+        node = root
+        pos = 0
+        into = 0
+        if touch:
+            self._tick += 1
+        while pos < n:
+            child = node.children.get(key[pos : pos + pb])
+            if child is None:
+                break
+            clen = len(child.key)
+            span = min(clen, n - pos)
+            if key[pos : pos + span] == child.key[:span]:
+                common = span
+            else:
+                common = self._common_pages(key, pos, child.key, span) * pb
+            node = child
+            into = common // pb
+            pos += common
+            if touch:
+                child.tick = self._tick
+                child.hits += 1
+            if common < clen:
+                break
+        if touch and node in self._evictable_leaves:
+            self._push(node)  # its priority changed
+        return node, pos // pb, into
+
+    def _common_pages(self, key: bytes, pos: int, other: bytes, span: int) -> int:
+        """Leading whole pages where key[pos:pos+span] equals other[:span] (known to differ somewhere)."""
+        pb = self.page_bytes
+        # Page 0 matches (children are keyed by it); not all of them do, so the answer is < span // pb.
+        lo, hi = 1, span // pb - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if key[pos : pos + mid * pb] == other[: mid * pb]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _path_pages(self, node: RadixNode, into: int, matched: int) -> PageArray:
+        parts = [node.pages[:into]]
+        n = node.parent
+        while n is not None and n.parent is not None:
+            parts.append(n.pages)
+            n = n.parent
+        parts.reverse()
+        pages = np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
+        if pages.size != matched:
+            raise InvariantError(f"radix path holds {pages.size} pages, walk matched {matched}")
+        return pages
+
+    def _split(self, node: RadixNode, at: int) -> RadixNode:
+        """Cut `node` after `at` pages. The new upper node is returned; `node` keeps the lower half and its
+        identity (lock handles on it stay valid). Lock counts and LRU state carry over to both halves."""
+        parent = node.parent
+        assert parent is not None, "the root is never split"
+        cut = at * self.page_bytes
+        upper = RadixNode(self._new_id(), node.key[:cut], node.pages[:at].copy(), parent)
+        upper.lock_ref = node.lock_ref
+        upper.tick = node.tick
+        upper.hits = node.hits
+        parent.children[upper.key[: self.page_bytes]] = upper
+        node.key = node.key[cut:]
+        node.pages = node.pages[at:].copy()
+        node.parent = upper
+        upper.children[node.key[: self.page_bytes]] = node
+        return upper
+
+    def _remove_leaf(self, node: RadixNode) -> None:
+        parent = node.parent
+        assert parent is not None and not node.children and node.lock_ref == 0
+        del parent.children[node.key[: self.page_bytes]]
+        self.evictable_pages -= node.num_pages
+        self._drop_leaf(node)
+        node.parent = None
+        if parent.parent is None:
+            if not parent.children:
+                assert parent.salt is not None
+                del self._roots[parent.salt]
+        else:
+            self._update_leaf(parent)
+
+    def _is_evictable_leaf(self, node: RadixNode) -> bool:
+        return node.parent is not None and node.lock_ref == 0 and not node.children
+
+    def _update_leaf(self, node: RadixNode) -> None:
+        if self._is_evictable_leaf(node):
+            if node not in self._evictable_leaves:
+                self._evictable_leaves.add(node)
+                self._push(node)
+        else:
+            self._drop_leaf(node)
+
+    def _drop_leaf(self, node: RadixNode) -> None:
+        self._evictable_leaves.discard(node)
+
+    def _push(self, node: RadixNode) -> None:
+        node.heap_ver += 1
+        heapq.heappush(self._heap, (self._policy.key(node), node.id, node.heap_ver, node))
+        if len(self._heap) > 2 * len(self._evictable_leaves) + _HEAP_SLACK:
+            self._heap = [(self._policy.key(n), n.id, n.heap_ver, n) for n in self._evictable_leaves]
+            heapq.heapify(self._heap)
+
+    # ------------------------------------------------------------------ verification
+
+    def iter_nodes(self) -> list[RadixNode]:
+        out: list[RadixNode] = []
+        stack = list(self._roots.values())
+        while stack:
+            n = stack.pop()
+            out.append(n)
+            stack.extend(n.children.values())
+        return out
+
+    def check(self) -> PageArray:
+        """Recount everything from the nodes; return every page the tree owns. O(tree size)."""
+        evictable = locked = 0
+        owned: list[PageArray] = []
+        leaves: set[RadixNode] = set()
+        for n in self.iter_nodes():
+            if n.parent is None:
+                if n.lock_ref != 1 or n.pages.size or not n.children:
+                    raise InvariantError(f"salt root {n.salt!r} must be locked, pageless and non-empty")
+                continue
+            if n.lock_ref < 0:
+                raise InvariantError(f"node {n.id} has a negative lock_ref {n.lock_ref}")
+            if n.num_pages == 0 or len(n.key) != n.num_pages * self.page_bytes:
+                raise InvariantError(f"node {n.id}: key bytes and page count disagree")
+            if n.parent.children.get(n.key[: self.page_bytes]) is not n:
+                raise InvariantError(f"node {n.id} is not reachable under its first page key")
+            if n.parent.parent is not None and n.lock_ref > n.parent.lock_ref:
+                raise InvariantError(f"node {n.id} is locked more often than its parent")
+            if n.lock_ref:
+                locked += n.num_pages
+            else:
+                evictable += n.num_pages
+            if self._is_evictable_leaf(n):
+                leaves.add(n)
+            owned.append(n.pages)
+        if (evictable, locked) != (self.evictable_pages, self.locked_pages):
+            raise InvariantError(
+                f"radix page counters (evictable={self.evictable_pages}, locked={self.locked_pages}) "
+                f"!= recount ({evictable}, {locked})"
+            )
+        if leaves != self._evictable_leaves:
+            raise InvariantError("evictable leaf set differs from the unlocked leaves of the tree")
+        live = {n for _, _, ver, n in self._heap if ver == n.heap_ver}
+        if not leaves <= live:
+            raise InvariantError("an evictable leaf has no live heap entry")
+        return np.concatenate(owned) if owned else EMPTY_PAGES

@@ -1,0 +1,168 @@
+"""Ids, enums and the frozen result records the core hands to the rpc layer.
+
+Arrays in results are numpy int32 and owned by the record (copies, never views into core buffers), so
+a caller may keep them after the core has moved on.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import NewType
+
+import numpy as np
+import numpy.typing as npt
+
+PageId = NewType("PageId", int)
+SessionId = NewType("SessionId", str)
+EngineId = NewType("EngineId", str)
+
+PageArray = npt.NDArray[np.int32]
+"""A 1-D int32 array of page ids."""
+TokenArray = npt.NDArray[np.int32]
+"""A 1-D int32 array of token ids."""
+
+EMPTY_PAGES: PageArray = np.zeros(0, dtype=np.int32)
+EMPTY_PAGES.setflags(write=False)
+
+
+class SessionState(enum.Enum):
+    IDLE = "IDLE"
+    """No turn in flight."""
+    IN_TURN = "IN_TURN"
+    """Between AppendSession and CommitSession."""
+    CLOSING = "CLOSING"
+    """Close requested during a turn; completes when the turn commits or aborts."""
+
+
+@dataclass(frozen=True, slots=True)
+class MatchResult:
+    """A read-only probe: the leading `cached_tokens` (whole pages) are in the radix, in `page_ids`."""
+
+    cached_tokens: int
+    page_ids: PageArray
+
+
+@dataclass(frozen=True, slots=True)
+class OpenResult:
+    session_id: str
+    epoch: int
+    """Unique across all sessions of this service instance; a reused id gets a new epoch."""
+    timeout_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class AppendResult:
+    """The turn's page-table delta and which positions need KV.
+
+    The engine truncates its page table to `page_offset` entries and appends `page_ids`; it then computes
+    KV for positions [cached_tokens, context_tokens) and may write decode KV up to `capacity_tokens`.
+    """
+
+    session_id: str
+    epoch: int
+    turn: int
+    cached_tokens: int
+    context_tokens: int
+    capacity_tokens: int
+    page_offset: int
+    page_ids: PageArray
+    num_pages: int
+    """Length of the session's whole page table after this append."""
+    prefix_hit_tokens: int
+    """Of `cached_tokens`, how many came from the radix (the rest are the session's own KV)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CommitResult:
+    session_id: str
+    context_tokens: int
+    kv_tokens: int
+    num_pages: int
+    closed: bool
+    """True when a deferred close completed with this commit or abort."""
+
+
+@dataclass(frozen=True, slots=True)
+class CloseResult:
+    session_id: str
+    closed: bool
+    """False when the close is deferred until the in-flight turn ends."""
+    cached_tokens: int
+    """Tokens of the session's context now in the radix (close with cache=true)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SessionInfo:
+    session_id: str
+    epoch: int
+    state: SessionState
+    streaming: bool
+    cache_salt: str
+    engine_id: str
+    context_tokens: int
+    kv_tokens: int
+    turns: int
+    num_pages: int
+    radix_pages: int
+    held_pages: int
+    in_flight_pages: int
+    idle_seconds: float
+    timeout_seconds: float
+    demoted: bool
+    close_pending: bool
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    engine_id: str
+    ttl_seconds: float
+    expires_in_seconds: float
+    num_sessions: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReapResult:
+    session_ids: tuple[str, ...]
+    """Sessions closed because they timed out or their owner's lease expired."""
+    engine_ids: tuple[str, ...]
+    """Engines whose lease expired in this pass."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """A snapshot of the pool and cache. Pages by state always sum to `num_pages - 1`."""
+
+    num_pages: int
+    page_size: int
+    free_pages: int
+    evictable_pages: int
+    radix_locked_pages: int
+    session_held_pages: int
+    in_flight_pages: int
+    session_budget_pages: int
+    radix_tokens: int
+    session_tokens: int
+    session_kv_tokens: int
+    prefix_hit_tokens: int
+    session_hit_tokens: int
+    miss_tokens: int
+    evicted_pages: int
+    duplicate_pages: int
+    """Pages freed because the radix already held the same tokens (KV computed twice by racing turns)."""
+    demoted_sessions: int
+    reaped_sessions: int
+    expired_leases: int
+    sessions_idle: int
+    sessions_in_turn: int
+    sessions_closing: int
+    sessions_demoted: int
+    engines: int
+
+    @property
+    def usable_pages(self) -> int:
+        return self.num_pages - 1
+
+    @property
+    def sessions(self) -> int:
+        return self.sessions_idle + self.sessions_in_turn + self.sessions_closing

@@ -1,0 +1,130 @@
+"""Engine leases: register, heartbeat, expiry releases everything, ownership."""
+
+from __future__ import annotations
+
+from cache_service.core import Reason, SessionState
+
+from .conftest import FakeClock, raises_reason, snapshot, toks
+from .test_sessions import pages_by_state
+
+
+def test_register_generates_an_id_and_uses_the_default_ttl(make_core) -> None:
+    core = make_core(lease_ttl_seconds=30)
+    info = core.register_engine()
+    assert info.engine_id.startswith("engine-") and len(info.engine_id) == 19
+    assert (info.ttl_seconds, info.expires_in_seconds, info.num_sessions) == (30, 30, 0)
+    assert core.register_engine("e2", ttl_seconds=5).ttl_seconds == 5
+    assert core.stats().engines == 2
+
+
+def test_heartbeat_renews_the_lease(make_core, clock: FakeClock) -> None:
+    core = make_core()
+    core.register_engine("e1", ttl_seconds=10)
+    clock.advance(8)
+    assert core.heartbeat("e1").expires_in_seconds == 10
+    clock.advance(8)
+    assert core.reap().engine_ids == ()
+    clock.advance(2)
+    assert core.reap().engine_ids == ("e1",)
+
+
+def test_lease_expiry_releases_everything_the_engine_held(make_core, clock: FakeClock) -> None:
+    core = make_core(num_pages=64, page_size=4, session_timeout_seconds=0)
+    core.register_engine("e1", ttl_seconds=10)
+    core.open_session("idle", streaming=True, engine_id="e1")
+    core.append("idle", toks(range(10)), 4)
+    core.commit("idle", toks(1, 2))  # pins 2 pages, holds 1
+    core.open_session("busy", streaming=True, engine_id="e1")
+    core.append("busy", toks(range(50, 59)), 7)  # 4 pages in flight
+    core.open_session("other", streaming=True)
+    core.append("other", toks(range(90, 94)), 0)
+    core.commit("other", toks(1))
+    assert pages_by_state(core) == {"free": 55, "evictable": 0, "radix_locked": 3, "session_held": 1,
+                                    "in_flight": 4}
+    clock.advance(10)
+    res = core.reap()
+    assert res.engine_ids == ("e1",)
+    assert sorted(res.session_ids) == ["busy", "idle"]
+    # The idle session's committed KV is cached (kv 11: 2 full pages), the in-flight turn is gone.
+    assert pages_by_state(core) == {"free": 60, "evictable": 2, "radix_locked": 1, "session_held": 0,
+                                    "in_flight": 0}
+    assert [i.session_id for i in core.list_sessions()] == ["other"]
+    st = core.stats()
+    assert (st.expired_leases, st.reaped_sessions, st.engines) == (1, 2, 0)
+    raises_reason(Reason.LEASE_EXPIRED, core.heartbeat, "e1")
+    raises_reason(Reason.LEASE_EXPIRED, core.unregister_engine, "e1")
+    raises_reason(Reason.LEASE_EXPIRED, core.open_session, "new", engine_id="e1")
+    raises_reason(Reason.ENGINE_NOT_FOUND, core.heartbeat, "never-registered")
+
+
+def test_an_expired_lease_is_noticed_at_use_before_the_reaper_runs(make_core, clock: FakeClock) -> None:
+    core = make_core()
+    core.register_engine("e1", ttl_seconds=5)
+    core.open_session("s", streaming=True, engine_id="e1")
+    core.append("s", toks(1, 2, 3), 1)
+    clock.advance(5)
+    raises_reason(Reason.LEASE_EXPIRED, core.commit, "s", toks(4), engine_id="e1")
+    raises_reason(Reason.SESSION_NOT_FOUND, core.get_session, "s")
+    assert core.stats().in_flight_pages == 0
+    core.register_engine("e2", ttl_seconds=5)
+    core.open_session("t", engine_id="e2")
+    clock.advance(6)
+    raises_reason(Reason.SESSION_NOT_FOUND, core.append, "t", toks(1), 0)  # a caller that is not e2
+
+
+def test_another_engine_cannot_drive_a_session(make_core) -> None:
+    core = make_core()
+    core.register_engine("e1")
+    core.register_engine("e2")
+    core.open_session("s", streaming=True, engine_id="e1")
+    before = snapshot(core)
+    err = raises_reason(Reason.NOT_OWNER, core.append, "s", toks(1), 0, engine_id="e2")
+    assert err.metadata == {"session_id": "s", "engine_id": "e2"}
+    raises_reason(Reason.NOT_OWNER, core.close, "s", engine_id="e2")
+    assert snapshot(core) == before
+    assert core.append("s", toks(1), 0, engine_id="e1").context_tokens == 1
+    assert core.commit("s", toks(2)).context_tokens == 2  # no engine_id: an operator's call
+
+
+def test_unregister_closes_the_engines_sessions_and_caches_their_kv(make_core) -> None:
+    core = make_core(num_pages=64, page_size=4)
+    core.register_engine("e1")
+    core.open_session("s", streaming=True, engine_id="e1")
+    core.append("s", toks(range(8)), 0)
+    core.commit("s", toks(8))
+    assert core.unregister_engine("e1") == ("s",)
+    assert core.stats().reaped_sessions == 0  # a clean exit is not a reap
+    assert core.match_prefix(toks(range(8))).cached_tokens == 8
+    raises_reason(Reason.ENGINE_NOT_FOUND, core.heartbeat, "e1")
+
+
+def test_re_registering_a_live_id_releases_the_previous_incarnation(make_core) -> None:
+    core = make_core()
+    core.register_engine("pod-0")
+    core.open_session("s", engine_id="pod-0")
+    core.append("s", toks(1, 2), 0)
+    info = core.register_engine("pod-0")
+    assert info.num_sessions == 0
+    raises_reason(Reason.SESSION_NOT_FOUND, core.get_session, "s")
+
+
+def test_registering_again_after_expiry_clears_lease_expired(make_core, clock: FakeClock) -> None:
+    core = make_core()
+    core.register_engine("e1", ttl_seconds=1)
+    clock.advance(2)
+    core.reap()
+    raises_reason(Reason.LEASE_EXPIRED, core.heartbeat, "e1")
+    core.register_engine("e1", ttl_seconds=1)
+    assert core.heartbeat("e1").engine_id == "e1"
+
+
+def test_an_owned_in_flight_session_is_reaped_once_its_lease_expires(make_core, clock: FakeClock) -> None:
+    core = make_core(session_timeout_seconds=5)
+    core.register_engine("e1", ttl_seconds=20)
+    core.open_session("s", engine_id="e1")
+    core.append("s", toks(1, 2), 3)
+    clock.advance(10)
+    assert core.reap().session_ids == ()
+    assert core.get_session("s").state is SessionState.IN_TURN
+    clock.advance(10)
+    assert core.reap().session_ids == ("s",)
