@@ -6,7 +6,7 @@ PY := $(BIN)/python
 STAMP := $(VENV)/.kvcache-setup
 
 .DEFAULT_GOAL := help
-.PHONY: help setup run test lint typecheck unit proto proto-check bench demo gpu-test clean
+.PHONY: help setup run test lint typecheck unit proto proto-check docs docs-check bench clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -17,7 +17,10 @@ $(STAMP): pyproject.toml scripts/setup.sh
 	@bash scripts/setup.sh "$(PYTHON)" "$(VENV)"
 	@touch $@
 
-test: setup lint typecheck unit ## ruff, mypy (core and client), pytest
+run: setup ## serve on the embedded default (host shm, 127.0.0.1:50051); add flags with ARGS="..."
+	@$(PY) -m cache_service serve $(ARGS)
+
+test: setup proto-check docs-check lint typecheck unit ## generated-code checks, ruff, mypy (core, client), pytest
 
 lint: setup ## ruff
 	@$(BIN)/ruff check --quiet . && echo "[lint] ruff: clean"
@@ -27,6 +30,22 @@ typecheck: setup ## mypy on cache_service/core and engine_client
 
 unit: setup ## pytest
 	@$(BIN)/pytest -q
+
+proto: setup ## regenerate the Python code of protos/kvcache/v1/*.proto
+	@$(PY) scripts/gen_protos.py
+
+proto-check: setup ## fail when the committed generated code is stale
+	@$(PY) scripts/gen_protos.py --check
+
+docs: setup ## regenerate the README's flags and metrics tables
+	@$(PY) scripts/gen_docs.py
+
+docs-check: setup ## fail when the README's generated tables are stale
+	@$(PY) scripts/gen_docs.py --check
+
+bench: setup ## run the benchmarks (tables on stdout)
+	@$(PY) -m bench.core_bench
+	@$(PY) -m bench.rpc_bench
 
 clean: ## remove .venv and caches
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -475,13 +475,17 @@ class KVCacheCore:
     def _allocate(self, n: int, s: Session) -> PageArray:
         """n fresh pages for session `s`'s turn. All or nothing.
 
-        Relief happens only when it is known to suffice, so a hopeless request changes nothing: first
-        the session budget (demote idle sessions LRU-first), then the pool (evict radix entries, then
-        demote idle sessions and evict what they released).
+        Relief happens only when it is known to suffice, so a hopeless request changes nothing. The pool
+        is checked first (it is the absolute limit), then the session budget. Relief: the budget first
+        (demote idle sessions LRU-first), then the pool (evict radix entries, then demote idle sessions
+        and evict what they released).
         """
         if n == 0:
             return EMPTY_PAGES
         victims = self._demotable(s)
+        short = n - self.allocator.num_free
+        if short > 0 and short > self.radix.evictable_pages + self._reclaimable(victims):
+            raise self._pool_exhausted(s, n)
         budget = self.config.session_budget_pages
         over = self._session_held + self._in_flight + n - budget if budget else 0
         if over > 0 and sum(v.private_pages for v in victims) < over:
@@ -491,9 +495,6 @@ class KVCacheCore:
                 f" of a {budget}-page session budget and idle sessions cannot give {over}",
                 session_id=s.id, requested_pages=n, budget_pages=budget,
             )
-        short = n - self.allocator.num_free
-        if short > 0 and short > self.radix.evictable_pages + self._reclaimable(victims):
-            raise self._pool_exhausted(s, n)
         for v in victims:
             if over <= 0:
                 break

@@ -1,0 +1,215 @@
+"""`kvcache-service`: serve, and the on-call tools (stats, sessions, health).
+
+Every command prints something useful on success and one line on failure. Bad flags exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+import grpc
+from google.protobuf import json_format
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cache_service import __version__
+from cache_service.config import ConfigError, ServiceConfig, add_serve_arguments, config_from, format_bytes
+from cache_service.log import configure_logging
+from cache_service.memory import PoolError
+from protos.kvcache.v1 import kvcache_pb2 as pb
+from protos.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
+
+PROG = "kvcache-service"
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description="kvcache: the KV-cache service of an LLM deployment.")
+    p.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    serve = sub.add_parser("serve", help="run the service",
+                           description="Run the service. Every flag is also an environment variable "
+                                       "KVCACHE_<FLAG> (command line wins).")
+    add_serve_arguments(serve)
+    for name, text in (("stats", "print GetStats as a table"), ("sessions", "list open sessions"),
+                       ("health", "call grpc.health.v1 Health/Check; exit 0 when SERVING")):
+        cmd = sub.add_parser(name, help=text, description=text)
+        cmd.add_argument("--target", default=DEFAULT_TARGET, help="host:port or unix:/path (default %(default)s)")
+        cmd.add_argument("--timeout", type=float, default=5.0, help="seconds (default %(default)s)")
+        cmd.add_argument("--auth-token", default="", help="bearer token, when the service requires one")
+        if name in ("stats", "sessions"):
+            cmd.add_argument("--json", action="store_true", help="print the response as JSON")
+        if name == "stats":
+            cmd.add_argument("--verify", action="store_true", help="also run the full invariant check")
+        if name == "health":
+            cmd.add_argument("--service", default="", help="service name to check (default: overall)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    handlers = {"serve": _cmd_serve, "stats": _cmd_stats, "sessions": _cmd_sessions, "health": _cmd_health}
+    try:
+        return handlers[args.command](args)
+    except KeyboardInterrupt:
+        return 130
+
+
+# ------------------------------------------------------------------------------------------- serve
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        config = config_from({k: v for k, v in vars(args).items() if k != "command"})
+    except ConfigError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    configure_logging(config.log_level, config.log_format)
+    return asyncio.run(_serve(config))
+
+
+async def _serve(config: ServiceConfig) -> int:
+    from cache_service.rpc.server import KVCacheServer
+
+    server = KVCacheServer(config)
+    try:
+        await server.start()
+    except PoolError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 1
+    print(_banner(server), flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop()
+    print(f"{PROG}: stopped cleanly (instance {server.instance_id}, pool released)", flush=True)
+    return 0
+
+
+def _banner(server: Any) -> str:
+    cfg: ServiceConfig = server.config
+    layout = server.pool.layout
+    handle = server.pool.handle()
+    where = handle.shm_path or f"GPU {handle.device_uuid}"
+    if server.address.startswith("unix:"):
+        try_line = f"grpcurl -plaintext -unix {server.address[len('unix:'):]} list"
+    else:
+        try_line = f"grpcurl -plaintext {server.address} list"
+    metrics = (f"http://{cfg.metrics_host}:{server.metrics_port}/metrics" if server.metrics_port
+               else "disabled (--metrics-port)")
+    return "\n".join([
+        f"{PROG} {__version__} listening on {server.address} (instance {server.instance_id})",
+        f"  backend  {server.pool.name}: {where} ({server.pool_why})",
+        f"  pool     {layout.num_pages - 1:,} pages x {layout.page_size} tokens = {layout.usable_tokens:,} tokens, "
+        f"{format_bytes(layout.size_bytes)} ({layout.describe()})",
+        f"  metrics  {metrics}",
+        f"  try      {try_line}",
+    ])
+
+
+# ------------------------------------------------------------------------------------- on-call tools
+
+
+def _channel(target: str) -> grpc.Channel:
+    return grpc.insecure_channel(target)
+
+
+def _metadata(args: argparse.Namespace) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {args.auth_token}")] if args.auth_token else []
+
+
+def _fail(args: argparse.Namespace, e: grpc.RpcError) -> int:
+    print(f"{PROG}: {args.command} {args.target}: {e.code().name}: {e.details()}", file=sys.stderr)
+    return 1
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    with _channel(args.target) as ch:
+        try:
+            st = pb_grpc.KVCacheServiceStub(ch).GetStats(pb.GetStatsRequest(verify=args.verify),
+                                                         timeout=args.timeout, metadata=_metadata(args))
+        except grpc.RpcError as e:
+            return _fail(args, e)
+    if args.json:
+        print(json_format.MessageToJson(st, always_print_fields_with_no_presence=True))
+        return 0
+    print(format_stats(st))
+    return 0
+
+
+def format_stats(st: pb.GetStatsResponse) -> str:
+    usable = st.num_pages - 1
+    def pct(n: int) -> str:
+        return f"{100 * n / usable:5.1f}%"
+    rows = [
+        ("instance", st.instance_id, ""),
+        ("uptime", f"{st.uptime_seconds:.0f} s", ""),
+        ("pool", f"{usable:,} pages x {st.page_size} tokens", ""),
+        ("  free", f"{st.free_pages:,}", pct(st.free_pages)),
+        ("  evictable", f"{st.evictable_pages:,}", pct(st.evictable_pages)),
+        ("  radix_locked", f"{st.radix_locked_pages:,}", pct(st.radix_locked_pages)),
+        ("  session_held", f"{st.session_held_pages:,}", pct(st.session_held_pages)),
+        ("  in_flight", f"{st.in_flight_pages:,}", pct(st.in_flight_pages)),
+        ("physical usage", f"{100 * st.physical_usage:.1f}%", ""),
+        ("session budget", f"{st.session_budget_pages:,} pages", ""),
+        ("sessions", f"{st.sessions_idle} idle, {st.sessions_in_turn} in turn, {st.sessions_closing} closing",
+         f"{st.sessions_demoted} demoted"),
+        ("engines", f"{st.engines}", ""),
+        ("tokens (cumulative)", f"{st.prefix_hit_tokens:,} radix hit, {st.session_hit_tokens:,} session hit, "
+                                f"{st.miss_tokens:,} computed", ""),
+        ("events", f"{st.evicted_pages:,} pages evicted, {st.duplicate_pages:,} duplicate, "
+                   f"{st.demoted_sessions} demotions, {st.reaped_sessions} reaped, {st.expired_leases} leases "
+                   "expired", ""),
+    ]
+    if st.verified:
+        rows.append(("invariant check", "passed", ""))
+    width = max(len(r[0]) for r in rows)
+    return "\n".join(f"{name:<{width}}  {value}{'  ' + extra if extra else ''}" for name, value, extra in rows)
+
+
+def _cmd_sessions(args: argparse.Namespace) -> int:
+    with _channel(args.target) as ch:
+        try:
+            res = pb_grpc.KVCacheServiceStub(ch).ListSessions(pb.ListSessionsRequest(), timeout=args.timeout,
+                                                              metadata=_metadata(args))
+        except grpc.RpcError as e:
+            return _fail(args, e)
+    if args.json:
+        print(json_format.MessageToJson(res, always_print_fields_with_no_presence=True))
+        return 0
+    header = f"{'session':<34} {'state':<8} {'mode':<9} {'turns':>5} {'tokens':>7} {'pages':>6} {'idle s':>7}  engine"
+    lines = [header]
+    for s in res.sessions:
+        state = pb.SessionState.Name(s.state).removeprefix("SESSION_STATE_")
+        mode = "streaming" if s.streaming else "regular"
+        lines.append(f"{s.session_id[:34]:<34} {state:<8} {mode:<9} {s.turns:>5} {s.context_tokens:>7} "
+                     f"{s.num_pages:>6} {s.idle_seconds:>7.1f}  {s.engine_id or '-'}")
+    lines.append(f"{res.total} session(s)")
+    print("\n".join(lines))
+    return 0
+
+
+def _cmd_health(args: argparse.Namespace) -> int:
+    with _channel(args.target) as ch:
+        try:
+            res = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=args.service),
+                                                       timeout=args.timeout)
+        except grpc.RpcError as e:
+            return _fail(args, e)
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(res.status)
+    print(f"{args.target}: {status}")
+    return 0 if res.status == health_pb2.HealthCheckResponse.SERVING else 1

@@ -1,0 +1,249 @@
+"""Service configuration: every `serve` flag, its `KVCACHE_*` environment variable, parsing and checks.
+
+`FLAGS` is the one table the CLI, the README's flags table and the Helm chart's values are built from.
+Precedence: command line, then environment, then the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from cache_service.memory.layout import DTYPE_BYTES, PoolLayout
+
+BACKEND_CHOICES = ("auto", "host_shm", "cuda_ipc")
+_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+               "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+class ConfigError(ValueError):
+    """A bad flag or environment value; the message is one line naming the flag."""
+
+
+def parse_bytes(text: str) -> int:
+    """'512Mi' -> 536870912, '2G' -> 2000000000, '4096' -> 4096 (an optional trailing 'B' is allowed)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]i?)?[bB]?\s*", text)
+    if not m:
+        raise ValueError(f"not a byte size: {text!r} (use e.g. 512Mi, 2Gi, 1G or a plain number)")
+    value = float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").lower()]
+    return int(value)
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str  # the long option without dashes, e.g. "num-pages"
+    type: Callable[[str], Any]
+    default: Any
+    help: str
+    choices: Sequence[str] | None = None
+    metavar: str | None = None
+
+    @property
+    def dest(self) -> str:
+        return self.name.replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return "KVCACHE_" + self.dest.upper()
+
+
+def _bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {text!r} (use true or false)")
+
+
+FLAGS: tuple[Flag, ...] = (
+    Flag("listen", str, "127.0.0.1:50051", "gRPC address: host:port (port 0 picks a free one) or unix:/path"),
+    Flag("backend", str, "auto", "pool backend: auto picks cuda_ipc when a GPU is visible, else host_shm",
+         BACKEND_CHOICES),
+    Flag("device", str, "0", "CUDA device for cuda_ipc: an index or a GPU UUID (GPU-...)"),
+    Flag("num-layers", int, 2, "transformer layers in the pool layout"),
+    Flag("num-kv-heads", int, 4, "KV heads per layer"),
+    Flag("head-dim", int, 64, "head dimension"),
+    Flag("dtype", str, "float16", "KV element type", tuple(DTYPE_BYTES)),
+    Flag("page-size", int, 16, "tokens per page"),
+    Flag("num-pages", int, 0, "pages in the pool, page 0 included (default 1024 unless --pool-bytes is set)"),
+    Flag("pool-bytes", parse_bytes, 0, "pool size in bytes instead of --num-pages (e.g. 512Mi, 8Gi)",
+         metavar="SIZE"),
+    Flag("shm-dir", str, "/dev/shm", "directory of the host_shm pool file"),
+    Flag("shm-prefix", str, "kvcache", "pool file name prefix; stale files with it are removed at start"),
+    Flag("session-timeout", float, 600.0, "default sliding session timeout in seconds (0 = never)"),
+    Flag("lease-ttl", float, 30.0, "default engine lease TTL in seconds"),
+    Flag("reap-interval", float, 1.0, "seconds between reaper passes (timeouts, expired leases)"),
+    Flag("session-budget-fraction", float, 0.8,
+         "share of the pool sessions may hold privately (0 = no budget beyond the pool)"),
+    Flag("max-session-tokens", int, 0, "per-session cap on context + reservation in tokens (0 = no cap)"),
+    Flag("max-request-tokens", int, 1 << 20, "most token ids one request may carry"),
+    Flag("max-message-bytes", parse_bytes, 64 << 20, "largest gRPC message accepted", metavar="SIZE"),
+    Flag("eviction-policy", str, "lru", "radix eviction order", ("lru", "lfu")),
+    Flag("demote-idle-sessions", _bool, True,
+         "under pressure, turn idle sessions' KV into evictable radix entries (LRU-first)", metavar="BOOL"),
+    Flag("metrics-port", int, 0, "Prometheus /metrics port (0 = disabled)"),
+    Flag("metrics-host", str, "127.0.0.1", "Prometheus bind address"),
+    Flag("auth-token", str, "", "require 'authorization: Bearer <token>' on kvcache RPCs (health is open)"),
+    Flag("grace-period", float, 5.0, "seconds in-flight RPCs get to finish on SIGTERM"),
+    Flag("log-level", str, "info", "log level", ("debug", "info", "warning", "error")),
+    Flag("log-format", str, "auto", "auto: pretty on a TTY, JSON lines otherwise", ("auto", "json", "console")),
+)
+
+DEFAULT_NUM_PAGES = 1024
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    listen: str = "127.0.0.1:50051"
+    backend: str = "auto"
+    device: str = "0"
+    num_layers: int = 2
+    num_kv_heads: int = 4
+    head_dim: int = 64
+    dtype: str = "float16"
+    page_size: int = 16
+    num_pages: int = 0
+    pool_bytes: int = 0
+    shm_dir: str = "/dev/shm"
+    shm_prefix: str = "kvcache"
+    session_timeout: float = 600.0
+    lease_ttl: float = 30.0
+    reap_interval: float = 1.0
+    session_budget_fraction: float = 0.8
+    max_session_tokens: int = 0
+    max_request_tokens: int = 1 << 20
+    max_message_bytes: int = 64 << 20
+    eviction_policy: str = "lru"
+    demote_idle_sessions: bool = True
+    metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
+    auth_token: str = ""
+    grace_period: float = 5.0
+    log_level: str = "info"
+    log_format: str = "auto"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ derived
+
+    @property
+    def bytes_per_page(self) -> int:
+        """Bytes of one page across all layers, K and V."""
+        return (self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim
+                * DTYPE_BYTES[self.dtype])
+
+    @property
+    def resolved_num_pages(self) -> int:
+        if self.num_pages:
+            return self.num_pages
+        if self.pool_bytes:
+            return self.pool_bytes // self.bytes_per_page
+        return DEFAULT_NUM_PAGES
+
+    def layout(self) -> PoolLayout:
+        return PoolLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.page_size,
+                          self.resolved_num_pages)
+
+    @property
+    def session_budget_pages(self) -> int:
+        """The core's budget in pages (0: none)."""
+        if self.session_budget_fraction in (0, 1):
+            return 0
+        return max(1, int((self.resolved_num_pages - 1) * self.session_budget_fraction))
+
+    # ------------------------------------------------------------------ checks
+
+    def validate(self) -> None:
+        def need(ok: bool, flag: str, why: str) -> None:
+            if not ok:
+                raise ConfigError(f"--{flag}: {why}")
+
+        for name in ("num-layers", "num-kv-heads", "head-dim", "page-size"):
+            value = getattr(self, name.replace("-", "_"))
+            need(value >= 1, name, f"must be >= 1, got {value}")
+        need(self.dtype in DTYPE_BYTES, "dtype", f"unknown dtype {self.dtype!r}; one of {', '.join(DTYPE_BYTES)}")
+        need(self.backend in BACKEND_CHOICES, "backend",
+             f"unknown backend {self.backend!r}; one of {', '.join(BACKEND_CHOICES)}")
+        need(not (self.num_pages and self.pool_bytes), "pool-bytes", "set --num-pages or --pool-bytes, not both")
+        need(self.num_pages >= 0, "num-pages", f"must be >= 2, got {self.num_pages}")
+        need(self.num_pages != 1, "num-pages", "must be >= 2 (page 0 is reserved)")
+        if self.pool_bytes:
+            need(self.pool_bytes // self.bytes_per_page >= 2, "pool-bytes",
+                 f"{format_bytes(self.pool_bytes)} holds fewer than 2 pages of {format_bytes(self.bytes_per_page)}")
+        need(self.resolved_num_pages <= 2**31 - 1, "num-pages", "must fit in int32 page ids")
+        for name in ("session-timeout", "grace-period"):
+            value = getattr(self, name.replace("-", "_"))
+            need(math.isfinite(value) and value >= 0, name, f"must be >= 0 seconds, got {value}")
+        for name in ("lease-ttl", "reap-interval"):
+            value = getattr(self, name.replace("-", "_"))
+            need(math.isfinite(value) and value > 0, name, f"must be > 0 seconds, got {value}")
+        need(0 <= self.session_budget_fraction <= 1, "session-budget-fraction",
+             f"must be in [0, 1], got {self.session_budget_fraction}")
+        need(self.max_session_tokens >= 0, "max-session-tokens", f"must be >= 0, got {self.max_session_tokens}")
+        need(self.max_request_tokens >= 1, "max-request-tokens", f"must be >= 1, got {self.max_request_tokens}")
+        need(self.max_message_bytes >= 4096, "max-message-bytes", "must be at least 4096 bytes")
+        need(self.eviction_policy in ("lru", "lfu"), "eviction-policy", f"unknown policy {self.eviction_policy!r}")
+        need(0 <= self.metrics_port <= 65535, "metrics-port", f"not a port: {self.metrics_port}")
+        need(self.log_level in ("debug", "info", "warning", "error"), "log-level", f"unknown {self.log_level!r}")
+        need(self.log_format in ("auto", "json", "console"), "log-format", f"unknown {self.log_format!r}")
+        need(bool(self.shm_prefix) and "/" not in self.shm_prefix, "shm-prefix", "must be a plain file name part")
+        need(_valid_listen(self.listen), "listen",
+             f"{self.listen!r} is not host:port or unix:/absolute/path")
+
+
+def _valid_listen(listen: str) -> bool:
+    if listen.startswith("unix:"):
+        return listen[len("unix:"):].startswith("/")
+    host, sep, port = listen.rpartition(":")
+    return bool(sep and host) and port.isdigit() and int(port) <= 65535
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    for flag in FLAGS:
+        kwargs: dict[str, Any] = {
+            "dest": flag.dest,
+            "default": argparse.SUPPRESS,
+            "help": f"{flag.help} (env {flag.env}, default {flag.default!r})",
+            "metavar": flag.metavar or flag.dest.upper(),
+        }
+        if flag.choices:  # validated by ServiceConfig, whose message is the same on every Python
+            kwargs["metavar"] = "{" + ",".join(flag.choices) + "}"
+        kwargs["type"] = flag.type
+        parser.add_argument(f"--{flag.name}", **kwargs)
+
+
+def config_from(args: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> ServiceConfig:
+    """Build a ServiceConfig: parsed command-line values win, then KVCACHE_* variables, then defaults."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    known = {f.name for f in fields(ServiceConfig)}
+    for flag in FLAGS:
+        assert flag.dest in known, flag.dest
+        if flag.dest in args:
+            values[flag.dest] = args[flag.dest]
+            if flag.choices and values[flag.dest] not in flag.choices:
+                raise ConfigError(f"--{flag.name}: {values[flag.dest]!r} is not one of {', '.join(flag.choices)}")
+        elif flag.env in environ:
+            raw = environ[flag.env]
+            if flag.choices and raw not in flag.choices:
+                raise ConfigError(f"{flag.env}={raw!r}: must be one of {', '.join(flag.choices)}")
+            try:
+                values[flag.dest] = flag.type(raw)
+            except ValueError as e:
+                raise ConfigError(f"{flag.env}={raw!r}: {e}") from None
+    return ServiceConfig(**values)

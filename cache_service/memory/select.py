@@ -1,0 +1,82 @@
+"""Pick and create the pool backend for a service start (`--backend auto|host_shm|cuda_ipc`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from cache_service.config import ServiceConfig
+from cache_service.memory.base import PoolBackend, PoolError
+from cache_service.memory.host_shm import HostShmPool, remove_stale_pools
+
+
+@dataclass(frozen=True)
+class CudaProbe:
+    """Whether a CUDA device is usable from this process, and why not when it is not."""
+
+    available: bool
+    reason: str
+
+
+def probe_cuda() -> CudaProbe:
+    try:
+        import cupy
+    except ImportError:
+        return CudaProbe(False, "cupy is not installed (pip install 'kvcache[cuda]')")
+    try:
+        count = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception as e:  # cupy raises CUDARuntimeError / CUDADriverError without a driver or device
+        return CudaProbe(False, f"no usable CUDA driver or device ({_one_line(e)})")
+    if count == 0:
+        return CudaProbe(False, "no CUDA device is visible")
+    return CudaProbe(True, f"{count} CUDA device(s) visible")
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+@dataclass(frozen=True)
+class PoolChoice:
+    pool: PoolBackend
+    why: str
+    removed_stale: tuple[str, ...] = ()
+
+
+def _host_shm(config: ServiceConfig, instance_id: str) -> PoolBackend:
+    return HostShmPool(config.layout(), shm_dir=config.shm_dir, prefix=config.shm_prefix, instance_id=instance_id)
+
+
+def _cuda_ipc(config: ServiceConfig, instance_id: str) -> PoolBackend:
+    from cache_service.memory.cuda_ipc import CudaIpcPool
+
+    return CudaIpcPool(config.layout(), device=config.device)
+
+
+BACKENDS: dict[str, Callable[[ServiceConfig, str], PoolBackend]] = {
+    "host_shm": _host_shm,
+    "cuda_ipc": _cuda_ipc,
+}
+
+
+def create_pool(config: ServiceConfig, instance_id: str,
+                probe: Callable[[], CudaProbe] = probe_cuda) -> PoolChoice:
+    """Create the configured pool. `auto` takes cuda_ipc when a GPU is usable, else host_shm; the
+    returned `why` says which and why (it goes in the start line)."""
+    backend = config.backend
+    if backend == "auto":
+        cuda = probe()
+        backend = "cuda_ipc" if cuda.available else "host_shm"
+        why = f"auto: {cuda.reason}"
+    elif backend == "cuda_ipc":
+        cuda = probe()
+        if not cuda.available:
+            raise PoolError(f"--backend cuda_ipc needs a GPU: {cuda.reason}; use --backend host_shm")
+        why = "--backend cuda_ipc"
+    else:
+        why = f"--backend {backend}"
+    removed: tuple[str, ...] = ()
+    if backend == "host_shm":
+        removed = tuple(str(p) for p in remove_stale_pools(config.shm_dir, config.shm_prefix))
+    return PoolChoice(BACKENDS[backend](config, instance_id), why, removed)

@@ -1,0 +1,115 @@
+"""Prometheus metrics (prefix `kvcache_`) and a tiny /metrics HTTP endpoint on the service's event loop.
+
+Gauges and totals are read from `KVCacheCore.stats()` at scrape time, so the hot path pays nothing for
+them; only RPC latency is observed per call. The endpoint runs on the asyncio loop that owns the core,
+so scrapes never read the core from another thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from cache_service.core import Stats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 800e-6, 1.6e-3, 3.2e-3, 6.4e-3, 12.8e-3, 25.6e-3,
+                    51.2e-3, 0.1, 0.2, 0.4, 0.8, 1.6)
+
+
+class _StatsCollector(Collector):
+    def __init__(self, stats: Callable[[], Stats], info: dict[str, str]) -> None:
+        self._stats = stats
+        self._info = info
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        st = self._stats()
+        pages = GaugeMetricFamily("kvcache_pages", "Pool pages by state (they sum to the usable pages).",
+                                  labels=["state"])
+        for state, value in (("free", st.free_pages), ("evictable", st.evictable_pages),
+                             ("radix_locked", st.radix_locked_pages), ("session_held", st.session_held_pages),
+                             ("in_flight", st.in_flight_pages)):
+            pages.add_metric([state], value)
+        yield pages
+        yield GaugeMetricFamily("kvcache_pool_pages", "Usable pool pages (page 0 excluded).",
+                                value=st.usable_pages)
+        yield GaugeMetricFamily("kvcache_page_size_tokens", "Tokens per page.", value=st.page_size)
+        yield GaugeMetricFamily("kvcache_physical_usage", "1 - free / usable pages.",
+                                value=1 - st.free_pages / st.usable_pages)
+        yield GaugeMetricFamily("kvcache_session_budget_pages", "Pages sessions may hold privately.",
+                                value=st.session_budget_pages)
+        yield GaugeMetricFamily("kvcache_radix_tokens", "Tokens cached in the radix tree.", value=st.radix_tokens)
+        yield GaugeMetricFamily("kvcache_session_tokens", "Committed tokens of open sessions.",
+                                value=st.session_tokens)
+        sessions = GaugeMetricFamily("kvcache_sessions", "Open sessions by state.", labels=["state"])
+        for state, value in (("idle", st.sessions_idle), ("in_turn", st.sessions_in_turn),
+                             ("closing", st.sessions_closing)):
+            sessions.add_metric([state], value)
+        yield sessions
+        yield GaugeMetricFamily("kvcache_sessions_demoted", "Idle sessions whose KV is demoted.",
+                                value=st.sessions_demoted)
+        yield GaugeMetricFamily("kvcache_engines", "Engines holding a live lease.", value=st.engines)
+        for name, doc, value in (
+            ("kvcache_prefix_hit_tokens", "Tokens served from the radix prefix cache at appends.",
+             st.prefix_hit_tokens),
+            ("kvcache_session_hit_tokens", "Tokens served from sessions' own KV at appends.",
+             st.session_hit_tokens),
+            ("kvcache_miss_tokens", "Tokens engines had to compute at appends.", st.miss_tokens),
+            ("kvcache_evicted_pages", "Radix pages evicted.", st.evicted_pages),
+            ("kvcache_duplicate_pages", "Pages freed because the radix already held them.", st.duplicate_pages),
+            ("kvcache_demoted_sessions", "Idle sessions demoted under pressure.", st.demoted_sessions),
+            ("kvcache_reaped_sessions", "Sessions closed by timeout or lease expiry.", st.reaped_sessions),
+            ("kvcache_expired_leases", "Engine leases that expired.", st.expired_leases),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+        info = GaugeMetricFamily("kvcache_info", "Service identity.", labels=sorted(self._info))
+        info.add_metric([self._info[k] for k in sorted(self._info)], 1)
+        yield info
+
+
+class Metrics:
+    """The service's registry. `observe_rpc` is the only per-call cost."""
+
+    def __init__(self, stats: Callable[[], Stats], info: dict[str, str]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_StatsCollector(stats, info))
+        self._rpc = Histogram("kvcache_rpc_duration_seconds", "RPC handling time by method and status code.",
+                              ["method", "code"], registry=self.registry, buckets=_LATENCY_BUCKETS)
+        self._children: dict[tuple[str, str], Histogram] = {}
+
+    def observe_rpc(self, method: str, code: str, seconds: float) -> None:
+        child = self._children.get((method, code))
+        if child is None:
+            child = self._children[(method, code)] = self._rpc.labels(method, code)
+        child.observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+async def serve_metrics(metrics: Metrics, host: str, port: int) -> asyncio.Server:
+    """Serve GET /metrics (and / for a hint) over HTTP/1.0 on the running loop."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request = await asyncio.wait_for(reader.readline(), timeout=5)
+            while (await asyncio.wait_for(reader.readline(), timeout=5)) not in (b"\r\n", b"\n", b""):
+                pass
+            parts = request.decode("latin-1").split()
+            if len(parts) >= 2 and parts[0] in ("GET", "HEAD") and parts[1].split("?")[0] == "/metrics":
+                body, status, ctype = metrics.render(), "200 OK", CONTENT_TYPE
+            else:
+                body, status, ctype = b"kvcache: metrics are at /metrics\n", "404 Not Found", "text/plain"
+            head = f"HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n\r\n"
+            writer.write(head.encode() + (body if parts[:1] != ["HEAD"] else b""))
+            await writer.drain()
+        except (TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(handle, host, port)

@@ -1,0 +1,132 @@
+"""Request building and response parsing shared by the sync and asyncio clients (no I/O here)."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+import numpy.typing as npt
+
+from engine_client.errors import InvalidTokens
+from engine_client.types import (
+    AppendResult,
+    CloseResult,
+    CommitResult,
+    EngineLease,
+    HeartbeatResult,
+    MatchResult,
+    OpenedSession,
+    PageIds,
+    PoolInfo,
+    PoolLayout,
+    ReapResult,
+    SessionInfo,
+    Stats,
+)
+from protos.kvcache.v1 import kvcache_pb2 as pb
+
+TokensLike = npt.ArrayLike | bytes
+T = TypeVar("T")
+_I32 = np.iinfo(np.int32)
+
+
+def pack_tokens(tokens: TokensLike) -> bytes:
+    """Token ids as int32 little-endian bytes (lists, numpy arrays, CPU torch tensors, or bytes as-is)."""
+    if isinstance(tokens, bytes | bytearray | memoryview):
+        return bytes(tokens)
+    if hasattr(tokens, "detach"):  # a torch tensor, without importing torch here
+        tokens = tokens.detach().cpu().numpy()
+    arr = np.asarray(tokens)
+    if arr.size == 0:
+        return b""
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise InvalidTokens(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_TOKENS",
+                            f"token ids must be a flat sequence of integers, got {arr.dtype} {arr.shape}",
+                            {"field": "token_ids"})
+    if arr.dtype != np.int32 and (int(arr.max()) > _I32.max or int(arr.min()) < _I32.min):
+        raise InvalidTokens(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_TOKENS",
+                            "token ids must fit in int32", {"field": "token_ids"})
+    return arr.astype("<i4", copy=False).tobytes()
+
+
+def unpack_pages(response: Any) -> PageIds:
+    if response.packed_page_ids:
+        return np.frombuffer(response.packed_page_ids, dtype="<i4").astype(np.int32)
+    return np.fromiter(response.page_ids, dtype=np.int32, count=len(response.page_ids))
+
+
+def _record(cls: type[T], message: Any, **overrides: Any) -> T:
+    names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+    values = {n: overrides[n] if n in overrides else getattr(message, n) for n in names}
+    return cls(**values)
+
+
+def pool_info(r: pb.GetPoolInfoResponse) -> PoolInfo:
+    return _record(PoolInfo, r, layout=_record(PoolLayout, r.layout))
+
+
+def lease(r: pb.RegisterEngineResponse) -> EngineLease:
+    return _record(EngineLease, r)
+
+
+def heartbeat(r: pb.HeartbeatResponse) -> HeartbeatResult:
+    return _record(HeartbeatResult, r)
+
+
+def match(r: pb.MatchPrefixResponse) -> MatchResult:
+    return MatchResult(r.cached_tokens, unpack_pages(r))
+
+
+def opened(r: pb.OpenSessionResponse) -> OpenedSession:
+    return _record(OpenedSession, r)
+
+
+def appended(r: pb.AppendSessionResponse) -> AppendResult:
+    return _record(AppendResult, r, page_ids=unpack_pages(r))
+
+
+def committed(r: pb.CommitSessionResponse) -> CommitResult:
+    return _record(CommitResult, r)
+
+
+def closed(r: pb.CloseSessionResponse) -> CloseResult:
+    return _record(CloseResult, r)
+
+
+def reaped(r: pb.ReapSessionsResponse) -> ReapResult:
+    return ReapResult(tuple(r.session_ids), tuple(r.engine_ids))
+
+
+def session_info(s: pb.SessionInfo) -> SessionInfo:
+    return _record(SessionInfo, s, state=pb.SessionState.Name(s.state).removeprefix("SESSION_STATE_"))
+
+
+def stats(r: pb.GetStatsResponse) -> Stats:
+    return _record(Stats, r)
+
+
+def open_request(session_id: str, streaming: bool, timeout_seconds: float | None, cache_salt: str,
+                 engine_id: str) -> pb.OpenSessionRequest:
+    req = pb.OpenSessionRequest(session_id=session_id, streaming=streaming, cache_salt=cache_salt,
+                                engine_id=engine_id)
+    if timeout_seconds is not None:
+        req.timeout_seconds = timeout_seconds
+    return req
+
+
+def append_request(session_id: str, tokens: TokensLike, reserve_tokens: int, epoch: int,
+                   engine_id: str) -> pb.AppendSessionRequest:
+    return pb.AppendSessionRequest(session_id=session_id, packed_token_ids=pack_tokens(tokens),
+                                   reserve_tokens=reserve_tokens, epoch=epoch, engine_id=engine_id,
+                                   packed_response=True)
+
+
+def commit_request(session_id: str, tokens: TokensLike, kv_tokens: int | None, abort: bool, turn: int,
+                   epoch: int, engine_id: str) -> pb.CommitSessionRequest:
+    req = pb.CommitSessionRequest(session_id=session_id, packed_token_ids=pack_tokens(tokens), abort=abort,
+                                  turn=turn, epoch=epoch, engine_id=engine_id)
+    if kv_tokens is not None:
+        req.kv_tokens = kv_tokens
+    return req

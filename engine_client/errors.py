@@ -1,0 +1,102 @@
+"""Typed errors carrying the service's reason (google.rpc.ErrorInfo).
+
+Every RPC failure raises a `KVCacheClientError` subclass chosen by reason, so engines can catch
+`SessionBusy` or the `ResourceExhausted` family without parsing strings. Transport failures without a
+reason are `ServiceUnavailable`; a restarted service is `ServiceRestarted`.
+"""
+
+from __future__ import annotations
+
+import grpc
+from google.rpc import error_details_pb2, status_pb2
+
+_STATUS_DETAILS_KEY = "grpc-status-details-bin"
+
+
+class KVCacheClientError(Exception):
+    """An RPC failed. `reason` is the service's stable ErrorInfo reason ("" when it sent none)."""
+
+    def __init__(self, code: grpc.StatusCode, reason: str, message: str,
+                 metadata: dict[str, str] | None = None) -> None:
+        super().__init__(f"{reason or code.name}: {message}")
+        self.code = code
+        self.reason = reason
+        self.message = message
+        self.metadata = dict(metadata or {})
+
+
+class SessionNotFound(KVCacheClientError): ...
+class EngineNotFound(KVCacheClientError): ...
+class SessionExists(KVCacheClientError): ...
+class SessionBusy(KVCacheClientError): ...
+class NoTurnInFlight(KVCacheClientError): ...
+class SessionClosing(KVCacheClientError): ...
+class LeaseExpired(KVCacheClientError): ...
+class ServiceRestarted(KVCacheClientError):
+    """The service is a new instance: its pool and sessions are new. Remap the pool, reopen sessions."""
+class ResourceExhausted(KVCacheClientError):
+    """The pool, the session budget or the per-session cap is full: back off, shorten or close."""
+class PoolExhausted(ResourceExhausted): ...
+class SessionTokenLimit(ResourceExhausted): ...
+class SessionBudget(ResourceExhausted): ...
+class InvalidArgument(KVCacheClientError):
+    """`metadata["field"]` names the offending request field when the service knows it."""
+class InvalidTokens(InvalidArgument): ...
+class NotOwner(KVCacheClientError): ...
+class BadToken(KVCacheClientError): ...
+class ServiceUnavailable(KVCacheClientError):
+    """The service could not be reached or did not answer in time."""
+class InternalError(KVCacheClientError): ...
+
+
+REASON_ERRORS: dict[str, type[KVCacheClientError]] = {
+    "SESSION_NOT_FOUND": SessionNotFound,
+    "ENGINE_NOT_FOUND": EngineNotFound,
+    "SESSION_EXISTS": SessionExists,
+    "SESSION_BUSY": SessionBusy,
+    "NO_TURN_IN_FLIGHT": NoTurnInFlight,
+    "SESSION_CLOSING": SessionClosing,
+    "LEASE_EXPIRED": LeaseExpired,
+    "INSTANCE_MISMATCH": ServiceRestarted,
+    "POOL_EXHAUSTED": PoolExhausted,
+    "SESSION_TOKEN_LIMIT": SessionTokenLimit,
+    "SESSION_BUDGET": SessionBudget,
+    "INVALID_TOKENS": InvalidTokens,
+    "INVALID_ARGUMENT": InvalidArgument,
+    "NOT_OWNER": NotOwner,
+    "BAD_TOKEN": BadToken,
+}
+
+_CODE_ERRORS: dict[grpc.StatusCode, type[KVCacheClientError]] = {
+    grpc.StatusCode.UNAVAILABLE: ServiceUnavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: ServiceUnavailable,
+    grpc.StatusCode.INTERNAL: InternalError,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.UNAUTHENTICATED: BadToken,
+}
+
+
+def error_from_rpc(e: grpc.RpcError) -> KVCacheClientError:
+    """Turn a sync or asyncio `grpc.RpcError` into the typed error its ErrorInfo reason names."""
+    code: grpc.StatusCode = e.code()
+    message: str = e.details() or ""
+    reason, metadata = "", {}
+    for key, value in e.trailing_metadata() or ():
+        if key == _STATUS_DETAILS_KEY:
+            status = status_pb2.Status.FromString(value)
+            for detail in status.details:
+                info = error_details_pb2.ErrorInfo()
+                if detail.Unpack(info):
+                    reason, metadata = info.reason, dict(info.metadata)
+    cls = REASON_ERRORS.get(reason) or _CODE_ERRORS.get(code, KVCacheClientError)
+    return cls(code, reason, message, metadata)
+
+
+def restarted(known: str, seen: str) -> ServiceRestarted:
+    return ServiceRestarted(
+        grpc.StatusCode.FAILED_PRECONDITION, "INSTANCE_MISMATCH",
+        f"the service restarted (instance {known} -> {seen}): its pool and sessions are new; "
+        "remap the pool (map_pool) and reopen sessions, then call forget_instance()",
+        {"expected": known, "got": seen},
+    )

@@ -1,0 +1,379 @@
+"""A small decoder-only transformer whose attention reads and writes K/V through a kvcache pool.
+
+This is the reference for engine authors: the plainest correct way to use the service's pool, and the
+oracle the engine-client tests compare against. It is not fast and is not meant to be.
+
+The pool contract (DESIGN.md §2) is one tensor
+
+    pool[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]     (dim 1: 0 = K, 1 = V)
+
+owned by the service; the engine only maps it. Page 0 is the null page and is never handed out. A
+session's page table is a 1-D integer tensor of page ids: context position `p` lives in page
+`table[p // page_size]`, slot `p % page_size`. For a turn the service reports `cached_tokens` (leading
+positions whose K/V is already in the pool, possibly written by another process) and `context_tokens`;
+the engine runs `forward_paged(new_tokens, start_pos=cached_tokens, ...)`, which writes K/V for positions
+`[cached_tokens, context_tokens)` and reads all of `[0, context_tokens)` back through the table.
+
+Architecture: Llama-style. Pre-norm RMSNorm, rotary position embeddings (non-interleaved "rotate half"
+form) on q and k, grouped-query attention, SiLU-gated MLP, final RMSNorm, and an LM head separate from the
+token embedding. K is stored in the pool after RoPE, so a cached position never needs its position again.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["ModelConfig", "ReferenceModel", "check_pool_layout", "dtype_name"]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The service's name for a torch dtype: "float32", "float16", "bfloat16", "float8_e4m3fn", ..."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of the reference model. Every field is configurable; the defaults are tiny.
+
+    `dtype` is the element type of the weights, the activations and the K/V the model writes, so it must
+    equal the pool's dtype. `seed` alone determines the weights (see `ReferenceModel`).
+    """
+
+    vocab_size: int = 512
+    num_layers: int = 2
+    hidden_size: int = 128
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 256
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    seed: int = 0
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"ModelConfig.{name} must be >= 1, got {value}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads}) for grouped-query attention")
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head."""
+        return self.num_heads // self.num_kv_heads
+
+    def pool_shape(self, num_pages: int, page_size: int) -> tuple[int, int, int, int, int, int]:
+        """Shape of a pool that fits this model: `[num_layers, 2, num_pages, page_size, kv_heads, dim]`."""
+        return (self.num_layers, 2, num_pages, page_size, self.num_kv_heads, self.head_dim)
+
+
+def check_pool_layout(config: ModelConfig, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str,
+                      page_size: int) -> None:
+    """Raise ValueError unless a pool with this layout can hold K/V for a model with `config`.
+
+    Takes the layout as plain numbers (as `GetPoolInfo` reports it) so an engine can check before mapping
+    anything. `dtype` is the service's dtype name ("float16", "bfloat16", "float32", ...). Page size and
+    page count are the service's choice; any page size >= 1 works with the model.
+    """
+    pool = (num_layers, num_kv_heads, head_dim, dtype)
+    model = (config.num_layers, config.num_kv_heads, config.head_dim, dtype_name(config.dtype))
+    if pool != model:
+        raise ValueError(f"pool layout {_describe(*pool)} does not match the model {_describe(*model)}")
+    if page_size < 1:
+        raise ValueError(f"pool page_size must be >= 1, got {page_size}")
+
+
+def _describe(num_layers: int, num_kv_heads: int, head_dim: int, dtype: str) -> str:
+    return f"(layers={num_layers}, kv_heads={num_kv_heads}, head_dim={head_dim}, dtype={dtype})"
+
+
+@dataclass(frozen=True)
+class _LayerWeights:
+    """One decoder layer. Projections are `[in_features, out_features]`, applied as `x @ w`."""
+
+    attn_norm: torch.Tensor  # [hidden]
+    wq: torch.Tensor  # [hidden, num_heads * head_dim]
+    wk: torch.Tensor  # [hidden, num_kv_heads * head_dim]
+    wv: torch.Tensor  # [hidden, num_kv_heads * head_dim]
+    wo: torch.Tensor  # [num_heads * head_dim, hidden]
+    mlp_norm: torch.Tensor  # [hidden]
+    w_gate: torch.Tensor  # [hidden, intermediate]
+    w_up: torch.Tensor  # [hidden, intermediate]
+    w_down: torch.Tensor  # [intermediate, hidden]
+
+
+class ReferenceModel:
+    """Inference-only reference transformer (no autograd, no batching: one sequence per call).
+
+    Weights are drawn on the CPU in float32 from a `torch.Generator` seeded with `config.seed`, then cast
+    to `config.dtype` and moved to `device`, so one seed gives the same weights on every device and in
+    every process. Scales keep activations near unit RMS and logits near unit variance: inputs of each
+    projection have std `fan_in ** -0.5`, the two projections that feed the residual stream are further
+    scaled by `(2 * num_layers) ** -0.5`, and the embedding has std 1.
+
+    The model holds no mutable state after construction; all K/V state lives in the pool the caller passes.
+    """
+
+    def __init__(self, config: ModelConfig, device: str | torch.device = "cpu") -> None:
+        self.config = config
+        # Resolved through a tensor so "cuda" becomes "cuda:0" and compares equal to the pool's device.
+        self.device = torch.empty(0, device=device).device
+        gen = torch.Generator(device="cpu").manual_seed(config.seed)
+        c = config
+        residual_scale = (2 * c.num_layers) ** -0.5
+
+        def normal(*shape: int, std: float) -> torch.Tensor:
+            w = torch.randn(*shape, generator=gen, dtype=torch.float32) * std
+            return w.to(device=self.device, dtype=c.dtype)
+
+        def ones(n: int) -> torch.Tensor:
+            return torch.ones(n, device=self.device, dtype=c.dtype)
+
+        self.embed = normal(c.vocab_size, c.hidden_size, std=1.0)
+        q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.layers = [
+            _LayerWeights(
+                attn_norm=ones(c.hidden_size),
+                wq=normal(c.hidden_size, q_width, std=c.hidden_size**-0.5),
+                wk=normal(c.hidden_size, kv_width, std=c.hidden_size**-0.5),
+                wv=normal(c.hidden_size, kv_width, std=c.hidden_size**-0.5),
+                wo=normal(q_width, c.hidden_size, std=q_width**-0.5 * residual_scale),
+                mlp_norm=ones(c.hidden_size),
+                w_gate=normal(c.hidden_size, c.intermediate_size, std=c.hidden_size**-0.5),
+                w_up=normal(c.hidden_size, c.intermediate_size, std=c.hidden_size**-0.5),
+                w_down=normal(c.intermediate_size, c.hidden_size,
+                              std=c.intermediate_size**-0.5 * residual_scale),
+            )
+            for _ in range(c.num_layers)
+        ]
+        self.final_norm = ones(c.hidden_size)
+        self.lm_head = normal(c.hidden_size, c.vocab_size, std=c.hidden_size**-0.5)
+        # RoPE frequencies in float32 whatever the model dtype: angles of long positions lose their
+        # fractional part in half precision.
+        exponents = torch.arange(0, c.head_dim, 2, dtype=torch.float32, device=self.device) / c.head_dim
+        self._inv_freq = 1.0 / (c.rope_theta**exponents)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """All weights by name (`embed`, `layers.{i}.wq`, ..., `lm_head`); the tensors are the model's own."""
+        weights = {"embed": self.embed}
+        for i, layer in enumerate(self.layers):
+            for name, tensor in vars(layer).items():
+                weights[f"layers.{i}.{name}"] = tensor
+        weights["final_norm"] = self.final_norm
+        weights["lm_head"] = self.lm_head
+        return weights
+
+    # ------------------------------------------------------------------ public forward passes
+
+    def forward_dense(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """No-cache reference: causal attention over the whole sequence at positions `[0, n)`.
+
+        `token_ids` is a 1-D integer tensor of n >= 1 ids; returns float logits `[n, vocab_size]` in the
+        model dtype, row i predicting token i + 1. Attention here is torch's own
+        `scaled_dot_product_attention` over repeated KV heads, deliberately a different code path from
+        `forward_paged`, so comparing the two checks the paged gather/scatter and the masking.
+        """
+        tokens = self._check_tokens(token_ids)
+        n = tokens.numel()
+        positions = torch.arange(n, device=self.device)
+        g = self.config.group_size
+        with torch.no_grad():
+            x = self.embed[tokens]
+            for layer in self.layers:
+                q, k, v = self._qkv(layer, x, positions)
+                # [heads, n, dim]; KV head j serves query heads [j*g, (j+1)*g).
+                attn = F.scaled_dot_product_attention(
+                    q.transpose(0, 1),
+                    k.repeat_interleave(g, dim=1).transpose(0, 1),
+                    v.repeat_interleave(g, dim=1).transpose(0, 1),
+                    is_causal=True,
+                )
+                x = self._finish_layer(layer, x, attn.transpose(0, 1).reshape(n, -1))
+            return self._logits(x)
+
+    def forward_paged(self, token_ids: torch.Tensor, start_pos: int, pool: torch.Tensor,
+                      page_table: torch.Tensor) -> torch.Tensor:
+        """Run m new tokens at positions `[start_pos, start_pos + m)` against K/V held in `pool`.
+
+        - `token_ids`: 1-D integer tensor, m >= 1.
+        - `start_pos`: how many leading context positions already have K/V in the pool (the service's
+          `cached_tokens`). Their pages are read, never written.
+        - `pool`: the mapped pool, `[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]`,
+          contiguous, in the model's dtype and on the model's device. The caller (the service) owns it;
+          this call writes K (after RoPE) and V of the new positions into it, in place, and touches no
+          other slot.
+        - `page_table`: 1-D integer tensor of page ids (int32 as the service sends them), at least
+          `ceil((start_pos + m) / page_size)` long; entries past that are ignored (reserved capacity).
+
+        Returns float logits `[m, vocab_size]`, row i predicting the token after position start_pos + i.
+        Raises ValueError on a pool that does not fit the model, a short table, or a table entry outside
+        `[1, num_pages)` in the used prefix (writing the null page would corrupt every padded read).
+        """
+        tokens = self._check_tokens(token_ids)
+        self._check_pool(pool)
+        if start_pos < 0:
+            raise ValueError(f"start_pos must be >= 0, got {start_pos}")
+        m = tokens.numel()
+        context_tokens = start_pos + m
+        num_pages, page_size = pool.shape[2], pool.shape[3]
+        # Flat slot index of every context position, computed once and shared by all layers: the new
+        # positions' slots are where we write, all of them are where we read.
+        slots = self._slot_mapping(page_table, context_tokens, num_pages, page_size)
+        new_slots = slots[start_pos:]
+        positions = torch.arange(start_pos, context_tokens, device=self.device)
+        c = self.config
+        with torch.no_grad():
+            x = self.embed[tokens]
+            for layer_idx, layer in enumerate(self.layers):
+                q, k, v = self._qkv(layer, x, positions)
+                # A view, never a copy (the pool is checked contiguous): writes must land in the shared pool.
+                kv = pool[layer_idx].view(2, num_pages * page_size, c.num_kv_heads, c.head_dim)
+                kv[0, new_slots] = k
+                kv[1, new_slots] = v
+                # Read the new positions back from the pool as well, as a paged kernel would, so the round
+                # trip through the table is what the logits depend on.
+                attn = _causal_gqa_attention(q, kv[0, slots], kv[1, slots], positions)
+                x = self._finish_layer(layer, x, attn)
+            return self._logits(x)
+
+    def greedy_generate_dense(self, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+        """Greedy decoding with a full `forward_dense` recompute per step (slow, cache-free, for tests).
+
+        Returns `(tokens, logits)`: the `max_new_tokens` generated ids (the prompt not included) and the
+        `[max_new_tokens, vocab_size]` logits each one was the argmax of. Ties go to the lowest id.
+        """
+        if not prompt:
+            raise ValueError("prompt must hold at least one token")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        sequence = list(prompt)
+        steps: list[torch.Tensor] = []
+        for _ in range(max_new_tokens):
+            logits = self.forward_dense(torch.tensor(sequence, device=self.device))[-1]
+            steps.append(logits)
+            sequence.append(int(torch.argmax(logits)))
+        generated = sequence[len(prompt):]
+        if not steps:
+            return generated, self._logits(self.embed[:0])
+        return generated, torch.stack(steps)
+
+    # ------------------------------------------------------------------ layer pieces
+
+    def _qkv(self, layer: _LayerWeights, x: torch.Tensor,
+             positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q `[n, heads, dim]`, k and v `[n, kv_heads, dim]`, with RoPE applied to q and k."""
+        c = self.config
+        n = x.shape[0]
+        h = _rms_norm(x, layer.attn_norm, c.rms_norm_eps)
+        q = (h @ layer.wq).view(n, c.num_heads, c.head_dim)
+        k = (h @ layer.wk).view(n, c.num_kv_heads, c.head_dim)
+        v = (h @ layer.wv).view(n, c.num_kv_heads, c.head_dim)
+        cos, sin = self._rope_cos_sin(positions)
+        return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v
+
+    def _finish_layer(self, layer: _LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Output projection, residual, then the gated MLP block. `attn` is `[n, heads * dim]`."""
+        x = x + attn @ layer.wo
+        h = _rms_norm(x, layer.mlp_norm, self.config.rms_norm_eps)
+        return x + (F.silu(h @ layer.w_gate) * (h @ layer.w_up)) @ layer.w_down
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return _rms_norm(x, self.final_norm, self.config.rms_norm_eps) @ self.lm_head
+
+    def _rope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin `[n, 1, head_dim]` for absolute positions, broadcastable over heads."""
+        angles = positions.to(torch.float32)[:, None] * self._inv_freq[None, :]
+        angles = torch.cat((angles, angles), dim=-1)[:, None, :]
+        return angles.cos().to(self.config.dtype), angles.sin().to(self.config.dtype)
+
+    # ------------------------------------------------------------------ argument checks
+
+    def _check_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if token_ids.dim() != 1 or token_ids.numel() == 0:
+            raise ValueError(f"token_ids must be a non-empty 1-D tensor, got shape {tuple(token_ids.shape)}")
+        if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex or token_ids.dtype == torch.bool:
+            raise ValueError(f"token_ids must be an integer tensor, got {token_ids.dtype}")
+        tokens = token_ids.to(device=self.device, dtype=torch.int64)
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= self.config.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), got min {lo} max {hi}")
+        return tokens
+
+    def _check_pool(self, pool: torch.Tensor) -> None:
+        if pool.dim() != 6 or pool.shape[1] != 2:
+            raise ValueError("pool must be [num_layers, 2, num_pages, page_size, num_kv_heads, head_dim], "
+                             f"got shape {tuple(pool.shape)}")
+        check_pool_layout(self.config, num_layers=pool.shape[0], num_kv_heads=pool.shape[4],
+                          head_dim=pool.shape[5], dtype=dtype_name(pool.dtype), page_size=pool.shape[3])
+        if pool.shape[2] < 2:
+            raise ValueError(f"pool must have >= 2 pages (page 0 is the null page), got {pool.shape[2]}")
+        if pool.device != self.device:
+            raise ValueError(f"pool is on {pool.device} but the model is on {self.device}")
+        if not pool.is_contiguous():
+            # Views of a non-contiguous tensor can silently become copies, and writes would be lost.
+            raise ValueError(f"pool must be contiguous (the mapped pool is), got strides {pool.stride()}")
+
+    def _slot_mapping(self, page_table: torch.Tensor, context_tokens: int, num_pages: int,
+                      page_size: int) -> torch.Tensor:
+        """Flat slot `page * page_size + offset` of each position in `[0, context_tokens)`, int64 `[ctx]`."""
+        if page_table.dim() != 1 or page_table.dtype.is_floating_point or page_table.dtype == torch.bool:
+            raise ValueError(f"page_table must be a 1-D integer tensor, got {page_table.dtype} "
+                             f"of shape {tuple(page_table.shape)}")
+        pages_needed = math.ceil(context_tokens / page_size)
+        if page_table.numel() < pages_needed:
+            raise ValueError(f"page_table holds {page_table.numel()} pages but {context_tokens} context "
+                             f"tokens need {pages_needed} at page_size {page_size}")
+        pages = page_table[:pages_needed].to(device=self.device, dtype=torch.int64)
+        lo, hi = int(pages.min()), int(pages.max())
+        if lo < 1 or hi >= num_pages:
+            raise ValueError(f"page_table entries must be in [1, {num_pages}) (page 0 is the null page), "
+                             f"got min {lo} max {hi} in its first {pages_needed}")
+        if torch.unique(pages).numel() != pages_needed:
+            raise ValueError(f"page_table repeats a page id in its first {pages_needed} entries")
+        offsets = torch.arange(page_size, device=self.device)
+        return (pages[:, None] * page_size + offsets[None, :]).reshape(-1)[:context_tokens]
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in float32 (half-precision sums of squares overflow)."""
+    x32 = x.to(torch.float32)
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return normed.to(x.dtype) * weight
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs `(x[i], x[i + dim/2])` by each position's angles (the non-interleaved layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _causal_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          q_positions: torch.Tensor) -> torch.Tensor:
+    """Attention of queries at absolute `q_positions` over keys at positions `[0, ctx)`, causal.
+
+    q `[m, heads, dim]`; k, v `[ctx, kv_heads, dim]`; returns `[m, heads * dim]`. Query head h reads KV
+    head `h // group_size`: the KV heads are broadcast over their group, never copied.
+    """
+    m, num_heads, head_dim = q.shape
+    ctx, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    qg = q.view(m, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [kv_heads, group, m, dim]
+    kt = k.permute(1, 2, 0).unsqueeze(1)  # [kv_heads, 1, dim, ctx]
+    vg = v.permute(1, 0, 2).unsqueeze(1)  # [kv_heads, 1, ctx, dim]
+    scores = (qg @ kt).to(torch.float32) * head_dim**-0.5  # [kv_heads, group, m, ctx]
+    key_positions = torch.arange(ctx, device=q.device)
+    visible = key_positions[None, :] <= q_positions[:, None]  # [m, ctx]
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).to(q.dtype)
+    out = probs @ vg  # [kv_heads, group, m, dim]
+    return out.permute(2, 0, 1, 3).reshape(m, num_heads * head_dim)

@@ -1,0 +1,186 @@
+"""Typed results of the kvcache RPCs. Page ids are numpy int32 arrays owned by the record."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+PageIds = npt.NDArray[np.int32]
+
+DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+@dataclass(frozen=True, slots=True)
+class PoolLayout:
+    """`[num_layers][2 (K, V)][num_pages][page_size][num_kv_heads][head_dim]`; page 0 is the null page."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    page_size: int
+    num_pages: int
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int, int]:
+        return (self.num_layers, 2, self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def size_bytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class PoolInfo:
+    layout: PoolLayout
+    backend: str
+    shm_path: str
+    cuda_ipc_handle: bytes
+    device_uuid: str
+    size_bytes: int
+    instance_id: str
+    offset_bytes: int
+    page_bytes: int
+    server_version: str
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLease:
+    engine_id: str
+    ttl_seconds: float
+    instance_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatResult:
+    ttl_seconds: float
+    expires_in_seconds: float
+    instance_id: str
+    num_sessions: int
+
+
+@dataclass(frozen=True, slots=True)
+class MatchResult:
+    cached_tokens: int
+    page_ids: PageIds
+
+
+@dataclass(frozen=True, slots=True)
+class OpenedSession:
+    session_id: str
+    epoch: int
+    timeout_seconds: float
+    instance_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class AppendResult:
+    """Compute KV for positions [cached_tokens, context_tokens); truncate the page table to page_offset
+    entries and append page_ids."""
+
+    session_id: str
+    epoch: int
+    turn: int
+    cached_tokens: int
+    context_tokens: int
+    capacity_tokens: int
+    page_offset: int
+    page_ids: PageIds
+    num_pages: int
+    prefix_hit_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class CommitResult:
+    session_id: str
+    context_tokens: int
+    kv_tokens: int
+    num_pages: int
+    closed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class CloseResult:
+    session_id: str
+    closed: bool
+    cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReapResult:
+    session_ids: tuple[str, ...]
+    engine_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SessionInfo:
+    session_id: str
+    epoch: int
+    state: str
+    """"IDLE", "IN_TURN" or "CLOSING"."""
+    streaming: bool
+    cache_salt: str
+    engine_id: str
+    context_tokens: int
+    kv_tokens: int
+    turns: int
+    num_pages: int
+    radix_pages: int
+    held_pages: int
+    in_flight_pages: int
+    idle_seconds: float
+    timeout_seconds: float
+    demoted: bool
+    close_pending: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    num_pages: int
+    page_size: int
+    free_pages: int
+    evictable_pages: int
+    radix_locked_pages: int
+    session_held_pages: int
+    in_flight_pages: int
+    session_budget_pages: int
+    radix_tokens: int
+    session_tokens: int
+    session_kv_tokens: int
+    prefix_hit_tokens: int
+    session_hit_tokens: int
+    miss_tokens: int
+    evicted_pages: int
+    duplicate_pages: int
+    demoted_sessions: int
+    reaped_sessions: int
+    expired_leases: int
+    sessions_idle: int
+    sessions_in_turn: int
+    sessions_closing: int
+    sessions_demoted: int
+    engines: int
+    instance_id: str
+    uptime_seconds: float
+    physical_usage: float
+    verified: bool
+
+    @property
+    def pages_by_state(self) -> dict[str, int]:
+        return {"free": self.free_pages, "evictable": self.evictable_pages,
+                "radix_locked": self.radix_locked_pages, "session_held": self.session_held_pages,
+                "in_flight": self.in_flight_pages}
+
+    @property
+    def accounting_holds(self) -> bool:
+        """free + evictable + radix_locked + session_held + in_flight == num_pages - 1."""
+        return sum(self.pages_by_state.values()) == self.num_pages - 1

@@ -1,0 +1,409 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SessionState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SESSION_STATE_UNSPECIFIED: _ClassVar[SessionState]
+    SESSION_STATE_IDLE: _ClassVar[SessionState]
+    SESSION_STATE_IN_TURN: _ClassVar[SessionState]
+    SESSION_STATE_CLOSING: _ClassVar[SessionState]
+SESSION_STATE_UNSPECIFIED: SessionState
+SESSION_STATE_IDLE: SessionState
+SESSION_STATE_IN_TURN: SessionState
+SESSION_STATE_CLOSING: SessionState
+
+class PoolLayout(_message.Message):
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "page_size", "num_pages")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    page_size: int
+    num_pages: int
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ...) -> None: ...
+
+class GetPoolInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetPoolInfoResponse(_message.Message):
+    __slots__ = ("layout", "backend", "shm_path", "cuda_ipc_handle", "device_uuid", "size_bytes", "instance_id", "offset_bytes", "page_bytes", "server_version")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    SHM_PATH_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    layout: PoolLayout
+    backend: str
+    shm_path: str
+    cuda_ipc_handle: bytes
+    device_uuid: str
+    size_bytes: int
+    instance_id: str
+    offset_bytes: int
+    page_bytes: int
+    server_version: str
+    def __init__(self, layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., backend: _Optional[str] = ..., shm_path: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., device_uuid: _Optional[str] = ..., size_bytes: _Optional[int] = ..., instance_id: _Optional[str] = ..., offset_bytes: _Optional[int] = ..., page_bytes: _Optional[int] = ..., server_version: _Optional[str] = ...) -> None: ...
+
+class RegisterEngineRequest(_message.Message):
+    __slots__ = ("engine_id", "ttl_seconds")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    ttl_seconds: float
+    def __init__(self, engine_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+
+class RegisterEngineResponse(_message.Message):
+    __slots__ = ("engine_id", "ttl_seconds", "instance_id")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    ttl_seconds: float
+    instance_id: str
+    def __init__(self, engine_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., instance_id: _Optional[str] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("engine_id",)
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("ttl_seconds", "expires_in_seconds", "instance_id", "num_sessions")
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    ttl_seconds: float
+    expires_in_seconds: float
+    instance_id: str
+    num_sessions: int
+    def __init__(self, ttl_seconds: _Optional[float] = ..., expires_in_seconds: _Optional[float] = ..., instance_id: _Optional[str] = ..., num_sessions: _Optional[int] = ...) -> None: ...
+
+class UnregisterEngineRequest(_message.Message):
+    __slots__ = ("engine_id",)
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
+
+class UnregisterEngineResponse(_message.Message):
+    __slots__ = ("closed_session_ids",)
+    CLOSED_SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    closed_session_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, closed_session_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class MatchPrefixRequest(_message.Message):
+    __slots__ = ("token_ids", "packed_token_ids", "cache_salt", "packed_response")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PACKED_RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    packed_token_ids: bytes
+    cache_salt: str
+    packed_response: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., packed_token_ids: _Optional[bytes] = ..., cache_salt: _Optional[str] = ..., packed_response: _Optional[bool] = ...) -> None: ...
+
+class MatchPrefixResponse(_message.Message):
+    __slots__ = ("cached_tokens", "page_ids", "packed_page_ids")
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    cached_tokens: int
+    page_ids: _containers.RepeatedScalarFieldContainer[int]
+    packed_page_ids: bytes
+    def __init__(self, cached_tokens: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., packed_page_ids: _Optional[bytes] = ...) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("session_id", "streaming", "timeout_seconds", "cache_salt", "engine_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STREAMING_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    streaming: bool
+    timeout_seconds: float
+    cache_salt: str
+    engine_id: str
+    def __init__(self, session_id: _Optional[str] = ..., streaming: _Optional[bool] = ..., timeout_seconds: _Optional[float] = ..., cache_salt: _Optional[str] = ..., engine_id: _Optional[str] = ...) -> None: ...
+
+class OpenSessionResponse(_message.Message):
+    __slots__ = ("session_id", "epoch", "timeout_seconds", "instance_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    epoch: int
+    timeout_seconds: float
+    instance_id: str
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., instance_id: _Optional[str] = ...) -> None: ...
+
+class AppendSessionRequest(_message.Message):
+    __slots__ = ("session_id", "token_ids", "packed_token_ids", "reserve_tokens", "epoch", "engine_id", "packed_response")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    PACKED_RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    packed_token_ids: bytes
+    reserve_tokens: int
+    epoch: int
+    engine_id: str
+    packed_response: bool
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., packed_token_ids: _Optional[bytes] = ..., reserve_tokens: _Optional[int] = ..., epoch: _Optional[int] = ..., engine_id: _Optional[str] = ..., packed_response: _Optional[bool] = ...) -> None: ...
+
+class AppendSessionResponse(_message.Message):
+    __slots__ = ("session_id", "epoch", "turn", "cached_tokens", "context_tokens", "capacity_tokens", "page_offset", "page_ids", "packed_page_ids", "num_pages", "prefix_hit_tokens")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TURN_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    epoch: int
+    turn: int
+    cached_tokens: int
+    context_tokens: int
+    capacity_tokens: int
+    page_offset: int
+    page_ids: _containers.RepeatedScalarFieldContainer[int]
+    packed_page_ids: bytes
+    num_pages: int
+    prefix_hit_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., turn: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., context_tokens: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., page_offset: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., packed_page_ids: _Optional[bytes] = ..., num_pages: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ...) -> None: ...
+
+class CommitSessionRequest(_message.Message):
+    __slots__ = ("session_id", "token_ids", "packed_token_ids", "kv_tokens", "abort", "turn", "epoch", "engine_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    TURN_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    packed_token_ids: bytes
+    kv_tokens: int
+    abort: bool
+    turn: int
+    epoch: int
+    engine_id: str
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., packed_token_ids: _Optional[bytes] = ..., kv_tokens: _Optional[int] = ..., abort: _Optional[bool] = ..., turn: _Optional[int] = ..., epoch: _Optional[int] = ..., engine_id: _Optional[str] = ...) -> None: ...
+
+class CommitSessionResponse(_message.Message):
+    __slots__ = ("session_id", "context_tokens", "kv_tokens", "num_pages", "closed")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    context_tokens: int
+    kv_tokens: int
+    num_pages: int
+    closed: bool
+    def __init__(self, session_id: _Optional[str] = ..., context_tokens: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., num_pages: _Optional[int] = ..., closed: _Optional[bool] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id", "cache", "epoch", "engine_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    cache: bool
+    epoch: int
+    engine_id: str
+    def __init__(self, session_id: _Optional[str] = ..., cache: _Optional[bool] = ..., epoch: _Optional[int] = ..., engine_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ("session_id", "closed", "cached_tokens")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    closed: bool
+    cached_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., closed: _Optional[bool] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+
+class ReapSessionsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReapSessionsResponse(_message.Message):
+    __slots__ = ("session_ids", "engine_ids")
+    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_ids: _containers.RepeatedScalarFieldContainer[str]
+    engine_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_ids: _Optional[_Iterable[str]] = ..., engine_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SessionInfo(_message.Message):
+    __slots__ = ("session_id", "epoch", "state", "streaming", "cache_salt", "engine_id", "context_tokens", "kv_tokens", "turns", "num_pages", "radix_pages", "held_pages", "in_flight_pages", "idle_seconds", "timeout_seconds", "demoted", "close_pending")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STREAMING_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TURNS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    RADIX_PAGES_FIELD_NUMBER: _ClassVar[int]
+    HELD_PAGES_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_PAGES_FIELD_NUMBER: _ClassVar[int]
+    IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DEMOTED_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_PENDING_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    epoch: int
+    state: SessionState
+    streaming: bool
+    cache_salt: str
+    engine_id: str
+    context_tokens: int
+    kv_tokens: int
+    turns: int
+    num_pages: int
+    radix_pages: int
+    held_pages: int
+    in_flight_pages: int
+    idle_seconds: float
+    timeout_seconds: float
+    demoted: bool
+    close_pending: bool
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., state: _Optional[_Union[SessionState, str]] = ..., streaming: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., engine_id: _Optional[str] = ..., context_tokens: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., turns: _Optional[int] = ..., num_pages: _Optional[int] = ..., radix_pages: _Optional[int] = ..., held_pages: _Optional[int] = ..., in_flight_pages: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., timeout_seconds: _Optional[float] = ..., demoted: _Optional[bool] = ..., close_pending: _Optional[bool] = ...) -> None: ...
+
+class GetSessionRequest(_message.Message):
+    __slots__ = ("session_id", "epoch", "include_tokens")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    epoch: int
+    include_tokens: bool
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., include_tokens: _Optional[bool] = ...) -> None: ...
+
+class GetSessionResponse(_message.Message):
+    __slots__ = ("session", "token_ids")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    session: SessionInfo
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session: _Optional[_Union[SessionInfo, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ListSessionsRequest(_message.Message):
+    __slots__ = ("engine_id", "limit")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    limit: int
+    def __init__(self, engine_id: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class ListSessionsResponse(_message.Message):
+    __slots__ = ("sessions", "total")
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
+    total: int
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., total: _Optional[int] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ("verify",)
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    verify: bool
+    def __init__(self, verify: _Optional[bool] = ...) -> None: ...
+
+class GetStatsResponse(_message.Message):
+    __slots__ = ("num_pages", "page_size", "free_pages", "evictable_pages", "radix_locked_pages", "session_held_pages", "in_flight_pages", "session_budget_pages", "radix_tokens", "session_tokens", "session_kv_tokens", "prefix_hit_tokens", "session_hit_tokens", "miss_tokens", "evicted_pages", "duplicate_pages", "demoted_sessions", "reaped_sessions", "expired_leases", "sessions_idle", "sessions_in_turn", "sessions_closing", "sessions_demoted", "engines", "instance_id", "uptime_seconds", "physical_usage", "verified")
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    EVICTABLE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    RADIX_LOCKED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    SESSION_HELD_PAGES_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_PAGES_FIELD_NUMBER: _ClassVar[int]
+    SESSION_BUDGET_PAGES_FIELD_NUMBER: _ClassVar[int]
+    RADIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MISS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    DEMOTED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    REAPED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_LEASES_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_IDLE_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_IN_TURN_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_CLOSING_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_DEMOTED_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PHYSICAL_USAGE_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    num_pages: int
+    page_size: int
+    free_pages: int
+    evictable_pages: int
+    radix_locked_pages: int
+    session_held_pages: int
+    in_flight_pages: int
+    session_budget_pages: int
+    radix_tokens: int
+    session_tokens: int
+    session_kv_tokens: int
+    prefix_hit_tokens: int
+    session_hit_tokens: int
+    miss_tokens: int
+    evicted_pages: int
+    duplicate_pages: int
+    demoted_sessions: int
+    reaped_sessions: int
+    expired_leases: int
+    sessions_idle: int
+    sessions_in_turn: int
+    sessions_closing: int
+    sessions_demoted: int
+    engines: int
+    instance_id: str
+    uptime_seconds: float
+    physical_usage: float
+    verified: bool
+    def __init__(self, num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., free_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ..., radix_locked_pages: _Optional[int] = ..., session_held_pages: _Optional[int] = ..., in_flight_pages: _Optional[int] = ..., session_budget_pages: _Optional[int] = ..., radix_tokens: _Optional[int] = ..., session_tokens: _Optional[int] = ..., session_kv_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., session_hit_tokens: _Optional[int] = ..., miss_tokens: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., duplicate_pages: _Optional[int] = ..., demoted_sessions: _Optional[int] = ..., reaped_sessions: _Optional[int] = ..., expired_leases: _Optional[int] = ..., sessions_idle: _Optional[int] = ..., sessions_in_turn: _Optional[int] = ..., sessions_closing: _Optional[int] = ..., sessions_demoted: _Optional[int] = ..., engines: _Optional[int] = ..., instance_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., physical_usage: _Optional[float] = ..., verified: _Optional[bool] = ...) -> None: ...

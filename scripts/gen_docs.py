@@ -1,0 +1,77 @@
+"""Regenerate (or check) the README's generated sections: the flags table and the metrics list.
+
+    python scripts/gen_docs.py          # rewrite README.md between the <!-- name:start/end --> markers
+    python scripts/gen_docs.py --check  # exit 1 naming the stale sections
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from cache_service.config import FLAGS  # noqa: E402
+from cache_service.core import CoreConfig, KVCacheCore  # noqa: E402
+from cache_service.metrics import Metrics  # noqa: E402
+
+
+def flags_table() -> str:
+    rows = ["| flag | environment | default | meaning |", "|---|---|---|---|"]
+    for f in FLAGS:
+        default = f.default if not isinstance(f.default, bool) else str(f.default).lower()
+        if f.name in ("pool-bytes", "max-message-bytes") and isinstance(default, int) and default:
+            default = f"{default // 2**20}Mi"
+        choices = f" ({', '.join(f.choices)})" if f.choices else ""
+        shown = f"`{default}`" if default != "" else '`""`'
+        rows.append(f"| `--{f.name}` | `{f.env}` | {shown} | {f.help}{choices} |")
+    return "\n".join(rows)
+
+
+def metrics_table() -> str:
+    core = KVCacheCore(CoreConfig(num_pages=4, page_size=1))
+    metrics = Metrics(core.stats, {"instance_id": "x", "backend": "host_shm", "version": "v"})
+    metrics.observe_rpc("GetStats", "OK", 0.001)
+    rows = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
+    for family in metrics.registry.collect():
+        labels = sorted({k for s in family.samples for k in s.labels if k not in ("le",)})
+        name = family.name + ("_total" if family.type == "counter" else "")
+        rows.append(f"| `{name}` | {family.type} | {', '.join(labels) or '-'} | {family.documentation} |")
+    return "\n".join(rows)
+
+
+SECTIONS = {"flags": flags_table, "metrics": metrics_table}
+
+
+def render(text: str) -> str:
+    for name, make in SECTIONS.items():
+        pattern = re.compile(rf"(<!-- {name}:start -->\n)(?:.*?\n)?(<!-- {name}:end -->)", re.S)
+        if not pattern.search(text):
+            raise SystemExit(f"README.md has no <!-- {name}:start --> ... <!-- {name}:end --> section")
+        text = pattern.sub(lambda m, make=make: m.group(1) + make() + "\n" + m.group(2), text)
+    return text
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true")
+    args = ap.parse_args()
+    readme = ROOT / "README.md"
+    current = readme.read_text()
+    fresh = render(current)
+    if args.check:
+        if fresh != current:
+            print("docs-check: README.md's generated sections are stale; run 'make docs'")
+            return 1
+        print(f"docs-check: README.md sections {', '.join(SECTIONS)} are up to date")
+        return 0
+    readme.write_text(fresh)
+    print(f"docs: rewrote README.md sections {', '.join(SECTIONS)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Engine processes for the integration tests: `python -m tests.integration.engines <script> ...`.
+
+Each script maps the pool through engine_client like a real engine would and prints one JSON line.
+K/V written by `writer` is a pure function of (seed, layer, K or V, position), so `reader` in another
+process can tell byte-identical KV from anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from engine_client import KVCacheClient, Session, map_pool
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 32000, (n,), generator=g).tolist()
+
+
+def kv_pattern(seed: int, layer: int, kv: int, positions: torch.Tensor, heads: int, dim: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """Deterministic [len(positions), heads, dim] values for (layer, K/V) at these positions."""
+    base = torch.arange(heads * dim, dtype=torch.float32).reshape(1, heads, dim)
+    values = torch.sin(positions.float().reshape(-1, 1, 1) * 0.37 + base * 0.011 + seed * 1.3 + layer * 7.1
+                       + kv * 3.3)
+    return values.to(dtype)
+
+
+def _planes(pool: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    _, _, pages, ps, heads, dim = pool.shape
+    return pool[layer, 0].view(pages * ps, heads, dim), pool[layer, 1].view(pages * ps, heads, dim)
+
+
+def writer(args: argparse.Namespace) -> dict[str, object]:
+    tokens = prompt(args.tokens, args.seed)
+    with KVCacheClient(args.target) as client, map_pool(client) as pool:
+        t = pool.tensor
+        with Session(client, streaming=True, close_cache=False) as s:
+            turn = s.append(tokens, reserve_tokens=0)
+            positions = torch.arange(turn.cached_tokens, turn.context_tokens)
+            for layer in range(t.shape[0]):
+                k_plane, v_plane = _planes(t, layer)
+                k_plane[turn.slots] = kv_pattern(args.seed, layer, 0, positions, t.shape[4], t.shape[5], t.dtype)
+                v_plane[turn.slots] = kv_pattern(args.seed, layer, 1, positions, t.shape[4], t.shape[5], t.dtype)
+            s.commit()  # no generated tokens: every prompt token has KV
+            pages = s.page_table.tolist()
+            s.close(cache=True)
+        return {"cached_tokens": turn.cached_tokens, "context_tokens": turn.context_tokens, "pages": pages}
+
+
+def reader(args: argparse.Namespace) -> dict[str, object]:
+    tokens = [*prompt(args.tokens, args.seed), 7, 7, 7]
+    with KVCacheClient(args.target) as client, map_pool(client) as pool:
+        t = pool.tensor
+        with Session(client, streaming=True, close_cache=False) as s:
+            turn = s.append(tokens, reserve_tokens=0)
+            slots = s.slots(0, turn.cached_tokens)
+            positions = torch.arange(turn.cached_tokens)
+            identical = True
+            for layer in range(t.shape[0]):
+                for kv, plane in enumerate(_planes(t, layer)):
+                    got = plane[slots]
+                    want = kv_pattern(args.seed, layer, kv, positions, t.shape[4], t.shape[5], t.dtype)
+                    identical &= got.numpy().tobytes() == want.numpy().tobytes()
+            pages = s.page_table.tolist()
+            s.abort()
+    return {"cached_tokens": turn.cached_tokens, "prefix_hit_tokens": turn.prefix_hit_tokens,
+            "identical": identical, "pages": pages}
+
+
+SCRIPTS = {"writer": writer, "reader": reader}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("script", choices=sorted(SCRIPTS))
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--tokens", type=int, default=40)
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+    print(json.dumps(SCRIPTS[args.script](args)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

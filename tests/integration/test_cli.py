@@ -1,0 +1,119 @@
+"""The `kvcache-service` command line: start line, flags and env, one-line failures, on-call tools."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+
+import pytest
+
+from engine_client import KVCacheClient
+
+from .conftest import REPO, ServerProcess
+
+CLI = [sys.executable, "-m", "cache_service"]
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def test_the_start_line_says_where_what_and_how_to_try_it(start_server: Callable[..., ServerProcess]) -> None:
+    server = start_server("--page-size", "8", "--num-pages", "513")
+    head, backend, pool, metrics, try_line = (line.rstrip("\n") for line in server.banner)
+    assert re.fullmatch(rf"kvcache-service 0\.1\.0 listening on 127\.0\.0\.1:\d+ \(instance {server.instance_id}\)",
+                        head)
+    assert backend == (f"  backend  host_shm: /dev/shm/{server.shm_prefix}-{server.instance_id}.pool "
+                       "(auto: cupy is not installed (pip install 'kvcache[cuda]'))")
+    assert pool == ("  pool     512 pages x 8 tokens = 4,096 tokens, 8.0 MiB "
+                    "(2 layers, 4 kv heads x 64, float16, 8 tokens/page)")
+    assert metrics == "  metrics  disabled (--metrics-port)"
+    assert try_line == f"  try      grpcurl -plaintext {server.address} list"
+
+
+def test_unix_socket_start_line_has_a_unix_grpcurl_line(start_server: Callable[..., ServerProcess],
+                                                         tmp_path: os.PathLike[str]) -> None:
+    sock = f"{tmp_path}/s.sock"
+    server = start_server(listen=f"unix:{sock}")
+    assert server.address == f"unix:{sock}"
+    assert server.banner[4].strip() == f"try      grpcurl -plaintext -unix {sock} list"
+
+
+def test_environment_variables_configure_and_flags_win(start_server: Callable[..., ServerProcess]) -> None:
+    server = start_server("--num-pages", "65", env={"KVCACHE_PAGE_SIZE": "2", "KVCACHE_NUM_PAGES": "999",
+                                                    "KVCACHE_DTYPE": "float32"})
+    with KVCacheClient(server.target) as client:
+        layout = client.get_pool_info().layout
+    assert (layout.page_size, layout.num_pages, layout.dtype) == (2, 65, "float32")
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["--num-pages", "-5"], {}, "kvcache-service: error: --num-pages: must be >= 2, got -5"),
+        (["--num-pages", "1"], {}, "kvcache-service: error: --num-pages: must be >= 2 (page 0 is reserved)"),
+        (["--backend", "tpu"], {}, "kvcache-service: error: --backend: 'tpu' is not one of auto, host_shm, "
+                                   "cuda_ipc"),
+        (["--pool-bytes", "12xx"], {}, "kvcache-service serve: error: argument --pool-bytes: invalid parse_bytes "
+                                       "value: '12xx' (see --help)"),
+        (["--num-pages", "64", "--pool-bytes", "1Mi"], {},
+         "kvcache-service: error: --pool-bytes: set --num-pages or --pool-bytes, not both"),
+        (["--listen", "nowhere"], {}, "kvcache-service: error: --listen: 'nowhere' is not host:port or "
+                                      "unix:/absolute/path"),
+        ([], {"KVCACHE_NUM_PAGES": "many"}, "kvcache-service: error: KVCACHE_NUM_PAGES='many': invalid literal "
+                                            "for int() with base 10: 'many'"),
+        ([], {"KVCACHE_BACKEND": "tpu"}, "kvcache-service: error: KVCACHE_BACKEND='tpu': must be one of auto, "
+                                         "host_shm, cuda_ipc"),
+        (["--session-budget-fraction", "1.5"], {}, "kvcache-service: error: --session-budget-fraction: must be in "
+                                                   "[0, 1], got 1.5"),
+        (["--shm-dir", "/nonexistent/dir"], {}, "kvcache-service: error: --shm-dir /nonexistent/dir does not "
+                                                "exist or is not a directory"),
+        (["--backend", "cuda_ipc"], {}, "kvcache-service: error: --backend cuda_ipc needs a GPU: cupy is not "
+                                        "installed (pip install 'kvcache[cuda]'); use --backend host_shm"),
+    ],
+    ids=lambda v: "" if isinstance(v, dict) else None,
+)
+def test_bad_flags_exit_2_with_one_line(args: list[str], env: dict[str, str], message: str) -> None:
+    proc = run_cli("serve", "--listen", "127.0.0.1:0", *args, env=env)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [message]
+    assert proc.stdout == ""
+
+
+def test_help_documents_every_flag_with_its_env_var() -> None:
+    from cache_service.config import FLAGS
+
+    out = run_cli("serve", "--help").stdout
+    for flag in FLAGS:
+        assert f"--{flag.name}" in out and flag.env in out
+
+
+def test_stats_sessions_and_health_commands(server: ServerProcess) -> None:
+    with KVCacheClient(server.target) as client:
+        client.open_session("chat-7")
+        client.append_session("chat-7", list(range(10)), 2)
+    stats = run_cli("stats", "--target", server.target, "--verify")
+    assert stats.returncode == 0
+    lines = stats.stdout.splitlines()
+    assert lines[0].split() == ["instance", server.instance_id]
+    assert lines[-1].split() == ["invariant", "check", "passed"]
+    assert next(line for line in lines if line.startswith("  in_flight")).split()[1:] == ["3", "1.2%"]
+    sessions = run_cli("sessions", "--target", server.target)
+    row = sessions.stdout.splitlines()[1].split()
+    assert row[:6] + row[7:] == ["chat-7", "IN_TURN", "streaming", "0", "10", "3", "-"]  # row[6]: idle seconds
+    assert sessions.stdout.splitlines()[-1] == "1 session(s)"
+    health = run_cli("health", "--target", server.target)
+    assert (health.returncode, health.stdout.strip()) == (0, f"{server.target}: SERVING")
+    with KVCacheClient(server.target) as client:
+        client.commit_session("chat-7", abort=True)
+
+
+def test_on_call_tools_fail_with_one_line_when_the_service_is_down() -> None:
+    proc = run_cli("stats", "--target", "127.0.0.1:1", "--timeout", "1")
+    assert proc.returncode == 1
+    assert len(proc.stderr.splitlines()) == 1
+    assert proc.stderr.startswith("kvcache-service: stats 127.0.0.1:1: UNAVAILABLE: ")

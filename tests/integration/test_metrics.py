@@ -1,0 +1,60 @@
+"""Prometheus text on --metrics-port, served from the service's own event loop."""
+
+from __future__ import annotations
+
+import re
+import socket
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+
+import pytest
+
+from engine_client import KVCacheClient, SessionNotFound
+
+from .conftest import ServerProcess
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def test_metrics_report_pages_sessions_tokens_and_rpc_latency(start_server: Callable[..., ServerProcess]) -> None:
+    port = free_port()
+    server = start_server("--page-size", "4", "--num-pages", "101", "--metrics-port", str(port))
+    assert server.banner[3].strip() == f"metrics  http://127.0.0.1:{port}/metrics"
+    with KVCacheClient(server.target) as c:
+        c.open_session("m")
+        c.append_session("m", list(range(10)), 2)  # 3 pages in flight
+        with pytest.raises(SessionNotFound):
+            c.get_session("ghost")
+        m = scrape(port)
+        assert m['kvcache_pages{state="free"}'] == 97
+        assert m['kvcache_pages{state="in_flight"}'] == 3
+        assert sum(v for k, v in m.items() if k.startswith("kvcache_pages{")) == m["kvcache_pool_pages"] == 100
+        assert m["kvcache_physical_usage"] == pytest.approx(0.03)
+        assert m['kvcache_sessions{state="in_turn"}'] == 1
+        assert m["kvcache_miss_tokens_total"] == 10
+        assert m['kvcache_rpc_duration_seconds_count{code="OK",method="AppendSession"}'] == 1
+        assert m['kvcache_rpc_duration_seconds_count{code="NOT_FOUND",method="GetSession"}'] == 1
+        info = next(k for k in m if k.startswith("kvcache_info{"))
+        assert re.search(rf'instance_id="{server.instance_id}"', info) and 'backend="host_shm"' in info
+        c.commit_session("m", [1])
+        c.close_session("m", cache=True)
+        m = scrape(port)
+        assert (m['kvcache_pages{state="evictable"}'], m['kvcache_sessions{state="idle"}']) == (2, 0)
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5)
+    assert err.value.code == 404

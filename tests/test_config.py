@@ -1,0 +1,76 @@
+"""Service configuration: byte sizes, precedence, validation messages that name the flag."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from cache_service.config import FLAGS, ConfigError, ServiceConfig, add_serve_arguments, config_from, parse_bytes
+
+
+@pytest.mark.parametrize(("text", "value"), [
+    ("4096", 4096), ("512Mi", 512 * 2**20), ("2Gi", 2 * 2**30), ("1G", 10**9), ("1.5Ki", 1536), ("64MiB", 64 * 2**20),
+    ("10k", 10_000),
+])
+def test_parse_bytes(text: str, value: int) -> None:
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "12xx", "-1Mi", "Mi"])
+def test_parse_bytes_rejects(text: str) -> None:
+    with pytest.raises(ValueError, match="not a byte size"):
+        parse_bytes(text)
+
+
+def parse(argv: list[str], env: dict[str, str] | None = None) -> ServiceConfig:
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    return config_from(vars(p.parse_args(argv)), env or {})
+
+
+def test_defaults_are_the_embedded_quick_start() -> None:
+    cfg = parse([])
+    assert (cfg.listen, cfg.backend, cfg.resolved_num_pages) == ("127.0.0.1:50051", "auto", 1024)
+    assert cfg.layout().size_bytes == 32 * 2**20
+    assert cfg.session_budget_pages == 818  # 0.8 of 1023 usable pages
+
+
+def test_command_line_beats_environment_beats_default() -> None:
+    cfg = parse(["--page-size", "8"], {"KVCACHE_PAGE_SIZE": "32", "KVCACHE_HEAD_DIM": "128"})
+    assert (cfg.page_size, cfg.head_dim, cfg.num_layers) == (8, 128, 2)
+
+
+def test_pool_bytes_sizes_the_pool_in_whole_pages() -> None:
+    cfg = parse(["--pool-bytes", "1Mi", "--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "64",
+                 "--page-size", "16", "--dtype", "float16"])
+    assert cfg.bytes_per_page == 4096 and cfg.resolved_num_pages == 256
+
+
+def test_a_budget_of_zero_or_one_means_none() -> None:
+    assert parse(["--session-budget-fraction", "0"]).session_budget_pages == 0
+    assert parse(["--session-budget-fraction", "1"]).session_budget_pages == 0
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"page_size": 0}, "--page-size: must be >= 1, got 0"),
+    ({"lease_ttl": 0}, "--lease-ttl: must be > 0 seconds, got 0"),
+    ({"session_timeout": -1}, "--session-timeout: must be >= 0 seconds, got -1"),
+    ({"metrics_port": 70000}, "--metrics-port: not a port: 70000"),
+    ({"listen": "unix:relative.sock"}, "--listen: 'unix:relative.sock' is not host:port or unix:/absolute/path"),
+    ({"shm_prefix": "a/b"}, "--shm-prefix: must be a plain file name part"),
+    ({"max_message_bytes": 10}, "--max-message-bytes: must be at least 4096 bytes"),
+    ({"pool_bytes": 1000}, "--pool-bytes: 1000 B holds fewer than 2 pages of 32.0 KiB"),
+])
+def test_validation_names_the_flag(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        ServiceConfig(**kwargs)  # type: ignore[arg-type]
+    assert str(err.value) == message
+
+
+def test_every_flag_is_a_config_field_with_a_kvcache_env_var() -> None:
+    fields = set(ServiceConfig.__dataclass_fields__)
+    assert {f.dest for f in FLAGS} == fields
+    assert all(f.env == "KVCACHE_" + f.dest.upper() for f in FLAGS)
+    defaults = ServiceConfig()
+    assert all(getattr(defaults, f.dest) == f.default for f in FLAGS)
