@@ -6,7 +6,7 @@ PY := $(BIN)/python
 STAMP := $(VENV)/.kvcache-setup
 
 .DEFAULT_GOAL := help
-.PHONY: help setup run test lint typecheck unit proto proto-check docs docs-check bench clean
+.PHONY: help setup run test lint typecheck unit proto proto-check docs docs-check chart-render chart-check bench clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml scripts/setup.sh
 run: setup ## serve on the embedded default (host shm, 127.0.0.1:50051); add flags with ARGS="..."
 	@$(PY) -m cache_service serve $(ARGS)
 
-test: setup proto-check docs-check lint typecheck unit ## generated-code checks, ruff, mypy (core, client), pytest
+test: setup proto-check docs-check chart-check lint typecheck unit ## generated-file checks, ruff, mypy, pytest
 
 lint: setup ## ruff
 	@$(BIN)/ruff check --quiet . && echo "[lint] ruff: clean"
@@ -42,6 +42,12 @@ docs: setup ## regenerate the README's flags and metrics tables
 
 docs-check: setup ## fail when the README's generated tables are stale
 	@$(PY) scripts/gen_docs.py --check
+
+chart-render: setup ## regenerate the chart's rendered examples and its README values table
+	@$(PY) helm/render.py --write
+
+chart-check: setup ## strict-lint the chart; fail when its generated files are stale
+	@$(PY) helm/render.py --check
 
 bench: setup ## run the benchmarks (tables on stdout)
 	@$(PY) -m bench.core_bench

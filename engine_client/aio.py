@@ -13,7 +13,7 @@ import grpc.aio
 
 from engine_client import _codec as codec
 from engine_client._codec import TokensLike
-from engine_client.client import DEFAULT_TARGET, INSTANCE_HEADER
+from engine_client.client import INSTANCE_HEADER, default_target
 from engine_client.errors import KVCacheClientError, LeaseExpired, error_from_rpc, restarted
 from engine_client.options import ClientOptions
 from engine_client.types import (
@@ -36,8 +36,9 @@ R = TypeVar("R")
 
 
 class AsyncKVCacheClient:
-    def __init__(self, target: str = DEFAULT_TARGET, options: ClientOptions | None = None, *,
+    def __init__(self, target: str | None = None, options: ClientOptions | None = None, *,
                  engine_id: str = "") -> None:
+        target = target or default_target()
         self.target = target
         self.options = options or ClientOptions()
         self.engine_id = engine_id

@@ -7,6 +7,7 @@ every later session and lease call; a restarted service then answers INSTANCE_MI
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from types import TracebackType
@@ -36,12 +37,19 @@ from protos.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 
 INSTANCE_HEADER = "x-kvcache-instance-id"
 DEFAULT_TARGET = "127.0.0.1:50051"
+TARGET_ENV = "KVCACHE_TARGET"
 R = TypeVar("R")
 
 
+def default_target() -> str:
+    """$KVCACHE_TARGET (the Helm chart sets it in sidecar engine containers), else 127.0.0.1:50051."""
+    return os.environ.get(TARGET_ENV) or DEFAULT_TARGET
+
+
 class KVCacheClient:
-    def __init__(self, target: str = DEFAULT_TARGET, options: ClientOptions | None = None, *,
+    def __init__(self, target: str | None = None, options: ClientOptions | None = None, *,
                  engine_id: str = "") -> None:
+        target = target or default_target()
         self.target = target
         self.options = options or ClientOptions()
         self.engine_id = engine_id

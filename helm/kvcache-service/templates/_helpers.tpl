@@ -1,0 +1,417 @@
+{{/*
+Names and labels.
+*/}}
+
+{{/* The chart name, or nameOverride. */}}
+{{- define "kvcache.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* The resource name: fullnameOverride, else <release>-<name> unless the release already contains it. */}}
+{{- define "kvcache.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := include "kvcache.name" . -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvcache.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/*
+Selector labels. The component label keeps the helm test pod (component "test") out of the Service,
+which selects on these.
+*/}}
+{{- define "kvcache.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvcache.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: kv-cache
+{{- end -}}
+
+{{/* Labels every object carries, without the component (each object names its own). */}}
+{{- define "kvcache.commonLabels" -}}
+helm.sh/chart: {{ include "kvcache.chart" . }}
+app.kubernetes.io/name: {{ include "kvcache.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "kvcache.labels" -}}
+{{ include "kvcache.commonLabels" . }}
+app.kubernetes.io/component: kv-cache
+{{- end -}}
+
+{{- define "kvcache.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "kvcache.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvcache.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/*
+Addresses.
+*/}}
+
+{{/* The --listen address: host:port, IPv6 hosts in brackets. */}}
+{{- define "kvcache.listen" -}}
+{{- $host := .Values.grpc.host -}}
+{{- if contains ":" $host -}}
+{{- $host = printf "[%s]" $host -}}
+{{- end -}}
+{{- printf "%s:%d" $host (int .Values.grpc.port) -}}
+{{- end -}}
+
+{{/* Where engines in the pod (sidecar mode) reach the service: the pod's loopback. */}}
+{{- define "kvcache.localTarget" -}}
+{{- printf "127.0.0.1:%d" (int .Values.grpc.port) -}}
+{{- end -}}
+
+{{/* Where the test pod and engines elsewhere in the namespace reach the service. */}}
+{{- define "kvcache.serviceTarget" -}}
+{{- printf "%s:%d" (include "kvcache.fullname" .) (int .Values.service.port) -}}
+{{- end -}}
+
+{{/* The auth Secret: the user's existing one, or the chart's when auth.token is set; "" without auth. */}}
+{{- define "kvcache.authSecretName" -}}
+{{- if .Values.auth.existingSecret -}}
+{{- .Values.auth.existingSecret -}}
+{{- else if .Values.auth.token -}}
+{{- printf "%s-auth" (include "kvcache.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Pool sizing, mirroring cache_service/config.py, for the host_shm size check.
+*/}}
+
+{{/* The backend the service will pick: "auto" is cuda_ipc exactly when the container gets a GPU. */}}
+{{- define "kvcache.effectiveBackend" -}}
+{{- $backend := .Values.config.backend -}}
+{{- if eq $backend "auto" -}}
+{{- ternary "cuda_ipc" "host_shm" (gt (int .Values.gpu.count) 0) -}}
+{{- else -}}
+{{- $backend -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+A byte size as an integer string. Numbers pass through; strings follow config.parse_bytes ("512Mi",
+"2G", "1.5Gi", "4096", optional trailing "B"; units are case-insensitive, k/M/G/T powers of 1000 and
+Ki/Mi/Gi/Ti powers of 1024), which reads Kubernetes quantities of the forms the schema allows the
+same way.
+*/}}
+{{- define "kvcache.bytes" -}}
+{{- if or (kindIs "float64" .) (kindIs "int64" .) (kindIs "int" .) -}}
+{{- int64 . -}}
+{{- else -}}
+{{- $text := . | trim | lower | trimSuffix "b" -}}
+{{- $number := regexFind "^[0-9]+(\\.[0-9]+)?" $text -}}
+{{- $unit := trimPrefix $number $text | trim -}}
+{{- $scale := get (dict "" 1 "k" 1000 "m" 1000000 "g" 1000000000 "t" 1000000000000 "ki" 1024 "mi" 1048576 "gi" 1073741824 "ti" 1099511627776) $unit -}}
+{{- if or (not $number) (not $scale) -}}
+{{- fail (printf "not a byte size: %q (use e.g. 512Mi, 2Gi, 1G or a plain number)" .) -}}
+{{- end -}}
+{{- mulf (float64 $number) $scale | floor | int64 -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Bytes of one page across all layers, K and V. */}}
+{{- define "kvcache.pageBytes" -}}
+{{- $c := .Values.config -}}
+{{- $dtypeBytes := get (dict "float16" 2 "bfloat16" 2 "float32" 4 "float8_e4m3fn" 1 "float8_e5m2" 1) $c.dtype -}}
+{{- mul (int64 $c.numLayers) 2 (int64 $c.pageSize) (int64 $c.numKvHeads) (int64 $c.headDim) $dtypeBytes -}}
+{{- end -}}
+
+{{/* Bytes of the pool: numPages pages, else as many whole pages as poolBytes holds, else 1024 pages. */}}
+{{- define "kvcache.poolBytes" -}}
+{{- $pageBytes := include "kvcache.pageBytes" . | int64 -}}
+{{- $poolBytes := include "kvcache.bytes" .Values.config.poolBytes | int64 -}}
+{{- $numPages := int64 1024 -}}
+{{- if gt (int64 .Values.config.numPages) 0 -}}
+{{- $numPages = int64 .Values.config.numPages -}}
+{{- else if gt $poolBytes 0 -}}
+{{- $numPages = div $poolBytes $pageBytes -}}
+{{- end -}}
+{{- mul $pageBytes $numPages -}}
+{{- end -}}
+
+{{/*
+Checks that span several values (the schema checks each value alone). Each failure names the values
+and the fix.
+*/}}
+{{- define "kvcache.validate" -}}
+{{- $v := .Values -}}
+{{- if and (eq $v.mode "deployment") (ne (int $v.replicaCount) 1) -}}
+{{- fail (printf "replicaCount=%d: mode=deployment runs one cache; use mode=sidecar to run a cache per engine pod, or mode=daemonset for one per node" (int $v.replicaCount)) -}}
+{{- end -}}
+{{- if and (eq $v.mode "sidecar") (not $v.sidecar.containers) -}}
+{{- fail "mode=sidecar needs your engine containers in sidecar.containers" -}}
+{{- end -}}
+{{- if and (ne $v.mode "sidecar") $v.sidecar.containers -}}
+{{- fail (printf "sidecar.containers is set but mode=%s: engine containers are rendered only with mode=sidecar" $v.mode) -}}
+{{- end -}}
+{{- if le (float64 $v.terminationGracePeriodSeconds) (float64 $v.config.gracePeriod) -}}
+{{- fail (printf "terminationGracePeriodSeconds=%v must exceed config.gracePeriod=%v, or the pod is killed before it drains and unlinks its pool" $v.terminationGracePeriodSeconds $v.config.gracePeriod) -}}
+{{- end -}}
+{{- if eq (int64 $v.config.numPages) 1 -}}
+{{- fail "config.numPages=1: use 0 (unset) or at least 2; page 0 is reserved" -}}
+{{- end -}}
+{{- if has $v.grpc.host (list "127.0.0.1" "localhost" "::1") -}}
+{{- fail (printf "grpc.host=%s is loopback: kubelet's gRPC probes and the Service connect to the pod IP; use 0.0.0.0 or ::" $v.grpc.host) -}}
+{{- end -}}
+{{- $poolBytesSet := gt (include "kvcache.bytes" $v.config.poolBytes | int64) 0 -}}
+{{- if and (gt (int64 $v.config.numPages) 0) $poolBytesSet -}}
+{{- fail (printf "config.numPages=%d and config.poolBytes=%v: set one or the other" (int64 $v.config.numPages) $v.config.poolBytes) -}}
+{{- end -}}
+{{- if and $v.metrics.enabled (eq (int $v.metrics.port) (int $v.grpc.port)) -}}
+{{- fail (printf "metrics.port=%d is also grpc.port: give them different ports" (int $v.metrics.port)) -}}
+{{- end -}}
+{{- if and $v.metrics.serviceMonitor.enabled (not $v.metrics.enabled) -}}
+{{- fail "metrics.serviceMonitor.enabled needs metrics.enabled=true" -}}
+{{- end -}}
+{{- if and $v.auth.token $v.auth.existingSecret -}}
+{{- fail "auth.token and auth.existingSecret are both set: keep one" -}}
+{{- end -}}
+{{- if and (eq (include "kvcache.effectiveBackend" .) "host_shm") (not $v.shm.hostPath) -}}
+{{- $poolBytes := include "kvcache.poolBytes" . | int64 -}}
+{{- $limitBytes := include "kvcache.bytes" $v.shm.sizeLimit | int64 -}}
+{{- if gt $poolBytes $limitBytes -}}
+{{- fail (printf "shm.sizeLimit=%v (%d bytes) cannot hold the host_shm pool of %d bytes (config.numLayers*2*pageSize*numKvHeads*headDim*dtype bytes*pages): raise shm.sizeLimit or shrink the pool" $v.shm.sizeLimit $limitBytes $poolBytes) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Serve flags as env vars: config.<camelCase> -> KVCACHE_<SNAKE_CASE>, then the flags other values own.
+Whole numbers render as integers (Helm holds every number as a float64, and "1.048576e+06" is no
+--max-request-tokens).
+*/}}
+{{- define "kvcache.env" -}}
+{{- range $key, $value := .Values.config }}
+- name: {{ printf "KVCACHE_%s" ($key | snakecase | upper) }}
+  {{- if and (kindIs "float64" $value) (eq $value (floor $value)) }}
+  value: {{ int64 $value | quote }}
+  {{- else }}
+  value: {{ toString $value | quote }}
+  {{- end }}
+{{- end }}
+- name: KVCACHE_LISTEN
+  value: {{ include "kvcache.listen" . | quote }}
+- name: KVCACHE_METRICS_PORT
+  value: {{ ternary (int .Values.metrics.port) 0 .Values.metrics.enabled | quote }}
+- name: KVCACHE_METRICS_HOST
+  value: {{ .Values.metrics.host | quote }}
+{{- with include "kvcache.authSecretName" . }}
+- name: KVCACHE_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ ternary $.Values.auth.existingSecretKey "token" (not (empty $.Values.auth.existingSecret)) }}
+{{- end }}
+{{- with .Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* One native gRPC probe (grpc.health.v1 on the gRPC port). Call with (list $ "liveness"). */}}
+{{- define "kvcache.probe" -}}
+{{- $root := index . 0 -}}
+{{- $probe := index $root.Values.probes (index . 1) -}}
+grpc:
+  port: {{ int $root.Values.grpc.port }}
+  service: {{ $probe.service | quote }}
+periodSeconds: {{ int $probe.periodSeconds }}
+timeoutSeconds: {{ int $probe.timeoutSeconds }}
+failureThreshold: {{ int $probe.failureThreshold }}
+{{- end -}}
+
+{{/* The service container's resources: .Values.resources plus gpu.count GPUs as requests and limits. */}}
+{{- define "kvcache.resources" -}}
+{{- $resources := deepCopy .Values.resources -}}
+{{- if gt (int .Values.gpu.count) 0 -}}
+{{- range $kind := list "requests" "limits" -}}
+{{- $section := get $resources $kind | default dict -}}
+{{- $_ := set $section $.Values.gpu.resourceName (int $.Values.gpu.count) -}}
+{{- $_ := set $resources $kind $section -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml $resources -}}
+{{- end -}}
+
+{{/* The kvcache container. */}}
+{{- define "kvcache.container" -}}
+name: kvcache
+image: {{ include "kvcache.image" . | quote }}
+imagePullPolicy: {{ .Values.image.pullPolicy }}
+{{- if and (eq .Values.mode "sidecar") .Values.sidecar.nativeSidecar }}
+restartPolicy: Always
+{{- end }}
+ports:
+  - name: grpc
+    containerPort: {{ int .Values.grpc.port }}
+    protocol: TCP
+  {{- if .Values.metrics.enabled }}
+  - name: metrics
+    containerPort: {{ int .Values.metrics.port }}
+    protocol: TCP
+  {{- end }}
+env:
+  {{- include "kvcache.env" . | trim | nindent 2 }}
+{{- if .Values.probes.startup.enabled }}
+startupProbe:
+  {{- include "kvcache.probe" (list . "startup") | nindent 2 }}
+{{- end }}
+{{- if .Values.probes.liveness.enabled }}
+livenessProbe:
+  {{- include "kvcache.probe" (list . "liveness") | nindent 2 }}
+{{- end }}
+{{- if .Values.probes.readiness.enabled }}
+readinessProbe:
+  {{- include "kvcache.probe" (list . "readiness") | nindent 2 }}
+{{- end }}
+resources:
+  {{- include "kvcache.resources" . | nindent 2 }}
+securityContext:
+  {{- toYaml .Values.securityContext | nindent 2 }}
+volumeMounts:
+  - name: shm
+    mountPath: {{ .Values.config.shmDir }}
+  - name: tmp
+    mountPath: /tmp
+  {{- with .Values.extraVolumeMounts }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- end -}}
+
+{{/*
+Sidecar engine containers as a YAML list: the user's specs, plus the shm volume at config.shmDir and
+KVCACHE_TARGET where the spec does not already set them.
+*/}}
+{{- define "kvcache.engineContainers" -}}
+{{- $engines := list -}}
+{{- range .Values.sidecar.containers -}}
+{{- $engine := deepCopy . -}}
+{{- $mounts := $engine.volumeMounts | default list -}}
+{{- $hasShm := false -}}
+{{- range $mounts -}}
+{{- if or (eq .name "shm") (eq .mountPath $.Values.config.shmDir) -}}
+{{- $hasShm = true -}}
+{{- end -}}
+{{- end -}}
+{{- if not $hasShm -}}
+{{- $mounts = append $mounts (dict "name" "shm" "mountPath" $.Values.config.shmDir) -}}
+{{- end -}}
+{{- $_ := set $engine "volumeMounts" $mounts -}}
+{{- $env := $engine.env | default list -}}
+{{- $hasTarget := false -}}
+{{- range $env -}}
+{{- if eq .name "KVCACHE_TARGET" -}}
+{{- $hasTarget = true -}}
+{{- end -}}
+{{- end -}}
+{{- if not $hasTarget -}}
+{{- $env = append $env (dict "name" "KVCACHE_TARGET" "value" (include "kvcache.localTarget" $)) -}}
+{{- end -}}
+{{- $_ := set $engine "env" $env -}}
+{{- $engines = append $engines $engine -}}
+{{- end -}}
+{{- toYaml $engines -}}
+{{- end -}}
+
+{{/* The pod template shared by the Deployment and the DaemonSet. */}}
+{{- define "kvcache.podTemplate" -}}
+{{- $sidecar := eq .Values.mode "sidecar" -}}
+metadata:
+  labels:
+    {{- include "kvcache.labels" . | nindent 4 }}
+    {{- with .Values.podLabels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  {{- $annotations := deepCopy .Values.podAnnotations }}
+  {{- if .Values.auth.token }}
+  {{- /* Restart pods when the chart's token changes: env from a Secret is read only at start. */}}
+  {{- $_ := set $annotations "checksum/auth" (.Values.auth.token | sha256sum) }}
+  {{- end }}
+  {{- with $annotations }}
+  annotations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+spec:
+  serviceAccountName: {{ include "kvcache.serviceAccountName" . }}
+  automountServiceAccountToken: false
+  # The chart's Service would otherwise inject KVCACHE_SERVICE_HOST-style variables into the
+  # KVCACHE_* namespace the service reads its flags from.
+  enableServiceLinks: false
+  hostIPC: {{ .Values.hostIPC }}
+  terminationGracePeriodSeconds: {{ int .Values.terminationGracePeriodSeconds }}
+  securityContext:
+    {{- toYaml .Values.podSecurityContext | nindent 4 }}
+  {{- with .Values.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .Values.priorityClassName }}
+  priorityClassName: {{ . }}
+  {{- end }}
+  {{- with .Values.runtimeClassName }}
+  runtimeClassName: {{ . }}
+  {{- end }}
+  {{- with .Values.nodeSelector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .Values.tolerations }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .Values.affinity }}
+  affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .Values.resourceClaims }}
+  resourceClaims:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- if and $sidecar .Values.sidecar.nativeSidecar }}
+  initContainers:
+    - {{ include "kvcache.container" . | nindent 6 | trim }}
+  containers:
+    {{- include "kvcache.engineContainers" . | nindent 4 }}
+  {{- else }}
+  containers:
+    - {{ include "kvcache.container" . | nindent 6 | trim }}
+    {{- if $sidecar }}
+    {{- include "kvcache.engineContainers" . | nindent 4 }}
+    {{- end }}
+  {{- end }}
+  volumes:
+    - name: shm
+      {{- if .Values.shm.hostPath }}
+      hostPath:
+        path: {{ .Values.shm.hostPath }}
+        type: Directory
+      {{- else }}
+      emptyDir:
+        medium: Memory
+        sizeLimit: {{ .Values.shm.sizeLimit }}
+      {{- end }}
+    - name: tmp
+      emptyDir:
+        sizeLimit: 64Mi
+    {{- with .Values.extraVolumes }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+{{- end -}}
