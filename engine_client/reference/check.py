@@ -1,0 +1,90 @@
+"""Run a chat through the service and check every turn against a no-cache recompute.
+
+    python -m engine_client.reference.check --target 127.0.0.1:50051 --mode streaming --turns 6
+
+For each committed turn the whole conversation so far is recomputed densely (no cache at all); the
+generated tokens must be the greedy tokens of that recompute and the logits must agree within
+--tolerance. Prints one JSON line per turn and a final summary line; exits 1 when a check fails and
+2 when the model does not fit the service's pool (one line naming both layouts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from engine_client import KVCacheClient
+from engine_client.reference.engine import ReferenceEngine, TurnResult
+from engine_client.reference.model import ModelConfig, ReferenceModel
+
+
+def tokens(seed: int, n: int, vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+def verify(model: ReferenceModel, context: list[int], result: TurnResult) -> tuple[float, bool]:
+    """(max |logit difference| vs a dense recompute, generated == the recompute's greedy tokens)."""
+    full = context + result.generated[:-1]
+    dense = model.forward_dense(torch.tensor(full, dtype=torch.long, device=result.logits.device))[len(context) - 1:]
+    diff = float((dense - result.logits).abs().max())
+    return diff, dense.argmax(dim=-1).tolist() == result.generated
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default=None, help="host:port or unix:/path (default $KVCACHE_TARGET or local)")
+    ap.add_argument("--mode", choices=("streaming", "regular"), default="streaming")
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the user turns")
+    ap.add_argument("--system-seed", type=int, default=1000, help="seed of the system prompt")
+    ap.add_argument("--system-tokens", type=int, default=0, help="shared system prompt length")
+    ap.add_argument("--input-tokens", type=int, default=12)
+    ap.add_argument("--output-tokens", type=int, default=6)
+    ap.add_argument("--abort-turn", type=int, default=0, help="abort this turn after 2 generated tokens")
+    ap.add_argument("--session-id", default="")
+    ap.add_argument("--cache-salt", default="")
+    ap.add_argument("--close-cache", action="store_true", help="close with cache=true")
+    ap.add_argument("--tolerance", type=float, default=1e-4)
+    ap.add_argument("--model-head-dim", type=int, default=32)
+    ap.add_argument("--device", default="cpu", help="where the model runs and the pool is mapped (cuda for cuda_ipc)")
+    args = ap.parse_args(argv)
+
+    config = ModelConfig(head_dim=args.model_head_dim)
+    with KVCacheClient(args.target) as client:
+        try:
+            engine = ReferenceEngine(client, config, device=args.device)
+        except ValueError as e:
+            print(f"check: {e}", file=sys.stderr)
+            return 2
+        worst, ok = 0.0, True
+        system = tokens(args.system_seed, args.system_tokens, config.vocab_size)
+        with engine.chat(args.session_id, streaming=args.mode == "streaming", cache_salt=args.cache_salt,
+                         close_cache=args.close_cache) as chat:
+            for turn in range(1, args.turns + 1):
+                new = tokens(args.seed * 1000 + turn, args.input_tokens, config.vocab_size)
+                if turn == 1:
+                    new = system + new
+                context = chat.history + new
+                aborting = turn == args.abort_turn
+                result = chat.turn(new, args.output_tokens, abort_after=2 if aborting else None)
+                diff, match = verify(engine.model, context, result)
+                worst = max(worst, diff)
+                ok &= match and diff <= args.tolerance
+                print(json.dumps({
+                    "turn": turn, "service_turn": result.turn, "aborted": result.aborted,
+                    "context_tokens": result.context_tokens, "cached_tokens": result.cached_tokens,
+                    "prefix_hit_tokens": result.prefix_hit_tokens, "computed_tokens": result.computed_tokens,
+                    "generated": result.generated, "max_logit_diff": diff, "tokens_match": match,
+                }), flush=True)
+            session_id = chat.session_id
+        engine.close()
+    print(json.dumps({"ok": ok, "max_logit_diff": worst, "turns": args.turns, "session_id": session_id}))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,257 @@
+"""Concurrent multi-turn chats through the reference engine, in four cache modes (demo and benchmark).
+
+Modes, as in SGLang's streaming-session benchmark, at our level:
+
+- `no_cache`: the engine keeps no KV between turns and recomputes the whole conversation every turn;
+- `no_session`: the client re-sends the whole history each turn; the service matches it in the radix
+  (a fresh regular session per turn, closed with cache=true) and the engine computes the uncached tail;
+- `regular_session`: one regular session per chat, deltas only; every turn matches and re-inserts the radix;
+- `streaming_session`: one streaming session per chat; turns after the first touch no radix at all.
+
+`ServiceProcess` starts `kvcache-service serve` as a child process (engine_client never imports the
+service) and stops it with SIGTERM.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine_client.client import KVCacheClient
+from engine_client.reference.engine import LocalCache, ReferenceEngine
+from engine_client.reference.model import ModelConfig, ReferenceModel, dtype_name
+
+MODES = ("no_cache", "no_session", "regular_session", "streaming_session")
+
+
+@dataclass(frozen=True)
+class Workload:
+    sessions: int = 4
+    turns: int = 300
+    input_tokens: int = 16
+    output_tokens: int = 8
+    seed: int = 0
+
+
+@dataclass
+class Results:
+    """Per-turn measurements, arrays of shape [sessions, turns]."""
+
+    mode: str
+    seconds: np.ndarray
+    cache_seconds: np.ndarray
+    cached_tokens: np.ndarray
+    computed_tokens: np.ndarray
+    outputs: list[list[int]]
+    """Every generated token of each chat, in order (modes must agree on them)."""
+
+    def mean_ms(self, what: str, last: int | None = None) -> float:
+        data = getattr(self, what)
+        if last is not None:
+            data = data[:, -last:]
+        return float(data.mean() * 1e3)
+
+
+def _user_tokens(workload: Workload, session: int, turn: int, vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(workload.seed * 1_000_003 + session * 10_007 + turn)
+    return torch.randint(0, vocab, (workload.input_tokens,), generator=g).tolist()
+
+
+class Progress:
+    """A progress bar on stderr, safe to tick from several threads: redrawn in place on a terminal, a line
+    per quarter otherwise (logs stay readable)."""
+
+    def __init__(self, label: str, total: int, width: int = 30) -> None:
+        self.label, self.total, self.width = label, total, width
+        self.done = 0
+        self.start = time.perf_counter()
+        self._lock = threading.Lock()
+        self._last = 0.0
+        self._tty = sys.stderr.isatty()
+
+    def tick(self) -> None:
+        with self._lock:
+            self.done += 1
+            now = time.perf_counter()
+            if self._tty:
+                due = now - self._last > 0.1 or self.done == self.total
+            else:
+                due = self.done * 4 // self.total != (self.done - 1) * 4 // self.total
+            if not due:
+                return
+            self._last = now
+            filled = self.width * self.done // self.total
+            bar = "#" * filled + "-" * (self.width - filled)
+            line = f"{self.label:<18} [{bar}] {self.done}/{self.total} turns {now - self.start:6.1f} s"
+            sys.stderr.write(f"\r{line}" if self._tty else f"{line}\n")
+            if self._tty and self.done == self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def run_mode(mode: str, workload: Workload, *, target: str | None, config: ModelConfig,
+             progress: Callable[[], None] | None = None, replay: Results | None = None) -> Results:
+    """Run `workload.sessions` chats concurrently (one thread each) in `mode`, under a cache salt of its own
+    (so runs sharing a service never hit each other's KV).
+
+    With `replay` (the results of a run with the model), no model runs: each turn replays the recorded
+    answer and only the kvcache operations are timed.
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; one of {', '.join(MODES)}")
+    shape = (workload.sessions, workload.turns)
+    res = Results(mode, np.zeros(shape), np.zeros(shape), np.zeros(shape, dtype=np.int64),
+                  np.zeros(shape, dtype=np.int64), [[] for _ in range(workload.sessions)])
+    client = KVCacheClient(target) if mode != "no_cache" else None
+    engine = ReferenceEngine(client, config) if client is not None else None
+    model = engine.model if engine is not None else ReferenceModel(config)
+    errors: list[BaseException] = []
+
+    salt = f"{mode}/replay" if replay is not None else mode
+
+    def chat(i: int) -> None:
+        try:
+            _chat(mode, salt, i, workload, model, engine, res, progress, replay.outputs[i] if replay else None)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=chat, args=(i,), name=f"chat-{i}") for i in range(workload.sessions)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if engine is not None:
+        engine.close()
+    if client is not None:
+        client.close()
+    if errors:
+        raise errors[0]
+    return res
+
+
+def _chat(mode: str, salt: str, i: int, workload: Workload, model: ReferenceModel, engine: ReferenceEngine | None,
+          res: Results, progress: Callable[[], None] | None, script: list[int] | None) -> None:
+    vocab = model.config.vocab_size
+    out = workload.output_tokens
+    history: list[int] = []
+    local = LocalCache(model) if mode == "no_cache" else None
+    conversation = None
+    if engine is not None and mode in ("regular_session", "streaming_session"):
+        conversation = engine.chat(f"{salt}-{i}", streaming=mode == "streaming_session", cache_salt=salt,
+                                   close_cache=False)
+    for turn in range(workload.turns):
+        new = _user_tokens(workload, i, turn, vocab)
+        answer = script[turn * out:(turn + 1) * out] if script is not None else None
+        start = time.perf_counter()
+        if local is not None:
+            if answer is not None:  # no_cache has no cache operations to replay
+                res.outputs[i].extend(answer)
+                if progress is not None:
+                    progress()
+                continue
+            generated = local.turn(history + new, out)[0]
+            cached, computed, cache_s = 0, len(history) + len(new), 0.0
+            history = history + new + generated
+        elif conversation is not None:
+            r = conversation.replay(new, answer) if answer is not None else conversation.turn(new, out)
+            generated, cached, computed, cache_s = r.generated, r.cached_tokens, r.computed_tokens, r.cache_seconds
+            history = conversation.history
+        else:
+            assert engine is not None
+            t0 = time.perf_counter()
+            once = engine.chat(f"{salt}-{i}-{turn}", streaming=False, cache_salt=salt, close_cache=True)
+            opened = time.perf_counter() - t0
+            r = once.replay(history + new, answer) if answer is not None else once.turn(history + new, out)
+            t0 = time.perf_counter()
+            once.close()
+            closed = time.perf_counter() - t0
+            generated, cached, computed = r.generated, r.cached_tokens, r.computed_tokens
+            cache_s = r.cache_seconds + opened + closed
+            history = history + new + generated
+        res.seconds[i, turn] = time.perf_counter() - start
+        res.cache_seconds[i, turn] = cache_s
+        res.cached_tokens[i, turn] = cached
+        res.computed_tokens[i, turn] = computed
+        res.outputs[i].extend(generated)
+        if progress is not None:
+            progress()
+    if conversation is not None:
+        conversation.close()
+
+
+def results_table(results: Sequence[Results], what: str = "seconds", baseline: str = "no_session",
+                  last: int = 10) -> str:
+    """Per-mode per-turn latency of `what` ("seconds": end to end; "cache_seconds": kvcache RPCs only), over
+    all turns and the last `last`, with the speedup over `baseline`, plus cached / computed tokens."""
+    base = {r.mode: r for r in results}.get(baseline)
+    hdr = (f"{'mode':<18} {'ms/turn':>9} {f'last {last}':>9} {'speedup':>8} {f'@last {last}':>9}  "
+           f"{'cached tok/turn':>15} {'computed tok/turn':>17}")
+    lines = [hdr, "-" * len(hdr)]
+    for r in results:
+        all_ms, last_ms = r.mean_ms(what), r.mean_ms(what, last)
+        if not r.seconds.any():
+            dashes = f"{'-':>9} {'-':>9} {'-':>8} {'-':>9}  {'-':>15} {'-':>17}"
+            lines.append(f"{r.mode:<18} {dashes}  (no cache operations)")
+            continue
+        if base is not None and all_ms > 0:
+            speed = f"{base.mean_ms(what) / all_ms:7.2f}x {base.mean_ms(what, last) / last_ms:8.2f}x"
+        else:
+            speed = f"{'-':>8} {'-':>9}"
+        lines.append(f"{r.mode:<18} {all_ms:>9.3f} {last_ms:>9.3f} {speed}  "
+                     f"{r.cached_tokens.mean():>15.1f} {r.computed_tokens.mean():>17.1f}")
+    return "\n".join(lines)
+
+
+def same_outputs(results: Sequence[Results]) -> bool:
+    """Greedy decoding is deterministic: every mode must generate exactly the same tokens."""
+    return all(r.outputs == results[0].outputs for r in results[1:])
+
+
+class ServiceProcess:
+    """`kvcache-service serve` on a private unix socket, sized for `config`; stop() sends SIGTERM."""
+
+    def __init__(self, config: ModelConfig, *, num_pages: int, page_size: int = 16,
+                 extra: Sequence[str] = ()) -> None:
+        self._dir = tempfile.TemporaryDirectory(prefix="kvcache-")
+        self.target = f"unix:{self._dir.name}/kvcache.sock"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "cache_service", "serve", "--listen", self.target,
+             "--num-layers", str(config.num_layers), "--num-kv-heads", str(config.num_kv_heads),
+             "--head-dim", str(config.head_dim), "--dtype", dtype_name(config.dtype), "--page-size", str(page_size),
+             "--num-pages", str(num_pages), "--session-budget-fraction", "0", "--shm-prefix", f"kvdemo{os.getpid()}",
+             "--log-level", "warning", *extra],
+            stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2],
+        )
+        assert self.proc.stdout is not None
+        self.banner = self.proc.stdout.readline().strip()
+        if not re.search(r"listening on ", self.banner):
+            self.proc.kill()
+            raise RuntimeError(f"the service did not start: {self.banner!r}")
+
+    def stop(self) -> str:
+        """SIGTERM and wait; returns the service's last line (it says whether it stopped cleanly)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        out, _ = self.proc.communicate(timeout=30)
+        self._dir.cleanup()
+        lines = [line for line in out.splitlines() if line.strip()]
+        return lines[-1] if lines else f"exit code {self.proc.returncode}"
+
+    def __enter__(self) -> ServiceProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            self.stop()

@@ -1,0 +1,96 @@
+"""End-to-end correctness: the reference engine, in separate processes, keeps its whole KV cache in the
+service's pool and produces exactly what a no-cache recompute of the conversation produces."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from engine_client import KVCacheClient
+
+from .conftest import REPO, ServerProcess
+
+MODEL_POOL = ("--page-size", "4", "--dtype", "float32", "--num-layers", "2", "--num-kv-heads", "2",
+              "--head-dim", "32", "--num-pages", "512")
+
+
+def check(target: str, *args: str) -> tuple[int, list[dict[str, Any]], str]:
+    proc = subprocess.run([sys.executable, "-m", "engine_client.reference.check", "--target", target, *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    return proc.returncode, [json.loads(line) for line in proc.stdout.splitlines()], proc.stderr
+
+
+def cached(turns: list[dict[str, Any]]) -> list[tuple[int, int, int]]:
+    return [(t["context_tokens"], t["cached_tokens"], t["prefix_hit_tokens"]) for t in turns]
+
+
+@pytest.fixture
+def model_server(start_server: Callable[..., ServerProcess]) -> ServerProcess:
+    return start_server(*MODEL_POOL)
+
+
+def assert_clean(server: ServerProcess) -> None:
+    with KVCacheClient(server.target) as c:
+        st = c.get_stats(verify=True)
+    assert st.verified and st.in_flight_pages == 0 and st.sessions_in_turn == 0
+
+
+def test_streaming_session_six_turns_equals_a_no_cache_recompute(model_server: ServerProcess) -> None:
+    code, lines, err = check(model_server.target, "--mode", "streaming", "--turns", "6", "--seed", "3")
+    *turns, summary = lines
+    assert code == 0, err
+    assert summary["ok"] is True and summary["max_logit_diff"] <= 1e-4
+    assert all(t["tokens_match"] for t in turns)
+    # Turn 1 computes everything; turn N has every committed token cached but the last sampled one.
+    assert cached(turns) == [(12, 0, 0), (30, 17, 0), (48, 35, 0), (66, 53, 0), (84, 71, 0), (102, 89, 0)]
+    assert_clean(model_server)
+
+
+def test_regular_session_six_turns_equals_a_no_cache_recompute(model_server: ServerProcess) -> None:
+    code, lines, err = check(model_server.target, "--mode", "regular", "--turns", "6", "--seed", "4")
+    *turns, summary = lines
+    assert code == 0 and summary["ok"] is True, err
+    # Every turn re-matches the radix: the previous context's whole pages (page size 4) are hits.
+    assert cached(turns) == [(12, 0, 0), (30, 16, 16), (48, 32, 32), (66, 52, 52), (84, 68, 68), (102, 88, 88)]
+    assert_clean(model_server)
+
+
+def test_engine_b_reuses_engine_as_system_prompt_through_the_radix(model_server: ServerProcess) -> None:
+    shared = ("--system-tokens", "30", "--system-seed", "77", "--turns", "3")
+    code_a, _, err_a = check(model_server.target, "--mode", "streaming", "--seed", "1", *shared)
+    assert code_a == 0, err_a
+    code_b, lines_b, err_b = check(model_server.target, "--mode", "streaming", "--seed", "2", *shared)
+    *turns_b, summary_b = lines_b
+    assert code_b == 0 and summary_b["ok"] is True, err_b
+    # B's turn 1: the 30-token system prompt's 7 whole pages (28 tokens) come from A's KV.
+    assert cached(turns_b)[0] == (42, 28, 28)
+    assert turns_b[0]["computed_tokens"] == 14
+    assert_clean(model_server)
+
+
+@pytest.mark.parametrize("mode", ["streaming", "regular"])
+def test_abort_mid_turn_then_the_next_turn_equals_a_recompute_of_the_committed_context(
+    model_server: ServerProcess, mode: str
+) -> None:
+    code, lines, err = check(model_server.target, "--mode", mode, "--turns", "5", "--abort-turn", "3")
+    *turns, summary = lines
+    assert code == 0 and summary["ok"] is True, err
+    aborted, after = turns[2], turns[3]
+    assert aborted["aborted"] is True and len(aborted["generated"]) == 2
+    # The aborted turn committed nothing: the next one sees the same history plus its own new input.
+    assert after["service_turn"] == aborted["service_turn"] == 3
+    assert after["context_tokens"] == aborted["context_tokens"] == turns[1]["context_tokens"] + 6 + 12
+    assert after["cached_tokens"] == aborted["cached_tokens"]
+    assert_clean(model_server)
+
+
+def test_a_model_that_does_not_fit_the_pool_gets_one_line_naming_both(model_server: ServerProcess) -> None:
+    code, lines, err = check(model_server.target, "--model-head-dim", "16")
+    assert (code, lines) == (2, [])
+    assert err.strip() == ("check: pool layout (layers=2, kv_heads=2, head_dim=32, dtype=float32) does not match "
+                           "the model (layers=2, kv_heads=2, head_dim=16, dtype=float32)")
