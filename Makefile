@@ -6,7 +6,7 @@ PY := $(BIN)/python
 STAMP := $(VENV)/.kvcache-setup
 
 .DEFAULT_GOAL := help
-.PHONY: help setup run test lint typecheck unit proto proto-check docs docs-check chart-render chart-check bench clean
+.PHONY: help setup run test lint typecheck unit proto proto-check docs docs-check chart-render chart-check bench demo gpu-test clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -52,6 +52,12 @@ chart-check: setup ## strict-lint the chart; fail when its generated files are s
 bench: setup ## run the benchmarks (tables on stdout)
 	@$(PY) -m bench.core_bench
 	@$(PY) -m bench.rpc_bench
+
+demo: setup ## concurrent chats through the reference engine in four cache modes, side by side
+	@$(PY) -m engine_client.reference.demo $(ARGS)
+
+gpu-test: setup ## on a GPU machine (torch + cupy): tests/gpu and the mapped-pool bandwidth table
+	@$(PY) scripts/gpu_check.py
 
 clean: ## remove .venv and caches
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -112,10 +112,9 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _map_cuda_ipc(info: PoolInfo, device: Any) -> MappedPool:
-    from engine_client.cuda_ipc import map_cuda_ipc  # type: ignore[import-not-found]  # imports CUDA lazily
+    from engine_client.cuda_ipc import map_cuda_ipc  # imports cupy only for a cuda_ipc pool
 
-    mapped: MappedPool = map_cuda_ipc(info, device)
-    return mapped
+    return map_cuda_ipc(info, device)
 
 
 IMPORTERS: dict[str, Callable[[PoolInfo, Any], MappedPool]] = {

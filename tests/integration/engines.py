@@ -37,15 +37,18 @@ def _planes(pool: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]
 
 def writer(args: argparse.Namespace) -> dict[str, object]:
     tokens = prompt(args.tokens, args.seed)
-    with KVCacheClient(args.target) as client, map_pool(client) as pool:
+    with KVCacheClient(args.target) as client, map_pool(client, args.device) as pool:
         t = pool.tensor
-        with Session(client, streaming=True, close_cache=False) as s:
+        with Session(client, streaming=True, close_cache=False, device=t.device) as s:
             turn = s.append(tokens, reserve_tokens=0)
             positions = torch.arange(turn.cached_tokens, turn.context_tokens)
             for layer in range(t.shape[0]):
                 k_plane, v_plane = _planes(t, layer)
-                k_plane[turn.slots] = kv_pattern(args.seed, layer, 0, positions, t.shape[4], t.shape[5], t.dtype)
-                v_plane[turn.slots] = kv_pattern(args.seed, layer, 1, positions, t.shape[4], t.shape[5], t.dtype)
+                for kv, plane in ((0, k_plane), (1, v_plane)):
+                    values = kv_pattern(args.seed, layer, kv, positions, t.shape[4], t.shape[5], t.dtype)
+                    plane[turn.slots] = values.to(t.device)
+            if t.is_cuda:
+                torch.cuda.synchronize()
             s.commit()  # no generated tokens: every prompt token has KV
             pages = s.page_table.tolist()
             s.close(cache=True)
@@ -54,9 +57,9 @@ def writer(args: argparse.Namespace) -> dict[str, object]:
 
 def reader(args: argparse.Namespace) -> dict[str, object]:
     tokens = [*prompt(args.tokens, args.seed), 7, 7, 7]
-    with KVCacheClient(args.target) as client, map_pool(client) as pool:
+    with KVCacheClient(args.target) as client, map_pool(client, args.device) as pool:
         t = pool.tensor
-        with Session(client, streaming=True, close_cache=False) as s:
+        with Session(client, streaming=True, close_cache=False, device=t.device) as s:
             turn = s.append(tokens, reserve_tokens=0)
             slots = s.slots(0, turn.cached_tokens)
             positions = torch.arange(turn.cached_tokens)
@@ -64,12 +67,12 @@ def reader(args: argparse.Namespace) -> dict[str, object]:
             for layer in range(t.shape[0]):
                 for kv, plane in enumerate(_planes(t, layer)):
                     got = plane[slots]
-                    want = kv_pattern(args.seed, layer, kv, positions, t.shape[4], t.shape[5], t.dtype)
-                    identical &= got.numpy().tobytes() == want.numpy().tobytes()
+                    want = kv_pattern(args.seed, layer, kv, positions, t.shape[4], t.shape[5], t.dtype).to(t.device)
+                    identical &= torch.equal(got, want) and got.cpu().numpy().tobytes() == want.cpu().numpy().tobytes()
             pages = s.page_table.tolist()
             s.abort()
     return {"cached_tokens": turn.cached_tokens, "prefix_hit_tokens": turn.prefix_hit_tokens,
-            "identical": identical, "pages": pages}
+            "identical": bool(identical), "pages": pages, "device": str(t.device)}
 
 
 SCRIPTS = {"writer": writer, "reader": reader}
@@ -81,6 +84,7 @@ def main() -> int:
     ap.add_argument("--target", required=True)
     ap.add_argument("--tokens", type=int, default=40)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--device", default=None, help="torch device to map the pool on (cuda_ipc: a GPU)")
     args = ap.parse_args()
     print(json.dumps(SCRIPTS[args.script](args)))
     return 0
