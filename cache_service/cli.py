@@ -153,32 +153,34 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
 def format_stats(st: pb.GetStatsResponse) -> str:
     usable = st.num_pages - 1
-    def pct(n: int) -> str:
-        return f"{100 * n / usable:5.1f}%"
+    w = len(f"{usable:,}")
+
+    def pages(n: int) -> str:
+        return f"{n:>{w},}  {100 * n / usable:5.1f}%"
+
     rows = [
-        ("instance", st.instance_id, ""),
-        ("uptime", f"{st.uptime_seconds:.0f} s", ""),
-        ("pool", f"{usable:,} pages x {st.page_size} tokens", ""),
-        ("  free", f"{st.free_pages:,}", pct(st.free_pages)),
-        ("  evictable", f"{st.evictable_pages:,}", pct(st.evictable_pages)),
-        ("  radix_locked", f"{st.radix_locked_pages:,}", pct(st.radix_locked_pages)),
-        ("  session_held", f"{st.session_held_pages:,}", pct(st.session_held_pages)),
-        ("  in_flight", f"{st.in_flight_pages:,}", pct(st.in_flight_pages)),
-        ("physical usage", f"{100 * st.physical_usage:.1f}%", ""),
-        ("session budget", f"{st.session_budget_pages:,} pages", ""),
-        ("sessions", f"{st.sessions_idle} idle, {st.sessions_in_turn} in turn, {st.sessions_closing} closing",
-         f"{st.sessions_demoted} demoted"),
-        ("engines", f"{st.engines}", ""),
+        ("instance", st.instance_id),
+        ("uptime", f"{st.uptime_seconds:.0f} s"),
+        ("pool", f"{usable:,} pages x {st.page_size} tokens"),
+        ("  free", pages(st.free_pages)),
+        ("  evictable", pages(st.evictable_pages)),
+        ("  radix_locked", pages(st.radix_locked_pages)),
+        ("  session_held", pages(st.session_held_pages)),
+        ("  in_flight", pages(st.in_flight_pages)),
+        ("physical usage", f"{100 * st.physical_usage:.1f}%"),
+        ("session budget", f"{st.session_budget_pages:,} pages" if st.session_budget_pages else "none"),
+        ("sessions", f"{st.sessions_idle} idle, {st.sessions_in_turn} in turn, {st.sessions_closing} closing, "
+                     f"{st.sessions_demoted} demoted"),
+        ("engines", f"{st.engines}"),
         ("tokens (cumulative)", f"{st.prefix_hit_tokens:,} radix hit, {st.session_hit_tokens:,} session hit, "
-                                f"{st.miss_tokens:,} computed", ""),
+                                f"{st.miss_tokens:,} computed"),
         ("events", f"{st.evicted_pages:,} pages evicted, {st.duplicate_pages:,} duplicate, "
-                   f"{st.demoted_sessions} demotions, {st.reaped_sessions} reaped, {st.expired_leases} leases "
-                   "expired", ""),
+                   f"{st.demoted_sessions} demotions, {st.reaped_sessions} reaped, {st.expired_leases} leases expired"),
     ]
     if st.verified:
-        rows.append(("invariant check", "passed", ""))
-    width = max(len(r[0]) for r in rows)
-    return "\n".join(f"{name:<{width}}  {value}{'  ' + extra if extra else ''}" for name, value, extra in rows)
+        rows.append(("invariant check", "passed"))
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
 
 def _cmd_sessions(args: argparse.Namespace) -> int:

@@ -12,9 +12,9 @@ import grpc
 import grpc.aio
 
 from engine_client import _codec as codec
+from engine_client._base import ClientBase
 from engine_client._codec import TokensLike
-from engine_client.client import INSTANCE_HEADER, default_target
-from engine_client.errors import KVCacheClientError, LeaseExpired, error_from_rpc, restarted
+from engine_client.errors import KVCacheClientError, LeaseExpired, error_from_rpc
 from engine_client.options import ClientOptions
 from engine_client.types import (
     AppendResult,
@@ -35,40 +35,21 @@ from protos.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 R = TypeVar("R")
 
 
-class AsyncKVCacheClient:
+class AsyncKVCacheClient(ClientBase):
     def __init__(self, target: str | None = None, options: ClientOptions | None = None, *,
                  engine_id: str = "") -> None:
-        target = target or default_target()
-        self.target = target
-        self.options = options or ClientOptions()
-        self.engine_id = engine_id
-        self.instance_id = ""
-        self._channel = grpc.aio.insecure_channel(target, options=self.options.channel_options())
+        super().__init__(target, options, engine_id)
+        self._channel = grpc.aio.insecure_channel(self.target, options=self.options.channel_options())
         self._stub = pb_grpc.KVCacheServiceStub(self._channel)  # type: ignore[no-untyped-call]
-        self._base_md: tuple[tuple[str, str], ...] = (
-            (("authorization", f"Bearer {self.options.auth_token}"),) if self.options.auth_token else ())
-        self._md: tuple[tuple[str, str], ...] = self._base_md
         self._heartbeat: asyncio.Task[None] | None = None
         self.lease_error: KVCacheClientError | None = None
 
     async def _call(self, rpc: Callable[..., Awaitable[R]], request: Any, *, pinned: bool = True) -> R:
         try:
-            return await rpc(request, timeout=self.options.timeout_seconds,
-                             metadata=self._md if pinned else self._base_md,
+            return await rpc(request, timeout=self.options.timeout_seconds, metadata=self._metadata(pinned),
                              wait_for_ready=self.options.wait_for_ready)
         except grpc.RpcError as e:
             raise error_from_rpc(e) from None
-
-    def _learn(self, instance_id: str) -> None:
-        if not self.instance_id:
-            self.instance_id = instance_id
-            self._md = (*self._base_md, (INSTANCE_HEADER, instance_id))
-        elif instance_id != self.instance_id:
-            raise restarted(self.instance_id, instance_id)
-
-    def forget_instance(self) -> None:
-        self.instance_id = ""
-        self._md = self._base_md
 
     async def get_pool_info(self) -> PoolInfo:
         info = codec.pool_info(await self._call(self._stub.GetPoolInfo, pb.GetPoolInfoRequest(), pinned=False))

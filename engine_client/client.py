@@ -1,13 +1,10 @@
 """`KVCacheClient`: the synchronous client. One method per RPC: build, call with a deadline, parse.
 
-The client learns the service's instance id from the first response that carries one and sends it on
-every later session and lease call; a restarted service then answers INSTANCE_MISMATCH, raised as
-`ServiceRestarted`, before a stale page id can be used. Thread-safe (gRPC channels are).
+Restarts of the service are detected (see `ClientBase`). Thread-safe (gRPC channels are).
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from types import TracebackType
@@ -16,8 +13,9 @@ from typing import Any, TypeVar
 import grpc
 
 from engine_client import _codec as codec
+from engine_client._base import ClientBase
 from engine_client._codec import TokensLike
-from engine_client.errors import KVCacheClientError, LeaseExpired, error_from_rpc, restarted
+from engine_client.errors import KVCacheClientError, LeaseExpired, error_from_rpc
 from engine_client.options import ClientOptions
 from engine_client.types import (
     AppendResult,
@@ -35,53 +33,23 @@ from engine_client.types import (
 from protos.kvcache.v1 import kvcache_pb2 as pb
 from protos.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 
-INSTANCE_HEADER = "x-kvcache-instance-id"
-DEFAULT_TARGET = "127.0.0.1:50051"
-TARGET_ENV = "KVCACHE_TARGET"
 R = TypeVar("R")
 
 
-def default_target() -> str:
-    """$KVCACHE_TARGET (the Helm chart sets it in sidecar engine containers), else 127.0.0.1:50051."""
-    return os.environ.get(TARGET_ENV) or DEFAULT_TARGET
-
-
-class KVCacheClient:
+class KVCacheClient(ClientBase):
     def __init__(self, target: str | None = None, options: ClientOptions | None = None, *,
                  engine_id: str = "") -> None:
-        target = target or default_target()
-        self.target = target
-        self.options = options or ClientOptions()
-        self.engine_id = engine_id
-        """Default owner for sessions opened by this client (set by register_engine)."""
-        self.instance_id = ""
-        self._channel = grpc.insecure_channel(target, options=self.options.channel_options())
+        super().__init__(target, options, engine_id)
+        self._channel = grpc.insecure_channel(self.target, options=self.options.channel_options())
         self._stub = pb_grpc.KVCacheServiceStub(self._channel)  # type: ignore[no-untyped-call]
-        self._base_md: tuple[tuple[str, str], ...] = (
-            (("authorization", f"Bearer {self.options.auth_token}"),) if self.options.auth_token else ())
-        self._md: tuple[tuple[str, str], ...] = self._base_md
         self._heartbeat: _HeartbeatThread | None = None
-
-    # ------------------------------------------------------------------ plumbing
 
     def _call(self, rpc: Callable[..., R], request: Any, *, pinned: bool = True) -> R:
         try:
-            return rpc(request, timeout=self.options.timeout_seconds,
-                       metadata=self._md if pinned else self._base_md, wait_for_ready=self.options.wait_for_ready)
+            return rpc(request, timeout=self.options.timeout_seconds, metadata=self._metadata(pinned),
+                       wait_for_ready=self.options.wait_for_ready)
         except grpc.RpcError as e:
             raise error_from_rpc(e) from None
-
-    def _learn(self, instance_id: str) -> None:
-        if not self.instance_id:
-            self.instance_id = instance_id
-            self._md = (*self._base_md, (INSTANCE_HEADER, instance_id))
-        elif instance_id != self.instance_id:
-            raise restarted(self.instance_id, instance_id)
-
-    def forget_instance(self) -> None:
-        """Accept a restarted service: the next response's instance id becomes the known one."""
-        self.instance_id = ""
-        self._md = self._base_md
 
     # ------------------------------------------------------------------ RPCs
 

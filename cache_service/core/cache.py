@@ -24,7 +24,7 @@ import math
 import time
 import uuid
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
@@ -840,8 +840,9 @@ class KVCacheCore:
         if (counts > 1).any():
             page = int(np.flatnonzero(counts > 1)[0])
             raise InvariantError(f"page {page} has {counts[page]} owners (no page may have two)")
-        if not np.array_equal(counts > 0, self.allocator.allocated_mask()):
-            page = int(np.flatnonzero((counts > 0) != self.allocator.allocated_mask())[0])
+        allocated = self.allocator.allocated_mask()
+        if not np.array_equal(counts > 0, allocated):
+            page = int(np.flatnonzero((counts > 0) != allocated)[0])
             raise InvariantError(f"page {page}: allocated and owned disagree (a leak or a stray free)")
         if (held, in_flight) != (self._session_held, self._in_flight):
             raise InvariantError(
@@ -867,7 +868,3 @@ class KVCacheCore:
                 f"!= num_pages - 1 = {st.usable_pages}"
             )
         return st
-
-    def iter_sessions(self) -> Iterable[SessionInfo]:
-        now = self._clock()
-        return (self._info(s, now) for s in self._sessions.values())

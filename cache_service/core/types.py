@@ -8,14 +8,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import NewType
 
 import numpy as np
 import numpy.typing as npt
-
-PageId = NewType("PageId", int)
-SessionId = NewType("SessionId", str)
-EngineId = NewType("EngineId", str)
 
 PageArray = npt.NDArray[np.int32]
 """A 1-D int32 array of page ids."""
