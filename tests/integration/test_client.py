@@ -136,15 +136,16 @@ def test_an_unreachable_service_is_service_unavailable() -> None:
 
 
 def test_heartbeats_keep_a_lease_alive_and_its_loss_is_reported(server: ServerProcess) -> None:
+    ttl = 2.0  # generous: a loaded machine may delay a beat by a good fraction of a second
     with KVCacheClient(server.target) as c:
-        c.register_engine("hb", ttl_seconds=0.6)
+        c.register_engine("hb", ttl_seconds=ttl)
         c.open_session("owned")
-        c.start_heartbeats(interval_seconds=0.15)
-        time.sleep(1.5)  # 2.5 TTLs
+        c.start_heartbeats(interval_seconds=ttl / 8)
+        time.sleep(1.5 * ttl)  # past the TTL: only the heartbeats keep the lease alive
         assert c.get_session("owned").engine_id == "hb"
         assert c.lease_error is None
         c.stop_heartbeats()
-        time.sleep(1.2)  # the reaper expires the lease and closes its session
+        time.sleep(ttl + 0.5)  # the lease expires; the reaper (every 0.2 s) closes its session
         with pytest.raises(SessionNotFound):
             c.get_session("owned")
         with pytest.raises(LeaseExpired):
