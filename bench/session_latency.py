@@ -24,14 +24,14 @@ import torch
 
 from engine_client.reference.model import ModelConfig
 from engine_client.reference.workload import (
-    MODES,
     Progress,
     Results,
     ServiceProcess,
-    Workload,
+    add_workload_arguments,
     results_table,
     run_mode,
     same_outputs,
+    workload_from,
 )
 
 OUT = Path(__file__).resolve().parent / "out"
@@ -66,16 +66,12 @@ def plot(results: list[Results], replays: list[Results], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sessions", type=int, default=4)
-    ap.add_argument("--turns", type=int, default=300)
-    ap.add_argument("--input-tokens", type=int, default=16)
-    ap.add_argument("--output-tokens", type=int, default=8)
-    ap.add_argument("--modes", default=",".join(MODES))
+    add_workload_arguments(ap, turns=300)
     ap.add_argument("--plot", type=Path, default=OUT / "session_latency.png")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # one thread per session: the sessions are the parallelism
     config = ModelConfig()
-    workload = Workload(args.sessions, args.turns, args.input_tokens, args.output_tokens)
+    workload = workload_from(args)
     tokens = args.sessions * args.turns * (args.input_tokens + args.output_tokens)
     print(f"Session latency: {args.sessions} concurrent sessions x {args.turns} turns, {args.input_tokens} tokens "
           f"in + {args.output_tokens} out per turn; reference model {config.num_layers} layers, hidden "

@@ -141,11 +141,14 @@ class ServiceConfig:
 
     # ------------------------------------------------------------------ derived
 
+    def _dims(self) -> dict[str, Any]:
+        return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
+                "dtype": self.dtype, "page_size": self.page_size}
+
     @property
     def bytes_per_page(self) -> int:
-        """Bytes of one page across all layers, K and V."""
-        return (self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim
-                * DTYPE_BYTES[self.dtype])
+        """Bytes of one page across all layers, K and V (the layout's own arithmetic)."""
+        return PoolLayout(num_pages=2, **self._dims()).bytes_per_page
 
     @property
     def resolved_num_pages(self) -> int:
@@ -156,8 +159,7 @@ class ServiceConfig:
         return DEFAULT_NUM_PAGES
 
     def layout(self) -> PoolLayout:
-        return PoolLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.page_size,
-                          self.resolved_num_pages)
+        return PoolLayout(num_pages=self.resolved_num_pages, **self._dims())
 
     @property
     def session_budget_pages(self) -> int:

@@ -20,7 +20,6 @@ class Session:
         "close_cache",
         "close_pending",
         "committed_tokens",
-        "created_at",
         "demoted",
         "epoch",
         "held_pages",
@@ -59,7 +58,6 @@ class Session:
         self.cache_salt = cache_salt
         self.owner = owner
         self.timeout_seconds = timeout_seconds
-        self.created_at = now
         self.last_active = now
         self.state = SessionState.IDLE
         self.close_pending = False

@@ -51,12 +51,6 @@ class PoolLayout:
     def usable_tokens(self) -> int:
         return (self.num_pages - 1) * self.page_size
 
-    @classmethod
-    def for_bytes(cls, pool_bytes: int, **dims: int | str) -> PoolLayout:
-        """The largest layout with the given dimensions that fits in `pool_bytes`."""
-        probe = cls(num_pages=2, **dims)  # type: ignore[arg-type]
-        return cls(num_pages=max(2, pool_bytes // probe.bytes_per_page), **dims)  # type: ignore[arg-type]
-
     def describe(self) -> str:
         return (f"{self.num_layers} layers, {self.num_kv_heads} kv heads x {self.head_dim}, {self.dtype}, "
                 f"{self.page_size} tokens/page")

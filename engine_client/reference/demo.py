@@ -16,28 +16,24 @@ import torch
 from engine_client.client import KVCacheClient
 from engine_client.reference.model import ModelConfig
 from engine_client.reference.workload import (
-    MODES,
     Progress,
     ServiceProcess,
-    Workload,
+    add_workload_arguments,
     results_table,
     run_mode,
     same_outputs,
+    workload_from,
 )
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sessions", type=int, default=4)
-    ap.add_argument("--turns", type=int, default=40)
-    ap.add_argument("--input-tokens", type=int, default=16)
-    ap.add_argument("--output-tokens", type=int, default=8)
-    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES))
+    add_workload_arguments(ap, turns=40)
     args = ap.parse_args(argv)
     modes = args.modes.split(",")
     torch.set_num_threads(1)  # one thread per chat; the chats are the parallelism
     config = ModelConfig()
-    workload = Workload(args.sessions, args.turns, args.input_tokens, args.output_tokens)
+    workload = workload_from(args)
     tokens_needed = args.sessions * args.turns * (args.input_tokens + args.output_tokens)
     with ServiceProcess(config, num_pages=2 * tokens_needed // 16 + 256) as service:
         print(service.banner)

@@ -14,6 +14,7 @@ service) and stops it with SIGTERM.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import signal
@@ -62,6 +63,19 @@ class Results:
         if last is not None:
             data = data[:, -last:]
         return float(data.mean() * 1e3)
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser, *, turns: int) -> None:
+    """The flags of a `Workload` (and --modes), shared by `make demo` and bench/session_latency.py."""
+    parser.add_argument("--sessions", type=int, default=4, help="concurrent chats")
+    parser.add_argument("--turns", type=int, default=turns)
+    parser.add_argument("--input-tokens", type=int, default=16)
+    parser.add_argument("--output-tokens", type=int, default=8)
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES))
+
+
+def workload_from(args: argparse.Namespace) -> Workload:
+    return Workload(args.sessions, args.turns, args.input_tokens, args.output_tokens)
 
 
 def _user_tokens(workload: Workload, session: int, turn: int, vocab: int) -> list[int]:
