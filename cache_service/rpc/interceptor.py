@@ -75,25 +75,29 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         log = self._log
         observe = self._metrics.observe_rpc
 
+        def record(code: str, start: float) -> None:
+            # Before the status leaves: an abort sends it to the client, so a metric recorded after the
+            # abort could be missing from a scrape the client makes right after seeing the error.
+            elapsed = time.perf_counter() - start
+            observe(name, code, elapsed)
+            log.debug("rpc", method=name, code=code, ms=round(elapsed * 1e3, 3))
+
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
             start = time.perf_counter()
-            code = "OK"
             try:
                 self._check_metadata(context)
-                return await behavior(request, context)
+                response = await behavior(request, context)
             except KVCacheError as e:
-                code = e.code.value
-                log.warning("rpc_error", method=name, code=code, reason=e.reason.value, message=e.message)
+                record(e.code.value, start)
+                log.warning("rpc_error", method=name, code=e.code.value, reason=e.reason.value, message=e.message)
                 await context.abort_with_status(status_for(e))
             except grpc.aio.AbortError:
-                raise
+                raise  # a handler that aborted on its own has already sent its status
             except Exception:
-                code = "INTERNAL"
+                record("INTERNAL", start)
                 log.exception("rpc_internal_error", method=name)
                 await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}; see the service log")
-            finally:
-                elapsed = time.perf_counter() - start
-                observe(name, code, elapsed)
-                log.debug("rpc", method=name, code=code, ms=round(elapsed * 1e3, 3))
+            record("OK", start)
+            return response
 
         return handle
