@@ -118,7 +118,7 @@ def radix_table(repeats: int) -> None:
 def _token_bytes(core: KVCacheCore) -> int:
     """Bytes of token ids the core stores: session token buffers plus radix node keys."""
     keys = sum(len(n.key) for n in core.radix.iter_nodes())
-    buffers = sum(s.tokens.nbytes for s in core._sessions.values())
+    buffers = sum(s.tokens.nbytes for s in core.sessions)
     return keys + buffers
 
 

@@ -4,10 +4,10 @@ Single-threaded by contract, no I/O, no grpc/protobuf/torch imports (numpy only)
 injected clock so timeouts are tested without sleeping.
 """
 
-from cache_service.core.allocator import PageAllocator
 from cache_service.core.cache import KVCacheCore
 from cache_service.core.config import CoreConfig
 from cache_service.core.errors import ErrorCode, InvariantError, KVCacheError, Reason
+from cache_service.core.pages import PageAllocator
 from cache_service.core.types import (
     AppendResult,
     CloseResult,

@@ -1,8 +1,16 @@
-"""Engine leases: register, heartbeat, expire. Sessions name their owner; the core releases them."""
+"""Engine leases: the table of live leases, and what an expiry releases.
+
+A lease names the sessions opened under it. Ending a lease (expiry, unregister, re-register) hands back
+the ids of those sessions; the facade closes them (`turns.Turns` releases their KV). Expired engine ids
+are remembered (bounded) so that a late call answers LEASE_EXPIRED rather than ENGINE_NOT_FOUND.
+"""
 
 from __future__ import annotations
 
 from collections import OrderedDict
+
+from cache_service.core.errors import KVCacheError, Reason
+from cache_service.core.types import EngineInfo
 
 
 class Lease:
@@ -20,26 +28,64 @@ class Lease:
     def expired(self, now: float) -> bool:
         return now >= self.expires_at
 
+    def info(self, now: float) -> EngineInfo:
+        return EngineInfo(self.engine_id, self.ttl_seconds, self.expires_at - now, len(self.sessions))
+
+
+def lease_expired(engine_id: str) -> KVCacheError:
+    return KVCacheError(
+        Reason.LEASE_EXPIRED, f"the lease of engine {engine_id!r} has expired; register again", engine_id=engine_id
+    )
+
 
 class LeaseTable:
-    """Live leases plus a bounded memory of expired engine ids (to answer LEASE_EXPIRED)."""
+    """Live leases plus a bounded memory of expired engine ids."""
 
     def __init__(self, expired_memory: int) -> None:
-        self.live: dict[str, Lease] = {}
+        self._live: dict[str, Lease] = {}
         self._expired: OrderedDict[str, None] = OrderedDict()
         self._expired_memory = expired_memory
 
-    def remember_expired(self, engine_id: str) -> None:
-        self._expired[engine_id] = None
-        self._expired.move_to_end(engine_id)
-        while len(self._expired) > self._expired_memory:
-            self._expired.popitem(last=False)
+    def __len__(self) -> int:
+        return len(self._live)
 
-    def was_expired(self, engine_id: str) -> bool:
-        return engine_id in self._expired
+    def leases(self) -> list[Lease]:
+        return list(self._live.values())
 
-    def forget_expired(self, engine_id: str) -> None:
+    def find(self, engine_id: str) -> Lease | None:
+        return self._live.get(engine_id)
+
+    def owner_of(self, engine_id: str) -> Lease:
+        """The live lease a session names as its owner (it must exist: sessions die with their lease)."""
+        return self._live[engine_id]
+
+    def get(self, engine_id: str) -> Lease:
+        """The lease of `engine_id`, due or not: ENGINE_NOT_FOUND, or LEASE_EXPIRED for a remembered one."""
+        lease = self._live.get(engine_id)
+        if lease is None:
+            if engine_id in self._expired:
+                raise lease_expired(engine_id)
+            raise KVCacheError(
+                Reason.ENGINE_NOT_FOUND, f"engine {engine_id!r} is not registered", engine_id=engine_id
+            )
+        return lease
+
+    def add(self, engine_id: str, ttl_seconds: float, now: float) -> Lease:
+        """Start a lease (the id must hold no live lease)."""
+        assert engine_id not in self._live, "end the previous lease first"
         self._expired.pop(engine_id, None)
+        lease = self._live[engine_id] = Lease(engine_id, ttl_seconds, now)
+        return lease
+
+    def end(self, lease: Lease, *, expired: bool) -> tuple[str, ...]:
+        """Drop the lease; return the ids of its sessions (sorted), which the caller must close."""
+        del self._live[lease.engine_id]
+        if expired:
+            self._expired[lease.engine_id] = None
+            self._expired.move_to_end(lease.engine_id)
+            while len(self._expired) > self._expired_memory:
+                self._expired.popitem(last=False)
+        return tuple(sorted(lease.sessions))
 
     def due(self, now: float) -> list[Lease]:
-        return [lease for lease in self.live.values() if lease.expired(now)]
+        return [lease for lease in self._live.values() if lease.expired(now)]

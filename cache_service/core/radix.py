@@ -9,26 +9,25 @@ Locks count per node along the path to the root, as in SGLang: `lock(node)` pins
 unbalanced unlock raises InvariantError before changing anything. Splits keep the original node object
 as the lower half, so a lock handle (a node) stays valid whatever splits happen above it.
 
-Eviction frees unlocked leaves in policy order (LRU by default) from a heap with lazy invalidation:
-O(log n) per leaf touched, no rebuild per call; the heap is compacted when stale entries outnumber
-live ones. `evict(n)` frees exactly n pages when it can, trimming a leaf from its tail (the remaining
-pages are still a valid prefix).
+Eviction frees unlocked leaves in policy order (LRU by default; see `eviction.py`): O(log n) per leaf
+touched, no rebuild per call. `evict(n)` frees exactly n pages when it can, trimming a leaf from its
+tail (the remaining pages are still a valid prefix).
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
 from cache_service.core.errors import InvariantError
+from cache_service.core.eviction import EVICTION_POLICIES, LeafHeap
 from cache_service.core.types import EMPTY_PAGES, PageArray, TokenArray
 
+__all__ = ["EVICTION_POLICIES", "RadixInsert", "RadixMatch", "RadixNode", "RadixTree", "token_key"]
+
 TOKEN_BYTES = 4
-_HEAP_SLACK = 1024
 
 
 class RadixNode:
@@ -67,29 +66,6 @@ class RadixNode:
         return f"RadixNode(id={self.id}, pages={self.pages.tolist()}, lock_ref={self.lock_ref})"
 
 
-class EvictionPolicy(Protocol):
-    """Orders unlocked leaves for eviction: the smallest key goes first."""
-
-    def key(self, node: RadixNode) -> tuple[int, ...]: ...
-
-
-class LRUPolicy:
-    """Least recently used first (ticks are a logical clock, so order is deterministic)."""
-
-    def key(self, node: RadixNode) -> tuple[int, ...]:
-        return (node.tick,)
-
-
-class LFUPolicy:
-    """Fewest hits first, then least recently used."""
-
-    def key(self, node: RadixNode) -> tuple[int, ...]:
-        return (node.hits, node.tick)
-
-
-EVICTION_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRUPolicy, "lfu": LFUPolicy}
-
-
 @dataclass(frozen=True, slots=True)
 class RadixMatch:
     num_pages: int
@@ -122,17 +98,13 @@ class RadixTree:
     def __init__(
         self, page_size: int, free_pages: Callable[[PageArray], None], policy: str = "lru"
     ) -> None:
-        if policy not in EVICTION_POLICIES:
-            raise ValueError(f"unknown eviction policy {policy!r}; known: {sorted(EVICTION_POLICIES)}")
+        self._leaves = LeafHeap(policy)
         self.page_size = page_size
         self.page_bytes = page_size * TOKEN_BYTES
         self._free_pages = free_pages
-        self._policy = EVICTION_POLICIES[policy]()
         self._roots: dict[str, RadixNode] = {}
         self._next_id = 1
         self._tick = 0
-        self._heap: list[tuple[tuple[int, ...], int, int, RadixNode]] = []
-        self._evictable_leaves: set[RadixNode] = set()
         self.evictable_pages = 0
         self.locked_pages = 0
         self.evicted_pages_total = 0
@@ -142,6 +114,11 @@ class RadixTree:
     @property
     def cached_pages(self) -> int:
         return self.evictable_pages + self.locked_pages
+
+    @property
+    def heap_entries(self) -> int:
+        """Entries in the eviction heap, stale ones included."""
+        return self._leaves.entries
 
     @property
     def num_salts(self) -> int:
@@ -160,7 +137,7 @@ class RadixTree:
         node, matched, into = self._walk(root, key, touch=touch)
         if matched == 0:
             return RadixMatch(0, EMPTY_PAGES, None)
-        pages = self._path_pages(node, into, matched)
+        pages = self._matched_pages(node, into, matched)
         if not lock:
             return RadixMatch(matched, pages, None)
         if into < node.num_pages:
@@ -190,7 +167,7 @@ class RadixTree:
             self._roots[salt] = root
         node, matched, into = self._walk(root, key, touch=True)
         if matched:
-            existing = self._path_pages(node, into, matched)
+            existing = self._matched_pages(node, into, matched)
             if into < node.num_pages:
                 node = self._split(node, into)
         else:
@@ -217,7 +194,7 @@ class RadixTree:
             if n.lock_ref == 0:
                 self.evictable_pages -= n.num_pages
                 self.locked_pages += n.num_pages
-                self._drop_leaf(n)
+                self._leaves.discard(n)
             n.lock_ref += 1
             n = n.parent
 
@@ -244,11 +221,9 @@ class RadixTree:
     def evict(self, num_pages: int) -> int:
         """Free up to `num_pages` unlocked pages, leaves first in policy order. Returns pages freed."""
         freed = 0
-        heap = self._heap
-        while freed < num_pages and heap:
-            _, _, ver, node = heapq.heappop(heap)
-            if ver != node.heap_ver or node not in self._evictable_leaves:
-                continue  # stale entry
+        if num_pages <= 0:
+            return 0
+        for node in self._leaves.pop_order():
             take = min(num_pages - freed, node.num_pages)
             if take == node.num_pages:
                 self._free_pages(node.pages)
@@ -259,8 +234,10 @@ class RadixTree:
                 node.pages = node.pages[:keep].copy()
                 node.key = node.key[: keep * self.page_bytes]
                 self.evictable_pages -= take
-                self._push(node)
+                self._leaves.push(node)
             freed += take
+            if freed >= num_pages:
+                break
         self.evicted_pages_total += freed
         return freed
 
@@ -300,8 +277,8 @@ class RadixTree:
                 child.hits += 1
             if common < clen:
                 break
-        if touch and node in self._evictable_leaves:
-            self._push(node)  # its priority changed
+        if touch and node in self._leaves:
+            self._leaves.push(node)  # its priority changed
         return node, pos // pb, into
 
     def _common_pages(self, key: bytes, pos: int, other: bytes, span: int) -> int:
@@ -317,14 +294,18 @@ class RadixTree:
                 hi = mid - 1
         return lo
 
-    def _path_pages(self, node: RadixNode, into: int, matched: int) -> PageArray:
-        parts = [node.pages[:into]]
+    def path_pages(self, node: RadixNode, into: int | None = None) -> PageArray:
+        """The pages from the root down to `node`, taking only its first `into` pages (all by default)."""
+        parts = [node.pages if into is None else node.pages[:into]]
         n = node.parent
         while n is not None and n.parent is not None:
             parts.append(n.pages)
             n = n.parent
         parts.reverse()
-        pages = np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
+        return np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
+
+    def _matched_pages(self, node: RadixNode, into: int, matched: int) -> PageArray:
+        pages = self.path_pages(node, into)
         if pages.size != matched:
             raise InvariantError(f"radix path holds {pages.size} pages, walk matched {matched}")
         return pages
@@ -351,7 +332,7 @@ class RadixTree:
         assert parent is not None and not node.children and node.lock_ref == 0
         del parent.children[node.key[: self.page_bytes]]
         self.evictable_pages -= node.num_pages
-        self._drop_leaf(node)
+        self._leaves.discard(node)
         node.parent = None
         if parent.parent is None:
             if not parent.children:
@@ -365,21 +346,9 @@ class RadixTree:
 
     def _update_leaf(self, node: RadixNode) -> None:
         if self._is_evictable_leaf(node):
-            if node not in self._evictable_leaves:
-                self._evictable_leaves.add(node)
-                self._push(node)
+            self._leaves.add(node)
         else:
-            self._drop_leaf(node)
-
-    def _drop_leaf(self, node: RadixNode) -> None:
-        self._evictable_leaves.discard(node)
-
-    def _push(self, node: RadixNode) -> None:
-        node.heap_ver += 1
-        heapq.heappush(self._heap, (self._policy.key(node), node.id, node.heap_ver, node))
-        if len(self._heap) > 2 * len(self._evictable_leaves) + _HEAP_SLACK:
-            self._heap = [(self._policy.key(n), n.id, n.heap_ver, n) for n in self._evictable_leaves]
-            heapq.heapify(self._heap)
+            self._leaves.discard(node)
 
     # ------------------------------------------------------------------ verification
 
@@ -422,9 +391,8 @@ class RadixTree:
                 f"radix page counters (evictable={self.evictable_pages}, locked={self.locked_pages}) "
                 f"!= recount ({evictable}, {locked})"
             )
-        if leaves != self._evictable_leaves:
+        if leaves != self._leaves.leaves():
             raise InvariantError("evictable leaf set differs from the unlocked leaves of the tree")
-        live = {n for _, _, ver, n in self._heap if ver == n.heap_ver}
-        if not leaves <= live:
+        if not leaves <= self._leaves.live_entries():
             raise InvariantError("an evictable leaf has no live heap entry")
         return np.concatenate(owned) if owned else EMPTY_PAGES

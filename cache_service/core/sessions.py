@@ -1,17 +1,26 @@
-"""The session record. All behaviour lives in `cache.KVCacheCore`; this is data plus derived counts.
+"""Sessions: the record of one conversation's slot, and the table that owns every open one.
 
-Page-table layout of a session (`pages`), always a prefix chain of the session's context:
+A session's page table (`pages`) is always a prefix chain of its context:
 
-    [0, radix_pages)          tree pages pinned by `lock_node` (counted as radix_locked)
-    [radix_pages, held_pages) private committed KV            (counted as session_held)
-    [held_pages, len(pages))  pages of the turn in flight      (counted as in_flight)
+    [0, radix_pages)                  tree pages pinned by `lock_node`   (counted as radix_locked)
+    [radix_pages, committed_pages)    private committed KV               (counted as session_held)
+    [committed_pages, len(pages))     pages of the turn in flight        (counted as in_flight)
+
+`SessionTable` finds sessions (by id, checking the epoch and the owner), creates and removes them, keeps
+them in least-recently-active order, counts them by state and renders the client's view (`SessionInfo`).
+It never moves pages: what happens to a session's KV is `turns.Turns`' business.
 """
 
 from __future__ import annotations
 
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterator
+
 from cache_service.core.buffers import IntBuffer
+from cache_service.core.errors import KVCacheError, Reason
 from cache_service.core.radix import RadixNode
-from cache_service.core.types import SessionState
+from cache_service.core.types import SessionInfo, SessionState
 
 
 class Session:
@@ -19,10 +28,10 @@ class Session:
         "cache_salt",
         "close_cache",
         "close_pending",
+        "committed_pages",
         "committed_tokens",
         "demoted",
         "epoch",
-        "held_pages",
         "id",
         "kv_tokens",
         "last_active",
@@ -57,6 +66,7 @@ class Session:
         self.streaming = streaming
         self.cache_salt = cache_salt
         self.owner = owner
+        """The engine whose lease the session lives under ("" for none)."""
         self.timeout_seconds = timeout_seconds
         self.last_active = now
         self.state = SessionState.IDLE
@@ -64,26 +74,31 @@ class Session:
         self.close_cache = False
         self.demoted = False
         self.tokens = IntBuffer()
+        """Committed context, plus the in-flight turn's new tokens during a turn."""
         self.committed_tokens = 0
         self.kv_tokens = 0
+        """Leading committed tokens whose KV is valid."""
         self.pages = IntBuffer()
-        self.held_pages = 0
         self.radix_pages = 0
+        self.committed_pages = 0
+        """End of the committed part of the page table (radix-pinned pages included)."""
         self.lock_node: RadixNode | None = None
         self.synced_pages = 0
+        """How much of the page table the engine has seen (the next delta starts here)."""
         self.turns = 0
         self.radix_turn = False
+        """The turn in flight matched the radix (regular sessions; streaming first turns)."""
         self.turn_cached_tokens = 0
         self.turn_context_tokens = 0
 
     @property
     def private_pages(self) -> int:
         """Committed pages the session owns outside the radix."""
-        return self.held_pages - self.radix_pages
+        return self.committed_pages - self.radix_pages
 
     @property
     def in_flight_pages(self) -> int:
-        return len(self.pages) - self.held_pages
+        return len(self.pages) - self.committed_pages
 
     @property
     def in_turn(self) -> bool:
@@ -91,3 +106,129 @@ class Session:
 
     def timed_out(self, now: float) -> bool:
         return self.timeout_seconds > 0 and now - self.last_active > self.timeout_seconds
+
+
+class SessionTable:
+    """Every open session, least recently active first, with counts by state."""
+
+    def __init__(self) -> None:
+        self._by_id: OrderedDict[str, Session] = OrderedDict()
+        self._next_epoch = 1
+        self.num_in_turn = 0
+        self.num_closing = 0
+        self.num_demoted = 0
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __iter__(self) -> Iterator[Session]:
+        """Sessions, least recently active first."""
+        return iter(self._by_id.values())
+
+    def items(self) -> Iterator[tuple[str, Session]]:
+        return iter(self._by_id.items())
+
+    @property
+    def num_idle(self) -> int:
+        return len(self._by_id) - self.num_in_turn - self.num_closing
+
+    # ------------------------------------------------------------------ lookup
+
+    def get(self, session_id: str, epoch: int = 0) -> Session:
+        """The open session `session_id`; `epoch`, when nonzero, must be its epoch (SESSION_NOT_FOUND)."""
+        s = self._by_id.get(session_id)
+        if s is None or (epoch and epoch != s.epoch):
+            raise KVCacheError(
+                Reason.SESSION_NOT_FOUND, f"session {session_id!r} not found", session_id=session_id
+            )
+        return s
+
+    def find(self, session_id: str) -> Session | None:
+        return self._by_id.get(session_id)
+
+    @staticmethod
+    def check_owner(s: Session, engine_id: str) -> None:
+        """A named engine must be the session's owner (NOT_OWNER); an unnamed caller is not checked."""
+        if s.owner and engine_id and engine_id != s.owner:
+            raise KVCacheError(
+                Reason.NOT_OWNER, f"session {s.id!r} belongs to another engine",
+                session_id=s.id, engine_id=engine_id,
+            )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def check_new(self, session_id: str) -> None:
+        if session_id in self._by_id:
+            raise KVCacheError(
+                Reason.SESSION_EXISTS, f"session {session_id!r} is already open", session_id=session_id
+            )
+
+    def create(
+        self, session_id: str, *, streaming: bool, cache_salt: str, owner: str, timeout_seconds: float, now: float
+    ) -> Session:
+        """Open a session (an empty id gets a generated one) with the next epoch."""
+        session_id = session_id or uuid.uuid4().hex
+        self.check_new(session_id)
+        s = Session(session_id, self._next_epoch, streaming=streaming, cache_salt=cache_salt, owner=owner,
+                    timeout_seconds=timeout_seconds, now=now)
+        self._next_epoch += 1
+        self._by_id[session_id] = s
+        return s
+
+    def remove(self, s: Session) -> None:
+        """Forget `s` (its KV must already be released)."""
+        self.set_state(s, SessionState.IDLE)
+        self.set_demoted(s, False)
+        del self._by_id[s.id]
+
+    def set_state(self, s: Session, state: SessionState) -> None:
+        for old_or_new, sign in ((s.state, -1), (state, 1)):
+            if old_or_new is SessionState.IN_TURN:
+                self.num_in_turn += sign
+            elif old_or_new is SessionState.CLOSING:
+                self.num_closing += sign
+        s.state = state
+
+    def set_demoted(self, s: Session, demoted: bool) -> None:
+        if s.demoted != demoted:
+            self.num_demoted += 1 if demoted else -1
+            s.demoted = demoted
+
+    def touch(self, s: Session, now: float) -> None:
+        """Activity: restart the sliding timeout and move `s` to the most recently active end."""
+        s.last_active = now
+        self._by_id.move_to_end(s.id)
+
+    # ------------------------------------------------------------------ selections
+
+    def demotable(self, exclude: Session | None) -> list[Session]:
+        """Idle sessions holding KV, least recently active first (never `exclude`)."""
+        return [v for v in self._by_id.values()
+                if v is not exclude and v.state is SessionState.IDLE and v.committed_pages > 0]
+
+    def timed_out(self, now: float) -> list[Session]:
+        return [s for s in self._by_id.values() if s.timed_out(now)]
+
+    # ------------------------------------------------------------------ views
+
+    @staticmethod
+    def info(s: Session, now: float) -> SessionInfo:
+        return SessionInfo(
+            session_id=s.id,
+            epoch=s.epoch,
+            state=s.state,
+            streaming=s.streaming,
+            cache_salt=s.cache_salt,
+            engine_id=s.owner,
+            context_tokens=len(s.tokens),
+            kv_tokens=s.kv_tokens,
+            turns=s.turns,
+            num_pages=len(s.pages),
+            radix_pages=s.radix_pages,
+            held_pages=s.private_pages,
+            in_flight_pages=s.in_flight_pages,
+            idle_seconds=max(0.0, now - s.last_active),
+            timeout_seconds=s.timeout_seconds,
+            demoted=s.demoted,
+            close_pending=s.close_pending,
+        )

@@ -225,6 +225,6 @@ def test_heap_stays_bounded_under_repeated_touches() -> None:
         t.insert([i, i], [10 * i + 1, 10 * i + 2])
     for _ in range(5000):
         t.match([3, 3])
-    assert len(t.tree._heap) <= 2 * 8 + 1024
+    assert t.tree.heap_entries <= 2 * 8 + 1024
     t.tree.evict(2)
     assert t.freed == [[1, 2]]

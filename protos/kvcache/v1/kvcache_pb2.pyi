@@ -1,3 +1,4 @@
+from google.protobuf import descriptor_pb2 as _descriptor_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -7,16 +8,53 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ERROR_REASON_UNSPECIFIED: _ClassVar[ErrorReason]
+    SESSION_NOT_FOUND: _ClassVar[ErrorReason]
+    ENGINE_NOT_FOUND: _ClassVar[ErrorReason]
+    SESSION_EXISTS: _ClassVar[ErrorReason]
+    SESSION_BUSY: _ClassVar[ErrorReason]
+    NO_TURN_IN_FLIGHT: _ClassVar[ErrorReason]
+    SESSION_CLOSING: _ClassVar[ErrorReason]
+    LEASE_EXPIRED: _ClassVar[ErrorReason]
+    INSTANCE_MISMATCH: _ClassVar[ErrorReason]
+    POOL_EXHAUSTED: _ClassVar[ErrorReason]
+    SESSION_TOKEN_LIMIT: _ClassVar[ErrorReason]
+    SESSION_BUDGET: _ClassVar[ErrorReason]
+    INVALID_TOKENS: _ClassVar[ErrorReason]
+    INVALID_ARGUMENT: _ClassVar[ErrorReason]
+    NOT_OWNER: _ClassVar[ErrorReason]
+    BAD_TOKEN: _ClassVar[ErrorReason]
+
 class SessionState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     SESSION_STATE_UNSPECIFIED: _ClassVar[SessionState]
     SESSION_STATE_IDLE: _ClassVar[SessionState]
     SESSION_STATE_IN_TURN: _ClassVar[SessionState]
     SESSION_STATE_CLOSING: _ClassVar[SessionState]
+ERROR_REASON_UNSPECIFIED: ErrorReason
+SESSION_NOT_FOUND: ErrorReason
+ENGINE_NOT_FOUND: ErrorReason
+SESSION_EXISTS: ErrorReason
+SESSION_BUSY: ErrorReason
+NO_TURN_IN_FLIGHT: ErrorReason
+SESSION_CLOSING: ErrorReason
+LEASE_EXPIRED: ErrorReason
+INSTANCE_MISMATCH: ErrorReason
+POOL_EXHAUSTED: ErrorReason
+SESSION_TOKEN_LIMIT: ErrorReason
+SESSION_BUDGET: ErrorReason
+INVALID_TOKENS: ErrorReason
+INVALID_ARGUMENT: ErrorReason
+NOT_OWNER: ErrorReason
+BAD_TOKEN: ErrorReason
 SESSION_STATE_UNSPECIFIED: SessionState
 SESSION_STATE_IDLE: SessionState
 SESSION_STATE_IN_TURN: SessionState
 SESSION_STATE_CLOSING: SessionState
+STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
+status_code: _descriptor.FieldDescriptor
 
 class PoolLayout(_message.Message):
     __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "page_size", "num_pages")

@@ -1,0 +1,93 @@
+"""Eviction order of the radix tree's unlocked leaves: small strategy objects and a lazy heap.
+
+A policy maps a leaf to a sort key (smallest first). `LeafHeap` holds the evictable leaves in a heap with
+lazy invalidation: a leaf whose key changed is pushed again with a new version, stale entries are
+skipped when popped, and the heap is compacted when stale entries outnumber live ones, so an eviction
+costs O(log n) per leaf touched and never rebuilds the heap per call.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:  # the node type only; eviction never walks the tree
+    from cache_service.core.radix import RadixNode
+
+_HEAP_SLACK = 1024
+
+
+class EvictionPolicy(Protocol):
+    """Orders unlocked leaves for eviction: the smallest key goes first."""
+
+    def key(self, node: RadixNode) -> tuple[int, ...]: ...
+
+
+class LRUPolicy:
+    """Least recently used first (ticks are a logical clock, so order is deterministic)."""
+
+    def key(self, node: RadixNode) -> tuple[int, ...]:
+        return (node.tick,)
+
+
+class LFUPolicy:
+    """Fewest hits first, then least recently used."""
+
+    def key(self, node: RadixNode) -> tuple[int, ...]:
+        return (node.hits, node.tick)
+
+
+EVICTION_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRUPolicy, "lfu": LFUPolicy}
+
+
+class LeafHeap:
+    """The set of evictable leaves, ordered by a policy."""
+
+    __slots__ = ("_heap", "_leaves", "_policy")
+
+    def __init__(self, policy: str) -> None:
+        if policy not in EVICTION_POLICIES:
+            raise ValueError(f"unknown eviction policy {policy!r}; known: {sorted(EVICTION_POLICIES)}")
+        self._policy = EVICTION_POLICIES[policy]()
+        self._heap: list[tuple[tuple[int, ...], int, int, RadixNode]] = []
+        self._leaves: set[RadixNode] = set()
+
+    def __contains__(self, node: RadixNode) -> bool:
+        return node in self._leaves
+
+    def add(self, node: RadixNode) -> None:
+        if node not in self._leaves:
+            self._leaves.add(node)
+            self.push(node)
+
+    def discard(self, node: RadixNode) -> None:
+        self._leaves.discard(node)
+
+    def push(self, node: RadixNode) -> None:
+        """(Re)queue `node` under its current key; earlier entries for it become stale."""
+        node.heap_ver += 1
+        heapq.heappush(self._heap, (self._policy.key(node), node.id, node.heap_ver, node))
+        if len(self._heap) > 2 * len(self._leaves) + _HEAP_SLACK:
+            self._heap = [(self._policy.key(n), n.id, n.heap_ver, n) for n in self._leaves]
+            heapq.heapify(self._heap)
+
+    def pop_order(self) -> Iterator[RadixNode]:
+        """Evictable leaves, first to evict first. The consumer may change the tree between items (a
+        leaf it trims is pushed back; a parent that becomes a leaf is added)."""
+        while self._heap:  # not a local: a push may compact the heap into a new list
+            _, _, ver, node = heapq.heappop(self._heap)
+            if ver == node.heap_ver and node in self._leaves:
+                yield node
+
+    @property
+    def entries(self) -> int:
+        """Heap entries, stale ones included (bounded by 2 x leaves + a constant)."""
+        return len(self._heap)
+
+    def leaves(self) -> set[RadixNode]:
+        return set(self._leaves)
+
+    def live_entries(self) -> set[RadixNode]:
+        """Leaves with a current (non-stale) heap entry: for invariant checks."""
+        return {n for _, _, ver, n in self._heap if ver == n.heap_ver}
