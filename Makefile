@@ -4,6 +4,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PY := $(BIN)/python
 STAMP := $(VENV)/.kvcache-setup
+TOOLS := .tools
+BUF_VERSION := 1.75.0
+BUF := $(TOOLS)/node_modules/.bin/buf
 
 .DEFAULT_GOAL := help
 .PHONY: help setup run test lint typecheck unit proto proto-check docs docs-check chart-render chart-check bench demo gpu-test clean
@@ -22,10 +25,20 @@ run: setup ## serve on the embedded default (host shm, 127.0.0.1:50051); add fla
 
 test: setup proto-check docs-check chart-check lint typecheck unit ## generated-file checks, ruff, mypy, pytest
 
-lint: setup ## ruff
+lint: setup $(BUF) ## ruff, the layer import contract (import-linter) and buf lint of the proto
 	@$(BIN)/ruff check --quiet . && echo "[lint] ruff: clean"
+	@$(BIN)/lint-imports --no-cache > $(VENV)/lint-imports.log 2>&1 \
+		&& echo "[lint] import contract: $$(grep -c ' KEPT$$' $(VENV)/lint-imports.log) contracts kept" \
+		|| { grep -E 'BROKEN|->|imports' $(VENV)/lint-imports.log; echo "[lint] import contract broken (see above)"; exit 1; }
+	@$(PY) scripts/buf_lint.py $(BUF)
 
-typecheck: setup ## mypy on cache_service/core and engine_client
+$(BUF): ## buf from npm (@bufbuild/buf), pinned
+	@command -v npm >/dev/null || { echo "[setup] npm is needed to install buf (@bufbuild/buf)"; exit 1; }
+	@echo "[setup] installing buf $(BUF_VERSION) (npm @bufbuild/buf) into $(TOOLS)"
+	@npm install --silent --no-fund --no-audit --prefix $(TOOLS) @bufbuild/buf@$(BUF_VERSION) >/dev/null
+	@touch $@
+
+typecheck: setup ## mypy --strict on cache_service and engine_client
 	@$(BIN)/mypy --no-error-summary && echo "[typecheck] mypy: clean"
 
 unit: setup ## pytest
@@ -60,4 +73,4 @@ gpu-test: setup ## on a GPU machine (torch + cupy): tests/gpu and the mapped-poo
 	@$(PY) scripts/gpu_check.py
 
 clean: ## remove .venv and caches
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(TOOLS) .pytest_cache .mypy_cache .ruff_cache .hypothesis

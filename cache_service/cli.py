@@ -78,7 +78,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 async def _serve(config: ServiceConfig) -> int:
-    from cache_service.rpc.server import KVCacheServer
+    from cache_service.app import KVCacheServer
 
     server = KVCacheServer(config)
     try:
@@ -109,8 +109,8 @@ def _banner(server: Any) -> str:
         try_line = f"grpcurl -plaintext -unix {server.address[len('unix:'):]} list"
     else:
         try_line = f"grpcurl -plaintext {server.address} list"
-    metrics = (f"http://{cfg.metrics_host}:{server.metrics_port}/metrics" if server.metrics_port
-               else "disabled (--metrics-port)")
+    metrics = (f"http://{_host_for_url(cfg.metrics_host)}:{server.metrics_port}/metrics"
+               if server.metrics_port is not None else "disabled (--metrics-port)")
     return "\n".join([
         f"{PROG} {__version__} listening on {server.address} (instance {server.instance_id})",
         f"  backend  {server.pool.name}: {where} ({server.pool_why})",
@@ -121,11 +121,19 @@ def _banner(server: Any) -> str:
     ])
 
 
+def _host_for_url(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
 # ------------------------------------------------------------------------------------- on-call tools
 
 
 def _channel(target: str) -> grpc.Channel:
     return grpc.insecure_channel(target)
+
+
+def _stub(channel: grpc.Channel) -> Any:
+    return pb_grpc.KVCacheServiceStub(channel)  # type: ignore[no-untyped-call]  # generated without types
 
 
 def _metadata(args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -140,7 +148,7 @@ def _fail(args: argparse.Namespace, e: grpc.RpcError) -> int:
 def _cmd_stats(args: argparse.Namespace) -> int:
     with _channel(args.target) as ch:
         try:
-            st = pb_grpc.KVCacheServiceStub(ch).GetStats(pb.GetStatsRequest(verify=args.verify),
+            st = _stub(ch).GetStats(pb.GetStatsRequest(verify=args.verify),
                                                          timeout=args.timeout, metadata=_metadata(args))
         except grpc.RpcError as e:
             return _fail(args, e)
@@ -186,7 +194,7 @@ def format_stats(st: pb.GetStatsResponse) -> str:
 def _cmd_sessions(args: argparse.Namespace) -> int:
     with _channel(args.target) as ch:
         try:
-            res = pb_grpc.KVCacheServiceStub(ch).ListSessions(pb.ListSessionsRequest(), timeout=args.timeout,
+            res = _stub(ch).ListSessions(pb.ListSessionsRequest(), timeout=args.timeout,
                                                               metadata=_metadata(args))
         except grpc.RpcError as e:
             return _fail(args, e)

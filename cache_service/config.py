@@ -69,6 +69,15 @@ def _bool(text: str) -> bool:
     raise ValueError(f"not a boolean: {text!r} (use true or false)")
 
 
+def _port_or_off(text: str) -> int | None:
+    """'off' (or empty) disables; otherwise a port number, 0 meaning any free port."""
+    if text.strip().lower() in ("", "off"):
+        return None
+    if not text.strip().isdigit():
+        raise ValueError(f"not a port: {text!r} (use off or a number in 0..65535)")
+    return int(text)
+
+
 FLAGS: tuple[Flag, ...] = (
     Flag("listen", str, "127.0.0.1:50051", "gRPC address: host:port (port 0 picks a free one) or unix:/path"),
     Flag("backend", str, "auto", "pool backend: auto picks cuda_ipc when a GPU is visible, else host_shm",
@@ -95,7 +104,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("eviction-policy", str, "lru", "radix eviction order", ("lru", "lfu")),
     Flag("demote-idle-sessions", _bool, True,
          "under pressure, turn idle sessions' KV into evictable radix entries (LRU-first)", metavar="BOOL"),
-    Flag("metrics-port", int, 0, "Prometheus /metrics port (0 = disabled)"),
+    Flag("metrics-port", _port_or_off, None, "Prometheus /metrics port: off, or a port (0 picks a free one, "
+         "printed at start)", metavar="PORT"),
     Flag("metrics-host", str, "127.0.0.1", "Prometheus bind address"),
     Flag("auth-token", str, "", "require 'authorization: Bearer <token>' on kvcache RPCs (health is open)"),
     Flag("grace-period", float, 5.0, "seconds in-flight RPCs get to finish on SIGTERM"),
@@ -129,7 +139,7 @@ class ServiceConfig:
     max_message_bytes: int = 64 << 20
     eviction_policy: str = "lru"
     demote_idle_sessions: bool = True
-    metrics_port: int = 0
+    metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     auth_token: str = ""
     grace_period: float = 5.0
@@ -200,7 +210,8 @@ class ServiceConfig:
         need(self.max_request_tokens >= 1, "max-request-tokens", f"must be >= 1, got {self.max_request_tokens}")
         need(self.max_message_bytes >= 4096, "max-message-bytes", "must be at least 4096 bytes")
         need(self.eviction_policy in ("lru", "lfu"), "eviction-policy", f"unknown policy {self.eviction_policy!r}")
-        need(0 <= self.metrics_port <= 65535, "metrics-port", f"not a port: {self.metrics_port}")
+        need(self.metrics_port is None or 0 <= self.metrics_port <= 65535, "metrics-port",
+             f"not a port: {self.metrics_port}")
         need(self.log_level in ("debug", "info", "warning", "error"), "log-level", f"unknown {self.log_level!r}")
         need(self.log_format in ("auto", "json", "console"), "log-format", f"unknown {self.log_format!r}")
         need(bool(self.shm_prefix) and "/" not in self.shm_prefix, "shm-prefix", "must be a plain file name part")

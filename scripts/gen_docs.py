@@ -1,4 +1,4 @@
-"""Regenerate (or check) the README's generated sections: the flags table and the metrics list.
+"""Regenerate (or check) the README's generated sections: flags, metrics and error reasons.
 
     python scripts/gen_docs.py          # rewrite README.md between the <!-- name:start/end --> markers
     python scripts/gen_docs.py --check  # exit 1 naming the stale sections
@@ -16,6 +16,7 @@ sys.path.insert(0, str(ROOT))
 
 from cache_service.config import FLAGS  # noqa: E402
 from cache_service.core import CoreConfig, KVCacheCore  # noqa: E402
+from cache_service.core.reasons import Reason  # noqa: E402
 from cache_service.metrics import Metrics  # noqa: E402
 
 
@@ -23,6 +24,8 @@ def flags_table() -> str:
     rows = ["| flag | environment | default | meaning |", "|---|---|---|---|"]
     for f in FLAGS:
         default = f.default if not isinstance(f.default, bool) else str(f.default).lower()
+        if default is None:
+            default = "off"
         if f.name in ("pool-bytes", "max-message-bytes") and isinstance(default, int) and default:
             default = f"{default // 2**20}Mi"
         choices = f" ({', '.join(f.choices)})" if f.choices else ""
@@ -43,7 +46,15 @@ def metrics_table() -> str:
     return "\n".join(rows)
 
 
-SECTIONS = {"flags": flags_table, "metrics": metrics_table}
+def errors_table() -> str:
+    """From the proto's ErrorReason (through the generated core enum, which proto-check keeps fresh)."""
+    rows = ["| code | reason | meaning |", "|---|---|---|"]
+    for reason in Reason:
+        rows.append(f"| `{reason.code.value}` | `{reason.value}` | {reason.doc} |")
+    return "\n".join(rows)
+
+
+SECTIONS = {"flags": flags_table, "metrics": metrics_table, "errors": errors_table}
 
 
 def render(text: str) -> str:

@@ -152,8 +152,8 @@ class Accounting:
             raise InvariantError("session state counters != recount")
         for lease in self._leases.leases():
             for sid in lease.sessions:
-                s = self._sessions.find(sid)
-                if s is None or s.owner != lease.engine_id:
+                holder = self._sessions.find(sid)
+                if holder is None or holder.owner != lease.engine_id:
                     raise InvariantError(f"lease {lease.engine_id!r} lists session {sid!r} it does not own")
         st = self.stats()
         total = (

@@ -73,7 +73,8 @@ class PageAllocator:
 
     def allocated_mask(self) -> npt.NDArray[np.bool_]:
         """Boolean mask over page ids: True where allocated (O(num_pages); for invariant checks)."""
-        return self._allocated.copy()
+        mask: npt.NDArray[np.bool_] = self._allocated.copy()
+        return mask
 
     def check(self) -> None:
         """Verify the stack and the mask agree: O(num_pages), for tests and GetStats(verify)."""

@@ -59,6 +59,11 @@ class Reason(enum.Enum):
     def code(self) -> ErrorCode:
         return _CODE_OF[self]
 
+    @property
+    def doc(self) -> str:
+        """What the reason means (its comment in the proto)."""
+        return _DOC_OF[self]
+
 
 _CODE_OF: dict[Reason, ErrorCode] = {
     Reason.SESSION_NOT_FOUND: ErrorCode.NOT_FOUND,
@@ -76,4 +81,36 @@ _CODE_OF: dict[Reason, ErrorCode] = {
     Reason.INVALID_ARGUMENT: ErrorCode.INVALID_ARGUMENT,
     Reason.NOT_OWNER: ErrorCode.PERMISSION_DENIED,
     Reason.BAD_TOKEN: ErrorCode.UNAUTHENTICATED,
+}
+_DOC_OF: dict[Reason, str] = {
+    Reason.SESSION_NOT_FOUND:
+        'No open session has this id (or the epoch names an earlier session that reused the id).',
+    Reason.ENGINE_NOT_FOUND:
+        'The engine id holds no lease: register it first.',
+    Reason.SESSION_EXISTS:
+        'OpenSession with the id of a session that is still open.',
+    Reason.SESSION_BUSY:
+        'The session already has a turn in flight: commit or abort it first.',
+    Reason.NO_TURN_IN_FLIGHT:
+        'CommitSession (or a turn check) without a turn in flight.',
+    Reason.SESSION_CLOSING:
+        'The session was closed during its turn; the close completes when the turn ends.',
+    Reason.LEASE_EXPIRED:
+        "The engine's lease ended (TTL without a heartbeat): what it held was released. Register again.",
+    Reason.INSTANCE_MISMATCH:
+        'The client last talked to another instance of the service (it restarted): remap the pool, reopen.',
+    Reason.POOL_EXHAUSTED:
+        'The pool cannot supply the pages, even after eviction and demotion of idle sessions.',
+    Reason.SESSION_TOKEN_LIMIT:
+        'The session would exceed the per-session token cap (--max-session-tokens).',
+    Reason.SESSION_BUDGET:
+        'Sessions together would exceed the session budget (--session-budget-fraction).',
+    Reason.INVALID_TOKENS:
+        'Token ids that are not a flat list of int32 ids >= 0 (metadata["field"] names the field).',
+    Reason.INVALID_ARGUMENT:
+        'A malformed request field; metadata["field"] names it.',
+    Reason.NOT_OWNER:
+        'The session or engine belongs to another engine or identity.',
+    Reason.BAD_TOKEN:
+        'Missing or wrong "authorization: Bearer <token>" metadata.',
 }

@@ -1,13 +1,36 @@
-"""Pick and create the pool backend for a service start (`--backend auto|host_shm|cuda_ipc`)."""
+"""Pick and create the pool backend for a service start (`--backend auto|host_shm|cuda_ipc`).
+
+The settings arrive as any object with the `PoolSettings` attributes (the service's configuration is
+one); this layer knows nothing of flags or of who starts it.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
-from cache_service.config import ServiceConfig
 from cache_service.memory.base import PoolBackend, PoolError
 from cache_service.memory.host_shm import HostShmPool, remove_stale_pools
+from cache_service.memory.layout import PoolLayout
+
+
+class PoolSettings(Protocol):
+    """What creating a pool needs to know."""
+
+    @property
+    def backend(self) -> str: ...
+
+    @property
+    def device(self) -> str: ...
+
+    @property
+    def shm_dir(self) -> str: ...
+
+    @property
+    def shm_prefix(self) -> str: ...
+
+    def layout(self) -> PoolLayout: ...
 
 
 @dataclass(frozen=True)
@@ -44,23 +67,23 @@ class PoolChoice:
     removed_stale: tuple[str, ...] = ()
 
 
-def _host_shm(config: ServiceConfig, instance_id: str) -> PoolBackend:
+def _host_shm(config: PoolSettings, instance_id: str) -> PoolBackend:
     return HostShmPool(config.layout(), shm_dir=config.shm_dir, prefix=config.shm_prefix, instance_id=instance_id)
 
 
-def _cuda_ipc(config: ServiceConfig, instance_id: str) -> PoolBackend:
+def _cuda_ipc(config: PoolSettings, instance_id: str) -> PoolBackend:
     from cache_service.memory.cuda_ipc import CudaIpcPool
 
     return CudaIpcPool(config.layout(), device=config.device)
 
 
-BACKENDS: dict[str, Callable[[ServiceConfig, str], PoolBackend]] = {
+BACKENDS: dict[str, Callable[[PoolSettings, str], PoolBackend]] = {
     "host_shm": _host_shm,
     "cuda_ipc": _cuda_ipc,
 }
 
 
-def create_pool(config: ServiceConfig, instance_id: str,
+def create_pool(config: PoolSettings, instance_id: str,
                 probe: Callable[[], CudaProbe] = probe_cuda) -> PoolChoice:
     """Create the configured pool. `auto` takes cuda_ipc when a GPU is usable, else host_shm; the
     returned `why` says which and why (it goes in the start line)."""

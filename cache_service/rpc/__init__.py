@@ -1,5 +1,5 @@
-"""gRPC layer: the thin servicer, error mapping, the interceptor, and the server lifecycle."""
+"""gRPC layer: the thin servicer, error mapping, the interceptor, and the server around a core."""
 
-from cache_service.rpc.server import KVCacheServer, build_server
+from cache_service.rpc.server import RpcServer, RpcSettings
 
-__all__ = ["KVCacheServer", "build_server"]
+__all__ = ["RpcServer", "RpcSettings"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -48,56 +49,21 @@ def set_pages(response: Any, pages: PageArray, packed: bool) -> None:
         response.page_ids.extend(pages.tolist())
 
 
+def _fields(record: Any) -> dict[str, Any]:
+    """A core record's fields by name (the proto message has a field of each name; tests check it)."""
+    return {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
+
+
 def session_info(info: SessionInfo) -> pb.SessionInfo:
-    return pb.SessionInfo(
-        session_id=info.session_id,
-        epoch=info.epoch,
-        state=_STATES[info.state],
-        streaming=info.streaming,
-        cache_salt=info.cache_salt,
-        engine_id=info.engine_id,
-        context_tokens=info.context_tokens,
-        kv_tokens=info.kv_tokens,
-        turns=info.turns,
-        num_pages=info.num_pages,
-        radix_pages=info.radix_pages,
-        held_pages=info.held_pages,
-        in_flight_pages=info.in_flight_pages,
-        idle_seconds=info.idle_seconds,
-        timeout_seconds=info.timeout_seconds,
-        demoted=info.demoted,
-        close_pending=info.close_pending,
-    )
+    values = _fields(info)
+    values["state"] = _STATES[info.state]
+    return pb.SessionInfo(**values)
+
+
+SERVICE_STATS_FIELDS = ("instance_id", "uptime_seconds", "physical_usage", "verified")
+"""GetStatsResponse fields the service adds to the core's `Stats`."""
 
 
 def stats(st: Stats, *, instance_id: str, uptime_seconds: float, verified: bool) -> pb.GetStatsResponse:
-    return pb.GetStatsResponse(
-        num_pages=st.num_pages,
-        page_size=st.page_size,
-        free_pages=st.free_pages,
-        evictable_pages=st.evictable_pages,
-        radix_locked_pages=st.radix_locked_pages,
-        session_held_pages=st.session_held_pages,
-        in_flight_pages=st.in_flight_pages,
-        session_budget_pages=st.session_budget_pages,
-        radix_tokens=st.radix_tokens,
-        session_tokens=st.session_tokens,
-        session_kv_tokens=st.session_kv_tokens,
-        prefix_hit_tokens=st.prefix_hit_tokens,
-        session_hit_tokens=st.session_hit_tokens,
-        miss_tokens=st.miss_tokens,
-        evicted_pages=st.evicted_pages,
-        duplicate_pages=st.duplicate_pages,
-        demoted_sessions=st.demoted_sessions,
-        reaped_sessions=st.reaped_sessions,
-        expired_leases=st.expired_leases,
-        sessions_idle=st.sessions_idle,
-        sessions_in_turn=st.sessions_in_turn,
-        sessions_closing=st.sessions_closing,
-        sessions_demoted=st.sessions_demoted,
-        engines=st.engines,
-        instance_id=instance_id,
-        uptime_seconds=uptime_seconds,
-        physical_usage=1 - st.free_pages / st.usable_pages,
-        verified=verified,
-    )
+    return pb.GetStatsResponse(**_fields(st), instance_id=instance_id, uptime_seconds=uptime_seconds,
+                               physical_usage=1 - st.free_pages / st.usable_pages, verified=verified)

@@ -27,7 +27,7 @@ AUTH_HEADER = "authorization"
 Behavior = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
 
-class ServiceInterceptor(grpc.aio.ServerInterceptor):
+class ServiceInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc ships no types
     def __init__(self, metrics: Metrics, *, instance_id: str, auth_token: str = "") -> None:
         self._metrics = metrics
         self._instance_id = instance_id
@@ -40,7 +40,7 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        method: str = details.method  # type: ignore[attr-defined]
+        method: str = details.method
         cached = self._wrapped.get(method)
         if cached is not None:
             return cached

@@ -343,7 +343,7 @@ def test_metrics_port_on_container_and_service(chart: helm.Chart) -> None:
 def test_metrics_off(chart: helm.Chart) -> None:
     objects = render(chart, {"metrics": {"enabled": False}})
     container = service_container(objects)
-    assert env_values(container)["KVCACHE_METRICS_PORT"] == "0"
+    assert env_values(container)["KVCACHE_METRICS_PORT"] == "off"
     assert [p["name"] for p in container["ports"]] == ["grpc"]
     assert [p["name"] for p in one(objects, "Service")["spec"]["ports"]] == ["grpc"]
 

@@ -29,6 +29,7 @@ from engine_client import (
     SessionNotFound,
     map_pool,
 )
+from engine_client.types import ReapResult
 
 from .conftest import ServerProcess
 
@@ -135,17 +136,25 @@ def test_an_unreachable_service_is_service_unavailable() -> None:
         assert err.value.code.name == "UNAVAILABLE"
 
 
-def test_heartbeats_keep_a_lease_alive_and_its_loss_is_reported(server: ServerProcess) -> None:
-    ttl = 2.0  # generous: a loaded machine may delay a beat by a good fraction of a second
+def test_heartbeats_keep_a_lease_alive_and_its_loss_is_reported(
+        start_server: Callable[..., ServerProcess]) -> None:
+    # No background reaper: leases expire only when ReapSessions (or a call naming the engine) finds them due.
+    server = start_server("--page-size", "4", "--num-pages", "256", "--reap-interval", "3600")
+    ttl = 1.0
     with KVCacheClient(server.target) as c:
         c.register_engine("hb", ttl_seconds=ttl)
         c.open_session("owned")
         c.start_heartbeats(interval_seconds=ttl / 8)
-        time.sleep(1.5 * ttl)  # past the TTL: only the heartbeats keep the lease alive
+        time.sleep(1.5 * ttl)  # real time past the TTL: only the heartbeats can have kept the lease alive
+        assert c.reap_sessions() == ReapResult((), ())
         assert c.get_session("owned").engine_id == "hb"
         assert c.lease_error is None
         c.stop_heartbeats()
-        time.sleep(ttl + 0.5)  # the lease expires; the reaper (every 0.2 s) closes its session
+        deadline = time.monotonic() + 30 * ttl
+        while (reaped := c.reap_sessions()) == ReapResult((), ()):
+            assert time.monotonic() < deadline, "the lease never expired"
+            time.sleep(ttl / 10)
+        assert reaped == ReapResult(("owned",), ("hb",))
         with pytest.raises(SessionNotFound):
             c.get_session("owned")
         with pytest.raises(LeaseExpired):

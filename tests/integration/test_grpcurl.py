@@ -98,7 +98,7 @@ def test_a_whole_session_with_json(any_server: ServerProcess) -> None:
 
 
 ERROR_SERVER_FLAGS = ("--page-size", "4", "--num-pages", "17", "--max-session-tokens", "200",
-                      "--session-budget-fraction", "0.5")
+                      "--session-budget-fraction", "0.5", "--reap-interval", "3600")
 
 
 def _cases() -> list[tuple[str, str, Callable[[Grpcurl], tuple[str, dict[str, object]]]]]:
@@ -135,8 +135,12 @@ def _cases() -> list[tuple[str, str, Callable[[Grpcurl], tuple[str, dict[str, ob
         return err
 
     def lease_expired(g: Grpcurl) -> tuple[str, dict[str, object]]:
-        g.call("RegisterEngine", {"engine_id": "short-lived", "ttl_seconds": 0.2})
-        time.sleep(0.8)  # the reaper (every 0.2 s) expires the lease
+        g.call("RegisterEngine", {"engine_id": "short-lived", "ttl_seconds": 0.05})
+        # This server has no background reaper: ReapSessions is the only thing that expires leases, so poll
+        # it until the lease has aged past its TTL (a grpcurl call alone takes longer than that).
+        deadline = time.monotonic() + 20
+        while "short-lived" not in g.call("ReapSessions", {}).get("engine_ids", []):
+            assert time.monotonic() < deadline, "the lease never expired"
         return g.fail("Heartbeat", {"engine_id": "short-lived"})
 
     def instance_mismatch(g: Grpcurl) -> tuple[str, dict[str, object]]:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import json
 import re
-import socket
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -13,12 +13,6 @@ import pytest
 from engine_client import KVCacheClient, SessionNotFound
 
 from .conftest import ServerProcess
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -32,9 +26,14 @@ def scrape(port: int) -> dict[str, float]:
 
 
 def test_metrics_report_pages_sessions_tokens_and_rpc_latency(start_server: Callable[..., ServerProcess]) -> None:
-    port = free_port()
-    server = start_server("--page-size", "4", "--num-pages", "101", "--metrics-port", str(port))
-    assert server.banner[3].strip() == f"metrics  http://127.0.0.1:{port}/metrics"
+    # Port 0: the service binds a free port and prints it (no race with another process for a port).
+    server = start_server("--page-size", "4", "--num-pages", "101", "--metrics-port", "0")
+    match = re.fullmatch(r"metrics  http://127\.0\.0\.1:(\d+)/metrics", server.banner[3].strip())
+    assert match, server.banner[3]
+    port = int(match.group(1))
+    assert server.log_path is not None
+    serving = next(json.loads(line) for line in server.log_path.read_text().splitlines() if '"serving"' in line)
+    assert (serving["metrics_port"], serving["usable_pages"]) == (port, 100)
     with KVCacheClient(server.target) as c:
         c.open_session("m")
         c.append_session("m", list(range(10)), 2)  # 3 pages in flight

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 import numpy as np
 import pytest
 from google.rpc import error_details_pb2, status_pb2
 
-from cache_service.core import KVCacheError, Reason
+from cache_service.core import CoreConfig, KVCacheCore, KVCacheError, Reason, SessionInfo, Stats
 from cache_service.core.errors import invalid_argument
-from cache_service.rpc.convert import request_tokens
+from cache_service.rpc.convert import SERVICE_STATS_FIELDS, request_tokens, session_info, stats
 from cache_service.rpc.errors import status_for
 from protos.kvcache.v1 import kvcache_pb2 as pb
 
@@ -50,3 +52,41 @@ def test_status_carries_code_message_and_error_info() -> None:
 def test_every_reason_maps_to_its_grpc_code(reason: Reason) -> None:
     status = status_for(KVCacheError(reason, "x"))
     assert status.code.name == reason.code.value
+
+
+def _proto_fields(message: type) -> set[str]:
+    return {f.name for f in message.DESCRIPTOR.fields}  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("record", "message", "service_only"), [
+    (Stats, pb.GetStatsResponse, set(SERVICE_STATS_FIELDS)),
+    (SessionInfo, pb.SessionInfo, set()),
+])
+def test_core_records_and_proto_messages_have_the_same_fields(record: type, message: type,
+                                                              service_only: set[str]) -> None:
+    core = {f.name for f in dataclasses.fields(record)}
+    assert core == _proto_fields(message) - service_only, "a field exists on one side only: add it to both"
+
+
+def test_stats_and_session_info_convert_every_field_by_name(make_core_for_convert: KVCacheCore) -> None:
+    core = make_core_for_convert
+    st = core.stats()
+    msg = stats(st, instance_id="i", uptime_seconds=2.0, verified=False)
+    for f in dataclasses.fields(st):
+        assert getattr(msg, f.name) == getattr(st, f.name), f.name
+    assert (msg.instance_id, msg.uptime_seconds, msg.physical_usage) == ("i", 2.0, pytest.approx(3 / 15))
+    info = core.get_session("s")
+    converted = session_info(info)
+    for f in dataclasses.fields(info):
+        if f.name != "state":
+            assert getattr(converted, f.name) == getattr(info, f.name), f.name
+    assert converted.state == pb.SESSION_STATE_IN_TURN
+
+
+@pytest.fixture
+def make_core_for_convert() -> KVCacheCore:
+    core = KVCacheCore(CoreConfig(num_pages=16, page_size=4, session_budget_pages=10))
+    core.register_engine("e")
+    core.open_session("s", streaming=True, cache_salt="t", engine_id="e")
+    core.append("s", np.arange(10, dtype=np.int32), 2)
+    return core

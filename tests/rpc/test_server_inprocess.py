@@ -6,10 +6,11 @@ import asyncio
 
 from grpc_health.v1 import health_pb2
 
+from cache_service.app import KVCacheServer, build_server
 from cache_service.config import ServiceConfig
 from cache_service.memory.cuda_ipc import CudaIpcPool
 from cache_service.memory.select import PoolChoice
-from cache_service.rpc.server import SERVICE_NAME, KVCacheServer, build_server
+from cache_service.rpc.server import SERVICE_NAME
 from engine_client import AsyncKVCacheClient
 from tests.fakes import UUIDS, FakeDriver
 
@@ -51,7 +52,7 @@ def test_shutdown_drains_stops_releases_leases_and_only_then_frees_the_pool() ->
 
         def at_free() -> None:
             st = server.core.stats()
-            seen.append((st.engines, st.sessions, server._health._server_status[SERVICE_NAME]))
+            seen.append((st.engines, st.sessions, server.health._server_status[SERVICE_NAME]))
 
         driver.on_free = at_free
         await server.stop(grace=0.5)

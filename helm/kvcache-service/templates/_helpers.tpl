@@ -211,7 +211,7 @@ Whole numbers render as integers (Helm holds every number as a float64, and "1.0
 - name: KVCACHE_LISTEN
   value: {{ include "kvcache.listen" . | quote }}
 - name: KVCACHE_METRICS_PORT
-  value: {{ ternary (int .Values.metrics.port) 0 .Values.metrics.enabled | quote }}
+  value: {{ ternary (int .Values.metrics.port) "off" .Values.metrics.enabled | quote }}
 - name: KVCACHE_METRICS_HOST
   value: {{ .Values.metrics.host | quote }}
 {{- with include "kvcache.authSecretName" . }}

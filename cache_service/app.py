@@ -1,0 +1,150 @@
+"""Start-up's one home: from a `ServiceConfig`, build the pool, the core, the gRPC server, metrics and the
+reaper; stop them in order.
+
+Start: create the pool (removing stale files of our prefix), bind, mark SERVING. Stop: health
+NOT_SERVING, stop accepting and give in-flight RPCs `grace` seconds, release every lease (sessions
+closed), then free the pool. The pool is never freed while the server can still hand out its pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import Callable
+
+from grpc_health.v1._async import HealthServicer
+
+from cache_service import __version__
+from cache_service.config import ServiceConfig
+from cache_service.core import CoreConfig, KVCacheCore
+from cache_service.log import get_logger
+from cache_service.memory import PoolBackend
+from cache_service.memory.select import PoolChoice, create_pool
+from cache_service.metrics import Metrics, serve_metrics
+from cache_service.rpc.server import RpcServer, RpcSettings
+
+
+def core_config(config: ServiceConfig) -> CoreConfig:
+    return CoreConfig(
+        num_pages=config.resolved_num_pages,
+        page_size=config.page_size,
+        session_timeout_seconds=config.session_timeout,
+        lease_ttl_seconds=config.lease_ttl,
+        session_budget_pages=config.session_budget_pages,
+        max_session_tokens=config.max_session_tokens,
+        eviction_policy=config.eviction_policy,
+        demote_idle_sessions=config.demote_idle_sessions,
+    )
+
+
+def rpc_settings(config: ServiceConfig) -> RpcSettings:
+    return RpcSettings(listen=config.listen, auth_token=config.auth_token,
+                       max_request_tokens=config.max_request_tokens, max_message_bytes=config.max_message_bytes)
+
+
+class KVCacheServer:
+    """One service instance. `await start()`, then `await stop()` (idempotent)."""
+
+    def __init__(self, config: ServiceConfig, *, clock: Callable[[], float] = time.monotonic,
+                 pool_factory: Callable[[ServiceConfig, str], PoolChoice] = create_pool) -> None:
+        self.config = config
+        self.instance_id = uuid.uuid4().hex[:16]
+        self._log = get_logger("kvcache.server")
+        self._clock = clock
+        self._pool_factory = pool_factory
+        self.pool: PoolBackend | None = None
+        self.pool_why = ""
+        self.core = KVCacheCore(core_config(config), clock)
+        self._rpc: RpcServer | None = None
+        self._reaper: asyncio.Task[None] | None = None
+        self._metrics_server: asyncio.Server | None = None
+        self.address = ""
+        self.port = 0
+        self.metrics_port: int | None = None
+        """The bound metrics port (the free one picked for --metrics-port 0); None when metrics are off."""
+        self._stopped = False
+
+    @property
+    def health(self) -> HealthServicer:
+        assert self._rpc is not None, "start() first"
+        return self._rpc.health
+
+    async def start(self) -> None:
+        cfg = self.config
+        choice = self._pool_factory(cfg, self.instance_id)
+        self.pool, self.pool_why = choice.pool, choice.why
+        for path in choice.removed_stale:
+            self._log.warning("removed_stale_pool_file", path=path)
+        try:
+            await self._start_serving()
+        except BaseException:
+            self.pool.close()
+            raise
+        self._log.info("serving", address=self.address, instance_id=self.instance_id, backend=self.pool.name,
+                       usable_pages=cfg.resolved_num_pages - 1, metrics_port=self.metrics_port)
+
+    async def _start_serving(self) -> None:
+        cfg = self.config
+        assert self.pool is not None
+        metrics = Metrics(self.core.stats, {"instance_id": self.instance_id, "backend": self.pool.name,
+                                            "version": __version__})
+        rpc = RpcServer(self.core, self.pool.layout, self.pool.handle(), rpc_settings(cfg),
+                        instance_id=self.instance_id, metrics=metrics, clock=self._clock)
+        self.address = rpc.bind()
+        self.port = rpc.port
+        if cfg.metrics_port is not None:
+            self._metrics_server = await serve_metrics(metrics, cfg.metrics_host, cfg.metrics_port)
+            self.metrics_port = int(self._metrics_server.sockets[0].getsockname()[1])
+        await rpc.start()
+        self._rpc = rpc
+        self._reaper = asyncio.create_task(self._reap_forever(), name="kvcache-reaper")
+
+    async def _reap_forever(self) -> None:
+        interval = self.config.reap_interval
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                res = self.core.reap()
+            except Exception:
+                self._log.exception("reaper_failed")
+                continue
+            if res.session_ids or res.engine_ids:
+                self._log.info("reaped", sessions=list(res.session_ids), expired_engines=list(res.engine_ids))
+
+    async def wait(self) -> None:
+        if self._rpc is not None:
+            await self._rpc.wait()
+
+    async def stop(self, grace: float | None = None) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        grace = self.config.grace_period if grace is None else grace
+        self._log.info("draining", grace_seconds=grace)
+        if self._rpc is not None:
+            await self._rpc.stop(grace)
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        if self._metrics_server is not None:
+            self._metrics_server.close()
+            await self._metrics_server.wait_closed()
+        # Every session open now is released: engines' leases end (their sessions close, KV cached) and
+        # the rest go with the pool.
+        st = self.core.stats()
+        for engine in self.core.list_engines():
+            self.core.unregister_engine(engine.engine_id)
+        if self.pool is not None:
+            self.pool.close()
+        self._log.info("stopped", released_sessions=st.sessions, released_engines=st.engines,
+                       instance_id=self.instance_id)
+
+
+async def build_server(config: ServiceConfig, **kwargs: object) -> tuple[KVCacheServer, int]:
+    """Create and start a server; returns it and its bound TCP port (0 for a unix socket)."""
+    server = KVCacheServer(config, **kwargs)  # type: ignore[arg-type]
+    await server.start()
+    return server, server.port
