@@ -41,7 +41,8 @@ def core_config(config: ServiceConfig) -> CoreConfig:
 
 def rpc_settings(config: ServiceConfig) -> RpcSettings:
     return RpcSettings(listen=config.listen, auth_token=config.auth_token,
-                       max_request_tokens=config.max_request_tokens, max_message_bytes=config.max_message_bytes)
+                       max_request_tokens=config.max_request_tokens, max_step_ops=config.max_step_ops,
+                       max_message_bytes=config.max_message_bytes)
 
 
 class KVCacheServer:

@@ -99,7 +99,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("session-budget-fraction", float, 0.8,
          "share of the pool sessions may hold privately (0 = no budget beyond the pool)"),
     Flag("max-session-tokens", int, 0, "per-session cap on context + reservation in tokens (0 = no cap)"),
-    Flag("max-request-tokens", int, 1 << 20, "most token ids one request may carry"),
+    Flag("max-request-tokens", int, 1 << 20, "most token ids one request (or one Step op) may carry"),
+    Flag("max-step-ops", int, 4096, "most operations one Step call may carry"),
     Flag("max-message-bytes", parse_bytes, 64 << 20, "largest gRPC message accepted", metavar="SIZE"),
     Flag("eviction-policy", str, "lru", "radix eviction order", ("lru", "lfu")),
     Flag("demote-idle-sessions", _bool, True,
@@ -136,6 +137,7 @@ class ServiceConfig:
     session_budget_fraction: float = 0.8
     max_session_tokens: int = 0
     max_request_tokens: int = 1 << 20
+    max_step_ops: int = 4096
     max_message_bytes: int = 64 << 20
     eviction_policy: str = "lru"
     demote_idle_sessions: bool = True
@@ -208,6 +210,7 @@ class ServiceConfig:
              f"must be in [0, 1], got {self.session_budget_fraction}")
         need(self.max_session_tokens >= 0, "max-session-tokens", f"must be >= 0, got {self.max_session_tokens}")
         need(self.max_request_tokens >= 1, "max-request-tokens", f"must be >= 1, got {self.max_request_tokens}")
+        need(self.max_step_ops >= 1, "max-step-ops", f"must be >= 1, got {self.max_step_ops}")
         need(self.max_message_bytes >= 4096, "max-message-bytes", "must be at least 4096 bytes")
         need(self.eviction_policy in ("lru", "lfu"), "eviction-policy", f"unknown policy {self.eviction_policy!r}")
         need(self.metrics_port is None or 0 <= self.metrics_port <= 65535, "metrics-port",

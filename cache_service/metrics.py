@@ -8,9 +8,9 @@ so scrapes never read the core from another thread.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -80,12 +80,19 @@ class Metrics:
         self._rpc = Histogram("kvcache_rpc_duration_seconds", "RPC handling time by method and status code.",
                               ["method", "code"], registry=self.registry, buckets=_LATENCY_BUCKETS)
         self._children: dict[tuple[str, str], Histogram] = {}
+        self._step_ops = Counter("kvcache_step_ops", "Operations inside Step calls by op and status code.",
+                                 ["op", "code"], registry=self.registry)
 
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
         child = self._children.get((method, code))
         if child is None:
             child = self._children[(method, code)] = self._rpc.labels(method, code)
         child.observe(seconds)
+
+    def observe_step_ops(self, outcomes: Mapping[tuple[str, str], int]) -> None:
+        """Count one Step's operations: (op, code) -> how many."""
+        for (op, code), n in outcomes.items():
+            self._step_ops.labels(op, code).inc(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

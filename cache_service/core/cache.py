@@ -36,6 +36,7 @@ from cache_service.core.types import (
     CloseResult,
     CommitResult,
     EngineInfo,
+    ExtendResult,
     MatchResult,
     OpenResult,
     ReapResult,
@@ -143,6 +144,28 @@ class KVCacheCore:
                 session_id=session_id, limit=cap, requested=total,
             )
         result = self.turns.begin(s, tokens, reserve_tokens)
+        self.sessions.touch(s, now)
+        return result
+
+    def extend(self, session_id: str, reserve_tokens: int, *, epoch: int = 0, engine_id: str = "") -> ExtendResult:
+        """Grow the turn in flight by `reserve_tokens` slots (decode that outgrew its reservation): the
+        capacity becomes at least the old capacity + `reserve_tokens`, in whole pages. Same capacity rules
+        as an append (SESSION_TOKEN_LIMIT against the capacity asked, relief, never a partial allocation);
+        NO_TURN_IN_FLIGHT without a turn. A turn whose close is deferred may still grow."""
+        now = self._clock()
+        check_count(reserve_tokens, "reserve_tokens")
+        s = self._session(session_id, epoch, engine_id, now)
+        self._check_turn(s, 0)
+        total = len(s.pages) * self.page_size + reserve_tokens
+        cap = self.config.max_session_tokens
+        if cap and reserve_tokens and total > cap:
+            raise KVCacheError(
+                Reason.SESSION_TOKEN_LIMIT,
+                f"session {session_id!r} would reach {total} slots (capacity {total - reserve_tokens} + "
+                f"{reserve_tokens}), above the per-session cap of {cap}",
+                session_id=session_id, limit=cap, requested=total,
+            )
+        result = self.turns.extend(s, reserve_tokens)
         self.sessions.touch(s, now)
         return result
 

@@ -145,12 +145,16 @@ class RadixTree:
         self.lock(node)
         return RadixMatch(matched, pages, node)
 
-    def insert(self, salt: str, key: bytes, pages: PageArray) -> RadixInsert:
+    def insert(self, salt: str, key: bytes, pages: PageArray, *, below: RadixNode | None = None) -> RadixInsert:
         """Cache `pages` under `key` (len(key) == len(pages) * page_bytes).
 
         Pages the tree already holds for a leading part of the key are left alone: the result says how
         many, and the caller frees its own copies of them. The new tail pages become tree-owned (the tree
         takes over the caller's allocator reference). The returned node ends exactly at the key's end.
+
+        `below`, a node the caller holds locked, says where `key` starts: the sequence is the path to
+        `below` followed by `key` (the path is touched as a walk from the root would touch it, but not
+        compared again). Without it the key starts at the salt's root.
         """
         num_pages = len(key) // self.page_bytes
         if len(key) != num_pages * self.page_bytes or pages.size != num_pages:
@@ -158,16 +162,24 @@ class RadixTree:
                 f"radix insert needs whole pages: key has {len(key)} bytes, {pages.size} pages given"
             )
         if num_pages == 0:
-            return RadixInsert(0, EMPTY_PAGES, None)
-        root = self._roots.get(salt)
-        if root is None:
-            root = RadixNode(0, b"", EMPTY_PAGES, None)
-            root.salt = salt
-            root.lock_ref = 1  # roots are never evicted
-            self._roots[salt] = root
-        node, matched, into = self._walk(root, key, touch=True)
+            return RadixInsert(0, EMPTY_PAGES, below)
+        if below is None:
+            root = self._roots.get(salt)
+            if root is None:
+                root = RadixNode(0, b"", EMPTY_PAGES, None)
+                root.salt = salt
+                root.lock_ref = 1  # roots are never evicted
+                self._roots[salt] = root
+            node, matched, into = self._walk(root, key, touch=True)
+        else:
+            node, matched, into = self._walk(below, key, touch=True)
+            n: RadixNode | None = below
+            while n is not None and n.parent is not None:
+                n.tick = self._tick
+                n.hits += 1
+                n = n.parent
         if matched:
-            existing = self._matched_pages(node, into, matched)
+            existing = self._matched_pages(node, into, matched, below)
             if into < node.num_pages:
                 node = self._split(node, into)
         else:
@@ -294,18 +306,19 @@ class RadixTree:
                 hi = mid - 1
         return lo
 
-    def path_pages(self, node: RadixNode, into: int | None = None) -> PageArray:
-        """The pages from the root down to `node`, taking only its first `into` pages (all by default)."""
+    def path_pages(self, node: RadixNode, into: int | None = None, above: RadixNode | None = None) -> PageArray:
+        """The pages from the root (or from the end of `above`, an ancestor) down to `node`, taking only
+        its first `into` pages (all by default)."""
         parts = [node.pages if into is None else node.pages[:into]]
         n = node.parent
-        while n is not None and n.parent is not None:
+        while n is not None and n.parent is not None and n is not above:
             parts.append(n.pages)
             n = n.parent
         parts.reverse()
         return np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
 
-    def _matched_pages(self, node: RadixNode, into: int, matched: int) -> PageArray:
-        pages = self.path_pages(node, into)
+    def _matched_pages(self, node: RadixNode, into: int, matched: int, above: RadixNode | None = None) -> PageArray:
+        pages = self.path_pages(node, into, above)
         if pages.size != matched:
             raise InvariantError(f"radix path holds {pages.size} pages, walk matched {matched}")
         return pages

@@ -15,8 +15,6 @@ settle the page counters themselves.
 
 from __future__ import annotations
 
-import numpy as np
-
 from cache_service.core.accounting import Counters
 from cache_service.core.capacity import plan_relief
 from cache_service.core.config import CoreConfig
@@ -24,7 +22,7 @@ from cache_service.core.errors import InvariantError, KVCacheError
 from cache_service.core.pages import PageAllocator
 from cache_service.core.radix import RadixNode, RadixTree, token_key
 from cache_service.core.sessions import Session, SessionTable
-from cache_service.core.types import EMPTY_PAGES, AppendResult, PageArray, SessionState, TokenArray
+from cache_service.core.types import EMPTY_PAGES, AppendResult, ExtendResult, PageArray, SessionState, TokenArray
 
 
 class Turns:
@@ -102,6 +100,20 @@ class Turns:
             num_pages=len(s.pages),
             prefix_hit_tokens=radix_hit,
         )
+
+    def extend(self, s: Session, reserve_tokens: int) -> ExtendResult:
+        """Grow the turn in flight by `reserve_tokens` slots beyond its capacity (whole pages). All or
+        nothing, with the same relief and refusals as `begin`."""
+        ps = self._ps
+        needed = -(-(len(s.pages) * ps + reserve_tokens) // ps) - len(s.pages)
+        new_pages = self.allocate(needed, s)
+        before = self._c.footprint(s)
+        s.pages.extend(new_pages)
+        self._c.settle(s, before)
+        offset = s.synced_pages
+        delta = s.pages.view()[offset:].copy()
+        s.synced_pages = len(s.pages)
+        return ExtendResult(s.id, s.epoch, s.turns + 1, len(s.pages) * ps, offset, delta, len(s.pages))
 
     def commit(self, s: Session, generated: TokenArray, kv: int) -> None:
         """Record `generated` and take the first `kv` context tokens as having KV; free the unused
@@ -207,6 +219,7 @@ class Turns:
     def _cache_into_radix(self, s: Session, num_pages: int, *, pin: bool) -> None:
         """Insert the session's first `num_pages` pages (with their tokens) into the radix.
 
+        The pinned prefix is already the tree's, so the insert continues below the session's lock node.
         Pages the tree already had are duplicates: ours are freed and the page table switches to the
         tree's copies (same tokens, same KV). With pin=True the session's pin moves to the new node; with
         pin=False the pin is dropped and pages [0, num_pages) are the tree's, no longer the session's.
@@ -215,18 +228,17 @@ class Turns:
         ps = self._ps
         pinned = s.radix_pages
         pages = s.pages.view()
-        key = token_key(s.tokens.view(), ps, num_pages * ps)
-        if len(key) != num_pages * ps * 4:
+        key = s.tokens.view()[pinned * ps : num_pages * ps].astype("<i4", copy=False).tobytes()
+        if len(key) != (num_pages - pinned) * ps * 4:
             raise InvariantError(f"session {s.id!r} has fewer than {num_pages} pages of tokens")
-        ins = self._radix.insert(s.cache_salt, key, pages[:num_pages])
+        ins = self._radix.insert(s.cache_salt, key, pages[pinned:num_pages], below=s.lock_node)
         existing = ins.num_existing_pages
-        if existing < pinned or not np.array_equal(ins.pages[:pinned], pages[:pinned]):
-            raise InvariantError(f"session {s.id!r}: its pinned radix prefix changed under the pin")
-        if existing > pinned:
-            duplicates = pages[pinned:existing].copy()
-            pages[pinned:existing] = ins.pages[pinned:existing]
+        if existing:
+            end = pinned + existing
+            duplicates = pages[pinned:end].copy()
+            pages[pinned:end] = ins.pages[:existing]
             self._pages.free(duplicates)
-            self._c.duplicate_pages += duplicates.size
+            self._c.duplicate_pages += existing
             s.synced_pages = min(s.synced_pages, pinned)
         old = s.lock_node
         if pin:

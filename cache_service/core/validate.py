@@ -45,7 +45,8 @@ def check_id(value: str, field: str) -> None:
     """Session and engine ids: printable, no whitespace, at most MAX_ID_CHARS."""
     if len(value) > MAX_ID_CHARS:
         raise invalid_argument(field, f"longer than {MAX_ID_CHARS} characters")
-    if not value.isprintable() or any(c.isspace() for c in value):
+    # A printable str has no whitespace but the ASCII space (other spaces are Unicode separators).
+    if not value.isprintable() or " " in value:
         raise invalid_argument(field, "must be printable with no whitespace")
 
 

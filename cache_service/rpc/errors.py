@@ -11,11 +11,17 @@ from cache_service.core import ErrorCode, KVCacheError
 
 DOMAIN = "kvcache.v1"
 
-_CODES: dict[ErrorCode, int] = {code: getattr(code_pb2, code.value) for code in ErrorCode}
+CODES: dict[ErrorCode, int] = {code: getattr(code_pb2, code.value) for code in ErrorCode}
 
 
-def status_for(err: KVCacheError) -> grpc.Status:
+def status_proto(err: KVCacheError) -> status_pb2.Status:
+    """The google.rpc.Status an error is sent as: code, message and one ErrorInfo detail."""
     info = error_details_pb2.ErrorInfo(reason=err.reason.value, domain=DOMAIN, metadata=err.metadata)
     detail = any_pb2.Any()
     detail.Pack(info)
-    return rpc_status.to_status(status_pb2.Status(code=_CODES[err.code], message=err.message, details=[detail]))
+    return status_pb2.Status(code=CODES[err.code], message=err.message, details=[detail])
+
+
+def status_for(err: KVCacheError) -> grpc.Status:
+    """The status a unary call aborts with (the same google.rpc.Status, in trailing metadata)."""
+    return rpc_status.to_status(status_proto(err))

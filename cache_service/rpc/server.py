@@ -34,6 +34,7 @@ class RpcSettings:
     """host:port (port 0 picks a free one) or unix:/path."""
     auth_token: str = ""
     max_request_tokens: int = 1 << 20
+    max_step_ops: int = 4096
     max_message_bytes: int = 64 << 20
 
 
@@ -47,7 +48,8 @@ class RpcServer:
         self.address = ""
         self.port = 0
         servicer = KVCacheServicer(core, layout, handle, instance_id=instance_id,
-                                   max_request_tokens=settings.max_request_tokens, clock=clock)
+                                   max_request_tokens=settings.max_request_tokens,
+                                   max_step_ops=settings.max_step_ops, metrics=metrics, clock=clock)
         self._server = grpc.aio.server(
             interceptors=[ServiceInterceptor(metrics, instance_id=instance_id, auth_token=settings.auth_token)],
             options=[

@@ -25,7 +25,7 @@ class FakeClock:
 
 
 _CHECKED = (
-    "match_prefix", "open_session", "append", "commit", "close", "reap", "register_engine",
+    "match_prefix", "open_session", "append", "extend", "commit", "close", "reap", "register_engine",
     "heartbeat", "unregister_engine", "evict", "get_session", "list_sessions",
 )
 

@@ -152,6 +152,29 @@ class Simulator:
         if res.closed:
             del self.models[sid]
 
+    def extend(self, sid: str, reserve: int) -> None:
+        m = self.models.get(sid)
+        try:
+            r = self.core.extend(sid, reserve, epoch=m.epoch if m else 0)
+        except KVCacheError as e:
+            self.sync()
+            self.seen[f"extend:{e.reason.value}"] += 1
+            if m is None or sid not in self.models:
+                assert e.reason in GONE, e
+            elif m.turn is None:
+                assert e.reason is Reason.NO_TURN_IN_FLIGHT, e
+            else:
+                assert e.reason in RESOURCE, e
+            return
+        assert m is not None and m.turn is not None
+        context, cached, capacity = m.turn
+        assert r.capacity_tokens >= capacity + reserve > r.capacity_tokens - PAGE_SIZE
+        del m.table[r.page_offset :]
+        m.table.extend(r.page_ids.tolist())
+        assert len(m.table) * PAGE_SIZE == r.capacity_tokens
+        m.turn = (context, cached, r.capacity_tokens)
+        self.seen["extend"] += 1
+
     def abort(self, sid: str) -> None:
         m = self.models.get(sid)
         try:
@@ -262,6 +285,10 @@ class CoreMachine(RuleBasedStateMachine):
     def commit(self, data: st.DataObject, gen: list[int], explicit_kv: bool) -> None:
         self.sim.commit(self._pick(data), gen, explicit_kv)
 
+    @rule(data=st.data(), reserve=st.integers(0, 5))
+    def extend(self, data: st.DataObject, reserve: int) -> None:
+        self.sim.extend(self._pick(data), reserve)
+
     @rule(data=st.data())
     def abort(self, data: st.DataObject) -> None:
         self.sim.abort(self._pick(data))
@@ -309,7 +336,7 @@ TestCoreStateMachine = CoreMachine.TestCase
 
 _ACTIONS = ["open", "open", "append", "append", "append", "append", "commit", "commit", "commit",
             "commit", "abort", "close", "advance", "register", "heartbeat", "heartbeat", "heartbeat",
-            "unregister", "evict", "match"]
+            "unregister", "evict", "match", "extend", "extend"]
 
 
 def random_walk(seed: int, steps: int) -> Simulator:
@@ -333,6 +360,8 @@ def random_walk(seed: int, steps: int) -> Simulator:
             sim.append(pick(), tokens(), int(rng.integers(0, 7)))
         elif action == "commit":
             sim.commit(pick(), tokens(), bool(rng.random() < 0.3))
+        elif action == "extend":
+            sim.extend(pick(), int(rng.integers(0, 6)))
         elif action == "abort":
             sim.abort(pick())
         elif action == "close" and rng.random() < 0.4:
@@ -367,7 +396,8 @@ def test_long_random_walks_reach_deep_states() -> None:
         "append:turn4": 50, "append:radix_hit": 50, "append:session_hit": 50, "abort:after_commit": 20,
         "abort:turn1": 20, "close:deferred": 20, "reaped": 10, "append:POOL_EXHAUSTED": 1,
         "append:SESSION_BUDGET": 1, "append:SESSION_BUSY": 20, "demoted": 5, "duplicate_pages": 5,
-        "evicted_pages": 20, "expired_leases": 5,
+        "evicted_pages": 20, "expired_leases": 5, "extend": 100, "extend:NO_TURN_IN_FLIGHT": 10,
+        "extend:POOL_EXHAUSTED": 1,
     }
     low = {what: seen[what] for what, floor in floors.items() if seen[what] < floor}
     assert not low, f"under-exercised: {low}; all: {dict(seen)}"

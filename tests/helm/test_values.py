@@ -246,6 +246,7 @@ FLAG_CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "max-session-tokens": ({"config": {"maxSessionTokens": 131072}}, {"value": "131072"}),
     # Above 1e6: Helm holds numbers as float64, which print as 2.097152e+06 unless the chart converts.
     "max-request-tokens": ({"config": {"maxRequestTokens": 2097152}}, {"value": "2097152"}),
+    "max-step-ops": ({"config": {"maxStepOps": 8192}}, {"value": "8192"}),
     "max-message-bytes": ({"config": {"maxMessageBytes": 134217728}}, {"value": "134217728"}),
     "eviction-policy": ({"config": {"evictionPolicy": "lfu"}}, {"value": "lfu"}),
     "demote-idle-sessions": ({"config": {"demoteIdleSessions": False}}, {"value": "false"}),

@@ -1,4 +1,5 @@
 from google.protobuf import descriptor_pb2 as _descriptor_pb2
+from google.rpc import status_pb2 as _status_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -274,6 +275,40 @@ class CommitSessionResponse(_message.Message):
     closed: bool
     def __init__(self, session_id: _Optional[str] = ..., context_tokens: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., num_pages: _Optional[int] = ..., closed: _Optional[bool] = ...) -> None: ...
 
+class ExtendSessionRequest(_message.Message):
+    __slots__ = ("session_id", "reserve_tokens", "epoch", "engine_id", "packed_response")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    PACKED_RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    reserve_tokens: int
+    epoch: int
+    engine_id: str
+    packed_response: bool
+    def __init__(self, session_id: _Optional[str] = ..., reserve_tokens: _Optional[int] = ..., epoch: _Optional[int] = ..., engine_id: _Optional[str] = ..., packed_response: _Optional[bool] = ...) -> None: ...
+
+class ExtendSessionResponse(_message.Message):
+    __slots__ = ("session_id", "epoch", "turn", "capacity_tokens", "page_offset", "page_ids", "packed_page_ids", "num_pages")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TURN_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    epoch: int
+    turn: int
+    capacity_tokens: int
+    page_offset: int
+    page_ids: _containers.RepeatedScalarFieldContainer[int]
+    packed_page_ids: bytes
+    num_pages: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., turn: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., page_offset: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., packed_page_ids: _Optional[bytes] = ..., num_pages: _Optional[int] = ...) -> None: ...
+
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id", "cache", "epoch", "engine_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -307,6 +342,54 @@ class ReapSessionsResponse(_message.Message):
     session_ids: _containers.RepeatedScalarFieldContainer[str]
     engine_ids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, session_ids: _Optional[_Iterable[str]] = ..., engine_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StepOp(_message.Message):
+    __slots__ = ("open", "append", "extend", "commit", "close", "match")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    APPEND_FIELD_NUMBER: _ClassVar[int]
+    EXTEND_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    MATCH_FIELD_NUMBER: _ClassVar[int]
+    open: OpenSessionRequest
+    append: AppendSessionRequest
+    extend: ExtendSessionRequest
+    commit: CommitSessionRequest
+    close: CloseSessionRequest
+    match: MatchPrefixRequest
+    def __init__(self, open: _Optional[_Union[OpenSessionRequest, _Mapping]] = ..., append: _Optional[_Union[AppendSessionRequest, _Mapping]] = ..., extend: _Optional[_Union[ExtendSessionRequest, _Mapping]] = ..., commit: _Optional[_Union[CommitSessionRequest, _Mapping]] = ..., close: _Optional[_Union[CloseSessionRequest, _Mapping]] = ..., match: _Optional[_Union[MatchPrefixRequest, _Mapping]] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("ops", "engine_id")
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    ops: _containers.RepeatedCompositeFieldContainer[StepOp]
+    engine_id: str
+    def __init__(self, ops: _Optional[_Iterable[_Union[StepOp, _Mapping]]] = ..., engine_id: _Optional[str] = ...) -> None: ...
+
+class StepResult(_message.Message):
+    __slots__ = ("status", "open", "append", "extend", "commit", "close", "match")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    APPEND_FIELD_NUMBER: _ClassVar[int]
+    EXTEND_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    MATCH_FIELD_NUMBER: _ClassVar[int]
+    status: _status_pb2.Status
+    open: OpenSessionResponse
+    append: AppendSessionResponse
+    extend: ExtendSessionResponse
+    commit: CommitSessionResponse
+    close: CloseSessionResponse
+    match: MatchPrefixResponse
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., open: _Optional[_Union[OpenSessionResponse, _Mapping]] = ..., append: _Optional[_Union[AppendSessionResponse, _Mapping]] = ..., extend: _Optional[_Union[ExtendSessionResponse, _Mapping]] = ..., commit: _Optional[_Union[CommitSessionResponse, _Mapping]] = ..., close: _Optional[_Union[CloseSessionResponse, _Mapping]] = ..., match: _Optional[_Union[MatchPrefixResponse, _Mapping]] = ...) -> None: ...
+
+class StepResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[StepResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
     __slots__ = ("session_id", "epoch", "state", "streaming", "cache_salt", "engine_id", "context_tokens", "kv_tokens", "turns", "num_pages", "radix_pages", "held_pages", "in_flight_pages", "idle_seconds", "timeout_seconds", "demoted", "close_pending")

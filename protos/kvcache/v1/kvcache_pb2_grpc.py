@@ -84,6 +84,16 @@ class KVCacheServiceStub:
                 request_serializer=protos_dot_kvcache_dot_v1_dot_kvcache__pb2.ReapSessionsRequest.SerializeToString,
                 response_deserializer=protos_dot_kvcache_dot_v1_dot_kvcache__pb2.ReapSessionsResponse.FromString,
                 _registered_method=True)
+        self.ExtendSession = channel.unary_unary(
+                '/kvcache.v1.KVCacheService/ExtendSession',
+                request_serializer=protos_dot_kvcache_dot_v1_dot_kvcache__pb2.ExtendSessionRequest.SerializeToString,
+                response_deserializer=protos_dot_kvcache_dot_v1_dot_kvcache__pb2.ExtendSessionResponse.FromString,
+                _registered_method=True)
+        self.Step = channel.unary_unary(
+                '/kvcache.v1.KVCacheService/Step',
+                request_serializer=protos_dot_kvcache_dot_v1_dot_kvcache__pb2.StepRequest.SerializeToString,
+                response_deserializer=protos_dot_kvcache_dot_v1_dot_kvcache__pb2.StepResponse.FromString,
+                _registered_method=True)
         self.GetSession = channel.unary_unary(
                 '/kvcache.v1.KVCacheService/GetSession',
                 request_serializer=protos_dot_kvcache_dot_v1_dot_kvcache__pb2.GetSessionRequest.SerializeToString,
@@ -168,6 +178,21 @@ class KVCacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExtendSession(self, request, context):
+        """Grow the turn in flight by more slots (decode that outgrew its reservation).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Step(self, request, context):
+        """One call per engine scheduler step: open / append / extend / commit / close / match operations,
+        applied in order, each on its own, each answered as if it had been sent alone.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetSession(self, request, context):
         """Inspection.
         """
@@ -239,6 +264,16 @@ def add_KVCacheServiceServicer_to_server(servicer, server):
                     servicer.ReapSessions,
                     request_deserializer=protos_dot_kvcache_dot_v1_dot_kvcache__pb2.ReapSessionsRequest.FromString,
                     response_serializer=protos_dot_kvcache_dot_v1_dot_kvcache__pb2.ReapSessionsResponse.SerializeToString,
+            ),
+            'ExtendSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExtendSession,
+                    request_deserializer=protos_dot_kvcache_dot_v1_dot_kvcache__pb2.ExtendSessionRequest.FromString,
+                    response_serializer=protos_dot_kvcache_dot_v1_dot_kvcache__pb2.ExtendSessionResponse.SerializeToString,
+            ),
+            'Step': grpc.unary_unary_rpc_method_handler(
+                    servicer.Step,
+                    request_deserializer=protos_dot_kvcache_dot_v1_dot_kvcache__pb2.StepRequest.FromString,
+                    response_serializer=protos_dot_kvcache_dot_v1_dot_kvcache__pb2.StepResponse.SerializeToString,
             ),
             'GetSession': grpc.unary_unary_rpc_method_handler(
                     servicer.GetSession,
@@ -526,6 +561,60 @@ class KVCacheService:
             '/kvcache.v1.KVCacheService/ReapSessions',
             protos_dot_kvcache_dot_v1_dot_kvcache__pb2.ReapSessionsRequest.SerializeToString,
             protos_dot_kvcache_dot_v1_dot_kvcache__pb2.ReapSessionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExtendSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.KVCacheService/ExtendSession',
+            protos_dot_kvcache_dot_v1_dot_kvcache__pb2.ExtendSessionRequest.SerializeToString,
+            protos_dot_kvcache_dot_v1_dot_kvcache__pb2.ExtendSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Step(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.KVCacheService/Step',
+            protos_dot_kvcache_dot_v1_dot_kvcache__pb2.StepRequest.SerializeToString,
+            protos_dot_kvcache_dot_v1_dot_kvcache__pb2.StepResponse.FromString,
             options,
             channel_credentials,
             insecure,
