@@ -34,9 +34,10 @@ from engine_client.errors import (
 from engine_client.options import ClientOptions
 from engine_client.pool import MappedPool, PoolMappingError, map_pool
 from engine_client.session import Session, Turn
-from engine_client.types import PoolInfo, PoolLayout
+from engine_client.types import DTYPE_BYTES, DTYPE_NAMES, PoolInfo, PoolLayout
 
 __all__ = [
+    "DTYPE_BYTES", "DTYPE_NAMES",
     "AsyncKVCacheClient", "BadToken", "ClientOptions", "EngineNotFound", "InternalError", "InvalidArgument",
     "InvalidTokens", "KVCacheClient", "KVCacheClientError", "LeaseExpired", "MappedPool", "NoTurnInFlight",
     "NotOwner", "PoolExhausted", "PoolInfo", "PoolLayout", "PoolMappingError", "ResourceExhausted",
