@@ -21,6 +21,7 @@ from engine_client.errors import (
     NotOwner,
     NoTurnInFlight,
     PoolExhausted,
+    PoolMappingError,
     ResourceExhausted,
     ServiceRestarted,
     ServiceUnavailable,
@@ -31,8 +32,8 @@ from engine_client.errors import (
     SessionNotFound,
     SessionTokenLimit,
 )
+from engine_client.mapping import MappedPool, map_pool
 from engine_client.options import ClientOptions
-from engine_client.pool import MappedPool, PoolMappingError, map_pool
 from engine_client.session import Session, Turn
 from engine_client.types import DTYPE_BYTES, DTYPE_NAMES, PoolInfo, PoolLayout
 
