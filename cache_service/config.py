@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from cache_service.memory.layout import DTYPE_BYTES, PoolLayout
+from protos.kvcache.v1.layout import DTYPE_NAMES, PoolLayout
 
 BACKEND_CHOICES = ("auto", "host_shm", "cuda_ipc")
 _SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
@@ -86,7 +86,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("num-layers", int, 2, "transformer layers in the pool layout"),
     Flag("num-kv-heads", int, 4, "KV heads per layer"),
     Flag("head-dim", int, 64, "head dimension"),
-    Flag("dtype", str, "float16", "KV element type", tuple(DTYPE_BYTES)),
+    Flag("dtype", str, "float16", "KV element type", DTYPE_NAMES),
     Flag("page-size", int, 16, "tokens per page"),
     Flag("num-pages", int, 0, "pages in the pool, page 0 included (default 1024 unless --pool-bytes is set)"),
     Flag("pool-bytes", parse_bytes, 0, "pool size in bytes instead of --num-pages (e.g. 512Mi, 8Gi)",
@@ -190,7 +190,7 @@ class ServiceConfig:
         for name in ("num-layers", "num-kv-heads", "head-dim", "page-size"):
             value = getattr(self, name.replace("-", "_"))
             need(value >= 1, name, f"must be >= 1, got {value}")
-        need(self.dtype in DTYPE_BYTES, "dtype", f"unknown dtype {self.dtype!r}; one of {', '.join(DTYPE_BYTES)}")
+        need(self.dtype in DTYPE_NAMES, "dtype", f"unknown dtype {self.dtype!r}; one of {', '.join(DTYPE_NAMES)}")
         need(self.backend in BACKEND_CHOICES, "backend",
              f"unknown backend {self.backend!r}; one of {', '.join(BACKEND_CHOICES)}")
         need(not (self.num_pages and self.pool_bytes), "pool-bytes", "set --num-pages or --pool-bytes, not both")

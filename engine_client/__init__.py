@@ -6,7 +6,16 @@
         with Session(client) as session:
             turn = session.append(prompt_ids, reserve_tokens=32)
             ...
+
+`import engine_client` does not import torch: the names that need it (`Session`, `Turn`, `map_pool`,
+`MappedPool`, `TORCH_DTYPES`) are loaded on first use, so a router or a tool that only talks to the
+service pays nothing for torch.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 from engine_client.aio import AsyncKVCacheClient
 from engine_client.client import KVCacheClient
@@ -21,6 +30,7 @@ from engine_client.errors import (
     NotOwner,
     NoTurnInFlight,
     PoolExhausted,
+    PoolMappingError,
     ResourceExhausted,
     ServiceRestarted,
     ServiceUnavailable,
@@ -32,14 +42,38 @@ from engine_client.errors import (
     SessionTokenLimit,
 )
 from engine_client.options import ClientOptions
-from engine_client.pool import MappedPool, PoolMappingError, map_pool
-from engine_client.session import Session, Turn
-from engine_client.types import PoolInfo, PoolLayout
+from engine_client.types import DTYPE_BYTES, DTYPE_NAMES, PoolInfo, PoolLayout
 
 __all__ = [
+    "DTYPE_BYTES", "DTYPE_NAMES", "TORCH_DTYPES",
     "AsyncKVCacheClient", "BadToken", "ClientOptions", "EngineNotFound", "InternalError", "InvalidArgument",
     "InvalidTokens", "KVCacheClient", "KVCacheClientError", "LeaseExpired", "MappedPool", "NoTurnInFlight",
     "NotOwner", "PoolExhausted", "PoolInfo", "PoolLayout", "PoolMappingError", "ResourceExhausted",
     "ServiceRestarted", "ServiceUnavailable", "Session", "SessionBudget", "SessionBusy", "SessionClosing",
     "SessionExists", "SessionNotFound", "SessionTokenLimit", "Turn", "map_pool",
 ]
+
+_LAZY: dict[str, str] = {
+    "MappedPool": "engine_client.mapping",
+    "TORCH_DTYPES": "engine_client.mapping",
+    "map_pool": "engine_client.mapping",
+    "Session": "engine_client.session",
+    "Turn": "engine_client.session",
+}
+"""Public names that need torch, and the module that defines each."""
+
+if TYPE_CHECKING:
+    from engine_client.mapping import TORCH_DTYPES, MappedPool, map_pool
+    from engine_client.session import Session, Turn
+else:
+    # Hidden from mypy: a visible module __getattr__ would make every misspelt engine_client.X type-check.
+    def __getattr__(name: str) -> object:
+        module = _LAZY.get(name)
+        if module is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value  # later lookups find it without coming here
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted({*globals(), *_LAZY})

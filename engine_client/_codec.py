@@ -1,4 +1,7 @@
-"""Request building and response parsing shared by the sync and asyncio clients (no I/O here)."""
+"""Token packing and response parsing: wire messages <-> the typed records of `engine_client.types` (no I/O).
+
+Parsers take the response message and return the record the client method returns; the requests are
+built in `_calls`."""
 
 from __future__ import annotations
 
@@ -95,6 +98,10 @@ def closed(r: pb.CloseSessionResponse) -> CloseResult:
     return _record(CloseResult, r)
 
 
+def unregistered(r: pb.UnregisterEngineResponse) -> tuple[str, ...]:
+    return tuple(r.closed_session_ids)
+
+
 def reaped(r: pb.ReapSessionsResponse) -> ReapResult:
     return ReapResult(tuple(r.session_ids), tuple(r.engine_ids))
 
@@ -103,30 +110,17 @@ def session_info(s: pb.SessionInfo) -> SessionInfo:
     return _record(SessionInfo, s, state=pb.SessionState.Name(s.state).removeprefix("SESSION_STATE_"))
 
 
+def session(r: pb.GetSessionResponse) -> SessionInfo:
+    return session_info(r.session)
+
+
+def session_tokens(r: pb.GetSessionResponse) -> list[int]:
+    return list(r.token_ids)
+
+
+def sessions(r: pb.ListSessionsResponse) -> list[SessionInfo]:
+    return [session_info(s) for s in r.sessions]
+
+
 def stats(r: pb.GetStatsResponse) -> Stats:
     return _record(Stats, r)
-
-
-def open_request(session_id: str, streaming: bool, timeout_seconds: float | None, cache_salt: str,
-                 engine_id: str) -> pb.OpenSessionRequest:
-    req = pb.OpenSessionRequest(session_id=session_id, streaming=streaming, cache_salt=cache_salt,
-                                engine_id=engine_id)
-    if timeout_seconds is not None:
-        req.timeout_seconds = timeout_seconds
-    return req
-
-
-def append_request(session_id: str, tokens: TokensLike, reserve_tokens: int, epoch: int,
-                   engine_id: str) -> pb.AppendSessionRequest:
-    return pb.AppendSessionRequest(session_id=session_id, packed_token_ids=pack_tokens(tokens),
-                                   reserve_tokens=reserve_tokens, epoch=epoch, engine_id=engine_id,
-                                   packed_response=True)
-
-
-def commit_request(session_id: str, tokens: TokensLike, kv_tokens: int | None, abort: bool, turn: int,
-                   epoch: int, engine_id: str) -> pb.CommitSessionRequest:
-    req = pb.CommitSessionRequest(session_id=session_id, packed_token_ids=pack_tokens(tokens), abort=abort,
-                                  turn=turn, epoch=epoch, engine_id=engine_id)
-    if kv_tokens is not None:
-        req.kv_tokens = kv_tokens
-    return req

@@ -1,19 +1,21 @@
 """`KVCacheClient`: the synchronous client. One method per RPC: build, call with a deadline, parse.
 
-Restarts of the service are detected (see `ClientBase`). Thread-safe (gRPC channels are).
+Each method takes its `Call` (request, parser, metadata choice, post-step) from `_calls`, which the asyncio
+client shares, and `_run` executes it. Restarts of the service are detected (see `ClientBase`).
+Thread-safe (gRPC channels are).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TypeVar
 
 import grpc
 
-from engine_client import _codec as codec
+from engine_client import _calls as calls
 from engine_client._base import ClientBase
+from engine_client._calls import Call
 from engine_client._codec import TokensLike
 from engine_client.errors import KVCacheClientError, LeaseExpired, error_from_rpc
 from engine_client.options import ClientOptions
@@ -30,10 +32,9 @@ from engine_client.types import (
     SessionInfo,
     Stats,
 )
-from protos.kvcache.v1 import kvcache_pb2 as pb
 from protos.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 
-R = TypeVar("R")
+T = TypeVar("T")
 
 
 class KVCacheClient(ClientBase):
@@ -44,83 +45,62 @@ class KVCacheClient(ClientBase):
         self._stub = pb_grpc.KVCacheServiceStub(self._channel)  # type: ignore[no-untyped-call]
         self._heartbeat: _HeartbeatThread | None = None
 
-    def _call(self, rpc: Callable[..., R], request: Any, *, pinned: bool = True) -> R:
+    def _run(self, call: Call[Any, T]) -> T:
+        rpc = getattr(self._stub, call.method)
         try:
-            return rpc(request, timeout=self.options.timeout_seconds, metadata=self._metadata(pinned),
-                       wait_for_ready=self.options.wait_for_ready)
+            response = rpc(call.request, timeout=self.options.timeout_seconds, metadata=self._metadata(call.pinned),
+                           wait_for_ready=self.options.wait_for_ready)
         except grpc.RpcError as e:
             raise error_from_rpc(e) from None
+        return call.finish(self, response)
 
-    # ------------------------------------------------------------------ RPCs
+    # ------------------------------------------------------------------ RPCs (built in _calls)
 
     def get_pool_info(self) -> PoolInfo:
-        info = codec.pool_info(self._call(self._stub.GetPoolInfo, pb.GetPoolInfoRequest(), pinned=False))
-        self._learn(info.instance_id)
-        return info
+        return self._run(calls.get_pool_info())
 
     def register_engine(self, engine_id: str = "", ttl_seconds: float = 0.0) -> EngineLease:
-        lease = codec.lease(self._call(self._stub.RegisterEngine,
-                                       pb.RegisterEngineRequest(engine_id=engine_id, ttl_seconds=ttl_seconds)))
-        self._learn(lease.instance_id)
-        self.engine_id = lease.engine_id
-        return lease
+        return self._run(calls.register_engine(engine_id, ttl_seconds))
 
     def heartbeat(self, engine_id: str = "") -> HeartbeatResult:
-        res = codec.heartbeat(self._call(self._stub.Heartbeat,
-                                         pb.HeartbeatRequest(engine_id=engine_id or self.engine_id)))
-        self._learn(res.instance_id)
-        return res
+        return self._run(calls.heartbeat(self, engine_id))
 
     def unregister_engine(self, engine_id: str = "") -> tuple[str, ...]:
         self.stop_heartbeats()
-        res = self._call(self._stub.UnregisterEngine,
-                         pb.UnregisterEngineRequest(engine_id=engine_id or self.engine_id))
-        return tuple(res.closed_session_ids)
+        return self._run(calls.unregister_engine(self, engine_id))
 
     def match_prefix(self, tokens: TokensLike, cache_salt: str = "") -> MatchResult:
-        req = pb.MatchPrefixRequest(packed_token_ids=codec.pack_tokens(tokens), cache_salt=cache_salt,
-                                    packed_response=True)
-        return codec.match(self._call(self._stub.MatchPrefix, req))
+        return self._run(calls.match_prefix(tokens, cache_salt))
 
     def open_session(self, session_id: str = "", *, streaming: bool = True, timeout_seconds: float | None = None,
                      cache_salt: str = "", engine_id: str | None = None) -> OpenedSession:
-        req = codec.open_request(session_id, streaming, timeout_seconds, cache_salt,
-                                 self.engine_id if engine_id is None else engine_id)
-        opened = codec.opened(self._call(self._stub.OpenSession, req))
-        self._learn(opened.instance_id)
-        return opened
+        return self._run(calls.open_session(self, session_id, streaming, timeout_seconds, cache_salt, engine_id))
 
     def append_session(self, session_id: str, tokens: TokensLike, reserve_tokens: int = 0, *,
                        epoch: int = 0) -> AppendResult:
-        req = codec.append_request(session_id, tokens, reserve_tokens, epoch, self.engine_id)
-        return codec.appended(self._call(self._stub.AppendSession, req))
+        return self._run(calls.append_session(self, session_id, tokens, reserve_tokens, epoch))
 
     def commit_session(self, session_id: str, tokens: TokensLike = b"", *, kv_tokens: int | None = None,
                        abort: bool = False, turn: int = 0, epoch: int = 0) -> CommitResult:
-        req = codec.commit_request(session_id, tokens, kv_tokens, abort, turn, epoch, self.engine_id)
-        return codec.committed(self._call(self._stub.CommitSession, req))
+        return self._run(calls.commit_session(self, session_id, tokens, kv_tokens, abort, turn, epoch))
 
     def close_session(self, session_id: str, *, cache: bool = False, epoch: int = 0) -> CloseResult:
-        req = pb.CloseSessionRequest(session_id=session_id, cache=cache, epoch=epoch, engine_id=self.engine_id)
-        return codec.closed(self._call(self._stub.CloseSession, req))
+        return self._run(calls.close_session(self, session_id, cache, epoch))
 
     def reap_sessions(self) -> ReapResult:
-        return codec.reaped(self._call(self._stub.ReapSessions, pb.ReapSessionsRequest()))
+        return self._run(calls.reap_sessions())
 
     def get_session(self, session_id: str, *, epoch: int = 0) -> SessionInfo:
-        res = self._call(self._stub.GetSession, pb.GetSessionRequest(session_id=session_id, epoch=epoch))
-        return codec.session_info(res.session)
+        return self._run(calls.get_session(session_id, epoch))
 
     def session_tokens(self, session_id: str, *, epoch: int = 0) -> list[int]:
-        req = pb.GetSessionRequest(session_id=session_id, epoch=epoch, include_tokens=True)
-        return list(self._call(self._stub.GetSession, req).token_ids)
+        return self._run(calls.session_tokens(session_id, epoch))
 
     def list_sessions(self, engine_id: str = "", limit: int = 0) -> list[SessionInfo]:
-        res = self._call(self._stub.ListSessions, pb.ListSessionsRequest(engine_id=engine_id, limit=limit))
-        return [codec.session_info(s) for s in res.sessions]
+        return self._run(calls.list_sessions(engine_id, limit))
 
     def get_stats(self, *, verify: bool = False) -> Stats:
-        return codec.stats(self._call(self._stub.GetStats, pb.GetStatsRequest(verify=verify), pinned=False))
+        return self._run(calls.get_stats(verify))
 
     # ------------------------------------------------------------------ leases kept alive
 

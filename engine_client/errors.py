@@ -2,7 +2,8 @@
 
 Every RPC failure raises a `KVCacheClientError` subclass chosen by reason, so engines can catch
 `SessionBusy` or the `ResourceExhausted` family without parsing strings. Transport failures without a
-reason are `ServiceUnavailable`; a restarted service is `ServiceRestarted`.
+reason are `ServiceUnavailable`; a restarted service is `ServiceRestarted`. A pool that cannot be mapped
+into this process is `PoolMappingError` (no RPC failed, so it is not a `KVCacheClientError`).
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ class BadToken(KVCacheClientError): ...
 class ServiceUnavailable(KVCacheClientError):
     """The service could not be reached or did not answer in time."""
 class InternalError(KVCacheClientError): ...
+
+
+class PoolMappingError(RuntimeError):
+    """The pool could not be mapped; the message names the cause and what to check."""
 
 
 REASON_ERRORS: dict[str, type[KVCacheClientError]] = {

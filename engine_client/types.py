@@ -1,4 +1,8 @@
-"""Typed results of the kvcache RPCs. Page ids are numpy int32 arrays owned by the record."""
+"""Typed results of the kvcache RPCs. Page ids are numpy int32 arrays owned by the record.
+
+`PoolLayout`, `DTYPE_BYTES` and `DTYPE_NAMES` are the service's own definitions (`protos.kvcache.v1.layout`),
+re-exported here: client and service cannot disagree about the pool's arithmetic.
+"""
 
 from __future__ import annotations
 
@@ -7,36 +11,11 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from protos.kvcache.v1.layout import DTYPE_BYTES as DTYPE_BYTES
+from protos.kvcache.v1.layout import DTYPE_NAMES as DTYPE_NAMES
+from protos.kvcache.v1.layout import PoolLayout as PoolLayout
+
 PageIds = npt.NDArray[np.int32]
-
-DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
-
-
-@dataclass(frozen=True, slots=True)
-class PoolLayout:
-    """`[num_layers][2 (K, V)][num_pages][page_size][num_kv_heads][head_dim]`; page 0 is the null page."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-    page_size: int
-    num_pages: int
-
-    @property
-    def shape(self) -> tuple[int, int, int, int, int, int]:
-        return (self.num_layers, 2, self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
-
-    @property
-    def itemsize(self) -> int:
-        return DTYPE_BYTES[self.dtype]
-
-    @property
-    def size_bytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * self.itemsize
 
 
 @dataclass(frozen=True, slots=True)

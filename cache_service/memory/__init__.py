@@ -1,8 +1,12 @@
-"""The KV pool: layout math and the backends that allocate it and export a handle to engines."""
+"""The KV pool: the backends that allocate it and export a handle to engines.
+
+The layout arithmetic (`PoolLayout`, `DTYPE_BYTES`, `DTYPE_NAMES`) is shared with the engine client, so it
+lives in `protos.kvcache.v1.layout`; it is re-exported here for the service's modules and tests.
+"""
 
 from cache_service.memory.base import PoolBackend, PoolError, PoolHandle
 from cache_service.memory.host_shm import HostShmPool, remove_stale_pools
-from cache_service.memory.layout import DTYPE_BYTES, PoolLayout
+from protos.kvcache.v1.layout import DTYPE_BYTES, DTYPE_NAMES, PoolLayout
 
-__all__ = ["DTYPE_BYTES", "HostShmPool", "PoolBackend", "PoolError", "PoolHandle", "PoolLayout",
+__all__ = ["DTYPE_BYTES", "DTYPE_NAMES", "HostShmPool", "PoolBackend", "PoolError", "PoolHandle", "PoolLayout",
            "remove_stale_pools"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from cache_service.memory.layout import PoolLayout
+from protos.kvcache.v1.layout import PoolLayout
 
 
 class PoolError(RuntimeError):

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from cache_service.memory.base import PoolError, PoolHandle
-from cache_service.memory.layout import PoolLayout
+from protos.kvcache.v1.layout import PoolLayout
 
 IPC_HANDLE_BYTES = 64
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from types import TracebackType
 
 from cache_service.memory.base import PoolError, PoolHandle
-from cache_service.memory.layout import PoolLayout
+from protos.kvcache.v1.layout import PoolLayout
 
 SUFFIX = ".pool"
 

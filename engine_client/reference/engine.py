@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from engine_client.pool import MappedPool, map_pool
+from engine_client.mapping import MappedPool, map_pool
 from engine_client.reference.model import ModelConfig, ReferenceModel, check_pool_layout
 from engine_client.session import Session
 

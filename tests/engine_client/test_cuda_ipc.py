@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine_client import PoolMappingError, map_pool
-from engine_client.cuda_ipc import IpcMappings, find_device, map_cuda_ipc, normalize_uuid
+from engine_client.mapping.cuda_ipc import IpcMappings, find_device, map_cuda_ipc, normalize_uuid
 from engine_client.types import PoolInfo, PoolLayout
 
 LAYOUT = PoolLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="bfloat16", page_size=4, num_pages=6)

@@ -11,12 +11,13 @@ tested without a GPU.
 from __future__ import annotations
 
 import threading
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.utils.dlpack import from_dlpack
 
-from engine_client.pool import TORCH_DTYPES, MappedPool, PoolMappingError
+from engine_client.errors import PoolMappingError
+from engine_client.mapping.base import TORCH_DTYPES, Device, MappedPool, PoolImporter
 from engine_client.types import PoolInfo
 
 
@@ -125,7 +126,7 @@ class IpcMappings:
 MAPPINGS = IpcMappings()
 
 
-def find_device(pool_uuid: str, uuids: list[str], device: Any = None) -> int:
+def find_device(pool_uuid: str, uuids: list[str], device: Device = None) -> int:
     """The local index of the pool's GPU. With `device`, check that it is that GPU."""
     if not uuids:
         raise PoolMappingError(
@@ -161,7 +162,7 @@ def _index_of(want: str, uuids: list[str]) -> int | None:
     return None
 
 
-def map_cuda_ipc(info: PoolInfo, device: Any = None, importer: IpcImporter | None = None,
+def map_cuda_ipc(info: PoolInfo, device: Device = None, importer: IpcImporter | None = None,
                  mappings: IpcMappings = MAPPINGS) -> MappedPool:
     """Map `info`'s pool on the local GPU that has its UUID; zero-copy torch tensors."""
     importer = importer if importer is not None else CupyImporter()
@@ -184,3 +185,7 @@ def map_cuda_ipc(info: PoolInfo, device: Any = None, importer: IpcImporter | Non
     start = info.offset_bytes
     tensor = raw[start:start + layout.size_bytes].view(TORCH_DTYPES[layout.dtype]).view(layout.shape)
     return MappedPool(info, tensor, release=lambda: mappings.release(importer, index, info.cuda_ipc_handle))
+
+
+if TYPE_CHECKING:  # IMPORTERS reaches this function by name; let mypy check it fits the contract
+    _importer: PoolImporter = map_cuda_ipc

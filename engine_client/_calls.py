@@ -1,0 +1,166 @@
+"""Every RPC the clients make, described once: the request to send and what to do with the answer.
+
+`KVCacheClient` and `AsyncKVCacheClient` differ only in how they wait. Each public method builds a `Call`
+here and hands it to the client's `_run`, which sends `call.request` through the stub method named
+`call.method` with the client's deadline and metadata, turns a `grpc.RpcError` into a typed error, and
+gives the response to `call.finish`. No I/O happens here, so every request is tested without a server.
+
+Functions that default a request field from the client's state (its engine id) take the client first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+from engine_client import _codec as codec
+from engine_client._base import ClientBase
+from engine_client._codec import TokensLike
+from engine_client.types import (
+    AppendResult,
+    CloseResult,
+    CommitResult,
+    EngineLease,
+    HeartbeatResult,
+    MatchResult,
+    OpenedSession,
+    PoolInfo,
+    ReapResult,
+    SessionInfo,
+    Stats,
+)
+from protos.kvcache.v1 import kvcache_pb2 as pb
+
+R = TypeVar("R")
+"""The response message."""
+T = TypeVar("T")
+"""What the client method returns."""
+
+
+@dataclass(frozen=True, slots=True)
+class Call(Generic[R, T]):
+    """One RPC to make: immutable, built per call, run once by a client's `_run`."""
+
+    method: str
+    """The KVCacheService method, which is also the stub's attribute ("AppendSession")."""
+    request: object
+    """The request message (a `kvcache_pb2.*Request`)."""
+    parse: Callable[[R], T]
+    pinned: bool = True
+    """Send the learnt instance id, so a restarted service refuses the call (INSTANCE_MISMATCH) before a
+    stale session or page id is used. Off for GetPoolInfo (its answer is how a restart is noticed) and for
+    GetStats (an operator's read, valid on any instance)."""
+    after: Callable[[ClientBase, T], None] | None = None
+    """Updates the client from the result (learns the instance id, remembers the engine id); it may raise
+    `ServiceRestarted`, after the RPC succeeded and before the caller gets the result."""
+
+    def finish(self, client: ClientBase, response: R) -> T:
+        """Parse `response` and apply `after` to `client`."""
+        result = self.parse(response)
+        if self.after is not None:
+            self.after(client, result)
+        return result
+
+
+class _FromInstance(Protocol):
+    @property
+    def instance_id(self) -> str: ...
+
+
+def _learn_instance(client: ClientBase, result: _FromInstance) -> None:
+    client._learn(result.instance_id)
+
+
+def _registered(client: ClientBase, lease: EngineLease) -> None:
+    client._learn(lease.instance_id)
+    client.engine_id = lease.engine_id
+
+
+# ---------------------------------------------------------------------- pool and leases
+
+
+def get_pool_info() -> Call[pb.GetPoolInfoResponse, PoolInfo]:
+    return Call("GetPoolInfo", pb.GetPoolInfoRequest(), codec.pool_info, pinned=False, after=_learn_instance)
+
+
+def register_engine(engine_id: str, ttl_seconds: float) -> Call[pb.RegisterEngineResponse, EngineLease]:
+    """The lease's engine id (the service's choice when `engine_id` is empty) becomes the client's."""
+    return Call("RegisterEngine", pb.RegisterEngineRequest(engine_id=engine_id, ttl_seconds=ttl_seconds),
+                codec.lease, after=_registered)
+
+
+def heartbeat(client: ClientBase, engine_id: str) -> Call[pb.HeartbeatResponse, HeartbeatResult]:
+    return Call("Heartbeat", pb.HeartbeatRequest(engine_id=engine_id or client.engine_id), codec.heartbeat,
+                after=_learn_instance)
+
+
+def unregister_engine(client: ClientBase, engine_id: str) -> Call[pb.UnregisterEngineResponse, tuple[str, ...]]:
+    return Call("UnregisterEngine", pb.UnregisterEngineRequest(engine_id=engine_id or client.engine_id),
+                codec.unregistered)
+
+
+# ---------------------------------------------------------------------- prefix cache and sessions
+
+
+def match_prefix(tokens: TokensLike, cache_salt: str) -> Call[pb.MatchPrefixResponse, MatchResult]:
+    req = pb.MatchPrefixRequest(packed_token_ids=codec.pack_tokens(tokens), cache_salt=cache_salt,
+                                packed_response=True)
+    return Call("MatchPrefix", req, codec.match)
+
+
+def open_session(client: ClientBase, session_id: str, streaming: bool, timeout_seconds: float | None,
+                 cache_salt: str, engine_id: str | None) -> Call[pb.OpenSessionResponse, OpenedSession]:
+    """`engine_id=None` makes the client's engine the owner; "" opens a session no lease owns."""
+    req = pb.OpenSessionRequest(session_id=session_id, streaming=streaming, cache_salt=cache_salt,
+                                engine_id=client.engine_id if engine_id is None else engine_id)
+    if timeout_seconds is not None:  # unset (the service's default) differs from 0 (never times out)
+        req.timeout_seconds = timeout_seconds
+    return Call("OpenSession", req, codec.opened, after=_learn_instance)
+
+
+def append_session(client: ClientBase, session_id: str, tokens: TokensLike, reserve_tokens: int,
+                   epoch: int) -> Call[pb.AppendSessionResponse, AppendResult]:
+    req = pb.AppendSessionRequest(session_id=session_id, packed_token_ids=codec.pack_tokens(tokens),
+                                  reserve_tokens=reserve_tokens, epoch=epoch, engine_id=client.engine_id,
+                                  packed_response=True)
+    return Call("AppendSession", req, codec.appended)
+
+
+def commit_session(client: ClientBase, session_id: str, tokens: TokensLike, kv_tokens: int | None, abort: bool,
+                   turn: int, epoch: int) -> Call[pb.CommitSessionResponse, CommitResult]:
+    req = pb.CommitSessionRequest(session_id=session_id, packed_token_ids=codec.pack_tokens(tokens), abort=abort,
+                                  turn=turn, epoch=epoch, engine_id=client.engine_id)
+    if kv_tokens is not None:  # unset: the service's default rule (every generated token but the last)
+        req.kv_tokens = kv_tokens
+    return Call("CommitSession", req, codec.committed)
+
+
+def close_session(client: ClientBase, session_id: str, cache: bool,
+                  epoch: int) -> Call[pb.CloseSessionResponse, CloseResult]:
+    req = pb.CloseSessionRequest(session_id=session_id, cache=cache, epoch=epoch, engine_id=client.engine_id)
+    return Call("CloseSession", req, codec.closed)
+
+
+def reap_sessions() -> Call[pb.ReapSessionsResponse, ReapResult]:
+    return Call("ReapSessions", pb.ReapSessionsRequest(), codec.reaped)
+
+
+# ---------------------------------------------------------------------- inspection
+
+
+def get_session(session_id: str, epoch: int) -> Call[pb.GetSessionResponse, SessionInfo]:
+    return Call("GetSession", pb.GetSessionRequest(session_id=session_id, epoch=epoch), codec.session)
+
+
+def session_tokens(session_id: str, epoch: int) -> Call[pb.GetSessionResponse, list[int]]:
+    req = pb.GetSessionRequest(session_id=session_id, epoch=epoch, include_tokens=True)
+    return Call("GetSession", req, codec.session_tokens)
+
+
+def list_sessions(engine_id: str, limit: int) -> Call[pb.ListSessionsResponse, list[SessionInfo]]:
+    return Call("ListSessions", pb.ListSessionsRequest(engine_id=engine_id, limit=limit), codec.sessions)
+
+
+def get_stats(verify: bool) -> Call[pb.GetStatsResponse, Stats]:
+    return Call("GetStats", pb.GetStatsRequest(verify=verify), codec.stats, pinned=False)
