@@ -42,21 +42,23 @@ from engine_client.errors import (
     SessionTokenLimit,
 )
 from engine_client.options import ClientOptions
+from engine_client.step import StepBatch, StepOutcome
 from engine_client.types import DTYPE_BYTES, DTYPE_NAMES, PoolInfo, PoolLayout
 
 __all__ = [
-    "DTYPE_BYTES", "DTYPE_NAMES", "TORCH_DTYPES",
-    "AsyncKVCacheClient", "BadToken", "ClientOptions", "EngineNotFound", "InternalError", "InvalidArgument",
-    "InvalidTokens", "KVCacheClient", "KVCacheClientError", "LeaseExpired", "MappedPool", "NoTurnInFlight",
-    "NotOwner", "PoolExhausted", "PoolInfo", "PoolLayout", "PoolMappingError", "ResourceExhausted",
-    "ServiceRestarted", "ServiceUnavailable", "Session", "SessionBudget", "SessionBusy", "SessionClosing",
-    "SessionExists", "SessionNotFound", "SessionTokenLimit", "Turn", "map_pool",
+    "DTYPE_BYTES", "DTYPE_NAMES", "TORCH_DTYPES", "AsyncKVCacheClient", "AsyncSession", "BadToken", "ClientOptions",
+    "EngineNotFound", "InternalError", "InvalidArgument", "InvalidTokens", "KVCacheClient", "KVCacheClientError",
+    "LeaseExpired", "MappedPool", "NoTurnInFlight", "NotOwner", "PoolExhausted", "PoolInfo", "PoolLayout",
+    "PoolMappingError", "ResourceExhausted", "ServiceRestarted", "ServiceUnavailable", "Session", "SessionBudget",
+    "SessionBusy", "SessionClosing", "SessionExists", "SessionNotFound", "SessionTokenLimit", "StepBatch",
+    "StepOutcome", "Turn", "map_pool",
 ]
 
 _LAZY: dict[str, str] = {
     "MappedPool": "engine_client.mapping",
     "TORCH_DTYPES": "engine_client.mapping",
     "map_pool": "engine_client.mapping",
+    "AsyncSession": "engine_client.session",
     "Session": "engine_client.session",
     "Turn": "engine_client.session",
 }
@@ -64,7 +66,7 @@ _LAZY: dict[str, str] = {
 
 if TYPE_CHECKING:
     from engine_client.mapping import TORCH_DTYPES, MappedPool, map_pool
-    from engine_client.session import Session, Turn
+    from engine_client.session import AsyncSession, Session, Turn
 else:
     # Hidden from mypy: a visible module __getattr__ would make every misspelt engine_client.X type-check.
     def __getattr__(name: str) -> object:

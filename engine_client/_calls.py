@@ -12,16 +12,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from engine_client import _codec as codec
 from engine_client._base import ClientBase
 from engine_client._codec import TokensLike
+from engine_client.step import StepBatch, StepOutcome
 from engine_client.types import (
     AppendResult,
     CloseResult,
     CommitResult,
     EngineLease,
+    ExtendResult,
     HeartbeatResult,
     MatchResult,
     OpenedSession,
@@ -127,6 +129,13 @@ def append_session(client: ClientBase, session_id: str, tokens: TokensLike, rese
     return Call("AppendSession", req, codec.appended)
 
 
+def extend_session(client: ClientBase, session_id: str, reserve_tokens: int,
+                   epoch: int) -> Call[pb.ExtendSessionResponse, ExtendResult]:
+    req = pb.ExtendSessionRequest(session_id=session_id, reserve_tokens=reserve_tokens, epoch=epoch,
+                                  engine_id=client.engine_id, packed_response=True)
+    return Call("ExtendSession", req, codec.extended)
+
+
 def commit_session(client: ClientBase, session_id: str, tokens: TokensLike, kv_tokens: int | None, abort: bool,
                    turn: int, epoch: int) -> Call[pb.CommitSessionResponse, CommitResult]:
     req = pb.CommitSessionRequest(session_id=session_id, packed_token_ids=codec.pack_tokens(tokens), abort=abort,
@@ -140,6 +149,18 @@ def close_session(client: ClientBase, session_id: str, cache: bool,
                   epoch: int) -> Call[pb.CloseSessionResponse, CloseResult]:
     req = pb.CloseSessionRequest(session_id=session_id, cache=cache, epoch=epoch, engine_id=client.engine_id)
     return Call("CloseSession", req, codec.closed)
+
+
+def step(client: ClientBase, batch: StepBatch) -> Call[pb.StepResponse, list[StepOutcome[Any]]]:
+    """The batch's ops as one Step (the client's engine id is the default owner unless the batch names one);
+    the outcomes fill in place, and an op that opened a session teaches the client the instance id."""
+    return Call("Step", batch.request(client.engine_id), batch.apply, after=_learn_from_opens)
+
+
+def _learn_from_opens(client: ClientBase, outcomes: list[StepOutcome[Any]]) -> None:
+    for outcome in outcomes:
+        if outcome.kind == "open" and outcome.ok:
+            client._learn(outcome.value.instance_id)
 
 
 def reap_sessions() -> Call[pb.ReapSessionsResponse, ReapResult]:

@@ -18,6 +18,7 @@ from engine_client.types import (
     CloseResult,
     CommitResult,
     EngineLease,
+    ExtendResult,
     HeartbeatResult,
     MatchResult,
     OpenedSession,
@@ -88,6 +89,10 @@ def opened(r: pb.OpenSessionResponse) -> OpenedSession:
 
 def appended(r: pb.AppendSessionResponse) -> AppendResult:
     return _record(AppendResult, r, page_ids=unpack_pages(r))
+
+
+def extended(r: pb.ExtendSessionResponse) -> ExtendResult:
+    return _record(ExtendResult, r, page_ids=unpack_pages(r))
 
 
 def committed(r: pb.CommitSessionResponse) -> CommitResult:

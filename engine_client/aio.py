@@ -16,11 +16,13 @@ from engine_client._calls import Call
 from engine_client._codec import TokensLike
 from engine_client.errors import KVCacheClientError, LeaseExpired, error_from_rpc
 from engine_client.options import ClientOptions
+from engine_client.step import StepBatch, StepOutcome
 from engine_client.types import (
     AppendResult,
     CloseResult,
     CommitResult,
     EngineLease,
+    ExtendResult,
     HeartbeatResult,
     MatchResult,
     OpenedSession,
@@ -79,6 +81,15 @@ class AsyncKVCacheClient(ClientBase):
     async def append_session(self, session_id: str, tokens: TokensLike, reserve_tokens: int = 0, *,
                              epoch: int = 0) -> AppendResult:
         return await self._run(calls.append_session(self, session_id, tokens, reserve_tokens, epoch))
+
+    async def extend_session(self, session_id: str, reserve_tokens: int, *, epoch: int = 0) -> ExtendResult:
+        """More slots for the turn in flight (capacity + reserve_tokens, in whole pages)."""
+        return await self._run(calls.extend_session(self, session_id, reserve_tokens, epoch))
+
+    async def step(self, batch: StepBatch) -> list[StepOutcome[Any]]:
+        """Send `batch` as one Step: every op's outcome (result or typed error) fills in place and is returned;
+        only a request-level failure (auth, a restarted service, too many ops) raises."""
+        return await self._run(calls.step(self, batch))
 
     async def commit_session(self, session_id: str, tokens: TokensLike = b"", *, kv_tokens: int | None = None,
                              abort: bool = False, turn: int = 0, epoch: int = 0) -> CommitResult:

@@ -82,20 +82,32 @@ _CODE_ERRORS: dict[grpc.StatusCode, type[KVCacheClientError]] = {
 }
 
 
+_CODES_BY_NUMBER: dict[int, grpc.StatusCode] = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def _typed(code: grpc.StatusCode, message: str, status: status_pb2.Status | None) -> KVCacheClientError:
+    reason, metadata = "", {}
+    if status is not None:
+        for detail in status.details:
+            info = error_details_pb2.ErrorInfo()
+            if detail.Unpack(info):
+                reason, metadata = info.reason, dict(info.metadata)
+    cls = REASON_ERRORS.get(reason) or _CODE_ERRORS.get(code, KVCacheClientError)
+    return cls(code, reason, message, metadata)
+
+
 def error_from_rpc(e: grpc.RpcError) -> KVCacheClientError:
     """Turn a sync or asyncio `grpc.RpcError` into the typed error its ErrorInfo reason names."""
-    code: grpc.StatusCode = e.code()
-    message: str = e.details() or ""
-    reason, metadata = "", {}
+    status = None
     for key, value in e.trailing_metadata() or ():
         if key == _STATUS_DETAILS_KEY:
             status = status_pb2.Status.FromString(value)
-            for detail in status.details:
-                info = error_details_pb2.ErrorInfo()
-                if detail.Unpack(info):
-                    reason, metadata = info.reason, dict(info.metadata)
-    cls = REASON_ERRORS.get(reason) or _CODE_ERRORS.get(code, KVCacheClientError)
-    return cls(code, reason, message, metadata)
+    return _typed(e.code(), e.details() or "", status)
+
+
+def error_from_status(status: status_pb2.Status) -> KVCacheClientError:
+    """The typed error of a google.rpc.Status carried in a response (a failed op inside a Step)."""
+    return _typed(_CODES_BY_NUMBER.get(status.code, grpc.StatusCode.UNKNOWN), status.message, status)
 
 
 def restarted(known: str, seen: str) -> ServiceRestarted:

@@ -79,6 +79,19 @@ class AppendResult:
 
 
 @dataclass(frozen=True, slots=True)
+class ExtendResult:
+    """More slots for the turn in flight: truncate the page table to page_offset entries and append page_ids."""
+
+    session_id: str
+    epoch: int
+    turn: int
+    capacity_tokens: int
+    page_offset: int
+    page_ids: PageIds
+    num_pages: int
+
+
+@dataclass(frozen=True, slots=True)
 class CommitResult:
     session_id: str
     context_tokens: int

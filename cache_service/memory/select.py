@@ -12,7 +12,7 @@ from typing import Protocol
 
 from cache_service.memory.base import PoolBackend, PoolError
 from cache_service.memory.host_shm import HostShmPool, remove_stale_pools
-from cache_service.memory.layout import PoolLayout
+from protos.kvcache.v1.layout import PoolLayout
 
 
 class PoolSettings(Protocol):

@@ -22,6 +22,7 @@ token embedding. K is stored in the pool after RoPE, so a cached position never 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -245,6 +246,48 @@ class ReferenceModel:
                 attn = _causal_gqa_attention(q, kv[0, slots], kv[1, slots], positions)
                 x = self._finish_layer(layer, x, attn)
             return self._logits(x)
+
+    def forward_batch(self, batch: Sequence[tuple[torch.Tensor, int, torch.Tensor]],
+                      pool: torch.Tensor) -> list[torch.Tensor]:
+        """`forward_paged` for many sequences in one pass: a continuous-batching step.
+
+        `batch` holds `(token_ids, start_pos, page_table)` per sequence, each as in `forward_paged` (a
+        prefill of many tokens or a decode of one). Embeddings, projections and MLPs run once over all the
+        step's tokens; attention runs per sequence through its own page table. Returns each sequence's
+        logits `[m_i, vocab_size]`, in order.
+        """
+        if not batch:
+            return []
+        self._check_pool(pool)
+        num_pages, page_size = pool.shape[2], pool.shape[3]
+        seqs = []
+        for token_ids, start_pos, page_table in batch:
+            tokens = self._check_tokens(token_ids)
+            if start_pos < 0:
+                raise ValueError(f"start_pos must be >= 0, got {start_pos}")
+            m = tokens.numel()
+            slots = self._slot_mapping(page_table, start_pos + m, num_pages, page_size)
+            positions = torch.arange(start_pos, start_pos + m, device=self.device)
+            seqs.append((tokens, start_pos, m, slots, positions))
+        tokens = torch.cat([s[0] for s in seqs])
+        positions = torch.cat([s[4] for s in seqs])
+        new_slots = torch.cat([s[3][s[1]:] for s in seqs])
+        if torch.unique(new_slots).numel() != new_slots.numel():
+            raise ValueError("two sequences of the batch write the same slot (shared or repeated pages)")
+        c = self.config
+        with torch.no_grad():
+            x = self.embed[tokens]
+            for layer_idx, layer in enumerate(self.layers):
+                q, k, v = self._qkv(layer, x, positions)
+                kv = pool[layer_idx].view(2, num_pages * page_size, c.num_kv_heads, c.head_dim)
+                kv[0, new_slots] = k
+                kv[1, new_slots] = v
+                parts, offset = [], 0
+                for _, _, m, slots, pos in seqs:
+                    parts.append(_causal_gqa_attention(q[offset:offset + m], kv[0, slots], kv[1, slots], pos))
+                    offset += m
+                x = self._finish_layer(layer, x, torch.cat(parts))
+            return list(torch.split(self._logits(x), [s[2] for s in seqs]))
 
     def greedy_generate_dense(self, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
         """Greedy decoding with a full `forward_dense` recompute per step (slow, cache-free, for tests).

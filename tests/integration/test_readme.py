@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -27,7 +28,8 @@ def run_example(name: str, server: ServerProcess) -> subprocess.CompletedProcess
 
 
 def test_the_readme_has_the_examples_this_test_runs() -> None:
-    assert sorted(EXAMPLES) == ["grpcurl-explore", "grpcurl-session", "on-call", "python-engine"]
+    assert sorted(EXAMPLES) == ["grpcurl-explore", "grpcurl-session", "grpcurl-step", "on-call", "python-engine",
+                                "python-step"]
     assert README.startswith("# kvcache\n\n```bash\nmake run ")
     assert README.splitlines()[4].startswith("make test ")
 
@@ -47,6 +49,26 @@ def test_grpcurl_session(default_layout_server: ServerProcess) -> None:
     assert '"cached_tokens": 0' in out  # turn 1 (printed with -emit-defaults)
     assert '"cached_tokens": 11' in out  # turn 2: 10 prompt + 2 generated - 1
     assert '"closed": true' in out
+
+
+def test_grpcurl_step(default_layout_server: ServerProcess) -> None:
+    out = json.loads(run_example("grpcurl-step", default_layout_server).stdout)
+    results = out["results"]
+    assert [[k for k in r if k != "status"] for r in results] == [
+        ["open"], ["append"], ["extend"], [], ["commit"], ["close"]]
+    assert [r.get("status", {}).get("code", 0) for r in results] == [0, 0, 0, 5, 0, 0]
+    assert results[3]["status"]["details"][0]["reason"] == "SESSION_NOT_FOUND"
+    assert results[2]["extend"]["capacity_tokens"] == 32  # 8 + 4 reserved: one page of 16, then 16 more
+    assert results[4]["commit"] == {"session_id": "req-1", "context_tokens": 11, "kv_tokens": 10, "num_pages": 1}
+
+
+def test_python_step_example(default_layout_server: ServerProcess) -> None:
+    out = run_example("python-step", default_layout_server).stdout.splitlines()
+    # Admitted together: a streaming session's prompt enters the radix at its first commit, so no hits yet.
+    assert out[0] == "prefill: [(0, 20), (0, 20), (0, 20)]"
+    # 20 prompt tokens in 2 pages of 16 (reserve 1): decode step 12 writes position 32, in a third page.
+    assert out[1:-1] == ["step 12: 3 extend ops, capacity 48"]
+    assert out[-1] == "done: SessionNotFound [True, True, True]"
 
 
 def test_python_engine_example(default_layout_server: ServerProcess) -> None:
