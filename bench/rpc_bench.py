@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import re
-import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
+from bench.common import REPO, start_server
+
 RPCS = ("Health/Check", "AppendSession(24)", "CommitSession(8)", "MatchPrefix(8k)")
 
 
@@ -87,22 +85,6 @@ def _worker(target: str, index: int, calls: int, warmup: int, start_at: float) -
     return out
 
 
-def _start_server(listen: str) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cache_service", "serve", "--listen", listen, "--num-pages", "65536",
-         "--page-size", "16", "--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "8",
-         "--session-budget-fraction", "0", "--log-level", "warning", "--shm-prefix", "kvbench"],
-        cwd=REPO, stdout=subprocess.PIPE, text=True,
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    m = re.search(r"listening on (\S+)", line)
-    if not m:
-        proc.kill()
-        raise SystemExit(f"server did not start: {line!r}")
-    return proc, m.group(1)
-
-
 def _prefill(target: str) -> None:
     import grpc
 
@@ -122,7 +104,7 @@ def _prefill(target: str) -> None:
 def run(transport: str, clients: int, calls: int, warmup: int) -> dict[str, np.ndarray]:
     with tempfile.TemporaryDirectory() as tmp:
         listen = "127.0.0.1:0" if transport == "tcp" else f"unix:{tmp}/bench.sock"
-        proc, target = _start_server(listen)
+        proc, target = start_server(listen)
         try:
             ctx = mp.get_context("spawn")
             with ctx.Pool(1) as p:

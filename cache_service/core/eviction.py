@@ -57,8 +57,9 @@ class LeafHeap:
         return node in self._leaves
 
     def add(self, node: RadixNode) -> None:
-        if node not in self._leaves:
-            self._leaves.add(node)
+        leaves = self._leaves
+        if node not in leaves:
+            leaves.add(node)
             self.push(node)
 
     def discard(self, node: RadixNode) -> None:
@@ -66,9 +67,10 @@ class LeafHeap:
 
     def push(self, node: RadixNode) -> None:
         """(Re)queue `node` under its current key; earlier entries for it become stale."""
-        node.heap_ver += 1
-        heapq.heappush(self._heap, (self._policy.key(node), node.id, node.heap_ver, node))
-        if len(self._heap) > 2 * len(self._leaves) + _HEAP_SLACK:
+        ver = node.heap_ver = node.heap_ver + 1
+        heap = self._heap
+        heapq.heappush(heap, (self._policy.key(node), node.id, ver, node))
+        if len(heap) > 2 * len(self._leaves) + _HEAP_SLACK:
             self._heap = [(self._policy.key(n), n.id, n.heap_ver, n) for n in self._leaves]
             heapq.heapify(self._heap)
 

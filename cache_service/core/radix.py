@@ -17,7 +17,7 @@ tail (the remaining pages are still a valid prefix).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -66,8 +66,7 @@ class RadixNode:
         return f"RadixNode(id={self.id}, pages={self.pages.tolist()}, lock_ref={self.lock_ref})"
 
 
-@dataclass(frozen=True, slots=True)
-class RadixMatch:
+class RadixMatch(NamedTuple):
     num_pages: int
     pages: PageArray
     node: RadixNode | None
@@ -75,8 +74,7 @@ class RadixMatch:
     num_pages > 0)."""
 
 
-@dataclass(frozen=True, slots=True)
-class RadixInsert:
+class RadixInsert(NamedTuple):
     num_existing_pages: int
     """Leading pages that were already cached: the caller's copies of them are duplicates."""
     pages: PageArray

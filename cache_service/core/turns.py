@@ -105,15 +105,18 @@ class Turns:
         """Grow the turn in flight by `reserve_tokens` slots beyond its capacity (whole pages). All or
         nothing, with the same relief and refusals as `begin`."""
         ps = self._ps
-        needed = -(-(len(s.pages) * ps + reserve_tokens) // ps) - len(s.pages)
+        held = len(s.pages)
+        needed = -(-(held * ps + reserve_tokens) // ps) - held
         new_pages = self.allocate(needed, s)
-        before = self._c.footprint(s)
-        s.pages.extend(new_pages)
-        self._c.settle(s, before)
+        if needed:
+            s.pages.extend(new_pages)
+            self._c.in_flight_pages += needed  # only the turn in flight grows
         offset = s.synced_pages
-        delta = s.pages.view()[offset:].copy()
-        s.synced_pages = len(s.pages)
-        return ExtendResult(s.id, s.epoch, s.turns + 1, len(s.pages) * ps, offset, delta, len(s.pages))
+        total = held + needed
+        # Usually the engine has the whole table already and the delta is just the new pages.
+        delta = new_pages if offset == held else s.pages.view()[offset:].copy()
+        s.synced_pages = total
+        return ExtendResult(s.id, s.epoch, s.turns + 1, total * ps, offset, delta, total)
 
     def commit(self, s: Session, generated: TokenArray, kv: int) -> None:
         """Record `generated` and take the first `kv` context tokens as having KV; free the unused
@@ -162,6 +165,8 @@ class Turns:
 
     def drop_kv(self, s: Session, *, cache: bool) -> None:
         """Release an idle session's KV: into the radix (cache=True, full pages) or back to the pool."""
+        if not len(s.pages) and s.lock_node is None and not s.kv_tokens:
+            return  # it holds nothing (a regular session between turns)
         before = self._c.footprint(s)
         start = s.radix_pages
         full = max(s.kv_tokens // self._ps, s.radix_pages)
@@ -197,6 +202,11 @@ class Turns:
         nothing: a plan that cannot suffice raises before anything changes."""
         if n == 0:
             return EMPTY_PAGES
+        c, budget = self._c, self._config.session_budget_pages
+        if n <= self._pages.num_free and (not budget or c.session_held_pages + c.in_flight_pages + n <= budget):
+            pages = self._pages.alloc(n)  # no pressure: the common case, without planning
+            assert pages is not None
+            return pages
         plan = plan_relief(n, s, config=self._config, pages=self._pages, radix=self._radix,
                            sessions=self._sessions, counters=self._c)
         for v in plan.budget_victims:

@@ -1,13 +1,16 @@
-"""Ids, enums and the frozen result records the core hands to the rpc layer.
+"""Ids, enums and the immutable result records the core hands to the rpc layer.
 
-Arrays in results are numpy int32 and owned by the record (copies, never views into core buffers), so
-a caller may keep them after the core has moved on.
+Per-operation results are NamedTuples (built on every call, they must be cheap); the inspection records
+(`SessionInfo`, `Stats`) are frozen dataclasses, converted to protobuf field by field. Arrays in results
+are numpy int32 and owned by the record (copies or fresh arrays, never views into core buffers), so a
+caller may keep them after the core has moved on.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -30,24 +33,21 @@ class SessionState(enum.Enum):
     """Close requested during a turn; completes when the turn commits or aborts."""
 
 
-@dataclass(frozen=True, slots=True)
-class MatchResult:
+class MatchResult(NamedTuple):
     """A read-only probe: the leading `cached_tokens` (whole pages) are in the radix, in `page_ids`."""
 
     cached_tokens: int
     page_ids: PageArray
 
 
-@dataclass(frozen=True, slots=True)
-class OpenResult:
+class OpenResult(NamedTuple):
     session_id: str
     epoch: int
     """Unique across all sessions of this service instance; a reused id gets a new epoch."""
     timeout_seconds: float
 
 
-@dataclass(frozen=True, slots=True)
-class AppendResult:
+class AppendResult(NamedTuple):
     """The turn's page-table delta and which positions need KV.
 
     The engine truncates its page table to `page_offset` entries and appends `page_ids`; it then computes
@@ -68,8 +68,7 @@ class AppendResult:
     """Of `cached_tokens`, how many came from the radix (the rest are the session's own KV)."""
 
 
-@dataclass(frozen=True, slots=True)
-class ExtendResult:
+class ExtendResult(NamedTuple):
     """More slots for the turn in flight: truncate the page table to `page_offset`, append `page_ids`."""
 
     session_id: str
@@ -81,8 +80,7 @@ class ExtendResult:
     num_pages: int
 
 
-@dataclass(frozen=True, slots=True)
-class CommitResult:
+class CommitResult(NamedTuple):
     session_id: str
     context_tokens: int
     kv_tokens: int
@@ -91,8 +89,7 @@ class CommitResult:
     """True when a deferred close completed with this commit or abort."""
 
 
-@dataclass(frozen=True, slots=True)
-class CloseResult:
+class CloseResult(NamedTuple):
     session_id: str
     closed: bool
     """False when the close is deferred until the in-flight turn ends."""
