@@ -56,13 +56,19 @@ def pack_tokens(tokens: TokensLike) -> bytes:
 
 
 def unpack_pages(response: Any) -> PageIds:
-    if response.packed_page_ids:
+    if response.packed_page_ids:  # a copy: the record owns its array (frombuffer's is read-only)
         return np.frombuffer(response.packed_page_ids, dtype="<i4").astype(np.int32)
     return np.fromiter(response.page_ids, dtype=np.int32, count=len(response.page_ids))
 
 
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
 def _record(cls: type[T], message: Any, **overrides: Any) -> T:
-    names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+    """`cls` built from the message's fields of the same names (`overrides` replace some)."""
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
     values = {n: overrides[n] if n in overrides else getattr(message, n) for n in names}
     return cls(**values)
 

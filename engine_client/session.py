@@ -63,7 +63,8 @@ class _SessionState:
         self.page_size = page_size
         self.close_cache = close_cache
         self.device = torch.device(device)
-        self._table = torch.zeros(64, dtype=torch.int32, device=self.device)
+        self._host: np.ndarray | None = None
+        self._table = self._new_table(64)
         self._num_pages = 0
         self.turn: Turn | None = None
         self.context_tokens = 0
@@ -153,14 +154,25 @@ class _SessionState:
     def _on_close(self, res: CloseResult) -> None:
         self.closed = res.closed
 
+    def _new_table(self, size: int) -> torch.Tensor:
+        """A page table of `size` entries. On the CPU it is a numpy array that the tensor views, so a
+        delta of a page or two is a numpy slice assignment, not a round of torch calls."""
+        if self.device.type == "cpu":
+            self._host = np.zeros(size, dtype=np.int32)
+            return torch.from_numpy(self._host)
+        return torch.zeros(size, dtype=torch.int32, device=self.device)
+
     def _apply_delta(self, offset: int, page_ids: np.ndarray) -> None:
         end = offset + page_ids.size
         if end > self._table.numel():
-            grown = torch.zeros(max(end, 2 * self._table.numel()), dtype=torch.int32, device=self.device)
-            grown[: self._num_pages] = self._table[: self._num_pages]
-            self._table = grown
+            old, n = self._table, self._num_pages
+            self._table = self._new_table(max(end, 2 * old.numel()))
+            self._table[:n] = old[:n]
         if page_ids.size:
-            self._table[offset:end] = torch.from_numpy(page_ids).to(self.device)
+            if self._host is not None:
+                self._host[offset:end] = page_ids
+            else:
+                self._table[offset:end] = torch.from_numpy(page_ids).to(self.device)
         self._num_pages = end
 
     def _queue_growth(self, batch: StepBatch, reserve: int) -> StepOutcome[ExtendResult]:

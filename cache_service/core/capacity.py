@@ -57,43 +57,40 @@ def plan_relief(
     n: int, requester: Session, *, config: CoreConfig, pages: PageAllocator, radix: RadixTree,
     sessions: SessionTable, counters: Counters,
 ) -> ReliefPlan:
-    """How to free room for `n` pages for `requester`'s turn. Raises POOL_EXHAUSTED or SESSION_BUDGET
-    when even demoting every idle session cannot make room."""
+    """How to free room for `n` pages for `requester`'s turn. Raises POOL_EXHAUSTED (checked first) or
+    SESSION_BUDGET when even demoting every idle session cannot make room.
+
+    Idle sessions are visited least recently active first and only while they are needed, so when
+    eviction alone covers the pool (the steady state of a full cache) no session is looked at.
+    """
     free = pages.num_free
-    session_pages = counters.session_held_pages + counters.in_flight_pages
+    potential = free + radix.evictable_pages
     budget = config.session_budget_pages
-    over = session_pages + n - budget if budget else 0
-    if n <= free and over <= 0:
+    over = counters.session_held_pages + counters.in_flight_pages + n - budget if budget else 0
+    if over <= 0 and n <= potential:
         return NO_RELIEF
-    victims = sessions.demotable(requester) if config.demote_idle_sessions else []
-    if n > free:
-        everything = _Reclaim()
-        for v in victims:
-            everything.add(v)
-        if n > free + radix.evictable_pages + everything.pages:
-            raise _pool_exhausted(requester, n, pages, radix, counters)
-    if over > 0 and sum(v.private_pages for v in victims) < over:
-        raise KVCacheError(
-            Reason.SESSION_BUDGET,
-            f"session {requester.id!r} needs {n} pages; sessions hold {session_pages} of a {budget}-page "
-            f"session budget and idle sessions cannot give {over}",
-            session_id=requester.id, requested_pages=n, budget_pages=budget,
-        )
     plan = ReliefPlan()
     reclaim = _Reclaim()
-    rest = iter(victims)
-    for v in rest:
-        if over <= 0:
-            rest = iter([v, *rest])
+    victims = sessions.demotable(requester) if config.demote_idle_sessions else iter(())
+    for v in victims:
+        if over > 0:
+            plan.budget_victims.append(v)
+            over -= v.private_pages
+        elif potential + reclaim.pages < n:
+            plan.pool_victims.append(v)
+        else:
             break
-        over -= v.private_pages
-        plan.budget_victims.append(v)
         reclaim.add(v)
-    for v in rest:
-        if free + radix.evictable_pages + reclaim.pages >= n:
-            break
-        plan.pool_victims.append(v)
-        reclaim.add(v)
+    if n > potential + reclaim.pages:  # every idle session would not do
+        raise _pool_exhausted(requester, n, pages, radix, counters)
+    if over > 0:
+        raise KVCacheError(
+            Reason.SESSION_BUDGET,
+            f"session {requester.id!r} needs {n} pages; sessions hold "
+            f"{counters.session_held_pages + counters.in_flight_pages} of a {budget}-page session budget and "
+            f"idle sessions cannot give {over + sum(v.private_pages for v in plan.budget_victims)}",
+            session_id=requester.id, requested_pages=n, budget_pages=budget,
+        )
     return plan
 
 

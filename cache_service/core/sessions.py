@@ -201,10 +201,12 @@ class SessionTable:
 
     # ------------------------------------------------------------------ selections
 
-    def demotable(self, exclude: Session | None) -> list[Session]:
-        """Idle sessions holding KV, least recently active first (never `exclude`)."""
-        return [v for v in self._by_id.values()
-                if v is not exclude and v.state is SessionState.IDLE and v.committed_pages > 0]
+    def demotable(self, exclude: Session | None) -> Iterator[Session]:
+        """Idle sessions holding KV, least recently active first (never `exclude`); lazily, so a caller that
+        needs a few looks at a few. Do not demote while iterating a generator made before."""
+        for v in self._by_id.values():
+            if v is not exclude and v.state is SessionState.IDLE and v.committed_pages > 0:
+                yield v
 
     def timed_out(self, now: float) -> list[Session]:
         return [s for s in self._by_id.values() if s.timed_out(now)]

@@ -1,9 +1,12 @@
-"""`make demo`: concurrent chats through the reference engine in four cache modes, side by side.
+"""`make demo`: concurrent chats through the reference engine in four cache modes, side by side, then
+continuous batching.
 
 Starts a kvcache service, runs --sessions concurrent chats of --turns turns in each mode (no cache,
 no session / radix only, regular sessions, streaming sessions) with a progress bar, prints per-turn
-latency and cached vs computed tokens per mode, checks that every mode generated the same tokens, and
-stops the service cleanly.
+latency and cached vs computed tokens per mode, checks that every mode generated the same tokens. Then
+serves --batch-requests one-shot requests three ways: one at a time (four unary calls each), with the
+continuous-batching engine (one Step per scheduler step), and with its pipelined asyncio loop; checks
+that all three generated the same tokens, and stops the service cleanly.
 """
 
 from __future__ import annotations
@@ -16,10 +19,14 @@ import torch
 from engine_client.client import KVCacheClient
 from engine_client.reference.model import ModelConfig
 from engine_client.reference.workload import (
+    BATCH_MODES,
     Progress,
     ServiceProcess,
     add_workload_arguments,
+    batch_requests,
+    batching_table,
     results_table,
+    run_batching,
     run_mode,
     same_outputs,
     workload_from,
@@ -29,6 +36,9 @@ from engine_client.reference.workload import (
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_workload_arguments(ap, turns=40)
+    ap.add_argument("--batch-requests", type=int, default=48, help="requests for the continuous-batching part "
+                                                                   "(0 skips it)")
+    ap.add_argument("--max-batch", type=int, default=16, help="requests decoding together")
     args = ap.parse_args(argv)
     modes = args.modes.split(",")
     torch.set_num_threads(1)  # one thread per chat; the chats are the parallelism
@@ -53,6 +63,16 @@ def main(argv: list[str] | None = None) -> int:
         agree = same_outputs(results)
         print(f"\nall modes generated the same tokens: {'yes' if agree else 'NO'} "
               f"({sum(len(o) for o in results[0].outputs)} tokens per mode)")
+        if args.batch_requests:
+            requests = batch_requests(args.batch_requests, vocab=config.vocab_size)
+            print(f"\nContinuous batching: {len(requests)} one-shot requests (4 shared system prompts), at most "
+                  f"{args.max_batch} decoding together, each reserving one page and growing as it decodes")
+            runs = [run_batching(mode, requests, target=service.target, config=config, max_batch=args.max_batch,
+                                 salt="batch-" + mode.replace(" ", "-").replace(",", "")) for mode in BATCH_MODES]
+            print(batching_table(runs))
+            same = all(r.outputs == runs[0].outputs for r in runs[1:])
+            agree &= same
+            print(f"all three generated the same tokens: {'yes' if same else 'NO'} ({runs[0].tokens} tokens)")
         with KVCacheClient(service.target) as client:
             st = client.get_stats(verify=True)
         print(f"service accounting verified: {st.free_pages} free + {st.evictable_pages} evictable + "

@@ -205,6 +205,99 @@ def _chat(mode: str, salt: str, i: int, workload: Workload, model: ReferenceMode
         conversation.close()
 
 
+# ------------------------------------------------------------------------------ continuous batching
+
+BATCH_MODES = ("one at a time", "batched", "batched, pipelined")
+
+
+@dataclass
+class BatchRun:
+    mode: str
+    seconds: float
+    cache_seconds: float
+    steps: int
+    rpcs: int
+    """Cache RPCs made (Step calls for the batched modes; open/append/commit/close for one at a time)."""
+    ops: int
+    """Cache operations, whatever carried them."""
+    outputs: dict[tuple[int, ...], list[int]]
+    """Generated tokens by request prompt."""
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(v) for v in self.outputs.values())
+
+
+def batch_requests(n: int, *, vocab: int, seed: int = 7) -> list[tuple[list[int], int]]:
+    """n requests (prompt, max_new_tokens): each starts with one of 4 shared 32-token system prompts and
+    adds 8-40 tokens of its own; budgets of 8-48 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    systems = [torch.randint(0, vocab, (32,), generator=g).tolist() for _ in range(4)]
+    out = []
+    for i in range(n):
+        own = torch.randint(0, vocab, (int(torch.randint(8, 41, (1,), generator=g)),), generator=g).tolist()
+        out.append((systems[i % 4] + own, int(torch.randint(8, 49, (1,), generator=g))))
+    return out
+
+
+def run_batching(mode: str, requests: Sequence[tuple[list[int], int]], *, target: str, config: ModelConfig,
+                 max_batch: int, salt: str) -> BatchRun:
+    """Serve `requests` in `mode` (one of BATCH_MODES) under `salt`; the model runs for real."""
+    from engine_client.aio import AsyncKVCacheClient
+    from engine_client.reference.batching import BatchingEngine, Request
+
+    start = time.perf_counter()
+    if mode == "one at a time":
+        outputs: dict[tuple[int, ...], list[int]] = {}
+        cache_s = 0.0
+        with KVCacheClient(target) as client:
+            sequential = ReferenceEngine(client, config)
+            for i, (prompt, budget) in enumerate(requests):
+                with sequential.chat(f"{salt}-{i}", streaming=False, cache_salt=salt) as chat:
+                    r = chat.turn(prompt, budget)
+                outputs[tuple(prompt)] = r.generated
+                cache_s += r.cache_seconds
+            sequential.close()
+        n = len(requests)
+        return BatchRun(mode, time.perf_counter() - start, cache_s, sum(b for _, b in requests), 4 * n, 4 * n,
+                        outputs)
+
+    def submit(engine: BatchingEngine) -> None:
+        for prompt, budget in requests:
+            engine.submit(Request(prompt, budget, streaming=False, cache_salt=salt))
+
+    if mode == "batched":
+        with KVCacheClient(target) as client:
+            engine = BatchingEngine(client, config, max_batch=max_batch)
+            submit(engine)
+            engine.run()
+            engine.close()
+    else:
+        async def pipelined() -> BatchingEngine:
+            async with AsyncKVCacheClient(target) as aclient:
+                engine = BatchingEngine(aclient, config, max_batch=max_batch, info=await aclient.get_pool_info())
+                submit(engine)
+                await engine.run_pipelined()
+                engine.close()
+                return engine
+
+        import asyncio
+
+        engine = asyncio.run(pipelined())
+    return BatchRun(mode, time.perf_counter() - start, engine.cache_seconds, engine.steps, len(engine.step_ops),
+                    sum(engine.step_ops), {tuple(d.request.tokens): d.generated for d in engine.completions})
+
+
+def batching_table(runs: Sequence[BatchRun]) -> str:
+    hdr = (f"{'mode':<20} {'seconds':>8} {'tokens/s':>9} {'forwards':>9} {'cache RPCs':>11} {'ops/RPC':>8} "
+           f"{'waiting on cache':>17}")
+    lines = [hdr, "-" * len(hdr)]
+    for r in runs:
+        lines.append(f"{r.mode:<20} {r.seconds:>8.2f} {r.tokens / r.seconds:>9.0f} {r.steps:>9} {r.rpcs:>11} "
+                     f"{r.ops / r.rpcs:>8.1f} {100 * r.cache_seconds / r.seconds:>16.1f}%")
+    return "\n".join(lines)
+
+
 def results_table(results: Sequence[Results], what: str = "seconds", baseline: str = "no_session",
                   last: int = 10) -> str:
     """Per-mode per-turn latency of `what` ("seconds": end to end; "cache_seconds": kvcache RPCs only), over

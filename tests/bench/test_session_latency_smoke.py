@@ -28,14 +28,18 @@ def test_session_latency_prints_both_tables_and_writes_the_plot(tmp_path: Path,
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_make_demo_runs_the_four_modes_and_stops_the_service_cleanly() -> None:
-    proc = subprocess.run([sys.executable, "-m", "engine_client.reference.demo", "--sessions", "2", "--turns", "3"],
+def test_make_demo_runs_the_four_modes_and_continuous_batching_and_stops_cleanly() -> None:
+    proc = subprocess.run([sys.executable, "-m", "engine_client.reference.demo", "--sessions", "2", "--turns", "3",
+                           "--batch-requests", "6", "--max-batch", "3"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("kvcache-service 0.1.0 listening on unix:")
     assert "all modes generated the same tokens: yes (48 tokens per mode)" in lines
     assert any(line.startswith("service accounting verified: ") for line in lines)
+    batching = [line.split("  ")[0] for line in lines if line.startswith(("one at a time ", "batched"))]
+    assert batching == ["one at a time", "batched", "batched, pipelined"]
+    assert any(line.startswith("all three generated the same tokens: yes (") for line in lines)
     assert lines[-1].startswith("kvcache-service: stopped cleanly (instance ")
     for mode in MODES:
         assert f"{mode:<18} [" in proc.stderr  # the progress bar
