@@ -80,6 +80,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 async def _serve(config: ServiceConfig) -> int:
     from cache_service.app import KVCacheServer
 
+    # Handlers first: a signal that arrives while starting (or right after the banner) stops cleanly too.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     server = KVCacheServer(config)
     try:
         await server.start()
@@ -90,10 +95,6 @@ async def _serve(config: ServiceConfig) -> int:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 1
     print(_banner(server), flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await server.stop()
     print(f"{PROG}: stopped cleanly (instance {server.instance_id}, pool released)", flush=True)

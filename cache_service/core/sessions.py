@@ -182,11 +182,17 @@ class SessionTable:
         del self._by_id[s.id]
 
     def set_state(self, s: Session, state: SessionState) -> None:
-        for old_or_new, sign in ((s.state, -1), (state, 1)):
-            if old_or_new is SessionState.IN_TURN:
-                self.num_in_turn += sign
-            elif old_or_new is SessionState.CLOSING:
-                self.num_closing += sign
+        old = s.state
+        if old is state:
+            return
+        if old is SessionState.IN_TURN:
+            self.num_in_turn -= 1
+        elif old is SessionState.CLOSING:
+            self.num_closing -= 1
+        if state is SessionState.IN_TURN:
+            self.num_in_turn += 1
+        elif state is SessionState.CLOSING:
+            self.num_closing += 1
         s.state = state
 
     def set_demoted(self, s: Session, demoted: bool) -> None:

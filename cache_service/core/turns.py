@@ -68,14 +68,13 @@ class Turns:
             if lock_node is not None:
                 self._radix.unlock(lock_node)
             raise
-        before = self._c.footprint(s)
-        if radix_turn:
+        if radix_turn:  # the session held nothing: its matched pages are the radix's, not private
             s.pages.extend(matched_pages)
             s.radix_pages = s.committed_pages = base_pages
             s.lock_node = lock_node
             s.synced_pages = 0
         s.pages.extend(new_pages)
-        self._c.settle(s, before)
+        self._c.in_flight_pages += new_pages.size
         self._sessions.set_state(s, SessionState.IN_TURN)
         self._sessions.set_demoted(s, False)
         s.radix_turn = radix_turn

@@ -1,8 +1,14 @@
-"""The one interceptor on kvcache.v1 methods: auth, restart detection, error mapping, metrics, logging.
+"""The one interceptor on kvcache.v1 methods: decoding, auth, restart detection, error mapping, metrics, logs.
+
+It is applied by wrapping each KVCacheService handler when the service is registered, not as a grpc.aio
+`ServerInterceptor`: grpc.aio awaits an interceptor's `intercept_service` on every call of every method,
+Health checks included, and wrapping costs nothing per call beyond the checks themselves.
 
 Domain errors become their gRPC status with an ErrorInfo reason; any other exception becomes INTERNAL
-with a fixed message and a logged traceback, and the service keeps serving. Health and reflection
-pass through untouched (always open, so probes and grpcurl work without a token).
+with a fixed message and a logged traceback, and the service keeps serving. Request bytes that do not
+decode are INVALID_ARGUMENT, counted and logged like any other error (grpc would answer UNKNOWN before
+any of our code ran). Health and reflection are separate services, always open, so probes and grpcurl
+work without a token.
 """
 
 from __future__ import annotations
@@ -14,46 +20,62 @@ from typing import Any
 
 import grpc
 import grpc.aio
+from google.protobuf.message import DecodeError, Message
 
 from cache_service.core import KVCacheError, Reason
 from cache_service.log import get_logger
 from cache_service.metrics import Metrics
 from cache_service.rpc.errors import status_for
+from protos.kvcache.v1 import kvcache_pb2 as pb
 
-SERVICE_PREFIX = "/kvcache.v1.KVCacheService/"
+SERVICE = pb.DESCRIPTOR.services_by_name["KVCacheService"]
 INSTANCE_HEADER = "x-kvcache-instance-id"
 AUTH_HEADER = "authorization"
 
 Behavior = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
 
-class ServiceInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc ships no types
+class Malformed:
+    """What a request that does not decode becomes: the handler answers INVALID_ARGUMENT for it."""
+
+    __slots__ = ("error", "size")
+
+    def __init__(self, error: Exception, size: int) -> None:
+        self.error = error
+        self.size = size
+
+
+def _decoder(message_cls: type[Message]) -> Callable[[bytes], Message | Malformed]:
+    parse = message_cls.FromString
+
+    def decode(data: bytes) -> Message | Malformed:
+        try:
+            return parse(data)
+        except (DecodeError, ValueError, RuntimeError) as e:  # upb raises DecodeError; keep the door shut
+            return Malformed(e, len(data))
+
+    return decode
+
+
+class ServiceInterceptor:
     def __init__(self, metrics: Metrics, *, instance_id: str, auth_token: str = "") -> None:
         self._metrics = metrics
         self._instance_id = instance_id
         self._auth = f"Bearer {auth_token}".encode() if auth_token else b""
         self._log = get_logger("kvcache.rpc")
-        self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        method: str = details.method
-        cached = self._wrapped.get(method)
-        if cached is not None:
-            return cached
-        handler = await continuation(details)
-        if handler is None or not method.startswith(SERVICE_PREFIX) or handler.unary_unary is None:
-            return handler
-        wrapped = grpc.unary_unary_rpc_method_handler(
-            self._wrap(method[len(SERVICE_PREFIX):], handler.unary_unary),
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
-        self._wrapped[method] = wrapped
-        return wrapped
+    def service_handler(self, servicer: object) -> grpc.GenericRpcHandler:
+        """KVCacheService's handlers, each of `servicer`'s methods wrapped by this interceptor."""
+        handlers = {}
+        for method in SERVICE.methods:
+            request_cls = getattr(pb, method.input_type.name)
+            response_cls = getattr(pb, method.output_type.name)
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                self._wrap(method.name, getattr(servicer, method.name)),
+                request_deserializer=_decoder(request_cls),
+                response_serializer=response_cls.SerializeToString,
+            )
+        return grpc.method_handlers_generic_handler(SERVICE.full_name, handlers)
 
     def _check_metadata(self, context: grpc.aio.ServicerContext) -> None:
         metadata = context.invocation_metadata() or ()
@@ -85,11 +107,16 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # g
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
             start = time.perf_counter()
             try:
+                if type(request) is Malformed:
+                    raise KVCacheError(Reason.INVALID_ARGUMENT,
+                                       f"the {request.size}-byte request is not a valid {name} request message "
+                                       f"({request.error})", field="request")
                 self._check_metadata(context)
                 response = await behavior(request, context)
             except KVCacheError as e:
                 record(e.code.value, start)
-                log.warning("rpc_error", method=name, code=e.code.value, reason=e.reason.value, message=e.message)
+                log.warning("rpc_error", method=name, code=e.code.value, reason=e.reason.value, message=e.message,
+                            **e.metadata)
                 await context.abort_with_status(status_for(e))
             except grpc.aio.AbortError:
                 raise  # a handler that aborted on its own has already sent its status

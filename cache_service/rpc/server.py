@@ -22,7 +22,6 @@ from cache_service.metrics import Metrics
 from cache_service.rpc.interceptor import ServiceInterceptor
 from cache_service.rpc.servicer import KVCacheServicer
 from protos.kvcache.v1 import kvcache_pb2 as pb
-from protos.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCacheService"].full_name
 HEALTH_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
@@ -50,8 +49,8 @@ class RpcServer:
         servicer = KVCacheServicer(core, layout, handle, instance_id=instance_id,
                                    max_request_tokens=settings.max_request_tokens,
                                    max_step_ops=settings.max_step_ops, metrics=metrics, clock=clock)
+        interceptor = ServiceInterceptor(metrics, instance_id=instance_id, auth_token=settings.auth_token)
         self._server = grpc.aio.server(
-            interceptors=[ServiceInterceptor(metrics, instance_id=instance_id, auth_token=settings.auth_token)],
             options=[
                 ("grpc.max_receive_message_length", settings.max_message_bytes),
                 ("grpc.max_send_message_length", settings.max_message_bytes),
@@ -60,7 +59,7 @@ class RpcServer:
                 ("grpc.http2.min_ping_interval_without_data_ms", 5000),
             ],
         )
-        pb_grpc.add_KVCacheServiceServicer_to_server(servicer, self._server)  # type: ignore[no-untyped-call]
+        self._server.add_generic_rpc_handlers((interceptor.service_handler(servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection((SERVICE_NAME, HEALTH_NAME, reflection.SERVICE_NAME), self._server)
 

@@ -8,7 +8,6 @@ core call, the same response, the same google.rpc.Status on failure).
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -199,7 +198,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         results = response.results
         default_engine = request.engine_id
         fills = self._fills
-        outcomes: Counter[tuple[str, str]] = Counter()
+        outcomes: dict[tuple[str, str], int] = {}
         for i, op in enumerate(ops):
             result = results.add()
             kind = op.WhichOneof("op")
@@ -208,7 +207,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                                    f"ops[{i}] names no operation (set one of {', '.join(STEP_OPS)})",
                                    field="ops", index=i)
                 result.status.CopyFrom(status_proto(err))
-                outcomes["none", err.code.value] += 1
+                outcomes["none", err.code.value] = outcomes.get(("none", err.code.value), 0) + 1
                 continue
             req = getattr(op, kind)
             engine_id = default_engine if kind == "match" else (req.engine_id or default_engine)
@@ -216,7 +215,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                 fills[kind](req, getattr(result, kind), engine_id)
             except KVCacheError as e:
                 result.status.CopyFrom(status_proto(e))
-                outcomes[kind, e.code.value] += 1
+                outcomes[kind, e.code.value] = outcomes.get((kind, e.code.value), 0) + 1
                 self._log.warning("rpc_error", method=f"Step.{kind}", op=i, code=e.code.value, reason=e.reason.value,
                                   message=e.message, **_subject(req))
             except Exception:
@@ -224,9 +223,10 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                 result.ClearField(kind)
                 result.status.code = code_pb2.INTERNAL
                 result.status.message = f"internal error in Step op {i} ({kind}); see the service log"
-                outcomes[kind, "INTERNAL"] += 1
+                outcomes[kind, "INTERNAL"] = outcomes.get((kind, "INTERNAL"), 0) + 1
             else:
-                outcomes[kind, "OK"] += 1
+                key = (kind, "OK")
+                outcomes[key] = outcomes.get(key, 0) + 1
         if self._metrics is not None:
             self._metrics.observe_step_ops(outcomes)
         return response

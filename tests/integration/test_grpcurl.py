@@ -61,8 +61,8 @@ def test_list_describe_and_health_need_no_proto_files(any_server: ServerProcess)
     assert listed.stdout.split() == ["grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection", SVC]
     described = g.run("describe", SVC)
     for rpc in ("GetPoolInfo", "RegisterEngine", "Heartbeat", "UnregisterEngine", "MatchPrefix", "OpenSession",
-                "AppendSession", "CommitSession", "CloseSession", "ReapSessions", "GetSession", "ListSessions",
-                "GetStats"):
+                "AppendSession", "ExtendSession", "CommitSession", "CloseSession", "ReapSessions", "GetSession",
+                "ListSessions", "GetStats", "Step"):
         assert f"rpc {rpc} (" in described.stdout
     msg = g.run("describe", "kvcache.v1.AppendSessionRequest")
     assert "repeated int32 token_ids = 2;" in msg.stdout and "bytes packed_token_ids = 3;" in msg.stdout
