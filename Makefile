@@ -9,7 +9,7 @@ BUF_VERSION := 1.75.0
 BUF := $(TOOLS)/node_modules/.bin/buf
 
 .DEFAULT_GOAL := help
-.PHONY: help setup run test lint typecheck unit proto proto-check docs docs-check chart-render chart-check bench demo gpu-test clean
+.PHONY: help setup run test lint typecheck unit proto proto-check docs docs-check chart-render chart-check bench demo hf-demo gpu-test clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -68,6 +68,9 @@ bench: setup ## run the benchmarks (tables on stdout)
 
 demo: setup ## concurrent chats through the reference engine in four cache modes, side by side
 	@$(PY) -m engine_client.reference.demo $(ARGS)
+
+hf-demo: setup ## a multi-turn chat through Hugging Face transformers on the pool, against recompute
+	@$(PY) -m engine_client.hf_demo $(ARGS)
 
 gpu-test: setup ## on a GPU machine (torch + cupy): tests/gpu and the mapped-pool bandwidth table
 	@$(PY) scripts/gpu_check.py

@@ -20,7 +20,7 @@ import torch
 
 from engine_client import KVCacheClient, map_pool
 from engine_client.reference.model import ModelConfig
-from engine_client.reference.workload import ServiceProcess
+from engine_client.reference.workload import ServiceProcess, model_flags
 
 TARGET = 0.95
 
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     config = ModelConfig(num_layers=8, num_kv_heads=8, head_dim=128, dtype=torch.float16)
     bytes_per_page = config.num_layers * 2 * 16 * config.num_kv_heads * config.head_dim * 2
     num_pages = int(args.pool_gib * 2**30) // bytes_per_page
-    with ServiceProcess(config, num_pages=num_pages, extra=("--backend", "cuda_ipc")) as service:
+    with ServiceProcess(model_flags(config), num_pages=num_pages, extra=("--backend", "cuda_ipc")) as service:
         with KVCacheClient(service.target) as client, map_pool(client, "cuda") as pool:
             rows = measure(pool.tensor, args.repeats)
             gpu = torch.cuda.get_device_name(pool.tensor.device)

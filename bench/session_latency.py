@@ -28,6 +28,7 @@ from engine_client.reference.workload import (
     Results,
     ServiceProcess,
     add_workload_arguments,
+    model_flags,
     results_table,
     run_mode,
     same_outputs,
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
           f"in + {args.output_tokens} out per turn; reference model {config.num_layers} layers, hidden "
           f"{config.hidden_size}, {config.num_heads} heads ({config.num_kv_heads} KV), float32, greedy, CPU")
     started = time.perf_counter()
-    with ServiceProcess(config, num_pages=2 * tokens // 16 + 1024) as service:
+    with ServiceProcess(model_flags(config), num_pages=2 * tokens // 16 + 1024) as service:
         results = []
         for mode in args.modes.split(","):
             progress = Progress(mode, args.sessions * args.turns)

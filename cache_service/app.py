@@ -94,6 +94,8 @@ class KVCacheServer:
         rpc = RpcServer(self.core, self.pool.layout, self.pool.handle(), rpc_settings(cfg),
                         instance_id=self.instance_id, metrics=metrics, clock=self._clock)
         self.address = rpc.bind()
+        if rpc.removed_stale_socket:
+            self._log.warning("removed_stale_socket", path=rpc.removed_stale_socket)
         self.port = rpc.port
         if cfg.metrics_port is not None:
             self._metrics_server = await serve_metrics(metrics, cfg.metrics_host, cfg.metrics_port)

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 import grpc
@@ -17,9 +19,10 @@ from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cache_service import __version__
-from cache_service.config import ConfigError, ServiceConfig, add_serve_arguments, config_from, format_bytes
+from cache_service.config import ConfigError, ServiceConfig, add_serve_arguments, config_from
 from cache_service.log import configure_logging
 from cache_service.memory import PoolError
+from cache_service.memory.base import format_bytes
 from protos.kvcache.v1 import kvcache_pb2 as pb
 from protos.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 
@@ -106,10 +109,11 @@ def _banner(server: Any) -> str:
     layout = server.pool.layout
     handle = server.pool.handle()
     where = handle.shm_path or f"GPU {handle.device_uuid}"
+    grpcurl = tool_command("grpcurl")
     if server.address.startswith("unix:"):
-        try_line = f"grpcurl -plaintext -unix {server.address[len('unix:'):]} list"
+        try_line = f"{grpcurl} -plaintext -unix {server.address[len('unix:'):]} list"
     else:
-        try_line = f"grpcurl -plaintext {server.address} list"
+        try_line = f"{grpcurl} -plaintext {server.address} list"
     metrics = (f"http://{_host_for_url(cfg.metrics_host)}:{server.metrics_port}/metrics"
                if server.metrics_port is not None else "disabled (--metrics-port)")
     return "\n".join([
@@ -120,6 +124,21 @@ def _banner(server: Any) -> str:
         f"  metrics  {metrics}",
         f"  try      {try_line}",
     ])
+
+
+def tool_command(name: str) -> str:
+    """How to run the tool `name` from here, as printed: its bare name when it is on PATH, else its path
+    beside this Python (a virtual environment's bin, where `make` installs grpcurl), relative when under
+    the current directory."""
+    if shutil.which(name):
+        return name
+    beside = Path(sys.executable).parent / name
+    if not beside.exists():
+        return name
+    try:
+        return str(beside.relative_to(Path.cwd()))
+    except ValueError:
+        return str(beside)
 
 
 def _host_for_url(host: str) -> str:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from cache_service.memory.base import format_bytes
 from protos.kvcache.v1.layout import DTYPE_NAMES, PoolLayout
 
 BACKEND_CHOICES = ("auto", "host_shm", "cuda_ipc")
@@ -32,14 +33,6 @@ def parse_bytes(text: str) -> int:
         raise ValueError(f"not a byte size: {text!r} (use e.g. 512Mi, 2Gi, 1G or a plain number)")
     value = float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").lower()]
     return int(value)
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from engine_client.errors import (
     SessionNotFound,
     SessionTokenLimit,
 )
+from engine_client.layout import LayoutMismatch, check_layout
 from engine_client.options import ClientOptions
 from engine_client.step import StepBatch, StepOutcome
 from engine_client.types import DTYPE_BYTES, DTYPE_NAMES, PoolInfo, PoolLayout
@@ -48,10 +49,10 @@ from engine_client.types import DTYPE_BYTES, DTYPE_NAMES, PoolInfo, PoolLayout
 __all__ = [
     "DTYPE_BYTES", "DTYPE_NAMES", "TORCH_DTYPES", "AsyncKVCacheClient", "AsyncSession", "BadToken", "ClientOptions",
     "EngineNotFound", "InternalError", "InvalidArgument", "InvalidTokens", "KVCacheClient", "KVCacheClientError",
-    "LeaseExpired", "MappedPool", "NoTurnInFlight", "NotOwner", "PoolExhausted", "PoolInfo", "PoolLayout",
-    "PoolMappingError", "ResourceExhausted", "ServiceRestarted", "ServiceUnavailable", "Session", "SessionBudget",
-    "SessionBusy", "SessionClosing", "SessionExists", "SessionNotFound", "SessionTokenLimit", "StepBatch",
-    "StepOutcome", "Turn", "map_pool",
+    "LayoutMismatch", "LeaseExpired", "MappedPool", "NoTurnInFlight", "NotOwner", "PoolExhausted", "PoolInfo",
+    "PoolLayout", "PoolMappingError", "ResourceExhausted", "ServiceRestarted", "ServiceUnavailable", "Session",
+    "SessionBudget", "SessionBusy", "SessionClosing", "SessionExists", "SessionNotFound", "SessionTokenLimit",
+    "StepBatch", "StepOutcome", "Turn", "check_layout", "map_pool",
 ]
 
 _LAZY: dict[str, str] = {

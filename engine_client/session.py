@@ -15,6 +15,11 @@ A session tracks what the service told it (`context_tokens`, `capacity_tokens`) 
 written (`kv_tokens`: leading positions whose K/V is valid). Inside a scheduler step, `Session.open_in`,
 `grow_for(..., batch=batch)` and the `StepBatch` ops queue the work in one `Step` instead of calling the
 service; the batch hands each result back to the session (`_apply`), exactly as the unary call would.
+
+Given the mapped pool (`pool=`), `write_kv` and `gather_kv` move one layer's K/V between the engine's
+tensors (`[B=1, heads, seq, dim]` as transformers holds them, or `[seq, heads, dim]`) and the session's
+slots, vectorised. Where the positions sit in consecutive slots (pages with consecutive ids, as a fresh
+pool hands out) a write is one slice copy and a gather is a view of the pool: no copy at all.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import numpy as np
 import torch
 
 from engine_client._codec import TokensLike
+from engine_client.mapping import MappedPool
 from engine_client.step import StepBatch, StepOutcome
 from engine_client.types import AppendResult, CloseResult, CommitResult, ExtendResult, OpenedSession
 
@@ -56,16 +62,20 @@ class _SessionState:
     """The client-side view of one session: page table, counts, and how each result changes them."""
 
     def __init__(self, session_id: str, epoch: int, page_size: int, device: str | torch.device,
-                 close_cache: bool) -> None:
+                 close_cache: bool, pool: MappedPool | None = None) -> None:
         self.session_id = session_id
         self.epoch = epoch
         """0 until the open's result is known (a session opened inside a batch)."""
         self.page_size = page_size
         self.close_cache = close_cache
         self.device = torch.device(device)
-        self._host: np.ndarray | None = None
-        self._table = self._new_table(64)
+        self.pool = pool
+        """The mapped pool `write_kv` and `gather_kv` use (None: those two are unavailable)."""
+        self._host = np.zeros(64, dtype=np.int32)
+        self._table = self._device_table()
         self._num_pages = 0
+        self._run_pages = 0
+        """Length of the page table's leading run of consecutive page ids (its slots are consecutive)."""
         self.turn: Turn | None = None
         self.context_tokens = 0
         """Committed tokens, plus the turn's new input while a turn is in flight."""
@@ -148,37 +158,122 @@ class _SessionState:
         self.context_tokens = res.context_tokens
         self.kv_tokens = res.kv_tokens
         self._num_pages = min(self._num_pages, res.num_pages)
+        self._run_pages = min(self._run_pages, self._num_pages)
         if res.closed:
             self.closed = True
 
     def _on_close(self, res: CloseResult) -> None:
         self.closed = res.closed
 
-    def _new_table(self, size: int) -> torch.Tensor:
-        """A page table of `size` entries. On the CPU it is a numpy array that the tensor views, so a
-        delta of a page or two is a numpy slice assignment, not a round of torch calls."""
+    def _device_table(self) -> torch.Tensor:
+        """The page table as a tensor on `device`. On the CPU it views the host array, so a delta of a page
+        or two is a numpy slice assignment, not a round of torch calls; on a GPU it is a copy kept in step."""
         if self.device.type == "cpu":
-            self._host = np.zeros(size, dtype=np.int32)
             return torch.from_numpy(self._host)
-        return torch.zeros(size, dtype=torch.int32, device=self.device)
+        return torch.from_numpy(self._host).to(self.device)
 
     def _apply_delta(self, offset: int, page_ids: np.ndarray) -> None:
         end = offset + page_ids.size
-        if end > self._table.numel():
-            old, n = self._table, self._num_pages
-            self._table = self._new_table(max(end, 2 * old.numel()))
-            self._table[:n] = old[:n]
+        if end > self._host.size:
+            grown = np.zeros(max(end, 2 * self._host.size), dtype=np.int32)
+            grown[: self._num_pages] = self._host[: self._num_pages]
+            self._host = grown
+            self._table = self._device_table()
         if page_ids.size:
-            if self._host is not None:
-                self._host[offset:end] = page_ids
-            else:
+            self._host[offset:end] = page_ids
+            if self.device.type != "cpu":
                 self._table[offset:end] = torch.from_numpy(page_ids).to(self.device)
         self._num_pages = end
+        self._set_run(offset)
+
+    def _set_run(self, changed_from: int) -> None:
+        """Entries from `changed_from` on changed (or the table was cut): recompute the leading run."""
+        n = self._num_pages
+        if changed_from > self._run_pages:  # the run's end (a break) comes before the change and stays
+            self._run_pages = min(self._run_pages, n)
+            return
+        start = max(changed_from - 1, 0)
+        if n - start <= 1:
+            self._run_pages = n
+            return
+        steps = np.diff(self._host[start:n])
+        breaks = np.flatnonzero(steps != 1)
+        self._run_pages = start + 1 + (int(breaks[0]) if breaks.size else steps.size)
+
+    # ------------------------------------------------------------------ K/V in the pool
+
+    def _planes(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s K and V planes, each `[num_pages * page_size, heads, dim]` (views of the pool)."""
+        if self.pool is None:
+            raise RuntimeError("this session has no pool: pass pool=map_pool(client) to use write_kv/gather_kv")
+        kv = self.pool.tensor[layer]
+        return kv[0].flatten(0, 1), kv[1].flatten(0, 1)
+
+    def _first_slot(self, start: int, stop: int) -> int | None:
+        """The slot of position `start` when positions [start, stop) have consecutive slots, else None."""
+        ps = self.page_size
+        if stop <= self._run_pages * ps or start // ps == (stop - 1) // ps:
+            return int(self._host[start // ps]) * ps + start % ps
+        return None
+
+    def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        """Write K and V of positions [start, start + seq) of `layer` into the session's slots.
+
+        `k`, `v`: `[1, heads, seq, dim]` or `[seq, heads, dim]`, in the pool's dtype. Writing the last layer
+        over `kv_tokens` advances it (all layers are then written for those positions)."""
+        k3, v3 = _as_shd(k, "k"), _as_shd(v, "v")
+        stop = start + k3.shape[0]
+        if stop == start:
+            return
+        if not 0 <= start <= stop <= self.capacity_tokens:
+            raise IndexError(f"positions [{start}, {stop}) are outside the page table "
+                             f"({self._num_pages} pages of {self.page_size}); grow_for() first")
+        kp, vp = self._planes(layer)
+        first = self._first_slot(start, stop)
+        if first is not None:
+            kp[first : first + k3.shape[0]].copy_(k3)
+            vp[first : first + k3.shape[0]].copy_(v3)
+        else:
+            slots = self.slots(start, stop).to(kp.device)
+            kp[slots] = k3
+            vp[slots] = v3
+        assert self.pool is not None
+        if layer == self.pool.layout.num_layers - 1 and start <= self.kv_tokens < stop:
+            self.kv_tokens = stop
+
+    def gather_kv(self, layer: int, stop: int, *, shape: str = "bhsd") -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of positions [0, stop) of `layer`: `[1, heads, stop, dim]` ("bhsd") or `[stop, heads, dim]`
+        ("shd"). A view of the pool when the slots are consecutive (do not write through it), else a copy."""
+        if shape not in ("bhsd", "shd"):
+            raise ValueError(f"shape must be 'bhsd' or 'shd', got {shape!r}")
+        if not 0 <= stop <= self.capacity_tokens:
+            raise IndexError(f"positions [0, {stop}) are outside the page table ({self._num_pages} pages)")
+        kp, vp = self._planes(layer)
+        first = self._first_slot(0, stop) if stop else 0
+        if first is not None:
+            k, v = kp[first : first + stop], vp[first : first + stop]
+        else:
+            slots = self.slots(0, stop).to(kp.device)
+            k, v = kp[slots], vp[slots]
+        if shape == "shd":
+            return k, v
+        return k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
 
     def _queue_growth(self, batch: StepBatch, reserve: int) -> StepOutcome[ExtendResult]:
         outcome = batch.extend(self, reserve)
         self._growing, self._growing_tokens = outcome, reserve
         return outcome
+
+
+def _as_shd(x: torch.Tensor, name: str) -> torch.Tensor:
+    """`[1, heads, seq, dim]` or `[seq, heads, dim]` as a `[seq, heads, dim]` view."""
+    if x.dim() == 4:
+        if x.shape[0] != 1:
+            raise ValueError(f"{name} has batch size {x.shape[0]}: a session holds one sequence")
+        return x[0].transpose(0, 1)
+    if x.dim() == 3:
+        return x
+    raise ValueError(f"{name} must be [1, heads, seq, dim] or [seq, heads, dim], got shape {tuple(x.shape)}")
 
 
 class Session(_SessionState):
@@ -189,22 +284,25 @@ class Session(_SessionState):
 
     def __init__(self, client: Any, session_id: str = "", *, streaming: bool = True,
                  timeout_seconds: float | None = None, cache_salt: str = "", close_cache: bool = True,
-                 page_size: int | None = None, device: str | torch.device = "cpu") -> None:
+                 page_size: int | None = None, device: str | torch.device = "cpu",
+                 pool: MappedPool | None = None) -> None:
         self.client = client
-        page_size = page_size or client.get_pool_info().layout.page_size
+        if not page_size:
+            page_size = (pool.info if pool is not None else client.get_pool_info()).layout.page_size
         opened = client.open_session(session_id, streaming=streaming, timeout_seconds=timeout_seconds,
                                      cache_salt=cache_salt)
-        super().__init__(opened.session_id, opened.epoch, page_size, device, close_cache)
+        super().__init__(opened.session_id, opened.epoch, page_size, device, close_cache, pool)
 
     @classmethod
     def open_in(cls, batch: StepBatch, client: Any, session_id: str = "", *, page_size: int,
                 streaming: bool = True, timeout_seconds: float | None = None, cache_salt: str = "",
-                close_cache: bool = True, device: str | torch.device = "cpu") -> Session:
+                close_cache: bool = True, device: str | torch.device = "cpu",
+                pool: MappedPool | None = None) -> Session:
         """A session that `batch` opens (its admission in the same Step as its first append). Usable in
         the batch at once; its epoch is known after the Step."""
         session = cls.__new__(cls)
         session.client = client
-        _SessionState.__init__(session, session_id, 0, page_size, device, close_cache)
+        _SessionState.__init__(session, session_id, 0, page_size, device, close_cache, pool)
         batch.open(streaming=streaming, timeout_seconds=timeout_seconds, cache_salt=cache_salt, session=session)
         return session
 
@@ -265,20 +363,23 @@ class AsyncSession(_SessionState):
     @classmethod
     async def open(cls, client: Any, session_id: str = "", *, streaming: bool = True,
                    timeout_seconds: float | None = None, cache_salt: str = "", close_cache: bool = True,
-                   page_size: int | None = None, device: str | torch.device = "cpu") -> AsyncSession:
-        page_size = page_size or (await client.get_pool_info()).layout.page_size
+                   page_size: int | None = None, device: str | torch.device = "cpu",
+                   pool: MappedPool | None = None) -> AsyncSession:
+        if not page_size:
+            page_size = (pool.info if pool is not None else await client.get_pool_info()).layout.page_size
         opened = await client.open_session(session_id, streaming=streaming, timeout_seconds=timeout_seconds,
                                            cache_salt=cache_salt)
-        session = cls(opened.session_id, opened.epoch, page_size, device, close_cache)
+        session = cls(opened.session_id, opened.epoch, page_size, device, close_cache, pool)
         session.client = client
         return session
 
     @classmethod
     def open_in(cls, batch: StepBatch, client: Any, session_id: str = "", *, page_size: int,
                 streaming: bool = True, timeout_seconds: float | None = None, cache_salt: str = "",
-                close_cache: bool = True, device: str | torch.device = "cpu") -> AsyncSession:
+                close_cache: bool = True, device: str | torch.device = "cpu",
+                pool: MappedPool | None = None) -> AsyncSession:
         """A session that `batch` opens; usable in the batch at once, its epoch known after the Step."""
-        session = cls(session_id, 0, page_size, device, close_cache)
+        session = cls(session_id, 0, page_size, device, close_cache, pool)
         session.client = client
         batch.open(streaming=streaming, timeout_seconds=timeout_seconds, cache_salt=cache_salt, session=session)
         return session

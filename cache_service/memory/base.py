@@ -8,6 +8,15 @@ from typing import Protocol
 from protos.kvcache.v1.layout import PoolLayout
 
 
+def format_bytes(n: float) -> str:
+    """1536 -> "1.5 KiB", 100 * 2**30 -> "100.0 GiB" (binary units, one decimal)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
 class PoolError(RuntimeError):
     """The pool cannot be created or exported; the message is one line that says what to do."""
 

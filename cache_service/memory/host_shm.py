@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from types import TracebackType
 
-from cache_service.memory.base import PoolError, PoolHandle
+from cache_service.memory.base import PoolError, PoolHandle, format_bytes
 from protos.kvcache.v1.layout import PoolLayout
 
 SUFFIX = ".pool"
@@ -53,7 +53,9 @@ class HostShmPool:
 
     name = "host_shm"
 
-    def __init__(self, layout: PoolLayout, *, shm_dir: str, prefix: str, instance_id: str) -> None:
+    def __init__(self, layout: PoolLayout, *, shm_dir: str, prefix: str, instance_id: str,
+                 size_flag: str = "--num-pages") -> None:
+        """`size_flag` names the flag that sized the pool, for the message when /dev/shm is too small."""
         self.layout = layout
         self.path = pool_path(shm_dir, prefix, instance_id)
         self._fd: int | None = None
@@ -73,8 +75,8 @@ class HostShmPool:
             if e.errno in (errno.ENOSPC, errno.EFBIG):
                 free = _free_bytes(shm_dir)
                 raise PoolError(
-                    f"{shm_dir} has no room for a {_mib(layout.size_bytes)} pool ({_mib(free)} free): "
-                    "enlarge it (docker --shm-size, a bigger memory emptyDir) or lower --num-pages"
+                    f"{shm_dir} has no room for a {format_bytes(layout.size_bytes)} pool ({format_bytes(free)} free): "
+                    f"enlarge it (docker --shm-size, a bigger memory emptyDir) or lower {size_flag}"
                 ) from None
             raise PoolError(f"cannot reserve the pool file {self.path}: {e.strerror}") from None
         self._fd = fd
@@ -109,7 +111,3 @@ class HostShmPool:
 def _free_bytes(path: str) -> int:
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from cache_service.memory.base import PoolBackend, PoolError
+from cache_service.memory.base import PoolBackend, PoolError, format_bytes
 from cache_service.memory.host_shm import HostShmPool, remove_stale_pools
 from protos.kvcache.v1.layout import PoolLayout
 
@@ -29,6 +29,10 @@ class PoolSettings(Protocol):
 
     @property
     def shm_prefix(self) -> str: ...
+
+    @property
+    def pool_bytes(self) -> int:
+        """The --pool-bytes asked for (0: the pool was sized by --num-pages)."""
 
     def layout(self) -> PoolLayout: ...
 
@@ -68,7 +72,9 @@ class PoolChoice:
 
 
 def _host_shm(config: PoolSettings, instance_id: str) -> PoolBackend:
-    return HostShmPool(config.layout(), shm_dir=config.shm_dir, prefix=config.shm_prefix, instance_id=instance_id)
+    size_flag = f"--pool-bytes (asked: {format_bytes(config.pool_bytes)})" if config.pool_bytes else "--num-pages"
+    return HostShmPool(config.layout(), shm_dir=config.shm_dir, prefix=config.shm_prefix, instance_id=instance_id,
+                       size_flag=size_flag)
 
 
 def _cuda_ipc(config: PoolSettings, instance_id: str) -> PoolBackend:

@@ -97,12 +97,16 @@ class ServiceInterceptor:
         log = self._log
         observe = self._metrics.observe_rpc
 
-        def record(code: str, start: float) -> None:
+        def record(code: str, start: float, request: Any) -> None:
             # Before the status leaves: an abort sends it to the client, so a metric recorded after the
             # abort could be missing from a scrape the client makes right after seeing the error.
             elapsed = time.perf_counter() - start
             observe(name, code, elapsed)
-            log.debug("rpc", method=name, code=code, ms=round(elapsed * 1e3, 3))
+            sid = getattr(request, "session_id", "")
+            if sid:
+                log.debug("rpc", method=name, code=code, ms=round(elapsed * 1e3, 3), session_id=sid)
+            else:
+                log.debug("rpc", method=name, code=code, ms=round(elapsed * 1e3, 3))
 
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
             start = time.perf_counter()
@@ -114,17 +118,17 @@ class ServiceInterceptor:
                 self._check_metadata(context)
                 response = await behavior(request, context)
             except KVCacheError as e:
-                record(e.code.value, start)
+                record(e.code.value, start, request)
                 log.warning("rpc_error", method=name, code=e.code.value, reason=e.reason.value, message=e.message,
                             **e.metadata)
                 await context.abort_with_status(status_for(e))
             except grpc.aio.AbortError:
                 raise  # a handler that aborted on its own has already sent its status
             except Exception:
-                record("INTERNAL", start)
+                record("INTERNAL", start, request)
                 log.exception("rpc_internal_error", method=name)
                 await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}; see the service log")
-            record("OK", start)
+            record("OK", start, request)
             return response
 
         return handle

@@ -6,6 +6,10 @@ the pool's layout and handle, and `RpcSettings`.
 
 from __future__ import annotations
 
+import errno
+import os
+import socket
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +28,38 @@ from cache_service.rpc.servicer import KVCacheServicer
 from protos.kvcache.v1 import kvcache_pb2 as pb
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCacheService"].full_name
+
+
+def _claim(listen: str) -> str:
+    """Refuse an address in use; return the path of a stale unix socket file it removed ("" if none)."""
+    if listen.startswith("unix:"):
+        path = listen[len("unix:"):]
+        if not os.path.lexists(path):
+            return ""
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise OSError(f"cannot listen on {listen}: {path} exists and is not a socket")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(path)
+            except (ConnectionRefusedError, FileNotFoundError):
+                os.unlink(path)  # left by a process that is gone (SIGKILL): nobody answers on it
+                return path
+        raise OSError(f"cannot listen on {listen}: a running process serves it (another kvcache-service?); stop "
+                      "it or choose another path")
+    host, _, port = listen.rpartition(":")
+    if int(port) == 0:
+        return ""
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # what grpc sets: TIME_WAIT is no conflict
+        try:
+            probe.bind((host.strip("[]"), int(port)))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise OSError(f"cannot listen on {listen}: port {port} is in use (another kvcache-service?); stop "
+                              f"it, or pick another port (--listen {host}:0 picks a free one)") from None
+            raise OSError(f"cannot listen on {listen}: {e.strerror}") from None
+    return ""
 HEALTH_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
 
@@ -46,6 +82,7 @@ class RpcServer:
         self.health = HealthServicer()
         self.address = ""
         self.port = 0
+        self.removed_stale_socket = ""
         servicer = KVCacheServicer(core, layout, handle, instance_id=instance_id,
                                    max_request_tokens=settings.max_request_tokens,
                                    max_step_ops=settings.max_step_ops, metrics=metrics, clock=clock)
@@ -64,8 +101,12 @@ class RpcServer:
         reflection.enable_server_reflection((SERVICE_NAME, HEALTH_NAME, reflection.SERVICE_NAME), self._server)
 
     def bind(self) -> str:
-        """Bind the listen address; returns the bound address (the real port when port 0 was asked)."""
+        """Bind the listen address; returns the bound address (the real port when port 0 was asked).
+
+        A port or unix socket another process serves is refused with one line (OSError) before grpc tries
+        it, so grpc's own error log does not come first; a unix socket file nobody serves is removed."""
         listen = self.settings.listen
+        self.removed_stale_socket = _claim(listen)
         try:
             port = self._server.add_insecure_port(listen)
         except RuntimeError as e:

@@ -4,8 +4,10 @@
 
 For each committed turn the whole conversation so far is recomputed densely (no cache at all); the
 generated tokens must be the greedy tokens of that recompute and the logits must agree within
---tolerance. Prints one JSON line per turn and a final summary line; exits 1 when a check fails and
-2 when the model does not fit the service's pool (one line naming both layouts).
+--tolerance. The model takes the pool's shape (layers, KV heads, head dim, dtype), so it runs against
+any service, `make run`'s included. Prints one JSON line per turn and a final summary line; exits 1 when
+a check fails and 2 when the model does not fit the service's pool (one line naming both layouts and the
+serve flags that would fit).
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import sys
 
 import torch
 
-from engine_client import KVCacheClient
+from engine_client import KVCacheClient, LayoutMismatch, PoolLayout
+from engine_client.mapping import TORCH_DTYPES
 from engine_client.reference.engine import ReferenceEngine, TurnResult
-from engine_client.reference.model import ModelConfig, ReferenceModel
+from engine_client.reference.model import ModelConfig, ReferenceModel, dtype_name
 
 
 def tokens(seed: int, n: int, vocab: int) -> list[int]:
@@ -32,6 +35,21 @@ def verify(model: ReferenceModel, context: list[int], result: TurnResult) -> tup
     dense = model.forward_dense(torch.tensor(full, dtype=torch.long, device=result.logits.device))[len(context) - 1:]
     diff = float((dense - result.logits).abs().max())
     return diff, dense.argmax(dim=-1).tolist() == result.generated
+
+
+TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
+"""Largest logit difference from the dense recompute accepted by default, per dtype."""
+
+
+def model_for(layout: PoolLayout, *, head_dim: int | None = None) -> ModelConfig:
+    """The reference model shaped like the pool: its layers, KV heads (two query heads each), head dim and
+    dtype, unless `head_dim` overrides. Raises ValueError for a dtype the model cannot compute in."""
+    if layout.dtype not in TOLERANCE:
+        raise LayoutMismatch(f"the reference model computes in float32, float16 or bfloat16, not {layout.dtype}: "
+                             f"serve a pool with --dtype float32 to check it")
+    return ModelConfig(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
+                       num_heads=2 * layout.num_kv_heads, head_dim=head_dim or layout.head_dim,
+                       dtype=TORCH_DTYPES[layout.dtype])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,18 +66,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--session-id", default="")
     ap.add_argument("--cache-salt", default="")
     ap.add_argument("--close-cache", action="store_true", help="close with cache=true")
-    ap.add_argument("--tolerance", type=float, default=1e-4)
-    ap.add_argument("--model-head-dim", type=int, default=32)
+    ap.add_argument("--tolerance", type=float, default=None,
+                    help="largest logit difference accepted (default by dtype: float32 1e-4, float16 1e-2, "
+                         "bfloat16 5e-2)")
+    ap.add_argument("--model-head-dim", type=int, default=None,
+                    help="the model's head dim (default: the pool's; the model takes the pool's shape)")
     ap.add_argument("--device", default="cpu", help="where the model runs and the pool is mapped (cuda for cuda_ipc)")
     args = ap.parse_args(argv)
 
-    config = ModelConfig(head_dim=args.model_head_dim)
     with KVCacheClient(args.target) as client:
         try:
+            config = model_for(client.get_pool_info().layout, head_dim=args.model_head_dim)
             engine = ReferenceEngine(client, config, device=args.device)
         except ValueError as e:
             print(f"check: {e}", file=sys.stderr)
             return 2
+        tolerance = args.tolerance if args.tolerance is not None else TOLERANCE[dtype_name(config.dtype)]
         worst, ok = 0.0, True
         system = tokens(args.system_seed, args.system_tokens, config.vocab_size)
         with engine.chat(args.session_id, streaming=args.mode == "streaming", cache_salt=args.cache_salt,
@@ -73,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                 result = chat.turn(new, args.output_tokens, abort_after=2 if aborting else None)
                 diff, match = verify(engine.model, context, result)
                 worst = max(worst, diff)
-                ok &= match and diff <= args.tolerance
+                ok &= match and diff <= tolerance
                 print(json.dumps({
                     "turn": turn, "service_turn": result.turn, "aborted": result.aborted,
                     "context_tokens": result.context_tokens, "cached_tokens": result.cached_tokens,

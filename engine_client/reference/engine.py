@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
+from engine_client.layout import check_layout
 from engine_client.mapping import MappedPool, map_pool
-from engine_client.reference.model import ModelConfig, ReferenceModel, check_pool_layout
+from engine_client.reference.model import ModelConfig, ReferenceModel
 from engine_client.session import Session
 
 
@@ -68,8 +69,8 @@ class ReferenceEngine:
         self.config = config or ModelConfig()
         info = pool.info if pool is not None else client.get_pool_info()
         lay = info.layout
-        check_pool_layout(self.config, num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,
-                          head_dim=lay.head_dim, dtype=lay.dtype, page_size=lay.page_size)
+        check_layout(lay, num_layers=self.config.num_layers, num_kv_heads=self.config.num_kv_heads,
+                     head_dim=self.config.head_dim, dtype=self.config.dtype)
         device = torch.device(device)
         self.pool = pool if pool is not None else map_pool(info, device if device.type == "cuda" else None)
         self.page_size = lay.page_size

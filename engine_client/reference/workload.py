@@ -326,19 +326,30 @@ def same_outputs(results: Sequence[Results]) -> bool:
     return all(r.outputs == results[0].outputs for r in results[1:])
 
 
-class ServiceProcess:
-    """`kvcache-service serve` on a private unix socket, sized for `config`; stop() sends SIGTERM."""
+def layout_flags(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype | str) -> list[str]:
+    """The `serve` flags of a pool that holds this K/V shape."""
+    return ["--num-layers", str(num_layers), "--num-kv-heads", str(num_kv_heads), "--head-dim", str(head_dim),
+            "--dtype", dtype_name(dtype) if isinstance(dtype, torch.dtype) else dtype]
 
-    def __init__(self, config: ModelConfig, *, num_pages: int, page_size: int = 16,
+
+def model_flags(config: ModelConfig) -> list[str]:
+    """The `serve` flags of a pool that fits the reference model `config`."""
+    return layout_flags(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                        dtype=config.dtype)
+
+
+class ServiceProcess:
+    """`kvcache-service serve` on a private unix socket with the given layout flags (`model_flags`,
+    `layout_flags`); stop() sends SIGTERM."""
+
+    def __init__(self, flags: Sequence[str], *, num_pages: int, page_size: int = 16,
                  extra: Sequence[str] = ()) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="kvcache-")
         self.target = f"unix:{self._dir.name}/kvcache.sock"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cache_service", "serve", "--listen", self.target,
-             "--num-layers", str(config.num_layers), "--num-kv-heads", str(config.num_kv_heads),
-             "--head-dim", str(config.head_dim), "--dtype", dtype_name(config.dtype), "--page-size", str(page_size),
-             "--num-pages", str(num_pages), "--session-budget-fraction", "0", "--shm-prefix", f"kvdemo{os.getpid()}",
-             "--log-level", "warning", *extra],
+            [sys.executable, "-m", "cache_service", "serve", "--listen", self.target, *flags,
+             "--page-size", str(page_size), "--num-pages", str(num_pages), "--session-budget-fraction", "0",
+             "--shm-prefix", f"kvdemo{os.getpid()}", "--log-level", "warning", *extra],
             stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2],
         )
         assert self.proc.stdout is not None

@@ -32,7 +32,17 @@ def test_the_start_line_says_where_what_and_how_to_try_it(start_server: Callable
     assert pool == ("  pool     512 pages x 8 tokens = 4,096 tokens, 8.0 MiB "
                     "(2 layers, 4 kv heads x 64, float16, 8 tokens/page)")
     assert metrics == "  metrics  disabled (--metrics-port)"
-    assert try_line == f"  try      grpcurl -plaintext {server.address} list"
+    assert re.fullmatch(rf"  try      \S*grpcurl -plaintext {server.address} list", try_line)
+    assert run_try_line(try_line).split() == ["grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
+                                              "kvcache.v1.KVCacheService"]
+
+
+def run_try_line(line: str) -> str:
+    """Run the banner's `try` command exactly as printed, from the repository (where `make run` runs)."""
+    proc = subprocess.run(["bash", "-c", line.split("try", 1)[1].strip()], cwd=REPO, capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
 
 
 def test_unix_socket_start_line_has_a_unix_grpcurl_line(start_server: Callable[..., ServerProcess],
@@ -40,7 +50,8 @@ def test_unix_socket_start_line_has_a_unix_grpcurl_line(start_server: Callable[.
     sock = f"{tmp_path}/s.sock"
     server = start_server(listen=f"unix:{sock}")
     assert server.address == f"unix:{sock}"
-    assert server.banner[4].strip() == f"try      grpcurl -plaintext -unix {sock} list"
+    assert re.fullmatch(rf"try      \S*grpcurl -plaintext -unix {sock} list", server.banner[4].strip())
+    assert "kvcache.v1.KVCacheService" in run_try_line(server.banner[4])
 
 
 def test_environment_variables_configure_and_flags_win(start_server: Callable[..., ServerProcess]) -> None:

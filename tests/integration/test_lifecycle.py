@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from engine_client import KVCacheClient
 
-from .conftest import ServerProcess
+from .conftest import REPO, ServerProcess
 
 
 def test_sigterm_drains_releases_sessions_and_leaves_no_pool_file(
@@ -60,3 +63,48 @@ def test_a_live_services_pool_file_is_never_taken_for_stale(start_server: Callab
     assert names == {f"{first.shm_prefix}-{first.instance_id}.pool", f"{first.shm_prefix}-{second.instance_id}.pool"}
     with KVCacheClient(first.target) as client:
         assert Path(client.get_pool_info().shm_path).exists()
+
+
+def serve_and_fail(listen: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "cache_service", "serve", "--listen", listen, "--shm-prefix",
+                           "kvtest-second"], cwd=REPO, capture_output=True, text=True, timeout=30)
+
+
+def test_a_busy_port_is_one_line_and_the_first_service_keeps_serving(
+        start_server: Callable[..., ServerProcess]) -> None:
+    first = start_server()
+    second = serve_and_fail(first.address)
+    port = first.address.rpartition(":")[2]
+    assert second.returncode == 1
+    assert second.stderr.splitlines() == [  # ours alone: grpc never got to log its own error first
+        f"kvcache-service: error: cannot listen on {first.address}: port {port} is in use (another "
+        f"kvcache-service?); stop it, or pick another port (--listen 127.0.0.1:0 picks a free one)"]
+    with KVCacheClient(first.target) as client:
+        assert client.get_pool_info().instance_id == first.instance_id
+
+
+def test_a_live_unix_socket_is_never_stolen(start_server: Callable[..., ServerProcess], tmp_path: Path) -> None:
+    sock = tmp_path / "kv.sock"
+    first = start_server(listen=f"unix:{sock}")
+    second = serve_and_fail(f"unix:{sock}")
+    assert second.returncode == 1
+    assert second.stderr.splitlines() == [
+        f"kvcache-service: error: cannot listen on unix:{sock}: a running process serves it (another "
+        "kvcache-service?); stop it or choose another path"]
+    assert sock.is_socket()
+    with KVCacheClient(first.target) as client:  # still reachable at its path, still the same instance
+        assert client.get_pool_info().instance_id == first.instance_id
+    assert not list(Path("/dev/shm").glob("kvtest-second-*.pool"))  # the refused start left no pool file
+
+
+def test_a_stale_unix_socket_file_is_removed_and_logged(start_server: Callable[..., ServerProcess],
+                                                        tmp_path: Path) -> None:
+    sock = tmp_path / "kv.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as left:  # bound, never unlinked: as after SIGKILL
+        left.bind(str(sock))
+    server = start_server(listen=f"unix:{sock}")
+    with KVCacheClient(server.target) as client:
+        assert client.get_pool_info().instance_id == server.instance_id
+    events = [json.loads(line) for line in server.log_tail(50).splitlines()]
+    assert {"event": "removed_stale_socket", "path": str(sock)}.items() <= next(
+        e for e in events if e["event"] == "removed_stale_socket").items()

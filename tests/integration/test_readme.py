@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -20,16 +18,16 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 
 def run_example(name: str, server: ServerProcess) -> subprocess.CompletedProcess[str]:
     code = EXAMPLES[name].replace(DEFAULT_TARGET, server.target)
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    # As printed: from the repository, with nothing added to PATH (the README names .venv/bin/ itself).
     cmd = [sys.executable, "-c", code] if name.startswith("python") else ["bash", "-euo", "pipefail", "-c", code]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=60)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, f"README example {name} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc
 
 
 def test_the_readme_has_the_examples_this_test_runs() -> None:
     assert sorted(EXAMPLES) == ["grpcurl-explore", "grpcurl-session", "grpcurl-step", "on-call", "python-engine",
-                                "python-step"]
+                                "python-hf", "python-step"]
     assert README.startswith("# kvcache\n\n```bash\nmake run ")
     assert README.splitlines()[4].startswith("make test ")
 
@@ -75,7 +73,7 @@ def test_python_engine_example(default_layout_server: ServerProcess) -> None:
     out = run_example("python-engine", default_layout_server).stdout.splitlines()
     assert out[0] == "turn 1: compute KV for positions [0, 8)"
     assert out[1] == "turn 2: 9 tokens cached, 3 to compute"  # the last sampled token + 2 new
-    assert out[2].startswith("Stats(num_pages=1024, page_size=16, free_pages=")
+    assert out[2] == "pages: 1023 free, 0 cached in the radix, 0 held"
 
 
 def test_on_call_example(default_layout_server: ServerProcess) -> None:
@@ -88,3 +86,13 @@ def test_flags_and_metrics_tables_are_generated_and_current() -> None:
                           text=True)
     assert proc.returncode == 0, proc.stdout
     assert README.count("| `--") == len(__import__("cache_service.config", fromlist=["FLAGS"]).FLAGS)
+
+
+def test_python_hf_example(default_layout_server: ServerProcess) -> None:
+    out = run_example("python-hf", default_layout_server).stdout.splitlines()
+    assert out == [
+        "turn 1: 12 in context, 0 cached, 12 computed, 0 extension(s)",
+        # turn 2: 12 + 20 committed, the last sampled token not yet through the model
+        "turn 2: 35 in context, 31 cached, 4 computed, 1 extension(s)",
+        "turn 3: 77 in context, 74 cached, 3 computed, 0 extension(s)",
+    ]

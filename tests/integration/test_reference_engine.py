@@ -92,5 +92,17 @@ def test_abort_mid_turn_then_the_next_turn_equals_a_recompute_of_the_committed_c
 def test_a_model_that_does_not_fit_the_pool_gets_one_line_naming_both(model_server: ServerProcess) -> None:
     code, lines, err = check(model_server.target, "--model-head-dim", "16")
     assert (code, lines) == (2, [])
-    assert err.strip() == ("check: pool layout (layers=2, kv_heads=2, head_dim=32, dtype=float32) does not match "
-                           "the model (layers=2, kv_heads=2, head_dim=16, dtype=float32)")
+    assert err.strip() == (
+        "check: pool layout (layers=2, kv_heads=2, head_dim=32, dtype=float32) does not match the model (layers=2, "
+        "kv_heads=2, head_dim=16, dtype=float32): serve a pool that fits with `kvcache-service serve --num-layers 2 "
+        "--num-kv-heads 2 --head-dim 16 --dtype float32` (make run ARGS=\"--num-layers 2 --num-kv-heads 2 "
+        "--head-dim 16 --dtype float32\")")
+
+
+def test_check_takes_the_shape_of_make_runs_default_pool(start_server: Callable[..., ServerProcess]) -> None:
+    server = start_server()  # the embedded default: 2 layers, 4 KV heads of 64, float16, pages of 16
+    code, lines, err = check(server.target, "--turns", "3")
+    *turns, summary = lines
+    assert code == 0 and summary["ok"] is True, err
+    assert [t["tokens_match"] for t in turns] == [True, True, True]
+    assert summary["max_logit_diff"] <= 1e-2  # float16

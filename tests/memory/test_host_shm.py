@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from cache_service.config import ServiceConfig
 from cache_service.memory import HostShmPool, PoolError, PoolLayout, remove_stale_pools
+from cache_service.memory.select import CudaProbe, create_pool
 
 LAYOUT = PoolLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", page_size=4, num_pages=10)
 
@@ -57,6 +59,14 @@ def test_no_room_says_how_big_and_what_to_do(tmp_path: Path, monkeypatch: pytest
         raise OSError(28, os.strerror(28))
 
     monkeypatch.setattr(os, "posix_fallocate", no_space)
-    with pytest.raises(PoolError, match=r"has no room for a 0\.0 MiB pool .* lower --num-pages"):
+    with pytest.raises(PoolError, match=r"has no room for a 5\.0 KiB pool \(.* free\): enlarge it .* or lower "
+                                        r"--num-pages$"):
         HostShmPool(LAYOUT, shm_dir=str(tmp_path), prefix="t", instance_id="x")
+    assert list(tmp_path.iterdir()) == []
+    # A pool sized by --pool-bytes names that flag, with the size asked for.
+    config = ServiceConfig(pool_bytes=100 << 30, shm_dir=str(tmp_path))
+    with pytest.raises(PoolError) as err:
+        create_pool(config, "x", probe=lambda: CudaProbe(False, "no GPU"))
+    assert str(err.value).startswith(f"{tmp_path} has no room for a 100.0 GiB pool (")
+    assert str(err.value).endswith("or lower --pool-bytes (asked: 100.0 GiB)")
     assert list(tmp_path.iterdir()) == []

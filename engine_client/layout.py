@@ -1,0 +1,45 @@
+"""Does a model fit a pool? `check_layout` answers before anything is mapped, in one clear line.
+
+    from engine_client import check_layout
+    check_layout(client.get_pool_info().layout, num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
+
+A mismatch raises `LayoutMismatch` naming both layouts and the `kvcache-service serve` flags that would
+fit the model. Page size and page count are the service's choice: any page size works.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from protos.kvcache.v1.layout import DTYPE_NAMES, PoolLayout
+
+__all__ = ["LayoutMismatch", "check_layout", "dtype_name"]
+
+
+class LayoutMismatch(ValueError):
+    """The pool cannot hold this model's K/V; the message names both layouts and the flags that fit."""
+
+
+def dtype_name(dtype: Any) -> str:
+    """The service's dtype name of a torch dtype or a name: torch.bfloat16 -> "bfloat16"."""
+    return str(dtype).removeprefix("torch.")
+
+
+def check_layout(pool: PoolLayout, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: Any) -> None:
+    """Raise `LayoutMismatch` unless `pool` has this many layers, KV heads and head dim, in this dtype."""
+    want = (num_layers, num_kv_heads, head_dim, dtype_name(dtype))
+    have = (pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype)
+    if want == have:
+        return
+    if want[3] not in DTYPE_NAMES:
+        raise LayoutMismatch(f"the model's dtype {want[3]} is not a pool dtype (one of {', '.join(DTYPE_NAMES)})")
+    flags = (f"--num-layers {num_layers} --num-kv-heads {num_kv_heads} --head-dim {head_dim} "
+             f"--dtype {want[3]}")
+    raise LayoutMismatch(
+        f"pool layout {_describe(*have)} does not match the model {_describe(*want)}: serve a pool that fits "
+        f"with `kvcache-service serve {flags}` (make run ARGS=\"{flags}\")"
+    )
+
+
+def _describe(num_layers: int, num_kv_heads: int, head_dim: int, dtype: str) -> str:
+    return f"(layers={num_layers}, kv_heads={num_kv_heads}, head_dim={head_dim}, dtype={dtype})"

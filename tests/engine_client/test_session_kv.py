@@ -1,0 +1,110 @@
+"""`Session.write_kv` / `gather_kv` on a pool tensor, without a server: exact slots, views where the slots
+are consecutive, copies where they are not, and the page-table bookkeeping behind that choice."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine_client.mapping import MappedPool
+from engine_client.session import _SessionState
+from engine_client.types import AppendResult, CommitResult, ExtendResult, PoolInfo, PoolLayout
+
+LAYOUT = PoolLayout(num_layers=2, num_kv_heads=2, head_dim=3, dtype="float32", page_size=4, num_pages=16)
+
+
+def make_session() -> tuple[_SessionState, torch.Tensor]:
+    tensor = torch.zeros(LAYOUT.shape, dtype=torch.float32)
+    info = PoolInfo(LAYOUT, "host_shm", "", b"", "", LAYOUT.size_bytes, "i", 0, 0, "t")
+    return _SessionState("s", 1, 4, "cpu", True, MappedPool(info, tensor)), tensor
+
+
+def append(s: _SessionState, offset: int, pages: list[int], *, cached: int = 0, context: int = 0) -> None:
+    s._apply("append", AppendResult("s", 1, 1, cached, context, 4 * (offset + len(pages)), offset,
+                                    np.array(pages, dtype=np.int32), offset + len(pages), 0))
+
+
+def kv(seq: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V `[1, heads=2, seq, dim=3]` with distinct values per (head, position, dim)."""
+    k = base + torch.arange(2 * seq * 3, dtype=torch.float32).view(1, 2, seq, 3)
+    return k, -k
+
+
+@pytest.mark.parametrize("pages", [[5, 6, 7], [9, 2, 14]], ids=["consecutive", "scattered"])
+def test_written_kv_lands_in_the_slots_of_the_page_table_and_reads_back(pages: list[int]) -> None:
+    s, pool = make_session()
+    append(s, 0, pages, context=10)
+    k, v = kv(10, 100.0)
+    s.write_kv(1, k, v, 0)
+    for pos in range(10):  # position p lives in page table[p // 4], slot p % 4
+        page, slot = pages[pos // 4], pos % 4
+        assert torch.equal(pool[1, 0, page, slot], k[0, :, pos])
+        assert torch.equal(pool[1, 1, page, slot], v[0, :, pos])
+    assert not pool[0].any()  # layer 0 untouched
+    gk, gv = s.gather_kv(1, 10)
+    assert torch.equal(gk, k) and torch.equal(gv, v)
+    sk, sv = s.gather_kv(1, 10, shape="shd")
+    assert torch.equal(sk, k[0].transpose(0, 1)) and torch.equal(sv, v[0].transpose(0, 1))
+    is_view = gk.untyped_storage().data_ptr() == pool.untyped_storage().data_ptr()
+    assert is_view == (pages == [5, 6, 7])  # zero-copy exactly when the slots are consecutive
+
+
+def test_a_shd_write_and_a_write_inside_one_page_of_a_scattered_table() -> None:
+    s, pool = make_session()
+    append(s, 0, [9, 2], context=6)
+    k, v = kv(6, 0.0)
+    s.write_kv(0, k[0].transpose(0, 1), v[0].transpose(0, 1), 0)  # [seq, heads, dim]
+    k2, v2 = kv(2, 500.0)
+    s.write_kv(0, k2, v2, 5)  # positions 5, 6: one page (2), consecutive slots 9 and 10
+    assert torch.equal(pool[0, 0, 2, 1:3], k2[0].transpose(0, 1))
+    gk, _ = s.gather_kv(0, 7)
+    assert torch.equal(gk[0, :, :5], k[0, :, :5]) and torch.equal(gk[0, :, 5:7], k2[0])
+
+
+def test_the_last_layer_written_over_kv_tokens_advances_it() -> None:
+    s, _ = make_session()
+    append(s, 0, [1, 2], cached=0, context=5)
+    k, v = kv(5, 0.0)
+    s.write_kv(0, k, v, 0)
+    assert s.kv_tokens == 0  # one layer is not all of them
+    s.write_kv(1, k, v, 0)
+    assert s.kv_tokens == 5
+    k1, v1 = kv(1, 9.0)
+    s.write_kv(1, k1, v1, 7)  # a write that leaves a hole does not count
+    assert s.kv_tokens == 5
+
+
+def test_the_consecutive_run_follows_every_change_of_the_table() -> None:
+    s, _ = make_session()
+    append(s, 0, [3, 4, 5])
+    assert s._run_pages == 3
+    s._apply("extend", ExtendResult("s", 1, 1, 16, 3, np.array([6], dtype=np.int32), 4))
+    assert s._run_pages == 4
+    s._apply("extend", ExtendResult("s", 1, 1, 20, 4, np.array([11], dtype=np.int32), 5))
+    assert s._run_pages == 4  # 11 does not follow 6
+    s._apply("commit", CommitResult("s", 10, 9, 3, False))
+    assert s._run_pages == 3
+    append(s, 1, [8, 9])  # the delta rewrites from entry 1 (e.g. duplicates swapped for the tree's pages)
+    assert (s.page_table.tolist(), s._run_pages) == ([3, 8, 9], 1)
+    append(s, 0, [7, 8, 9, 10])
+    assert s._run_pages == 4
+
+
+def test_bad_writes_and_reads_are_refused() -> None:
+    s, _ = make_session()
+    append(s, 0, [1])
+    k, v = kv(5, 0.0)
+    with pytest.raises(IndexError, match=r"positions \[0, 5\) are outside the page table"):
+        s.write_kv(0, k, v, 0)
+    with pytest.raises(ValueError, match="batch size 2: a session holds one sequence"):
+        s.write_kv(0, torch.cat([k, k]), torch.cat([v, v]), 0)
+    with pytest.raises(ValueError, match=r"must be \[1, heads, seq, dim\] or \[seq, heads, dim\]"):
+        s.write_kv(0, k[0, 0], v[0, 0], 0)
+    with pytest.raises(IndexError):
+        s.gather_kv(0, 5)
+    with pytest.raises(ValueError, match="shape must be"):
+        s.gather_kv(0, 2, shape="hsd")
+    bare = _SessionState("t", 1, 4, "cpu", True)
+    with pytest.raises(RuntimeError, match="this session has no pool"):
+        bare.gather_kv(0, 0)
