@@ -41,8 +41,8 @@ $(BUF): ## buf from npm (@bufbuild/buf), pinned
 typecheck: setup ## mypy --strict on cache_service and engine_client
 	@$(BIN)/mypy --no-error-summary && echo "[typecheck] mypy: clean"
 
-unit: setup ## pytest
-	@$(BIN)/pytest -q
+unit: setup ## pytest, 3 worker processes (the tests mostly wait on the servers and engines they start)
+	@$(BIN)/pytest -q -n 3
 
 proto: setup ## regenerate the Python code of protos/kvcache/v1/*.proto
 	@$(PY) scripts/gen_protos.py

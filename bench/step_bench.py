@@ -198,8 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=4.0, help="duration of each throughput run")
     ap.add_argument("--only", choices=["per-op", "throughput"])
     args = ap.parse_args(argv)
-    rounds, ops_per_round = (2, 64) if args.quick else (7, 512)
-    seconds = 0.5 if args.quick else args.seconds
+    rounds, ops_per_round = (1, 64) if args.quick else (7, 512)
+    seconds = 0.3 if args.quick else args.seconds
     transports = args.transports.split(",")
     if args.only in (None, "per-op"):
         print(f"Per-op cost, microseconds (median of {rounds} interleaved rounds of {ops_per_round} ops; "
