@@ -23,6 +23,7 @@ from cache_service.log import get_logger
 from cache_service.memory import PoolBackend
 from cache_service.memory.select import PoolChoice, create_pool
 from cache_service.metrics import Metrics, serve_metrics
+from cache_service.rpc.identity import Identities, load_tenants
 from cache_service.rpc.server import RpcServer, RpcSettings
 
 
@@ -33,14 +34,27 @@ def core_config(config: ServiceConfig) -> CoreConfig:
         session_timeout_seconds=config.session_timeout,
         lease_ttl_seconds=config.lease_ttl,
         session_budget_pages=config.session_budget_pages,
-        max_session_tokens=config.max_session_tokens,
+        max_session_tokens=config.session_token_cap,
+        max_sessions=config.max_sessions,
+        max_lease_ttl_seconds=config.max_lease_ttl,
+        quarantine_seconds=config.quarantine_seconds,
         eviction_policy=config.eviction_policy,
         demote_idle_sessions=config.demote_idle_sessions,
     )
 
 
-def rpc_settings(config: ServiceConfig) -> RpcSettings:
-    return RpcSettings(listen=config.listen, auth_token=config.auth_token,
+def identities(config: ServiceConfig) -> Identities:
+    """Who may call: the tenants file's identities, or --auth-token's one admin, or everyone (no tokens).
+    Raises TenantsFileError with a one-line reason."""
+    if config.tenants_file:
+        return load_tenants(config.tenants_file)
+    if config.auth_token:
+        return Identities.single_token(config.auth_token)
+    return Identities()
+
+
+def rpc_settings(config: ServiceConfig, who: Identities) -> RpcSettings:
+    return RpcSettings(listen=config.listen, identities=who,
                        max_request_tokens=config.max_request_tokens, max_step_ops=config.max_step_ops,
                        max_message_bytes=config.max_message_bytes)
 
@@ -66,6 +80,7 @@ class KVCacheServer:
         self.metrics_port: int | None = None
         """The bound metrics port (the free one picked for --metrics-port 0); None when metrics are off."""
         self._stopped = False
+        self.identities = Identities()
 
     @property
     def health(self) -> HealthServicer:
@@ -74,6 +89,7 @@ class KVCacheServer:
 
     async def start(self) -> None:
         cfg = self.config
+        self.identities = identities(cfg)  # before the pool: a bad tenants file costs nothing
         choice = self._pool_factory(cfg, self.instance_id)
         self.pool, self.pool_why = choice.pool, choice.why
         for path in choice.removed_stale:
@@ -84,14 +100,19 @@ class KVCacheServer:
             self.pool.close()
             raise
         self._log.info("serving", address=self.address, instance_id=self.instance_id, backend=self.pool.name,
-                       usable_pages=cfg.resolved_num_pages - 1, metrics_port=self.metrics_port)
+                       usable_pages=cfg.resolved_num_pages - 1, metrics_port=self.metrics_port,
+                       identities=list(self.identities.names))
+        if self.identities.open and not _local(self.address):
+            self._log.warning("no_auth", address=self.address,
+                              why="every caller is admin: set --tenants-file or --auth-token on a non-loopback "
+                                  "address")
 
     async def _start_serving(self) -> None:
         cfg = self.config
         assert self.pool is not None
         metrics = Metrics(self.core.stats, {"instance_id": self.instance_id, "backend": self.pool.name,
                                             "version": __version__})
-        rpc = RpcServer(self.core, self.pool.layout, self.pool.handle(), rpc_settings(cfg),
+        rpc = RpcServer(self.core, self.pool.layout, self.pool.handle(), rpc_settings(cfg, self.identities),
                         instance_id=self.instance_id, metrics=metrics, clock=self._clock)
         self.address = rpc.bind()
         if rpc.removed_stale_socket:
@@ -139,11 +160,19 @@ class KVCacheServer:
         # the rest go with the pool.
         st = self.core.stats()
         for engine in self.core.list_engines():
-            self.core.unregister_engine(engine.engine_id)
+            self.core.unregister_engine(engine.engine_id, identity=None)
         if self.pool is not None:
             self.pool.close()
         self._log.info("stopped", released_sessions=st.sessions, released_engines=st.engines,
                        instance_id=self.instance_id)
+
+
+def _local(address: str) -> bool:
+    """A unix socket or a loopback address: reachable from this host only."""
+    if address.startswith("unix:"):
+        return True
+    host = address.rpartition(":")[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 async def build_server(config: ServiceConfig, **kwargs: object) -> tuple[KVCacheServer, int]:

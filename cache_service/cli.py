@@ -23,6 +23,7 @@ from cache_service.config import ConfigError, ServiceConfig, add_serve_arguments
 from cache_service.log import configure_logging
 from cache_service.memory import PoolError
 from cache_service.memory.base import format_bytes
+from cache_service.rpc.identity import TenantsFileError
 from protos.kvcache.v1 import kvcache_pb2 as pb
 from protos.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 
@@ -91,7 +92,7 @@ async def _serve(config: ServiceConfig) -> int:
     server = KVCacheServer(config)
     try:
         await server.start()
-    except PoolError as e:
+    except (PoolError, TenantsFileError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:
@@ -122,8 +123,19 @@ def _banner(server: Any) -> str:
         f"  pool     {layout.num_pages - 1:,} pages x {layout.page_size} tokens = {layout.usable_tokens:,} tokens, "
         f"{format_bytes(layout.size_bytes)} ({layout.describe()})",
         f"  metrics  {metrics}",
+        f"  auth     {_auth_line(server)}",
         f"  try      {try_line}",
     ])
+
+
+def _auth_line(server: Any) -> str:
+    cfg: ServiceConfig = server.config
+    if cfg.tenants_file:
+        names = server.identities.names
+        return f"{len(names)} identities from {cfg.tenants_file} ({', '.join(names)})"
+    if cfg.auth_token:
+        return "one bearer token (--auth-token), an admin identity"
+    return "none: every caller is admin (fine on loopback or a unix socket; see SECURITY.md)"
 
 
 def tool_command(name: str) -> str:
@@ -195,6 +207,7 @@ def format_stats(st: pb.GetStatsResponse) -> str:
         ("  radix_locked", pages(st.radix_locked_pages)),
         ("  session_held", pages(st.session_held_pages)),
         ("  in_flight", pages(st.in_flight_pages)),
+        ("  quarantined", pages(st.quarantined_pages)),
         ("physical usage", f"{100 * st.physical_usage:.1f}%"),
         ("session budget", f"{st.session_budget_pages:,} pages" if st.session_budget_pages else "none"),
         ("sessions", f"{st.sessions_idle} idle, {st.sessions_in_turn} in turn, {st.sessions_closing} closing, "
@@ -212,23 +225,34 @@ def format_stats(st: pb.GetStatsResponse) -> str:
 
 
 def _cmd_sessions(args: argparse.Namespace) -> int:
+    """Every session the caller may see, read page by page (in the order they were opened)."""
+    res = pb.ListSessionsResponse()
     with _channel(args.target) as ch:
+        stub = _stub(ch)
+        token = ""
         try:
-            res = _stub(ch).ListSessions(pb.ListSessionsRequest(), timeout=args.timeout,
-                                                              metadata=_metadata(args))
+            while True:
+                page = stub.ListSessions(pb.ListSessionsRequest(page_token=token), timeout=args.timeout,
+                                         metadata=_metadata(args))
+                res.sessions.extend(page.sessions)
+                res.total = page.total
+                token = page.next_page_token
+                if not token:
+                    break
         except grpc.RpcError as e:
             return _fail(args, e)
     if args.json:
         print(json_format.MessageToJson(res, always_print_fields_with_no_presence=True))
         return 0
-    header = f"{'session':<34} {'state':<8} {'mode':<9} {'turns':>5} {'tokens':>7} {'pages':>6} {'idle s':>7}  engine"
+    header = (f"{'session':<34} {'state':<8} {'mode':<9} {'turns':>5} {'tokens':>7} {'pages':>6} {'idle s':>7}  "
+              "engine  identity")
     lines = [header]
     for s in res.sessions:
         state = pb.SessionState.Name(s.state).removeprefix("SESSION_STATE_")
         mode = "streaming" if s.streaming else "regular"
         lines.append(f"{s.session_id[:34]:<34} {state:<8} {mode:<9} {s.turns:>5} {s.context_tokens:>7} "
-                     f"{s.num_pages:>6} {s.idle_seconds:>7.1f}  {s.engine_id or '-'}")
-    lines.append(f"{res.total} session(s)")
+                     f"{s.num_pages:>6} {s.idle_seconds:>7.1f}  {s.engine_id or '-'}  {s.identity or '-'}")
+    lines.append(f"{len(res.sessions)} session(s)")
     print("\n".join(lines))
     return 0
 

@@ -91,7 +91,12 @@ FLAGS: tuple[Flag, ...] = (
     Flag("reap-interval", float, 1.0, "seconds between reaper passes (timeouts, expired leases)"),
     Flag("session-budget-fraction", float, 0.8,
          "share of the pool sessions may hold privately (0 = no budget beyond the pool)"),
-    Flag("max-session-tokens", int, 0, "per-session cap on context + reservation in tokens (0 = no cap)"),
+    Flag("max-session-tokens", int, 131072, "per-session cap in tokens on context + reservation and on commits, at "
+         "most the pool's capacity (0 = the pool's capacity)"),
+    Flag("max-sessions", int, 10000, "most sessions open at once; a tenant's max_sessions quota applies within it"),
+    Flag("max-lease-ttl", float, 600.0, "largest ttl_seconds an engine may ask for its lease"),
+    Flag("quarantine-seconds", float, 60.0, "pages an expired lease released wait this long before reuse (its "
+         "engine may be stalled, not gone, and still write them)"),
     Flag("max-request-tokens", int, 1 << 20, "most token ids one request (or one Step op) may carry"),
     Flag("max-step-ops", int, 4096, "most operations one Step call may carry"),
     Flag("max-message-bytes", parse_bytes, 64 << 20, "largest gRPC message accepted", metavar="SIZE"),
@@ -101,7 +106,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("metrics-port", _port_or_off, None, "Prometheus /metrics port: off, or a port (0 picks a free one, "
          "printed at start)", metavar="PORT"),
     Flag("metrics-host", str, "127.0.0.1", "Prometheus bind address"),
-    Flag("auth-token", str, "", "require 'authorization: Bearer <token>' on kvcache RPCs (health is open)"),
+    Flag("auth-token", str, "", "require 'authorization: Bearer <token>' on kvcache RPCs (health is open): one admin "
+         "identity"),
+    Flag("tenants-file", str, "", "YAML file of identities (token, name, role, cache_salts, max_sessions); "
+         "see SECURITY.md", metavar="PATH"),
     Flag("grace-period", float, 5.0, "seconds in-flight RPCs get to finish on SIGTERM"),
     Flag("log-level", str, "info", "log level", ("debug", "info", "warning", "error")),
     Flag("log-format", str, "auto", "auto: pretty on a TTY, JSON lines otherwise", ("auto", "json", "console")),
@@ -128,7 +136,10 @@ class ServiceConfig:
     lease_ttl: float = 30.0
     reap_interval: float = 1.0
     session_budget_fraction: float = 0.8
-    max_session_tokens: int = 0
+    max_session_tokens: int = 131072
+    max_sessions: int = 10000
+    max_lease_ttl: float = 600.0
+    quarantine_seconds: float = 60.0
     max_request_tokens: int = 1 << 20
     max_step_ops: int = 4096
     max_message_bytes: int = 64 << 20
@@ -137,6 +148,7 @@ class ServiceConfig:
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     auth_token: str = ""
+    tenants_file: str = ""
     grace_period: float = 5.0
     log_level: str = "info"
     log_format: str = "auto"
@@ -165,6 +177,12 @@ class ServiceConfig:
 
     def layout(self) -> PoolLayout:
         return PoolLayout(num_pages=self.resolved_num_pages, **self._dims())
+
+    @property
+    def session_token_cap(self) -> int:
+        """The core's per-session token cap: --max-session-tokens, at most what the pool holds."""
+        pool_tokens = (self.resolved_num_pages - 1) * self.page_size
+        return min(self.max_session_tokens, pool_tokens) if self.max_session_tokens else pool_tokens
 
     @property
     def session_budget_pages(self) -> int:
@@ -202,6 +220,15 @@ class ServiceConfig:
         need(0 <= self.session_budget_fraction <= 1, "session-budget-fraction",
              f"must be in [0, 1], got {self.session_budget_fraction}")
         need(self.max_session_tokens >= 0, "max-session-tokens", f"must be >= 0, got {self.max_session_tokens}")
+        need(self.max_sessions >= 1, "max-sessions", f"must be >= 1, got {self.max_sessions}")
+        need(math.isfinite(self.max_lease_ttl) and self.max_lease_ttl > 0, "max-lease-ttl",
+             f"must be > 0 seconds, got {self.max_lease_ttl}")
+        need(self.lease_ttl <= self.max_lease_ttl, "lease-ttl",
+             f"{self.lease_ttl} is above --max-lease-ttl={self.max_lease_ttl}")
+        need(math.isfinite(self.quarantine_seconds) and self.quarantine_seconds >= 0, "quarantine-seconds",
+             f"must be >= 0 seconds, got {self.quarantine_seconds}")
+        need(not (self.auth_token and self.tenants_file), "tenants-file",
+             "set --auth-token or --tenants-file, not both (give the admin an entry in the tenants file)")
         need(self.max_request_tokens >= 1, "max-request-tokens", f"must be >= 1, got {self.max_request_tokens}")
         need(self.max_step_ops >= 1, "max-step-ops", f"must be >= 1, got {self.max_step_ops}")
         need(self.max_message_bytes >= 4096, "max-message-bytes", "must be at least 4096 bytes")

@@ -35,7 +35,7 @@ class _StatsCollector(Collector):
                                   labels=["state"])
         for state, value in (("free", st.free_pages), ("evictable", st.evictable_pages),
                              ("radix_locked", st.radix_locked_pages), ("session_held", st.session_held_pages),
-                             ("in_flight", st.in_flight_pages)):
+                             ("in_flight", st.in_flight_pages), ("quarantined", st.quarantined_pages)):
             pages.add_metric([state], value)
         yield pages
         yield GaugeMetricFamily("kvcache_pool_pages", "Usable pool pages (page 0 excluded).",

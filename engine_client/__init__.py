@@ -29,15 +29,19 @@ from engine_client.errors import (
     LeaseExpired,
     NotOwner,
     NoTurnInFlight,
+    PermissionDenied,
     PoolExhausted,
     PoolMappingError,
     ResourceExhausted,
+    RoleRequired,
+    SaltNotAllowed,
     ServiceRestarted,
     ServiceUnavailable,
     SessionBudget,
     SessionBusy,
     SessionClosing,
     SessionExists,
+    SessionLimit,
     SessionNotFound,
     SessionTokenLimit,
 )
@@ -49,9 +53,10 @@ from engine_client.types import DTYPE_BYTES, DTYPE_NAMES, PoolInfo, PoolLayout
 __all__ = [
     "DTYPE_BYTES", "DTYPE_NAMES", "TORCH_DTYPES", "AsyncKVCacheClient", "AsyncSession", "BadToken", "ClientOptions",
     "EngineNotFound", "InternalError", "InvalidArgument", "InvalidTokens", "KVCacheClient", "KVCacheClientError",
-    "LayoutMismatch", "LeaseExpired", "MappedPool", "NoTurnInFlight", "NotOwner", "PoolExhausted", "PoolInfo",
-    "PoolLayout", "PoolMappingError", "ResourceExhausted", "ServiceRestarted", "ServiceUnavailable", "Session",
-    "SessionBudget", "SessionBusy", "SessionClosing", "SessionExists", "SessionNotFound", "SessionTokenLimit",
+    "LayoutMismatch", "LeaseExpired", "MappedPool", "NoTurnInFlight", "NotOwner", "PermissionDenied", "PoolExhausted",
+    "PoolInfo", "PoolLayout", "PoolMappingError", "ResourceExhausted", "RoleRequired", "SaltNotAllowed",
+    "ServiceRestarted", "ServiceUnavailable", "Session", "SessionBudget", "SessionBusy", "SessionClosing",
+    "SessionExists", "SessionLimit", "SessionNotFound", "SessionTokenLimit",
     "StepBatch", "StepOutcome", "Turn", "check_layout", "map_pool",
 ]
 

@@ -30,6 +30,7 @@ from engine_client.types import (
     PoolInfo,
     ReapResult,
     SessionInfo,
+    SessionPage,
     Stats,
 )
 from protos.kvcache.v1 import kvcache_pb2 as pb
@@ -74,7 +75,8 @@ def _learn_instance(client: ClientBase, result: _FromInstance) -> None:
     client._learn(result.instance_id)
 
 
-def _registered(client: ClientBase, lease: EngineLease) -> None:
+def registered(client: ClientBase, lease: EngineLease) -> None:
+    """The client learns the instance and takes the lease's engine id as its own."""
     client._learn(lease.instance_id)
     client.engine_id = lease.engine_id
 
@@ -89,7 +91,12 @@ def get_pool_info() -> Call[pb.GetPoolInfoResponse, PoolInfo]:
 def register_engine(engine_id: str, ttl_seconds: float) -> Call[pb.RegisterEngineResponse, EngineLease]:
     """The lease's engine id (the service's choice when `engine_id` is empty) becomes the client's."""
     return Call("RegisterEngine", pb.RegisterEngineRequest(engine_id=engine_id, ttl_seconds=ttl_seconds),
-                codec.lease, after=_registered)
+                codec.lease, after=registered)
+
+
+def hold_lease(engine_id: str, ttl_seconds: float) -> pb.HoldLeaseRequest:
+    """The request of a HoldLease stream (the clients hold the stream themselves: it is not one Call)."""
+    return pb.HoldLeaseRequest(engine_id=engine_id, ttl_seconds=ttl_seconds)
 
 
 def heartbeat(client: ClientBase, engine_id: str) -> Call[pb.HeartbeatResponse, HeartbeatResult]:
@@ -180,7 +187,14 @@ def session_tokens(session_id: str, epoch: int) -> Call[pb.GetSessionResponse, l
 
 
 def list_sessions(engine_id: str, limit: int) -> Call[pb.ListSessionsResponse, list[SessionInfo]]:
+    """The `limit` (1..1000) least recently active sessions."""
     return Call("ListSessions", pb.ListSessionsRequest(engine_id=engine_id, limit=limit), codec.sessions)
+
+
+def list_sessions_page(engine_id: str, page_size: int, page_token: str
+                       ) -> Call[pb.ListSessionsResponse, SessionPage]:
+    req = pb.ListSessionsRequest(engine_id=engine_id, page_size=page_size, page_token=page_token)
+    return Call("ListSessions", req, codec.session_page)
 
 
 def get_stats(verify: bool) -> Call[pb.GetStatsResponse, Stats]:

@@ -27,6 +27,7 @@ from engine_client.types import (
     PoolLayout,
     ReapResult,
     SessionInfo,
+    SessionPage,
     Stats,
 )
 from protos.kvcache.v1 import kvcache_pb2 as pb
@@ -78,7 +79,11 @@ def pool_info(r: pb.GetPoolInfoResponse) -> PoolInfo:
 
 
 def lease(r: pb.RegisterEngineResponse) -> EngineLease:
-    return _record(EngineLease, r)
+    return _record(EngineLease, r, held=False)
+
+
+def held_lease(r: pb.HoldLeaseResponse) -> EngineLease:
+    return _record(EngineLease, r, held=True)
 
 
 def heartbeat(r: pb.HeartbeatResponse) -> HeartbeatResult:
@@ -131,6 +136,10 @@ def session_tokens(r: pb.GetSessionResponse) -> list[int]:
 
 def sessions(r: pb.ListSessionsResponse) -> list[SessionInfo]:
     return [session_info(s) for s in r.sessions]
+
+
+def session_page(r: pb.ListSessionsResponse) -> SessionPage:
+    return SessionPage(sessions(r), r.total, r.next_page_token)
 
 
 def stats(r: pb.GetStatsResponse) -> Stats:

@@ -1,4 +1,7 @@
-"""`AsyncKVCacheClient`: the asyncio twin of `KVCacheClient` (same methods, awaitable)."""
+"""`AsyncKVCacheClient`: the asyncio twin of `KVCacheClient` (same methods, awaitable).
+
+A held lease (`register_engine`, hold=True by default) is read by a task on the running loop.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +14,11 @@ import grpc
 import grpc.aio
 
 from engine_client import _calls as calls
+from engine_client import _codec as codec
 from engine_client._base import ClientBase
 from engine_client._calls import Call
 from engine_client._codec import TokensLike
-from engine_client.errors import KVCacheClientError, LeaseExpired, error_from_rpc
+from engine_client.errors import KVCacheClientError, LeaseExpired, ServiceUnavailable, error_from_rpc
 from engine_client.options import ClientOptions
 from engine_client.step import StepBatch, StepOutcome
 from engine_client.types import (
@@ -29,6 +33,7 @@ from engine_client.types import (
     PoolInfo,
     ReapResult,
     SessionInfo,
+    SessionPage,
     Stats,
 )
 from protos.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
@@ -43,7 +48,10 @@ class AsyncKVCacheClient(ClientBase):
         self._channel = grpc.aio.insecure_channel(self.target, options=self.options.channel_options())
         self._stub = pb_grpc.KVCacheServiceStub(self._channel)  # type: ignore[no-untyped-call]
         self._heartbeat: asyncio.Task[None] | None = None
+        self._holder: asyncio.Task[None] | None = None
+        self._held_call: Any = None
         self.lease_error: KVCacheClientError | None = None
+        """Why the lease is lost, if it is (see KVCacheClient.lease_error)."""
 
     async def _run(self, call: Call[Any, T]) -> T:
         rpc = getattr(self._stub, call.method)
@@ -59,15 +67,65 @@ class AsyncKVCacheClient(ClientBase):
     async def get_pool_info(self) -> PoolInfo:
         return await self._run(calls.get_pool_info())
 
-    async def register_engine(self, engine_id: str = "", ttl_seconds: float = 0.0) -> EngineLease:
-        return await self._run(calls.register_engine(engine_id, ttl_seconds))
+    async def register_engine(self, engine_id: str = "", ttl_seconds: float = 0.0, *,
+                              hold: bool = True) -> EngineLease:
+        """As KVCacheClient.register_engine; a held lease's stream is read by a task on this loop."""
+        if not hold:
+            return await self._run(calls.register_engine(engine_id, ttl_seconds))
+        await self._stop_holding()
+        self.lease_error = None
+        call = self._stub.HoldLease(calls.hold_lease(engine_id, ttl_seconds), metadata=self._metadata(True))
+        timeout = self.options.timeout_seconds
+        try:
+            first = await asyncio.wait_for(call.read(), timeout)
+        except asyncio.TimeoutError:
+            call.cancel()
+            raise ServiceUnavailable(grpc.StatusCode.DEADLINE_EXCEEDED, "",
+                                     f"HoldLease was not confirmed within {timeout:g} s") from None
+        except grpc.RpcError as e:
+            raise error_from_rpc(e) from None
+        if first is grpc.aio.EOF:
+            raise LeaseExpired(grpc.StatusCode.FAILED_PRECONDITION, "LEASE_EXPIRED",
+                               "the service ended the HoldLease stream before confirming it")
+        lease = codec.held_lease(first)
+        calls.registered(self, lease)
+        self._held_call = call
+        self._holder = asyncio.create_task(self._hold(call), name=f"kvcache-lease-{lease.engine_id}")
+        return lease
+
+    async def _hold(self, call: Any) -> None:
+        try:
+            while await call.read() is not grpc.aio.EOF:
+                pass
+            self.lease_error = LeaseExpired(grpc.StatusCode.FAILED_PRECONDITION, "LEASE_EXPIRED",
+                                            "the service ended the HoldLease stream")
+        except grpc.RpcError as e:
+            if e.code() is not grpc.StatusCode.CANCELLED or not call.cancelled():
+                self.lease_error = error_from_rpc(e)
+
+    @property
+    def holding_lease(self) -> bool:
+        return self._holder is not None and not self._holder.done()
+
+    async def _stop_holding(self) -> None:
+        if self._holder is not None:
+            self._held_call.cancel()
+            self._holder.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._holder
+            self._holder = self._held_call = None
 
     async def heartbeat(self, engine_id: str = "") -> HeartbeatResult:
         return await self._run(calls.heartbeat(self, engine_id))
 
     async def unregister_engine(self, engine_id: str = "") -> tuple[str, ...]:
+        """End the lease cleanly (its sessions close, their KV cached); returns their ids."""
         await self.stop_heartbeats()
-        return await self._run(calls.unregister_engine(self, engine_id))
+        try:
+            return await self._run(calls.unregister_engine(self, engine_id))
+        finally:
+            if engine_id in ("", self.engine_id):
+                await self._stop_holding()
 
     async def match_prefix(self, tokens: TokensLike, cache_salt: str = "") -> MatchResult:
         return await self._run(calls.match_prefix(tokens, cache_salt))
@@ -108,7 +166,21 @@ class AsyncKVCacheClient(ClientBase):
         return await self._run(calls.session_tokens(session_id, epoch))
 
     async def list_sessions(self, engine_id: str = "", limit: int = 0) -> list[SessionInfo]:
-        return await self._run(calls.list_sessions(engine_id, limit))
+        """As KVCacheClient.list_sessions (limit 0: every page)."""
+        if limit:
+            return await self._run(calls.list_sessions(engine_id, limit))
+        out: list[SessionInfo] = []
+        token = ""
+        while True:
+            page = await self.list_sessions_page(engine_id, page_token=token)
+            out.extend(page.sessions)
+            token = page.next_page_token
+            if not token:
+                return out
+
+    async def list_sessions_page(self, engine_id: str = "", *, page_size: int = 0,
+                                 page_token: str = "") -> SessionPage:
+        return await self._run(calls.list_sessions_page(engine_id, page_size, page_token))
 
     async def get_stats(self, *, verify: bool = False) -> Stats:
         return await self._run(calls.get_stats(verify))
@@ -143,6 +215,7 @@ class AsyncKVCacheClient(ClientBase):
 
     async def close(self) -> None:
         await self.stop_heartbeats()
+        await self._stop_holding()
         await self._channel.close()
 
     async def __aenter__(self) -> AsyncKVCacheClient:

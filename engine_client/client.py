@@ -3,6 +3,10 @@
 Each method takes its `Call` (request, parser, metadata choice, post-step) from `_calls`, which the asyncio
 client shares, and `_run` executes it. Restarts of the service are detected (see `ClientBase`).
 Thread-safe (gRPC channels are).
+
+Engine leases: `register_engine` holds a HoldLease stream from a daemon thread by default, so the lease
+lasts exactly as long as this client (or its process) does, and a stopped process keeps its pages.
+`hold=False` registers with a unary call instead; keep such a lease with `start_heartbeats`.
 """
 
 from __future__ import annotations
@@ -14,10 +18,11 @@ from typing import Any, TypeVar
 import grpc
 
 from engine_client import _calls as calls
+from engine_client import _codec as codec
 from engine_client._base import ClientBase
 from engine_client._calls import Call
 from engine_client._codec import TokensLike
-from engine_client.errors import KVCacheClientError, LeaseExpired, error_from_rpc
+from engine_client.errors import KVCacheClientError, LeaseExpired, ServiceUnavailable, error_from_rpc
 from engine_client.options import ClientOptions
 from engine_client.step import StepBatch, StepOutcome
 from engine_client.types import (
@@ -32,6 +37,7 @@ from engine_client.types import (
     PoolInfo,
     ReapResult,
     SessionInfo,
+    SessionPage,
     Stats,
 )
 from protos.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
@@ -46,6 +52,7 @@ class KVCacheClient(ClientBase):
         self._channel = grpc.insecure_channel(self.target, options=self.options.channel_options())
         self._stub = pb_grpc.KVCacheServiceStub(self._channel)  # type: ignore[no-untyped-call]
         self._heartbeat: _HeartbeatThread | None = None
+        self._holder: _LeaseHolder | None = None
 
     def _run(self, call: Call[Any, T]) -> T:
         rpc = getattr(self._stub, call.method)
@@ -61,15 +68,33 @@ class KVCacheClient(ClientBase):
     def get_pool_info(self) -> PoolInfo:
         return self._run(calls.get_pool_info())
 
-    def register_engine(self, engine_id: str = "", ttl_seconds: float = 0.0) -> EngineLease:
-        return self._run(calls.register_engine(engine_id, ttl_seconds))
+    def register_engine(self, engine_id: str = "", ttl_seconds: float = 0.0, *, hold: bool = True) -> EngineLease:
+        """Start this engine's lease; its id (the service's choice when empty) becomes the client's.
+
+        `hold=True`: the lease is held by a HoldLease stream in a daemon thread and lasts until
+        `unregister_engine`, `close`, or this process's exit (the service then releases its sessions at
+        once); a stopped process keeps it. `lease_error` says why a held lease was lost. `hold=False`:
+        one RegisterEngine call; the lease expires after `ttl_seconds` without heartbeats."""
+        if not hold:
+            return self._run(calls.register_engine(engine_id, ttl_seconds))
+        self._stop_holding()
+        holder = _LeaseHolder(self, calls.hold_lease(engine_id, ttl_seconds))
+        lease = holder.confirm(self.options.timeout_seconds)
+        self._holder = holder
+        calls.registered(self, lease)
+        return lease
 
     def heartbeat(self, engine_id: str = "") -> HeartbeatResult:
         return self._run(calls.heartbeat(self, engine_id))
 
     def unregister_engine(self, engine_id: str = "") -> tuple[str, ...]:
+        """End the lease cleanly (its sessions close, their KV cached); returns their ids."""
         self.stop_heartbeats()
-        return self._run(calls.unregister_engine(self, engine_id))
+        try:
+            return self._run(calls.unregister_engine(self, engine_id))
+        finally:
+            if engine_id in ("", self.engine_id):
+                self._stop_holding()
 
     def match_prefix(self, tokens: TokensLike, cache_salt: str = "") -> MatchResult:
         return self._run(calls.match_prefix(tokens, cache_salt))
@@ -108,7 +133,22 @@ class KVCacheClient(ClientBase):
         return self._run(calls.session_tokens(session_id, epoch))
 
     def list_sessions(self, engine_id: str = "", limit: int = 0) -> list[SessionInfo]:
-        return self._run(calls.list_sessions(engine_id, limit))
+        """Sessions this identity may see: the `limit` (at most 1000) least recently active, or with
+        `limit=0` all of them in the order they were opened, read page by page."""
+        if limit:
+            return self._run(calls.list_sessions(engine_id, limit))
+        out: list[SessionInfo] = []
+        token = ""
+        while True:
+            page = self.list_sessions_page(engine_id, page_token=token)
+            out.extend(page.sessions)
+            token = page.next_page_token
+            if not token:
+                return out
+
+    def list_sessions_page(self, engine_id: str = "", *, page_size: int = 0, page_token: str = "") -> SessionPage:
+        """One page of sessions in opening order (`page_size` 0: the service's most, 1000)."""
+        return self._run(calls.list_sessions_page(engine_id, page_size, page_token))
 
     def get_stats(self, *, verify: bool = False) -> Stats:
         return self._run(calls.get_stats(verify))
@@ -131,13 +171,28 @@ class KVCacheClient(ClientBase):
 
     @property
     def lease_error(self) -> KVCacheClientError | None:
-        """The error that stopped the heartbeat thread (the lease is lost), if any."""
+        """Why the lease is lost, if it is: the held stream ended (the service went away or restarted,
+        the lease was unregistered or registered again elsewhere), or the heartbeat thread stopped."""
+        if self._holder is not None and self._holder.error is not None:
+            return self._holder.error
         return self._heartbeat.error if self._heartbeat is not None else None
+
+    @property
+    def holding_lease(self) -> bool:
+        """A HoldLease stream is open and has not failed."""
+        return self._holder is not None and self._holder.is_alive() and self._holder.error is None
+
+    def _stop_holding(self) -> None:
+        if self._holder is not None:
+            self._holder.stop()
+            self._holder = None
 
     # ------------------------------------------------------------------ lifetime
 
     def close(self) -> None:
+        """Stop heartbeats, let go of a held lease (the service releases its sessions at once), close."""
         self.stop_heartbeats()
+        self._stop_holding()
         self._channel.close()
 
     def __enter__(self) -> KVCacheClient:
@@ -169,4 +224,54 @@ class _HeartbeatThread(threading.Thread):
     def stop(self) -> None:
         self._stop_event.set()
         if self is not threading.current_thread():
+            self.join(timeout=5)
+
+
+class _LeaseHolder(threading.Thread):
+    """Holds one HoldLease stream: `confirm` waits for the service's first message (the registration),
+    then the thread reads keepalives until the stream ends. `error` says why it ended, unless `stop` did."""
+
+    def __init__(self, client: KVCacheClient, request: object) -> None:
+        engine = getattr(request, "engine_id", "") or "new"
+        super().__init__(name=f"kvcache-lease-{engine}", daemon=True)
+        self._call = client._stub.HoldLease(request, metadata=client._metadata(True))
+        self._confirmed = threading.Event()
+        self._stopping = False
+        self.lease: EngineLease | None = None
+        self.error: KVCacheClientError | None = None
+        self.keepalives = 0
+
+    def confirm(self, timeout: float) -> EngineLease:
+        self.start()
+        if not self._confirmed.wait(timeout):
+            self.stop()
+            raise ServiceUnavailable(grpc.StatusCode.DEADLINE_EXCEEDED, "",
+                                     f"HoldLease was not confirmed within {timeout:g} s")
+        if self.lease is None:
+            self.join(timeout=5)
+            assert self.error is not None
+            raise self.error
+        return self.lease
+
+    def run(self) -> None:
+        try:
+            for message in self._call:
+                if self.lease is None:
+                    self.lease = codec.held_lease(message)
+                    self._confirmed.set()
+                else:
+                    self.keepalives = message.keepalive
+            if not self._stopping:
+                self.error = LeaseExpired(grpc.StatusCode.FAILED_PRECONDITION, "LEASE_EXPIRED",
+                                          "the service ended the HoldLease stream")
+        except grpc.RpcError as e:
+            if not self._stopping:
+                self.error = error_from_rpc(e)
+        finally:
+            self._confirmed.set()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._call.cancel()
+        if self is not threading.current_thread() and self.ident is not None:
             self.join(timeout=5)

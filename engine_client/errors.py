@@ -43,7 +43,12 @@ class SessionBudget(ResourceExhausted): ...
 class InvalidArgument(KVCacheClientError):
     """`metadata["field"]` names the offending request field when the service knows it."""
 class InvalidTokens(InvalidArgument): ...
-class NotOwner(KVCacheClientError): ...
+class PermissionDenied(KVCacheClientError):
+    """This identity may not do that: another identity's session or engine, a salt or a role it lacks."""
+class NotOwner(PermissionDenied): ...
+class SaltNotAllowed(PermissionDenied): ...
+class RoleRequired(PermissionDenied): ...
+class SessionLimit(ResourceExhausted): ...
 class BadToken(KVCacheClientError): ...
 class ServiceUnavailable(KVCacheClientError):
     """The service could not be reached or did not answer in time."""
@@ -69,6 +74,9 @@ REASON_ERRORS: dict[str, type[KVCacheClientError]] = {
     "INVALID_TOKENS": InvalidTokens,
     "INVALID_ARGUMENT": InvalidArgument,
     "NOT_OWNER": NotOwner,
+    "SALT_NOT_ALLOWED": SaltNotAllowed,
+    "ROLE_REQUIRED": RoleRequired,
+    "SESSION_LIMIT": SessionLimit,
     "BAD_TOKEN": BadToken,
 }
 
@@ -79,6 +87,7 @@ _CODE_ERRORS: dict[grpc.StatusCode, type[KVCacheClientError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
     grpc.StatusCode.UNAUTHENTICATED: BadToken,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
 }
 
 

@@ -37,6 +37,8 @@ class EngineLease:
     engine_id: str
     ttl_seconds: float
     instance_id: str
+    held: bool = False
+    """Held by a HoldLease stream: it lasts while the client holds the stream, whatever the TTL."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +135,18 @@ class SessionInfo:
     timeout_seconds: float
     demoted: bool
     close_pending: bool
+    identity: str = ""
+    """The identity that opened it (a --tenants-file name; "" without one)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SessionPage:
+    """One ListSessions page: `sessions` in the order they were opened, `total` matching in all, and the
+    token of the next page ("" after the last)."""
+
+    sessions: list[SessionInfo]
+    total: int
+    next_page_token: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,14 +179,15 @@ class Stats:
     uptime_seconds: float
     physical_usage: float
     verified: bool
+    quarantined_pages: int = 0
 
     @property
     def pages_by_state(self) -> dict[str, int]:
         return {"free": self.free_pages, "evictable": self.evictable_pages,
                 "radix_locked": self.radix_locked_pages, "session_held": self.session_held_pages,
-                "in_flight": self.in_flight_pages}
+                "in_flight": self.in_flight_pages, "quarantined": self.quarantined_pages}
 
     @property
     def accounting_holds(self) -> bool:
-        """free + evictable + radix_locked + session_held + in_flight == num_pages - 1."""
+        """free + evictable + radix_locked + session_held + in_flight + quarantined == num_pages - 1."""
         return sum(self.pages_by_state.values()) == self.num_pages - 1

@@ -1,12 +1,13 @@
 """Accounting: the running counters, the `Stats` snapshot, and the from-scratch invariant check.
 
 Every page is in exactly one state, and the counts always satisfy
-`free + evictable + radix_locked + session_held + in_flight == num_pages - 1`:
+`free + evictable + radix_locked + session_held + in_flight + quarantined == num_pages - 1`:
 
 - free: on the allocator's stack;
 - evictable / radix_locked: owned by the radix tree, unpinned / pinned;
 - session_held: committed KV a session owns privately (outside the radix);
-- in_flight: pages handed out for a turn that has not committed yet.
+- in_flight: pages handed out for a turn that has not committed yet;
+- quarantined: released by an expired lease, not yet free (its engine may still write them).
 
 The radix tree counts its own pages; `Counters` holds the sessions' page counts (moved by `settle`
 whenever a session's page table changes) and the cumulative totals. `check_invariants` recounts
@@ -93,6 +94,7 @@ class Accounting:
             radix_locked_pages=radix.locked_pages,
             session_held_pages=c.session_held_pages,
             in_flight_pages=c.in_flight_pages,
+            quarantined_pages=self._pages.num_quarantined,
             session_budget_pages=self._config.budget_pages,
             radix_tokens=radix.cached_pages * self._config.page_size,
             session_tokens=c.session_tokens,
@@ -117,7 +119,8 @@ class Accounting:
 
         Checks: allocator consistency; every allocated page has exactly one owner (the tree or one
         session) and every owned page is allocated; per-node lock counts equal the pins sessions hold;
-        session counters; and `free + evictable + radix_locked + session_held + in_flight == num_pages-1`.
+        session counters; and `free + evictable + radix_locked + session_held + in_flight + quarantined
+        == num_pages - 1`.
         """
         self._pages.check()
         owned: list[PageArray] = [self._radix.check()]
@@ -158,11 +161,11 @@ class Accounting:
         st = self.stats()
         total = (
             st.free_pages + st.evictable_pages + st.radix_locked_pages + st.session_held_pages
-            + st.in_flight_pages
+            + st.in_flight_pages + st.quarantined_pages
         )
         if total != st.usable_pages:
             raise InvariantError(
-                f"accounting: free + evictable + radix_locked + session_held + in_flight = {total} "
+                f"accounting: free + evictable + radix_locked + session_held + in_flight + quarantined = {total} "
                 f"!= num_pages - 1 = {st.usable_pages}"
             )
         return st
@@ -191,6 +194,8 @@ class Accounting:
             lease = self._leases.find(s.owner)
             if lease is None or sid not in lease.sessions:
                 raise InvariantError(f"session {sid!r} is missing from its owner's lease")
+            if lease.identity != s.identity:
+                raise InvariantError(f"session {sid!r} and its owner's lease belong to different identities")
 
     def _check_single_owner(self, all_owned: PageArray) -> None:
         counts = np.bincount(all_owned, minlength=self._config.num_pages)

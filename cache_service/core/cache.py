@@ -12,6 +12,10 @@ the work to the module that owns it:
 
 Failed calls change no client-visible state. The one exception is pressure relief: an append that needs
 pages may evict radix entries and demote idle sessions before it finds the pool still too small.
+
+Identities: every session and lease belongs to the identity (an opaque name) that created it. Calls pass
+the caller's `identity`; another identity's session or engine is NOT_OWNER. `identity=None` is an
+operator's call, checked against nobody. Without tenants everyone is the identity "".
 """
 
 from __future__ import annotations
@@ -84,9 +88,12 @@ class KVCacheCore:
         timeout_seconds: float | None = None,
         cache_salt: str = "",
         engine_id: str = "",
+        identity: str = "",
+        quota: int = 0,
     ) -> OpenResult:
-        """Open a session. An empty id gets a generated one; `timeout_seconds` None means the default,
-        0 means never. `engine_id` (optional) must hold a live lease and becomes the owner."""
+        """Open a session for `identity`. An empty id gets a generated one; `timeout_seconds` None means the
+        default, 0 means never. `engine_id` (optional) must hold a live lease of the same identity and
+        becomes the owner. SESSION_LIMIT when --max-sessions or the identity's `quota` (0: none) is full."""
         now = self._clock()
         if session_id:
             check_id(session_id, "session_id")
@@ -94,9 +101,12 @@ class KVCacheCore:
         if timeout_seconds is None:
             timeout_seconds = self.config.session_timeout_seconds
         check_seconds(timeout_seconds, "timeout_seconds")
-        lease = self._live_lease(engine_id, now) if engine_id else None
+        lease = self._live_lease(engine_id, now, identity) if engine_id else None
+        if session_id:
+            self.sessions.check_new(session_id)
+        self.sessions.check_room(identity, max_sessions=self.config.max_sessions, quota=quota)
         s = self.sessions.create(session_id, streaming=streaming, cache_salt=cache_salt, owner=engine_id,
-                                 timeout_seconds=timeout_seconds, now=now)
+                                 identity=identity, timeout_seconds=timeout_seconds, now=now)
         if lease is not None:
             lease.sessions.add(s.id)
         return OpenResult(s.id, s.epoch, timeout_seconds)
@@ -109,6 +119,7 @@ class KVCacheCore:
         *,
         epoch: int = 0,
         engine_id: str = "",
+        identity: str | None = "",
     ) -> AppendResult:
         """Start a turn: append `token_ids` to the context and reserve `reserve_tokens` slots after it.
 
@@ -118,7 +129,8 @@ class KVCacheCore:
         now = self._clock()
         tokens = as_tokens(token_ids)
         check_count(reserve_tokens, "reserve_tokens")
-        s = self._session(session_id, epoch, engine_id, now)
+        s = self._session(session_id, epoch, engine_id, identity, now)
+        self._release_quarantine(now)
         if s.state is SessionState.CLOSING:
             raise KVCacheError(
                 Reason.SESSION_CLOSING, f"session {session_id!r} is closing", session_id=session_id
@@ -147,15 +159,17 @@ class KVCacheCore:
         self.sessions.touch(s, now)
         return result
 
-    def extend(self, session_id: str, reserve_tokens: int, *, epoch: int = 0, engine_id: str = "") -> ExtendResult:
+    def extend(self, session_id: str, reserve_tokens: int, *, epoch: int = 0, engine_id: str = "",
+               identity: str | None = "") -> ExtendResult:
         """Grow the turn in flight by `reserve_tokens` slots (decode that outgrew its reservation): the
         capacity becomes at least the old capacity + `reserve_tokens`, in whole pages. Same capacity rules
         as an append (SESSION_TOKEN_LIMIT against the capacity asked, relief, never a partial allocation);
         NO_TURN_IN_FLIGHT without a turn. A turn whose close is deferred may still grow."""
         now = self._clock()
         check_count(reserve_tokens, "reserve_tokens")
-        s = self._session(session_id, epoch, engine_id, now)
+        s = self._session(session_id, epoch, engine_id, identity, now)
         self._check_turn(s, 0)
+        self._release_quarantine(now)
         total = len(s.pages) * self.page_size + reserve_tokens
         cap = self.config.max_session_tokens
         if cap and reserve_tokens and total > cap:
@@ -179,6 +193,7 @@ class KVCacheCore:
         turn: int = 0,
         epoch: int = 0,
         engine_id: str = "",
+        identity: str | None = "",
     ) -> CommitResult:
         """End the turn in flight.
 
@@ -190,7 +205,7 @@ class KVCacheCore:
         """
         now = self._clock()
         generated = as_tokens(token_ids)
-        s = self._session(session_id, epoch, engine_id, now)
+        s = self._session(session_id, epoch, engine_id, identity, now)
         self._check_turn(s, turn)
         if abort:
             if generated.size:
@@ -209,12 +224,13 @@ class KVCacheCore:
         return CommitResult(s.id, s.committed_tokens, s.kv_tokens, s.committed_pages, closed)
 
     def close(
-        self, session_id: str, *, cache: bool = False, epoch: int = 0, engine_id: str = ""
+        self, session_id: str, *, cache: bool = False, epoch: int = 0, engine_id: str = "",
+        identity: str | None = "",
     ) -> CloseResult:
         """Close a session. During a turn the close is deferred to the turn's end (SESSION_CLOSING for
         new appends meanwhile). `cache=True` inserts the committed context's full pages into the radix."""
         now = self._clock()
-        s = self._session(session_id, epoch, engine_id, now)
+        s = self._session(session_id, epoch, engine_id, identity, now)
         if s.in_turn:
             s.close_pending = True
             s.close_cache = cache
@@ -230,56 +246,118 @@ class KVCacheCore:
         tokens: TokenArray = self.sessions.get(session_id, epoch).tokens.view().copy()
         return tokens
 
-    def list_sessions(self, engine_id: str = "") -> list[SessionInfo]:
-        """Sessions, least recently active first; only `engine_id`'s when given."""
+    def list_sessions(self, engine_id: str = "", identity: str | None = None) -> list[SessionInfo]:
+        """Sessions, least recently active first; only `engine_id`'s and `identity`'s when given."""
         now = self._clock()
-        return [self.sessions.info(s, now) for s in self.sessions if not engine_id or s.owner == engine_id]
+        return [self.sessions.info(s, now) for s in self.sessions
+                if (not engine_id or s.owner == engine_id) and (identity is None or s.identity == identity)]
+
+    def list_sessions_lru(self, limit: int, *, engine_id: str = "", identity: str | None = None
+                          ) -> tuple[list[SessionInfo], int]:
+        """The `limit` least recently active sessions (filtered as in `list_sessions`), and how many match."""
+        now = self._clock()
+        shown: list[SessionInfo] = []
+        total = 0
+        for s in self.sessions:
+            if (not engine_id or s.owner == engine_id) and (identity is None or s.identity == identity):
+                total += 1
+                if len(shown) < limit:
+                    shown.append(self.sessions.info(s, now))
+        return shown, total
+
+    def list_sessions_page(self, *, after_epoch: int = 0, size: int, engine_id: str = "",
+                           identity: str | None = None) -> tuple[list[SessionInfo], int, int]:
+        """A page of sessions in the order they were opened, after the one of epoch `after_epoch`: up to
+        `size` infos, how many match in all, and the epoch to continue after (0 when this is the last page)."""
+        now = self._clock()
+        page, total, more = self.sessions.page(
+            after_epoch, size, lambda s: (not engine_id or s.owner == engine_id)
+            and (identity is None or s.identity == identity))
+        return [self.sessions.info(s, now) for s in page], total, page[-1].epoch if more and page else 0
 
     def reap(self) -> ReapResult:
         """Expire due leases and close timed-out sessions (their committed KV goes to the radix).
 
         An in-flight turn is never reaped while its owner's lease lives; an ownerless session is reaped
-        on timeout even mid-turn (the turn is aborted).
+        on timeout even mid-turn (the turn is aborted, and what it released is quarantined like an expired
+        lease's pages). Quarantined pages whose time has come are freed first.
         """
         now = self._clock()
+        self.pages.release_due(now)
         reaped: list[str] = []
         engines: list[str] = []
         for lease in self.leases.due(now):
             engines.append(lease.engine_id)
-            reaped.extend(self._end_lease(lease, expired=True))
+            reaped.extend(self._end_lease(lease, expired=True, now=now))
         for s in self.sessions.timed_out(now):
             if s.in_turn and s.owner:
                 continue  # its owner's lease is live (expired ones were handled above)
-            self._reap_session(s)
+            if s.in_turn and self.config.quarantine_seconds:
+                with self.pages.quarantining(now + self.config.quarantine_seconds):
+                    self._reap_session(s)  # whoever started the turn may still be writing it
+            else:
+                self._reap_session(s)
             reaped.append(s.id)
         return ReapResult(tuple(reaped), tuple(engines))
 
     # ================================================================== leases
 
-    def register_engine(self, engine_id: str = "", ttl_seconds: float = 0.0) -> EngineInfo:
-        """Start a lease (TTL default from config). Re-registering a live id releases what the previous
-        incarnation held first: the usual cause is an engine restarted under the same name."""
+    def register_engine(self, engine_id: str = "", ttl_seconds: float = 0.0, *, identity: str | None = "",
+                        held: bool = False) -> EngineInfo:
+        """Start a lease for `identity` (TTL default from config, at most --max-lease-ttl). Re-registering a
+        live id of the same identity releases what the previous incarnation held first: the usual cause is
+        an engine restarted under the same name; another identity's live id is NOT_OWNER. A `held` lease
+        lasts until `end_held_lease`, never expiring by TTL (HoldLease)."""
         now = self._clock()
         if engine_id:
             check_id(engine_id, "engine_id")
         check_seconds(ttl_seconds, "ttl_seconds")
+        ceiling = self.config.max_lease_ttl_seconds
+        if ceiling and ttl_seconds > ceiling:
+            raise invalid_argument("ttl_seconds", f"{ttl_seconds} is above --max-lease-ttl={ceiling}")
         engine_id = engine_id or f"engine-{uuid.uuid4().hex[:12]}"
+        owner = identity if identity is not None else ""
         old = self.leases.find(engine_id)
         if old is not None:
-            self._release_sessions(self.leases.end(old, expired=False), count=True)
-        lease = self.leases.add(engine_id, ttl_seconds or self.config.lease_ttl_seconds, now)
+            self._check_lease_owner(old, identity)
+            owner = old.identity if identity is None else owner
+            if old.expired(now):
+                self._end_lease(old, expired=True, now=now)  # a stalled incarnation may still write
+            else:
+                self._release_sessions(self.leases.end(old, expired=False), count=True)
+        lease = self.leases.add(engine_id, ttl_seconds or self.config.lease_ttl_seconds, now, identity=owner,
+                                held=held)
         return lease.info(now)
 
-    def heartbeat(self, engine_id: str) -> EngineInfo:
+    def heartbeat(self, engine_id: str, *, identity: str | None = "") -> EngineInfo:
         now = self._clock()
-        lease = self._live_lease(engine_id, now)
+        lease = self._live_lease(engine_id, now, identity)
         lease.renew(now)
         return lease.info(now)
 
-    def unregister_engine(self, engine_id: str) -> tuple[str, ...]:
+    def unregister_engine(self, engine_id: str, *, identity: str | None = "") -> tuple[str, ...]:
         """End a lease cleanly: its sessions are closed (KV cached). Returns their ids."""
-        lease = self._live_lease(engine_id, self._clock())
-        return self._end_lease(lease, expired=False)
+        now = self._clock()
+        lease = self._live_lease(engine_id, now, identity)
+        return self._end_lease(lease, expired=False, now=now)
+
+    def end_held_lease(self, engine_id: str, serial: int) -> tuple[str, ...]:
+        """The stream holding lease `serial` of `engine_id` ended (its engine went away): release everything
+        at once, and remember the id so a late call hears LEASE_EXPIRED. Nothing if that lease already ended
+        (unregistered, or registered again since). Returns the sessions closed."""
+        lease = self.leases.find(engine_id)
+        if lease is None or lease.serial != serial:
+            return ()
+        closed = self.leases.end(lease, expired=True)
+        self._release_sessions(closed, count=True)
+        return closed
+
+    def held_lease(self, engine_id: str, serial: int) -> EngineInfo | None:
+        """The lease `serial` of `engine_id` if it is still the live one, else None."""
+        lease = self.leases.find(engine_id)
+        if lease is None or lease.serial != serial:
+            return None
+        return lease.info(self._clock())
 
     def list_engines(self) -> list[EngineInfo]:
         now = self._clock()
@@ -301,37 +379,63 @@ class KVCacheCore:
 
     # ================================================================== internals
 
-    def _session(self, session_id: str, epoch: int, engine_id: str, now: float) -> Session:
+    def _session(self, session_id: str, epoch: int, engine_id: str, identity: str | None, now: float) -> Session:
         """The session a mutating call names. A session whose owner's lease is overdue is released first
-        (the caller gets LEASE_EXPIRED if it is that owner, else SESSION_NOT_FOUND)."""
-        s = self.sessions.get(session_id, epoch)
+        (the caller gets LEASE_EXPIRED if it is that owner, else SESSION_NOT_FOUND). A caller naming an
+        engine whose lease has expired hears LEASE_EXPIRED for a session it no longer finds: that is why."""
+        try:
+            s = self.sessions.get(session_id, epoch)
+        except KVCacheError:
+            if engine_id and self.leases.has_expired(engine_id):
+                raise lease_expired(engine_id) from None
+            raise
         if s.owner:
             lease = self.leases.owner_of(s.owner)
             if lease.expired(now):
-                self._end_lease(lease, expired=True)
+                self._end_lease(lease, expired=True, now=now)
                 if engine_id == s.owner:
                     raise lease_expired(engine_id)
                 raise KVCacheError(
                     Reason.SESSION_NOT_FOUND, f"session {session_id!r} not found (its owner's lease expired)",
                     session_id=session_id,
                 )
-        self.sessions.check_owner(s, engine_id)
+        self.sessions.check_owner(s, engine_id, identity)
         return s
 
-    def _live_lease(self, engine_id: str, now: float) -> Lease:
+    def _live_lease(self, engine_id: str, now: float, identity: str | None) -> Lease:
         lease = self.leases.get(engine_id)
+        self._check_lease_owner(lease, identity)
         if lease.expired(now):
-            self._end_lease(lease, expired=True)
+            self._end_lease(lease, expired=True, now=now)
             raise lease_expired(engine_id)
         return lease
 
-    def _end_lease(self, lease: Lease, *, expired: bool) -> tuple[str, ...]:
-        """End `lease` and close its sessions (their committed KV cached). Returns their ids."""
+    @staticmethod
+    def _check_lease_owner(lease: Lease, identity: str | None) -> None:
+        if identity is not None and identity != lease.identity:
+            raise KVCacheError(Reason.NOT_OWNER, f"engine {lease.engine_id!r} belongs to another identity",
+                               engine_id=lease.engine_id)
+
+    def _end_lease(self, lease: Lease, *, expired: bool, now: float) -> tuple[str, ...]:
+        """End `lease` and close its sessions (their committed KV cached). Returns their ids.
+
+        An expired lease's engine may be stalled rather than gone, and still write its pages: what its
+        sessions release is quarantined for --quarantine-seconds instead of going straight to the free list.
+        """
         closed = self.leases.end(lease, expired=expired)
-        self._release_sessions(closed, count=expired)
+        if expired and self.config.quarantine_seconds:
+            with self.pages.quarantining(now + self.config.quarantine_seconds):
+                self._release_sessions(closed, count=True)
+        else:
+            self._release_sessions(closed, count=expired)
         if expired:
             self.counters.expired_leases += 1
         return closed
+
+    def _release_quarantine(self, now: float) -> None:
+        due = self.pages.next_release()
+        if due is not None and due <= now:
+            self.pages.release_due(now)
 
     def _release_sessions(self, session_ids: tuple[str, ...], *, count: bool) -> None:
         for sid in session_ids:

@@ -25,6 +25,12 @@ class CoreConfig:
     """Under pool or budget pressure, demote idle sessions LRU-first into evictable radix entries."""
     expired_lease_memory: int = 4096
     """How many expired engine ids are remembered to answer LEASE_EXPIRED instead of ENGINE_NOT_FOUND."""
+    quarantine_seconds: float = 0.0
+    """How long pages released by an expired lease wait before they are free again; 0 frees them at once."""
+    max_sessions: int = 0
+    """Most sessions open at once; 0 means no bound beyond memory."""
+    max_lease_ttl_seconds: float = 0.0
+    """Largest TTL a lease may ask for; 0 means no bound."""
 
     def __post_init__(self) -> None:
         if self.num_pages < 2:
@@ -41,6 +47,14 @@ class CoreConfig:
             )
         if self.max_session_tokens < 0:
             raise ValueError(f"max_session_tokens must be >= 0, got {self.max_session_tokens}")
+        for name in ("quarantine_seconds", "max_lease_ttl_seconds"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_sessions < 0:
+            raise ValueError(f"max_sessions must be >= 0, got {self.max_sessions}")
+        if self.max_lease_ttl_seconds and self.lease_ttl_seconds > self.max_lease_ttl_seconds:
+            raise ValueError(f"lease_ttl_seconds {self.lease_ttl_seconds} is above max_lease_ttl_seconds "
+                             f"{self.max_lease_ttl_seconds}")
 
     @property
     def usable_pages(self) -> int:

@@ -54,6 +54,12 @@ class Reason(enum.Enum):
     """The session or engine belongs to another engine or identity."""
     BAD_TOKEN = "BAD_TOKEN"
     """Missing or wrong "authorization: Bearer <token>" metadata."""
+    SALT_NOT_ALLOWED = "SALT_NOT_ALLOWED"
+    """The request names a cache_salt this identity may not use (--tenants-file cache_salts)."""
+    ROLE_REQUIRED = "ROLE_REQUIRED"
+    """The RPC needs a role this identity does not have (admin for operator RPCs; engine to change state)."""
+    SESSION_LIMIT = "SESSION_LIMIT"
+    """The service (--max-sessions) or this identity (its quota) has as many sessions open as it may."""
 
     @property
     def code(self) -> ErrorCode:
@@ -81,6 +87,9 @@ _CODE_OF: dict[Reason, ErrorCode] = {
     Reason.INVALID_ARGUMENT: ErrorCode.INVALID_ARGUMENT,
     Reason.NOT_OWNER: ErrorCode.PERMISSION_DENIED,
     Reason.BAD_TOKEN: ErrorCode.UNAUTHENTICATED,
+    Reason.SALT_NOT_ALLOWED: ErrorCode.PERMISSION_DENIED,
+    Reason.ROLE_REQUIRED: ErrorCode.PERMISSION_DENIED,
+    Reason.SESSION_LIMIT: ErrorCode.RESOURCE_EXHAUSTED,
 }
 _DOC_OF: dict[Reason, str] = {
     Reason.SESSION_NOT_FOUND:
@@ -113,4 +122,10 @@ _DOC_OF: dict[Reason, str] = {
         'The session or engine belongs to another engine or identity.',
     Reason.BAD_TOKEN:
         'Missing or wrong "authorization: Bearer <token>" metadata.',
+    Reason.SALT_NOT_ALLOWED:
+        'The request names a cache_salt this identity may not use (--tenants-file cache_salts).',
+    Reason.ROLE_REQUIRED:
+        'The RPC needs a role this identity does not have (admin for operator RPCs; engine to change state).',
+    Reason.SESSION_LIMIT:
+        'The service (--max-sessions) or this identity (its quota) has as many sessions open as it may.',
 }

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from cache_service.core.buffers import IntBuffer
 from cache_service.core.errors import KVCacheError, Reason
@@ -33,6 +33,7 @@ class Session:
         "demoted",
         "epoch",
         "id",
+        "identity",
         "kv_tokens",
         "last_active",
         "lock_node",
@@ -58,6 +59,7 @@ class Session:
         streaming: bool,
         cache_salt: str,
         owner: str,
+        identity: str,
         timeout_seconds: float,
         now: float,
     ) -> None:
@@ -67,6 +69,8 @@ class Session:
         self.cache_salt = cache_salt
         self.owner = owner
         """The engine whose lease the session lives under ("" for none)."""
+        self.identity = identity
+        """Who opened it: only they (or an operator) may use or see it."""
         self.timeout_seconds = timeout_seconds
         self.last_active = now
         self.state = SessionState.IDLE
@@ -113,6 +117,9 @@ class SessionTable:
 
     def __init__(self) -> None:
         self._by_id: OrderedDict[str, Session] = OrderedDict()
+        self._opened: dict[str, Session] = {}
+        """The same sessions in the order they were opened (by epoch), for stable paging."""
+        self._per_identity: dict[str, int] = {}
         self._next_epoch = 1
         self.num_in_turn = 0
         self.num_closing = 0
@@ -147,8 +154,13 @@ class SessionTable:
         return self._by_id.get(session_id)
 
     @staticmethod
-    def check_owner(s: Session, engine_id: str) -> None:
-        """A named engine must be the session's owner (NOT_OWNER); an unnamed caller is not checked."""
+    def check_owner(s: Session, engine_id: str, identity: str | None) -> None:
+        """The caller's identity must be the session's (None: an operator, not checked), and a named engine
+        must be its owner; either mismatch is NOT_OWNER."""
+        if identity is not None and identity != s.identity:
+            raise KVCacheError(
+                Reason.NOT_OWNER, f"session {s.id!r} belongs to another identity", session_id=s.id,
+            )
         if s.owner and engine_id and engine_id != s.owner:
             raise KVCacheError(
                 Reason.NOT_OWNER, f"session {s.id!r} belongs to another engine",
@@ -163,16 +175,31 @@ class SessionTable:
                 Reason.SESSION_EXISTS, f"session {session_id!r} is already open", session_id=session_id
             )
 
+    def count(self, identity: str) -> int:
+        """Sessions `identity` has open."""
+        return self._per_identity.get(identity, 0)
+
+    def check_room(self, identity: str, *, max_sessions: int, quota: int) -> None:
+        """SESSION_LIMIT when the service (`max_sessions`) or `identity` (`quota`) is full; 0 means no bound."""
+        if max_sessions and len(self._by_id) >= max_sessions:
+            raise KVCacheError(Reason.SESSION_LIMIT, f"{len(self._by_id)} sessions are open, the most the service "
+                               f"allows (--max-sessions={max_sessions}): close some first", limit=max_sessions)
+        if quota and self.count(identity) >= quota:
+            raise KVCacheError(Reason.SESSION_LIMIT, f"identity {identity!r} has {quota} sessions open, its quota: "
+                               "close some first", limit=quota, identity=identity)
+
     def create(
-        self, session_id: str, *, streaming: bool, cache_salt: str, owner: str, timeout_seconds: float, now: float
+        self, session_id: str, *, streaming: bool, cache_salt: str, owner: str, identity: str,
+        timeout_seconds: float, now: float
     ) -> Session:
         """Open a session (an empty id gets a generated one) with the next epoch."""
         session_id = session_id or uuid.uuid4().hex
         self.check_new(session_id)
         s = Session(session_id, self._next_epoch, streaming=streaming, cache_salt=cache_salt, owner=owner,
-                    timeout_seconds=timeout_seconds, now=now)
+                    identity=identity, timeout_seconds=timeout_seconds, now=now)
         self._next_epoch += 1
-        self._by_id[session_id] = s
+        self._by_id[session_id] = self._opened[session_id] = s
+        self._per_identity[identity] = self._per_identity.get(identity, 0) + 1
         return s
 
     def remove(self, s: Session) -> None:
@@ -180,6 +207,12 @@ class SessionTable:
         self.set_state(s, SessionState.IDLE)
         self.set_demoted(s, False)
         del self._by_id[s.id]
+        del self._opened[s.id]
+        left = self._per_identity[s.identity] - 1
+        if left:
+            self._per_identity[s.identity] = left
+        else:
+            del self._per_identity[s.identity]
 
     def set_state(self, s: Session, state: SessionState) -> None:
         old = s.state
@@ -214,6 +247,24 @@ class SessionTable:
             if v is not exclude and v.state is SessionState.IDLE and v.committed_pages > 0:
                 yield v
 
+    def page(self, after_epoch: int, size: int, keep: Callable[[Session], bool]) -> tuple[list[Session], int, bool]:
+        """Sessions in opening order after `after_epoch` that `keep` accepts: up to `size` of them, how many
+        `keep` accepts in all, and whether more follow the page."""
+        page: list[Session] = []
+        total = 0
+        more = False
+        for s in self._opened.values():
+            if not keep(s):
+                continue
+            total += 1
+            if s.epoch <= after_epoch:
+                continue
+            if len(page) < size:
+                page.append(s)
+            else:
+                more = True
+        return page, total, more
+
     def timed_out(self, now: float) -> list[Session]:
         return [s for s in self._by_id.values() if s.timed_out(now)]
 
@@ -239,4 +290,5 @@ class SessionTable:
             timeout_seconds=s.timeout_seconds,
             demoted=s.demoted,
             close_pending=s.close_pending,
+            identity=s.identity,
         )

@@ -116,6 +116,8 @@ class SessionInfo:
     timeout_seconds: float
     demoted: bool
     close_pending: bool
+    identity: str
+    """The identity that opened it ("" without --tenants-file)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +126,10 @@ class EngineInfo:
     ttl_seconds: float
     expires_in_seconds: float
     num_sessions: int
+    serial: int = 0
+    """Unique per registration: `end_held_lease` takes it, so a stream only ever ends the lease it started."""
+    held: bool = False
+    """Held by a HoldLease stream (no TTL expiry while it is open)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +142,8 @@ class ReapResult:
 
 @dataclass(frozen=True, slots=True)
 class Stats:
-    """A snapshot of the pool and cache. Pages by state always sum to `num_pages - 1`."""
+    """A snapshot of the pool and cache. Pages by state (free, evictable, radix_locked, session_held,
+    in_flight, quarantined) always sum to `num_pages - 1`."""
 
     num_pages: int
     page_size: int
@@ -145,6 +152,7 @@ class Stats:
     radix_locked_pages: int
     session_held_pages: int
     in_flight_pages: int
+    quarantined_pages: int
     session_budget_pages: int
     radix_tokens: int
     session_tokens: int

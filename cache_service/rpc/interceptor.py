@@ -9,13 +9,17 @@ with a fixed message and a logged traceback, and the service keeps serving. Requ
 decode are INVALID_ARGUMENT, counted and logged like any other error (grpc would answer UNKNOWN before
 any of our code ran). Health and reflection are separate services, always open, so probes and grpcurl
 work without a token.
+
+The caller's identity (from its bearer token, see `identity.py`) is resolved here and handed to the
+handler through `CALLER`, a context variable: each RPC runs in its own task, so it is per call.
 """
 
 from __future__ import annotations
 
-import hmac
+import asyncio
+import contextvars
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -26,6 +30,7 @@ from cache_service.core import KVCacheError, Reason
 from cache_service.log import get_logger
 from cache_service.metrics import Metrics
 from cache_service.rpc.errors import status_for
+from cache_service.rpc.identity import ANONYMOUS, Identities, Identity
 from protos.kvcache.v1 import kvcache_pb2 as pb
 
 SERVICE = pb.DESCRIPTOR.services_by_name["KVCacheService"]
@@ -33,6 +38,10 @@ INSTANCE_HEADER = "x-kvcache-instance-id"
 AUTH_HEADER = "authorization"
 
 Behavior = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+StreamBehavior = Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
+
+CALLER: contextvars.ContextVar[Identity] = contextvars.ContextVar("kvcache_caller", default=ANONYMOUS)
+"""The identity of the call being handled (set by the interceptor before the handler runs)."""
 
 
 class Malformed:
@@ -58,10 +67,10 @@ def _decoder(message_cls: type[Message]) -> Callable[[bytes], Message | Malforme
 
 
 class ServiceInterceptor:
-    def __init__(self, metrics: Metrics, *, instance_id: str, auth_token: str = "") -> None:
+    def __init__(self, metrics: Metrics, *, instance_id: str, identities: Identities | None = None) -> None:
         self._metrics = metrics
         self._instance_id = instance_id
-        self._auth = f"Bearer {auth_token}".encode() if auth_token else b""
+        self._identities = identities or Identities()
         self._log = get_logger("kvcache.rpc")
 
     def service_handler(self, servicer: object) -> grpc.GenericRpcHandler:
@@ -70,14 +79,22 @@ class ServiceInterceptor:
         for method in SERVICE.methods:
             request_cls = getattr(pb, method.input_type.name)
             response_cls = getattr(pb, method.output_type.name)
-            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                self._wrap(method.name, getattr(servicer, method.name)),
-                request_deserializer=_decoder(request_cls),
-                response_serializer=response_cls.SerializeToString,
-            )
+            if method.server_streaming:
+                handlers[method.name] = grpc.unary_stream_rpc_method_handler(
+                    self._wrap_stream(method.name, getattr(servicer, method.name)),
+                    request_deserializer=_decoder(request_cls),
+                    response_serializer=response_cls.SerializeToString,
+                )
+            else:
+                handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                    self._wrap(method.name, getattr(servicer, method.name)),
+                    request_deserializer=_decoder(request_cls),
+                    response_serializer=response_cls.SerializeToString,
+                )
         return grpc.method_handlers_generic_handler(SERVICE.full_name, handlers)
 
     def _check_metadata(self, context: grpc.aio.ServicerContext) -> None:
+        """Check the instance header and resolve the caller (CALLER), or raise."""
         metadata = context.invocation_metadata() or ()
         auth = b""
         for key, value in metadata:
@@ -90,8 +107,14 @@ class ServiceInterceptor:
                     "the service restarted; remap the pool and reopen sessions",
                     expected=self._instance_id, got=value,
                 )
-        if self._auth and not hmac.compare_digest(auth, self._auth):
-            raise KVCacheError(Reason.BAD_TOKEN, "missing or wrong 'authorization: Bearer <token>' metadata")
+        CALLER.set(self._identities.resolve(auth))
+
+    def _check_request(self, name: str, request: Any, context: grpc.aio.ServicerContext) -> None:
+        if type(request) is Malformed:
+            raise KVCacheError(Reason.INVALID_ARGUMENT,
+                               f"the {request.size}-byte request is not a valid {name} request message "
+                               f"({request.error})", field="request")
+        self._check_metadata(context)
 
     def _wrap(self, name: str, behavior: Behavior) -> Behavior:
         log = self._log
@@ -111,11 +134,7 @@ class ServiceInterceptor:
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
             start = time.perf_counter()
             try:
-                if type(request) is Malformed:
-                    raise KVCacheError(Reason.INVALID_ARGUMENT,
-                                       f"the {request.size}-byte request is not a valid {name} request message "
-                                       f"({request.error})", field="request")
-                self._check_metadata(context)
+                self._check_request(name, request, context)
                 response = await behavior(request, context)
             except KVCacheError as e:
                 record(e.code.value, start, request)
@@ -130,5 +149,42 @@ class ServiceInterceptor:
                 await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}; see the service log")
             record("OK", start, request)
             return response
+
+        return handle
+
+    def _wrap_stream(self, name: str, behavior: StreamBehavior) -> StreamBehavior:
+        """The same checks for a server stream; its metrics record how long the stream lasted and how it
+        ended (CANCELLED: the client went away, the usual end of a HoldLease)."""
+        log = self._log
+        observe = self._metrics.observe_rpc
+
+        async def handle(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            start = time.perf_counter()
+            code = "OK"
+            try:
+                self._check_request(name, request, context)
+                async for response in behavior(request, context):
+                    yield response
+            except KVCacheError as e:
+                code = e.code.value
+                log.warning("rpc_error", method=name, code=code, reason=e.reason.value, message=e.message,
+                            **e.metadata)
+                observe(name, code, time.perf_counter() - start)
+                await context.abort_with_status(status_for(e))
+            except grpc.aio.AbortError:
+                code = ""  # a handler that aborted on its own has already sent its status
+                raise
+            except (asyncio.CancelledError, GeneratorExit):
+                code = "CANCELLED"
+                raise
+            except Exception:
+                code = "INTERNAL"
+                log.exception("rpc_internal_error", method=name)
+                observe(name, code, time.perf_counter() - start)
+                await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}; see the service log")
+            finally:
+                if code in ("OK", "CANCELLED"):
+                    observe(name, code, time.perf_counter() - start)
+                    log.debug("rpc", method=name, code=code, ms=round((time.perf_counter() - start) * 1e3, 3))
 
         return handle

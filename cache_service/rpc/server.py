@@ -12,7 +12,7 @@ import socket
 import stat
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import grpc.aio
@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from cache_service.core import KVCacheCore
 from cache_service.memory import PoolHandle, PoolLayout
 from cache_service.metrics import Metrics
+from cache_service.rpc.identity import Identities
 from cache_service.rpc.interceptor import ServiceInterceptor
 from cache_service.rpc.servicer import KVCacheServicer
 from protos.kvcache.v1 import kvcache_pb2 as pb
@@ -62,12 +63,27 @@ def _claim(listen: str) -> str:
     return ""
 HEALTH_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
+SERVER_OPTIONS: list[tuple[str, int]] = [
+    # A HoldLease stream must end only when its engine's process does (the kernel then closes the socket)
+    # or the engine ends it, never because a stopped engine cannot answer: a stopped process does not
+    # answer HTTP/2 pings, and grpc's default server keepalive (a ping every 2 h, 20 s to answer) would
+    # end its stream and free pages it may still write. So the server never pings (INT_MAX ms), and no
+    # connection idle or age limit is set (grpc's defaults: none).
+    ("grpc.keepalive_time_ms", 2**31 - 1),
+    # Clients may ping (engine_client does not by default); tolerate it, without calls too, at most every
+    # 5 s, rather than answering GOAWAY "too_many_pings".
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+    ("grpc.so_reuseport", 0),
+]
+
 
 @dataclass(frozen=True)
 class RpcSettings:
     listen: str
     """host:port (port 0 picks a free one) or unix:/path."""
-    auth_token: str = ""
+    identities: Identities = field(default_factory=Identities)
+    """Who may call (no tokens: everyone, as the anonymous admin)."""
     max_request_tokens: int = 1 << 20
     max_step_ops: int = 4096
     max_message_bytes: int = 64 << 20
@@ -86,16 +102,12 @@ class RpcServer:
         servicer = KVCacheServicer(core, layout, handle, instance_id=instance_id,
                                    max_request_tokens=settings.max_request_tokens,
                                    max_step_ops=settings.max_step_ops, metrics=metrics, clock=clock)
-        interceptor = ServiceInterceptor(metrics, instance_id=instance_id, auth_token=settings.auth_token)
-        self._server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", settings.max_message_bytes),
-                ("grpc.max_send_message_length", settings.max_message_bytes),
-                ("grpc.so_reuseport", 0),
-                ("grpc.keepalive_permit_without_calls", 1),
-                ("grpc.http2.min_ping_interval_without_data_ms", 5000),
-            ],
-        )
+        interceptor = ServiceInterceptor(metrics, instance_id=instance_id, identities=settings.identities)
+        self._server = grpc.aio.server(options=[
+            *SERVER_OPTIONS,
+            ("grpc.max_receive_message_length", settings.max_message_bytes),
+            ("grpc.max_send_message_length", settings.max_message_bytes),
+        ])
         self._server.add_generic_rpc_handlers((interceptor.service_handler(servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection((SERVICE_NAME, HEALTH_NAME, reflection.SERVICE_NAME), self._server)

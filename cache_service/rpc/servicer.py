@@ -3,12 +3,16 @@
 Each session operation is written once, as a function that fills a given response message; its unary RPC
 and `Step` both call it, so an op inside a Step behaves exactly as the same request sent alone (the same
 core call, the same response, the same google.rpc.Status on failure).
+
+Who may do what (identity.py): the caller (`CALLER`, set by the interceptor) must have the role an RPC
+needs, may only name its own cache salts, and acts on its own sessions and engines (an admin on all).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from google.rpc import code_pb2
@@ -21,12 +25,19 @@ from cache_service.memory import PoolHandle, PoolLayout
 from cache_service.metrics import Metrics
 from cache_service.rpc import convert
 from cache_service.rpc.errors import status_proto
+from cache_service.rpc.identity import Identity, Role
+from cache_service.rpc.interceptor import CALLER
 from protos.kvcache.v1 import kvcache_pb2 as pb
 from protos.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 
 Context = Any  # grpc.aio.ServicerContext; handlers never touch it (the interceptor does)
-Fill = Callable[[Any, Any, str], None]
-"""(request, response to fill, engine id) -> None; raises KVCacheError."""
+Fill = Callable[[Any, Any, str, Identity], None]
+"""(request, response to fill, engine id, caller) -> None; raises KVCacheError."""
+
+DRIVERS = (Role.ENGINE, Role.ADMIN)
+"""Roles that may change state: sessions, leases."""
+MAX_PAGE_SIZE = 1000
+"""Most sessions one ListSessions answer carries (and its default page size)."""
 
 STEP_OPS = tuple(f.name for f in pb.StepOp.DESCRIPTOR.oneofs_by_name["op"].fields)
 
@@ -57,23 +68,25 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
 
     # ------------------------------------------------------------------ operations (unary and in Step)
 
-    def _match(self, req: pb.MatchPrefixRequest, out: pb.MatchPrefixResponse, engine_id: str) -> None:
-        res = self.core.match_prefix(convert.request_tokens(req, self._max_tokens), req.cache_salt)
+    def _match(self, req: pb.MatchPrefixRequest, out: pb.MatchPrefixResponse, engine_id: str, who: Identity) -> None:
+        res = self.core.match_prefix(convert.request_tokens(req, self._max_tokens), who.salt(req.cache_salt))
         out.cached_tokens = res.cached_tokens
         convert.set_pages(out, res.page_ids, req.packed_response)
 
-    def _open(self, req: pb.OpenSessionRequest, out: pb.OpenSessionResponse, engine_id: str) -> None:
+    def _open(self, req: pb.OpenSessionRequest, out: pb.OpenSessionResponse, engine_id: str, who: Identity) -> None:
         timeout = req.timeout_seconds if req.HasField("timeout_seconds") else None
         res = self.core.open_session(req.session_id, streaming=req.streaming, timeout_seconds=timeout,
-                                     cache_salt=req.cache_salt, engine_id=engine_id)
+                                     cache_salt=who.salt(req.cache_salt), engine_id=engine_id, identity=who.name,
+                                     quota=who.max_sessions)
         out.session_id = res.session_id
         out.epoch = res.epoch
         out.timeout_seconds = res.timeout_seconds
         out.instance_id = self.instance_id
 
-    def _append(self, req: pb.AppendSessionRequest, out: pb.AppendSessionResponse, engine_id: str) -> None:
+    def _append(self, req: pb.AppendSessionRequest, out: pb.AppendSessionResponse, engine_id: str,
+                who: Identity) -> None:
         res = self.core.append(req.session_id, convert.request_tokens(req, self._max_tokens), req.reserve_tokens,
-                               epoch=req.epoch, engine_id=engine_id)
+                               epoch=req.epoch, engine_id=engine_id, identity=who.owner)
         out.session_id = res.session_id
         out.epoch = res.epoch
         out.turn = res.turn
@@ -85,8 +98,10 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         out.prefix_hit_tokens = res.prefix_hit_tokens
         convert.set_pages(out, res.page_ids, req.packed_response)
 
-    def _extend(self, req: pb.ExtendSessionRequest, out: pb.ExtendSessionResponse, engine_id: str) -> None:
-        res = self.core.extend(req.session_id, req.reserve_tokens, epoch=req.epoch, engine_id=engine_id)
+    def _extend(self, req: pb.ExtendSessionRequest, out: pb.ExtendSessionResponse, engine_id: str,
+                who: Identity) -> None:
+        res = self.core.extend(req.session_id, req.reserve_tokens, epoch=req.epoch, engine_id=engine_id,
+                               identity=who.owner)
         out.session_id = res.session_id
         out.epoch = res.epoch
         out.turn = res.turn
@@ -95,18 +110,21 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         out.num_pages = res.num_pages
         convert.set_pages(out, res.page_ids, req.packed_response)
 
-    def _commit(self, req: pb.CommitSessionRequest, out: pb.CommitSessionResponse, engine_id: str) -> None:
+    def _commit(self, req: pb.CommitSessionRequest, out: pb.CommitSessionResponse, engine_id: str,
+                who: Identity) -> None:
         kv_tokens = req.kv_tokens if req.HasField("kv_tokens") else None
         res = self.core.commit(req.session_id, convert.request_tokens(req, self._max_tokens), kv_tokens=kv_tokens,
-                               abort=req.abort, turn=req.turn, epoch=req.epoch, engine_id=engine_id)
+                               abort=req.abort, turn=req.turn, epoch=req.epoch, engine_id=engine_id,
+                               identity=who.owner)
         out.session_id = res.session_id
         out.context_tokens = res.context_tokens
         out.kv_tokens = res.kv_tokens
         out.num_pages = res.num_pages
         out.closed = res.closed
 
-    def _close(self, req: pb.CloseSessionRequest, out: pb.CloseSessionResponse, engine_id: str) -> None:
-        res = self.core.close(req.session_id, cache=req.cache, epoch=req.epoch, engine_id=engine_id)
+    def _close(self, req: pb.CloseSessionRequest, out: pb.CloseSessionResponse, engine_id: str, who: Identity) -> None:
+        res = self.core.close(req.session_id, cache=req.cache, epoch=req.epoch, engine_id=engine_id,
+                              identity=who.owner)
         out.session_id = res.session_id
         out.closed = res.closed
         out.cached_tokens = res.cached_tokens
@@ -118,70 +136,123 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
 
     async def RegisterEngine(self, request: pb.RegisterEngineRequest, context: Context
                              ) -> pb.RegisterEngineResponse:
-        info = self.core.register_engine(request.engine_id, request.ttl_seconds)
+        who = _driver("RegisterEngine")
+        info = self.core.register_engine(request.engine_id, request.ttl_seconds, identity=who.name)
         return pb.RegisterEngineResponse(engine_id=info.engine_id, ttl_seconds=info.ttl_seconds,
                                          instance_id=self.instance_id)
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Context) -> pb.HeartbeatResponse:
-        info = self.core.heartbeat(request.engine_id)
+        info = self.core.heartbeat(request.engine_id, identity=_driver("Heartbeat").owner)
         return pb.HeartbeatResponse(ttl_seconds=info.ttl_seconds, expires_in_seconds=info.expires_in_seconds,
                                     instance_id=self.instance_id, num_sessions=info.num_sessions)
 
     async def UnregisterEngine(self, request: pb.UnregisterEngineRequest, context: Context
                                ) -> pb.UnregisterEngineResponse:
-        closed = self.core.unregister_engine(request.engine_id)
+        closed = self.core.unregister_engine(request.engine_id, identity=_driver("UnregisterEngine").owner)
         return pb.UnregisterEngineResponse(closed_session_ids=closed)
+
+    async def HoldLease(self, request: pb.HoldLeaseRequest, context: Context) -> AsyncIterator[pb.HoldLeaseResponse]:
+        """Register a lease that lasts as long as this stream: confirm it, then send a keepalive every third
+        of its TTL until the client goes away (the lease then ends at once, its sessions closed with their
+        KV cached) or the lease ends otherwise (unregistered, registered again: LEASE_EXPIRED)."""
+        who = _driver("HoldLease")
+        info = self.core.register_engine(request.engine_id, request.ttl_seconds, identity=who.name, held=True)
+        engine_id, serial = info.engine_id, info.serial
+        self._log.info("lease_held", engine_id=engine_id, identity=who.name, ttl_seconds=info.ttl_seconds)
+        try:
+            yield pb.HoldLeaseResponse(engine_id=engine_id, ttl_seconds=info.ttl_seconds,
+                                       instance_id=self.instance_id, keepalive=0)
+            keepalive = 0
+            while True:
+                await asyncio.sleep(info.ttl_seconds / 3)
+                now = self.core.held_lease(engine_id, serial)
+                if now is None:
+                    raise KVCacheError(Reason.LEASE_EXPIRED, f"the lease of engine {engine_id!r} this stream held "
+                                       "ended (unregistered, or registered again)", engine_id=engine_id)
+                keepalive += 1
+                yield pb.HoldLeaseResponse(engine_id=engine_id, ttl_seconds=info.ttl_seconds,
+                                           instance_id=self.instance_id, num_sessions=now.num_sessions,
+                                           keepalive=keepalive)
+        finally:
+            closed = self.core.end_held_lease(engine_id, serial)
+            self._log.info("lease_stream_ended", engine_id=engine_id, closed_sessions=list(closed))
 
     async def MatchPrefix(self, request: pb.MatchPrefixRequest, context: Context) -> pb.MatchPrefixResponse:
         out = pb.MatchPrefixResponse()
-        self._match(request, out, "")
+        self._match(request, out, "", CALLER.get())
         return out
 
     async def OpenSession(self, request: pb.OpenSessionRequest, context: Context) -> pb.OpenSessionResponse:
         out = pb.OpenSessionResponse()
-        self._open(request, out, request.engine_id)
+        self._open(request, out, request.engine_id, _driver("OpenSession"))
         return out
 
     async def AppendSession(self, request: pb.AppendSessionRequest, context: Context
                             ) -> pb.AppendSessionResponse:
         out = pb.AppendSessionResponse()
-        self._append(request, out, request.engine_id)
+        self._append(request, out, request.engine_id, _driver("AppendSession"))
         return out
 
     async def ExtendSession(self, request: pb.ExtendSessionRequest, context: Context
                             ) -> pb.ExtendSessionResponse:
         out = pb.ExtendSessionResponse()
-        self._extend(request, out, request.engine_id)
+        self._extend(request, out, request.engine_id, _driver("ExtendSession"))
         return out
 
     async def CommitSession(self, request: pb.CommitSessionRequest, context: Context
                             ) -> pb.CommitSessionResponse:
         out = pb.CommitSessionResponse()
-        self._commit(request, out, request.engine_id)
+        self._commit(request, out, request.engine_id, _driver("CommitSession"))
         return out
 
     async def CloseSession(self, request: pb.CloseSessionRequest, context: Context) -> pb.CloseSessionResponse:
         out = pb.CloseSessionResponse()
-        self._close(request, out, request.engine_id)
+        self._close(request, out, request.engine_id, _driver("CloseSession"))
         return out
 
     async def ReapSessions(self, request: pb.ReapSessionsRequest, context: Context) -> pb.ReapSessionsResponse:
+        CALLER.get().need(Role.ADMIN, what="ReapSessions")
         res = self.core.reap()
         return pb.ReapSessionsResponse(session_ids=res.session_ids, engine_ids=res.engine_ids)
 
     async def GetSession(self, request: pb.GetSessionRequest, context: Context) -> pb.GetSessionResponse:
+        """An engine identity sees only its own sessions (NOT_OWNER); tokens go to the owner or an admin."""
+        who = CALLER.get()
         info = self.core.get_session(request.session_id, epoch=request.epoch)
+        if who.sees is not None and info.identity != who.sees:
+            raise KVCacheError(Reason.NOT_OWNER, f"session {request.session_id!r} belongs to another identity",
+                               session_id=request.session_id)
         response = pb.GetSessionResponse(session=convert.session_info(info))
         if request.include_tokens:
+            if not who.is_admin and info.identity != who.name:
+                who.need(Role.ADMIN, what="include_tokens on another identity's session")
             response.token_ids.extend(self.core.session_tokens(request.session_id).tolist())
         return response
 
     async def ListSessions(self, request: pb.ListSessionsRequest, context: Context) -> pb.ListSessionsResponse:
-        infos = self.core.list_sessions(engine_id=request.engine_id)
-        shown = infos[: request.limit] if request.limit else infos
-        return pb.ListSessionsResponse(sessions=[convert.session_info(i) for i in shown], total=len(infos))
+        """Paged in opening order (`page_size`, `page_token`), or the legacy `limit` least recently active
+        first; an engine identity sees only its own sessions."""
+        who = CALLER.get()
+        if request.limit:
+            if request.page_size or request.page_token:
+                raise invalid_argument("limit", "set limit, or page_size/page_token, not both")
+            if request.limit > MAX_PAGE_SIZE:
+                raise invalid_argument("limit", f"{request.limit} is above {MAX_PAGE_SIZE}; page with page_size "
+                                       "and page_token instead")
+            infos, total = self.core.list_sessions_lru(request.limit, engine_id=request.engine_id, identity=who.sees)
+            return pb.ListSessionsResponse(sessions=[convert.session_info(i) for i in infos], total=total)
+        if request.page_size > MAX_PAGE_SIZE:
+            raise invalid_argument("page_size", f"{request.page_size} is above {MAX_PAGE_SIZE}")
+        after = _page_token(request.page_token)
+        infos, total, last = self.core.list_sessions_page(
+            after_epoch=after, size=request.page_size or MAX_PAGE_SIZE, engine_id=request.engine_id,
+            identity=who.sees)
+        return pb.ListSessionsResponse(sessions=[convert.session_info(i) for i in infos], total=total,
+                                       next_page_token=str(last) if last else "")
 
     async def GetStats(self, request: pb.GetStatsRequest, context: Context) -> pb.GetStatsResponse:
+        if request.verify:
+            CALLER.get().need(Role.ADMIN, what="GetStats with verify")
         st = self.core.check_invariants() if request.verify else self.core.stats()
         return convert.stats(st, instance_id=self.instance_id, uptime_seconds=self._clock() - self._started,
                              verified=request.verify)
@@ -190,10 +261,11 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
 
     async def Step(self, request: pb.StepRequest, context: Context) -> pb.StepResponse:
         """Apply the ops in order, each on its own; one result per op. Only a request-level problem (too
-        many ops; auth and instance checks happen in the interceptor) fails the whole call."""
+        many ops, a reader's call; auth and instance checks happen in the interceptor) fails the whole call."""
         ops = request.ops
         if len(ops) > self._max_step_ops:
             raise invalid_argument("ops", f"{len(ops)} ops in one Step exceed --max-step-ops={self._max_step_ops}")
+        who = _driver("Step")
         response = pb.StepResponse()
         results = response.results
         default_engine = request.engine_id
@@ -212,7 +284,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             req = getattr(op, kind)
             engine_id = default_engine if kind == "match" else (req.engine_id or default_engine)
             try:
-                fills[kind](req, getattr(result, kind), engine_id)
+                fills[kind](req, getattr(result, kind), engine_id, who)
             except KVCacheError as e:
                 result.status.CopyFrom(status_proto(e))
                 outcomes[kind, e.code.value] = outcomes.get((kind, e.code.value), 0) + 1
@@ -230,6 +302,23 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         if self._metrics is not None:
             self._metrics.observe_step_ops(outcomes)
         return response
+
+
+def _driver(what: str) -> Identity:
+    """The caller, who must be allowed to change state (engine or admin role)."""
+    who = CALLER.get()
+    if who.role is Role.READER:
+        who.need(*DRIVERS, what=what)
+    return who
+
+
+def _page_token(token: str) -> int:
+    """A ListSessions page token: the epoch of the last session of the previous page."""
+    if not token:
+        return 0
+    if not token.isdigit() or len(token) > 19:
+        raise invalid_argument("page_token", f"{token[:40]!r} is not a token a ListSessions answer gave")
+    return int(token)
 
 
 def _subject(req: Any) -> dict[str, str]:

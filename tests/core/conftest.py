@@ -26,7 +26,8 @@ class FakeClock:
 
 _CHECKED = (
     "match_prefix", "open_session", "append", "extend", "commit", "close", "reap", "register_engine",
-    "heartbeat", "unregister_engine", "evict", "get_session", "list_sessions",
+    "heartbeat", "unregister_engine", "evict", "get_session", "list_sessions", "list_sessions_page",
+    "list_sessions_lru", "end_held_lease",
 )
 
 

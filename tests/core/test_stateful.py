@@ -6,6 +6,11 @@ service reports as cached holds exactly the right fingerprint in the page its de
 A page reused while still referenced, a cross-salt hit or a wrong delta shows up as a mismatch. After
 every step the full invariant check runs (CheckedCore): accounting, single ownership, lock counts.
 
+Stalled engines: a session lost mid-turn to a lease expiry or a timeout keeps a "stale writer" (its
+engine, resumed after the stall) that goes on writing poison into the turn's pages for the quarantine
+window. Each page it writes must be quarantined at that moment, and the poison must never show up in
+anyone's cached KV.
+
 Two drivers share the simulator: a Hypothesis state machine (shrinks a failure to a short story) and
 long seeded random walks (reach deep states: many turns, demotion, racing duplicate prefixes).
 """
@@ -22,6 +27,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from cache_service.core import CoreConfig, KVCacheError, Reason
+from cache_service.core.pages import QUARANTINED
 
 from .conftest import CheckedCore, FakeClock
 
@@ -30,6 +36,8 @@ NUM_PAGES = 40
 SESSION_IDS = ["a", "b", "c", "d", "e"]
 ENGINES = ["e1", "e2"]
 SALTS = ["", "t"]
+QUARANTINE = 6.0
+POISON = "stale"
 RESOURCE = {Reason.POOL_EXHAUSTED, Reason.SESSION_BUDGET, Reason.SESSION_TOKEN_LIMIT}
 GONE = {Reason.SESSION_NOT_FOUND, Reason.LEASE_EXPIRED}
 
@@ -48,6 +56,14 @@ class Model:
     turn: tuple[list[int], int, int] | None = None  # (context tokens, cached, capacity)
 
 
+@dataclass
+class StaleWriter:
+    """The engine of a session lost mid-turn: it may write the turn's pages until `until`."""
+
+    until: float
+    pages: list[int]
+
+
 class Simulator:
     """The core plus engines that follow the protocol, and a model of what each session must hold."""
 
@@ -56,20 +72,40 @@ class Simulator:
         self.core = CheckedCore(
             CoreConfig(
                 num_pages=NUM_PAGES, page_size=PAGE_SIZE, session_timeout_seconds=20, lease_ttl_seconds=15,
-                session_budget_pages=30, max_session_tokens=48,
+                session_budget_pages=30, max_session_tokens=48, quarantine_seconds=QUARANTINE,
             ),
             self.clock,
         )
         self.kv = np.zeros((NUM_PAGES, PAGE_SIZE), dtype=object)
         self.models: dict[str, Model] = {}
         self.seen: Counter[str] = Counter()
+        self.stale: list[StaleWriter] = []
 
     def sync(self) -> None:
-        """Drop models of sessions the core closed on its own (reaped, lease expired)."""
+        """Drop models of sessions the core closed on its own (reaped, lease expired); a turn in flight
+        leaves a stale writer behind."""
         live = {i.session_id: i.epoch for i in self.core.list_sessions()}
         for sid in list(self.models):
             if live.get(sid) != self.models[sid].epoch:
-                del self.models[sid]
+                self._lose(self.models.pop(sid))
+
+    def _lose(self, m: Model) -> None:
+        if m.turn is not None:
+            _, cached, capacity = m.turn
+            pages = m.table[cached // PAGE_SIZE : capacity // PAGE_SIZE]
+            self.stale.append(StaleWriter(self.clock.now + QUARANTINE, pages))
+
+    def stale_write(self) -> None:
+        """Every stalled engine still inside its quarantine window writes poison into its turn's pages."""
+        now = self.clock.now
+        self.stale = [w for w in self.stale if now < w.until]
+        for w in self.stale:
+            for page in w.pages:
+                assert self.core.pages._state[page] == QUARANTINED, (
+                    f"a stalled engine writes page {page}, which is no longer quarantined"
+                )
+                self.kv[page, :] = POISON
+            self.seen["stale_write"] += 1
 
     def _write(self, m: Model, tokens: list[int], start: int, stop: int) -> None:
         for pos in range(start, stop):
@@ -208,11 +244,20 @@ class Simulator:
         self.clock.advance(seconds)
         res = self.core.reap()
         for sid in res.session_ids:
-            self.models.pop(sid, None)
+            m = self.models.pop(sid, None)
+            if m is not None:
+                self._lose(m)
         self.seen["reaped"] += len(res.session_ids)
+        self.seen["quarantined"] += self.core.stats().quarantined_pages > 0
         self.sync()
 
     def register(self, engine: str) -> None:
+        lease = self.core.leases.find(engine)
+        if lease is not None and not lease.expired(self.clock.now):
+            # Registering a live id again is that engine restarting: the old incarnation is gone, so its
+            # sessions close without leaving stale writers. An expired one's go as a stalled engine's (sync).
+            for sid in [sid for sid, m in self.models.items() if m.owner == engine]:
+                del self.models[sid]
         self.core.register_engine(engine)
         self.sync()
 
@@ -247,7 +292,7 @@ class Simulator:
     def check(self) -> None:
         st_ = self.core.check_invariants()
         assert (st_.free_pages + st_.evictable_pages + st_.radix_locked_pages + st_.session_held_pages
-                + st_.in_flight_pages) == NUM_PAGES - 1
+                + st_.in_flight_pages + st_.quarantined_pages) == NUM_PAGES - 1
         infos = {i.session_id: i for i in self.core.list_sessions()}
         assert set(infos) == set(self.models)
         for sid, m in self.models.items():
@@ -321,6 +366,10 @@ class CoreMachine(RuleBasedStateMachine):
     def match(self, probe: list[int], salt: str) -> None:
         self.sim.match(probe, salt)
 
+    @rule()
+    def stale_write(self) -> None:
+        self.sim.stale_write()
+
     @invariant()
     def invariants_hold(self) -> None:
         self.sim.check()
@@ -336,7 +385,7 @@ TestCoreStateMachine = CoreMachine.TestCase
 
 _ACTIONS = ["open", "open", "append", "append", "append", "append", "commit", "commit", "commit",
             "commit", "abort", "close", "advance", "register", "heartbeat", "heartbeat", "heartbeat",
-            "unregister", "evict", "match", "extend", "extend"]
+            "unregister", "evict", "match", "extend", "extend", "stale_write"]
 
 
 def random_walk(seed: int, steps: int) -> Simulator:
@@ -378,6 +427,8 @@ def random_walk(seed: int, steps: int) -> Simulator:
             sim.evict(int(rng.integers(0, 12)))
         elif action == "match":
             sim.match(tokens(), str(rng.choice(SALTS)))
+        elif action == "stale_write":
+            sim.stale_write()
         sim.check()
     st_ = sim.core.stats()
     sim.seen["demoted"] += st_.demoted_sessions
@@ -397,7 +448,7 @@ def test_long_random_walks_reach_deep_states() -> None:
         "abort:turn1": 20, "close:deferred": 20, "reaped": 10, "append:POOL_EXHAUSTED": 1,
         "append:SESSION_BUDGET": 1, "append:SESSION_BUSY": 20, "demoted": 5, "duplicate_pages": 5,
         "evicted_pages": 20, "expired_leases": 5, "extend": 100, "extend:NO_TURN_IN_FLIGHT": 10,
-        "extend:POOL_EXHAUSTED": 1,
+        "extend:POOL_EXHAUSTED": 1, "stale_write": 20, "quarantined": 5,
     }
     low = {what: seen[what] for what, floor in floors.items() if seen[what] < floor}
     assert not low, f"under-exercised: {low}; all: {dict(seen)}"

@@ -46,7 +46,7 @@ class ServerProcess:
             self.proc.kill()
             raise RuntimeError(f"server did not start: {self.banner[0]!r}; log: {self.log_tail()}")
         self.address, self.instance_id = match.group(1), match.group(2)
-        for _ in range(4):
+        for _ in range(5):
             self.banner.append(self.proc.stdout.readline())
 
     @property

@@ -75,7 +75,43 @@ def reader(args: argparse.Namespace) -> dict[str, object]:
             "identical": bool(identical), "pages": pages, "device": str(t.device)}
 
 
-SCRIPTS = {"writer": writer, "reader": reader}
+def staller(args: argparse.Namespace) -> dict[str, object]:
+    """An engine that stalls mid-turn: it registers (`--hold`: a HoldLease stream, else heartbeats), starts a
+    turn and prints its page table; then (stopped and resumed by the test) it waits for a line on stdin,
+    writes POISON into every page of its turn, as a resumed engine finishing its kernels would, and tries
+    to commit. Prints one JSON line per stage."""
+    from engine_client import ClientOptions, KVCacheClientError
+
+    options = ClientOptions(auth_token=args.auth_token)
+    with KVCacheClient(args.target, options) as client, map_pool(client) as pool:
+        lease = client.register_engine("stalling-engine", ttl_seconds=args.ttl, hold=args.hold)
+        if not args.hold:
+            client.start_heartbeats(interval_seconds=args.ttl / 4)
+        t = pool.tensor
+        s = Session(client, streaming=True, close_cache=False)
+        turn = s.append(prompt(args.tokens, args.seed), reserve_tokens=0)
+        pages = s.page_table.tolist()
+        print(json.dumps({"engine_id": lease.engine_id, "held": lease.held, "pages": pages,
+                          "context_tokens": turn.context_tokens}), flush=True)
+        sys.stdin.readline()  # the test stops this process here, lets the lease lapse, resumes it, writes a line
+        t[:, :, pages] = POISON
+        try:
+            s.commit()
+            outcome = "committed"
+        except KVCacheClientError as e:
+            outcome = e.reason
+        print(json.dumps({"wrote_pages": pages, "commit": outcome,
+                          "lease_error": client.lease_error.reason if client.lease_error else ""}), flush=True)
+        sys.stdin.readline()
+        if outcome == "committed":
+            s.close()
+    return {"exited": True}
+
+
+POISON = -7.0
+"""What a stalled engine writes when it resumes: never a value `kv_pattern` produces (it is a sine)."""
+
+SCRIPTS = {"writer": writer, "reader": reader, "staller": staller}
 
 
 def main() -> int:
@@ -85,6 +121,9 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=40)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--device", default=None, help="torch device to map the pool on (cuda_ipc: a GPU)")
+    ap.add_argument("--hold", action="store_true", help="staller: hold the lease with a HoldLease stream")
+    ap.add_argument("--ttl", type=float, default=1.0, help="staller: the lease TTL in seconds")
+    ap.add_argument("--auth-token", default="")
     args = ap.parse_args()
     print(json.dumps(SCRIPTS[args.script](args)))
     return 0

@@ -24,7 +24,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 30) 
 
 def test_the_start_line_says_where_what_and_how_to_try_it(start_server: Callable[..., ServerProcess]) -> None:
     server = start_server("--page-size", "8", "--num-pages", "513")
-    head, backend, pool, metrics, try_line = (line.rstrip("\n") for line in server.banner)
+    head, backend, pool, metrics, auth, try_line = (line.rstrip("\n") for line in server.banner)
     assert re.fullmatch(rf"kvcache-service 0\.1\.0 listening on 127\.0\.0\.1:\d+ \(instance {server.instance_id}\)",
                         head)
     assert backend == (f"  backend  host_shm: /dev/shm/{server.shm_prefix}-{server.instance_id}.pool "
@@ -32,6 +32,7 @@ def test_the_start_line_says_where_what_and_how_to_try_it(start_server: Callable
     assert pool == ("  pool     512 pages x 8 tokens = 4,096 tokens, 8.0 MiB "
                     "(2 layers, 4 kv heads x 64, float16, 8 tokens/page)")
     assert metrics == "  metrics  disabled (--metrics-port)"
+    assert auth == "  auth     none: every caller is admin (fine on loopback or a unix socket; see SECURITY.md)"
     assert re.fullmatch(rf"  try      \S*grpcurl -plaintext {server.address} list", try_line)
     assert run_try_line(try_line).split() == ["grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
                                               "kvcache.v1.KVCacheService"]
@@ -50,8 +51,8 @@ def test_unix_socket_start_line_has_a_unix_grpcurl_line(start_server: Callable[.
     sock = f"{tmp_path}/s.sock"
     server = start_server(listen=f"unix:{sock}")
     assert server.address == f"unix:{sock}"
-    assert re.fullmatch(rf"try      \S*grpcurl -plaintext -unix {sock} list", server.banner[4].strip())
-    assert "kvcache.v1.KVCacheService" in run_try_line(server.banner[4])
+    assert re.fullmatch(rf"try      \S*grpcurl -plaintext -unix {sock} list", server.banner[5].strip())
+    assert "kvcache.v1.KVCacheService" in run_try_line(server.banner[5])
 
 
 def test_environment_variables_configure_and_flags_win(start_server: Callable[..., ServerProcess]) -> None:
@@ -85,6 +86,15 @@ def test_environment_variables_configure_and_flags_win(start_server: Callable[..
                                                 "exist or is not a directory"),
         (["--backend", "cuda_ipc"], {}, "kvcache-service: error: --backend cuda_ipc needs a GPU: cupy is not "
                                         "installed (pip install 'kvcache[cuda]'); use --backend host_shm"),
+        (["--tenants-file", "/nonexistent/tenants.yaml"], {},
+         "kvcache-service: error: /nonexistent/tenants.yaml: No such file or directory"),
+        (["--tenants-file", "/etc/hostname", "--auth-token", "t"], {},
+         "kvcache-service: error: --tenants-file: set --auth-token or --tenants-file, not both (give the admin an "
+         "entry in the tenants file)"),
+        (["--lease-ttl", "900"], {}, "kvcache-service: error: --lease-ttl: 900.0 is above --max-lease-ttl=600.0"),
+        (["--max-sessions", "0"], {}, "kvcache-service: error: --max-sessions: must be >= 1, got 0"),
+        (["--quarantine-seconds", "-1"], {}, "kvcache-service: error: --quarantine-seconds: must be >= 0 seconds, "
+                                             "got -1.0"),
     ],
     ids=lambda v: "" if isinstance(v, dict) else None,
 )
@@ -115,7 +125,7 @@ def test_stats_sessions_and_health_commands(server: ServerProcess) -> None:
     assert next(line for line in lines if line.startswith("  in_flight")).split()[1:] == ["3", "1.2%"]
     sessions = run_cli("sessions", "--target", server.target)
     row = sessions.stdout.splitlines()[1].split()
-    assert row[:6] + row[7:] == ["chat-7", "IN_TURN", "streaming", "0", "10", "3", "-"]  # row[6]: idle seconds
+    assert row[:6] + row[7:] == ["chat-7", "IN_TURN", "streaming", "0", "10", "3", "-", "-"]  # row[6]: idle seconds
     assert sessions.stdout.splitlines()[-1] == "1 session(s)"
     health = run_cli("health", "--target", server.target)
     assert (health.returncode, health.stdout.strip()) == (0, f"{server.target}: SERVING")

@@ -20,13 +20,13 @@ from engine_client import (
     KVCacheClient,
     LeaseExpired,
     NoTurnInFlight,
-    PoolExhausted,
     ResourceExhausted,
     ServiceRestarted,
     ServiceUnavailable,
     Session,
     SessionBusy,
     SessionNotFound,
+    SessionTokenLimit,
     map_pool,
 )
 from engine_client.types import ReapResult
@@ -47,9 +47,10 @@ def test_typed_errors_carry_reason_code_and_metadata(server: ServerProcess) -> N
             c.commit_session("s", [1])
         with pytest.raises(SessionNotFound, match="SESSION_NOT_FOUND: session 'nope' not found"):
             c.get_session("nope")
-        with pytest.raises(PoolExhausted) as full:
+        with pytest.raises(SessionTokenLimit) as full:  # more than the whole pool holds (255 pages x 4)
             c.append_session("s", [1], reserve_tokens=10_000)
         assert isinstance(full.value, ResourceExhausted)
+        assert full.value.metadata == {"session_id": "s", "limit": "1020", "requested": "10005"}
         with pytest.raises(InvalidTokens) as neg:
             c.append_session("s", np.array([3, -1], dtype=np.int32))
         assert neg.value.metadata == {"field": "token_ids", "index": "1"}
@@ -142,7 +143,7 @@ def test_heartbeats_keep_a_lease_alive_and_its_loss_is_reported(
     server = start_server("--page-size", "4", "--num-pages", "256", "--reap-interval", "3600")
     ttl = 1.0
     with KVCacheClient(server.target) as c:
-        c.register_engine("hb", ttl_seconds=ttl)
+        c.register_engine("hb", ttl_seconds=ttl, hold=False)
         c.open_session("owned")
         c.start_heartbeats(interval_seconds=ttl / 8)
         time.sleep(1.5 * ttl)  # real time past the TTL: only the heartbeats can have kept the lease alive

@@ -15,7 +15,12 @@ from .conftest import ServerProcess
 
 GRPCURL = str(Path(sys.executable).parent / "grpcurl")
 SVC = "kvcache.v1.KVCacheService"
-TOKEN = "s3cret"
+TOKEN = "s3cret-oncall-token"
+TENANT = "s3cret-tenant-token"
+TENANTS = f"""tenants:
+  - {{name: oncall, token: {TOKEN}, role: admin}}
+  - {{name: tenant, token: {TENANT}, role: engine, cache_salts: [t], max_sessions: 1}}
+"""
 
 
 class Grpcurl:
@@ -24,12 +29,14 @@ class Grpcurl:
         self.token = token
 
     def run(self, *args: str, data: dict[str, object] | None = None, headers: tuple[str, ...] = (),
-            token: bool = True) -> subprocess.CompletedProcess[str]:
-        cmd = [GRPCURL, "-plaintext"]
+            token: bool | str = True, flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+        """`token`: True sends this Grpcurl's token, False none, a string that token."""
+        cmd = [GRPCURL, "-plaintext", *flags]
         for h in headers:
             cmd += ["-H", h]
-        if token and self.token:
-            cmd += ["-H", f"authorization: Bearer {self.token}"]
+        bearer = token if isinstance(token, str) else self.token if token else ""
+        if bearer:
+            cmd += ["-H", f"authorization: Bearer {bearer}"]
         if data is not None:
             cmd += ["-d", json.dumps(data)]
         target = self.server.target
@@ -147,8 +154,12 @@ def _cases() -> list[tuple[str, str, Callable[[Grpcurl], tuple[str, dict[str, ob
         return g.fail("GetStats", {}, headers=("x-kvcache-instance-id: 0000000000000000",))
 
     def pool_exhausted(g: Grpcurl) -> tuple[str, dict[str, object]]:
+        open_(g, "hog")
         open_(g, "big")
-        return g.fail("AppendSession", {"session_id": "big", "token_ids": [1], "reserve_tokens": 100})
+        g.call("AppendSession", {"session_id": "hog", "token_ids": [1], "reserve_tokens": 27})  # 7 of 16 pages
+        err = g.fail("AppendSession", {"session_id": "big", "token_ids": [1], "reserve_tokens": 39})  # 10 pages
+        g.call("CommitSession", {"session_id": "hog", "abort": True})
+        return err
 
     def token_limit(g: Grpcurl) -> tuple[str, dict[str, object]]:
         open_(g, "long")
@@ -178,6 +189,18 @@ def _cases() -> list[tuple[str, str, Callable[[Grpcurl], tuple[str, dict[str, ob
     def bad_token(g: Grpcurl) -> tuple[str, dict[str, object]]:
         return g.fail("GetStats", {}, token=False)
 
+    def salt_not_allowed(g: Grpcurl) -> tuple[str, dict[str, object]]:
+        return g.fail("MatchPrefix", {"token_ids": [1, 2, 3, 4], "cache_salt": "someone-else"}, token=TENANT)
+
+    def role_required(g: Grpcurl) -> tuple[str, dict[str, object]]:
+        return g.fail("ReapSessions", {}, token=TENANT)
+
+    def session_limit(g: Grpcurl) -> tuple[str, dict[str, object]]:
+        g.call("OpenSession", {"session_id": "quota-1"}, token=TENANT)  # the tenant's quota is 1
+        err = g.fail("OpenSession", {"session_id": "quota-2"}, token=TENANT)
+        g.call("CloseSession", {"session_id": "quota-1"}, token=TENANT)
+        return err
+
     return [
         ("SESSION_NOT_FOUND", "NotFound", session_not_found),
         ("ENGINE_NOT_FOUND", "NotFound", engine_not_found),
@@ -194,6 +217,9 @@ def _cases() -> list[tuple[str, str, Callable[[Grpcurl], tuple[str, dict[str, ob
         ("INVALID_ARGUMENT", "InvalidArgument", invalid_argument),
         ("NOT_OWNER", "PermissionDenied", not_owner),
         ("BAD_TOKEN", "Unauthenticated", bad_token),
+        ("SALT_NOT_ALLOWED", "PermissionDenied", salt_not_allowed),
+        ("ROLE_REQUIRED", "PermissionDenied", role_required),
+        ("SESSION_LIMIT", "ResourceExhausted", session_limit),
     ]
 
 
@@ -202,8 +228,11 @@ CASES = _cases()
 
 @pytest.fixture(scope="module")
 def error_server(tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
-    server = ServerProcess(*ERROR_SERVER_FLAGS, auth_token=TOKEN,
-                           log_path=tmp_path_factory.mktemp("grpcurl") / "server.log")
+    where = tmp_path_factory.mktemp("grpcurl")
+    (where / "tenants.yaml").write_text(TENANTS)
+    server = ServerProcess(*ERROR_SERVER_FLAGS, "--tenants-file", str(where / "tenants.yaml"),
+                           log_path=where / "server.log")
+    server.auth_token = TOKEN  # the admin's, for the invariant check
     yield server  # type: ignore[misc]
     from .conftest import verify_stats
 
@@ -228,3 +257,22 @@ def test_every_reason_of_the_contract_is_covered() -> None:
     from cache_service.core import Reason
 
     assert {c[0] for c in CASES} == {r.value for r in Reason}
+
+
+def test_holdlease_streams_its_confirmation_and_keepalives(server: ServerProcess) -> None:
+    """On call, `grpcurl ... HoldLease` holds a lease for as long as grpcurl runs (here until -max-time)."""
+    g = Grpcurl(server)
+    proc = g.run(f"{SVC}/HoldLease", data={"engine_id": "oncall-probe", "ttl_seconds": 0.6},
+                 flags=("-max-time", "1.5"))
+    assert proc.returncode != 0 and "DeadlineExceeded" in proc.stderr  # the stream outlives its TTL
+    decoder, text, messages = json.JSONDecoder(), proc.stdout.strip(), []
+    while text:
+        message, end = decoder.raw_decode(text)
+        messages.append(message)
+        text = text[end:].strip()
+    assert messages[0] == {"engine_id": "oncall-probe", "ttl_seconds": 0.6, "instance_id": server.instance_id}
+    assert [m.get("keepalive") for m in messages[1:4]] == ["1", "2", "3"]  # every TTL/3 (uint64: JSON strings)
+    deadline = time.monotonic() + 10
+    while g.call("GetStats", {}).get("engines"):  # grpcurl is gone: so is the lease
+        assert time.monotonic() < deadline
+        time.sleep(0.05)

@@ -23,7 +23,7 @@ def test_sigterm_drains_releases_sessions_and_leaves_no_pool_file(
     assert pool_file.name == f"{server.shm_prefix}-{server.instance_id}.pool"
     assert pool_file.stat().st_size == 1024 * 2 * 2 * 16 * 4 * 64 * 2  # the default layout, exactly
     with KVCacheClient(server.target) as client:
-        client.register_engine("e1")
+        client.register_engine("e1", hold=False)  # a held lease would end with this client, before SIGTERM
         client.open_session("s1")
         client.append_session("s1", [1, 2, 3], 5)  # a turn left in flight at shutdown
     code, out = server.terminate()

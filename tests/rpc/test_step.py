@@ -69,21 +69,23 @@ def test_a_mixed_step_runs_every_kind_of_op_in_order(start_thread_server: Callab
 
 
 def test_a_failing_op_changes_nothing_and_later_ops_still_run(start_thread_server: Callable[..., ThreadServer]) -> None:
-    server = start_thread_server(num_pages=9)  # 8 usable pages of 4 tokens
+    server = start_thread_server(num_pages=9, session_budget_fraction=0)  # 8 usable pages of 4 tokens
     before = server.stub.GetStats(pb.GetStatsRequest(), timeout=10)
     results = step(server, [
         op("open", session_id="a"),
-        op("append", session_id="a", token_ids=[1], reserve_tokens=100),  # 26 pages: POOL_EXHAUSTED
+        op("open", session_id="b"),
+        op("append", session_id="b", token_ids=list(range(24))),  # 6 of the 8 pages
+        op("append", session_id="a", token_ids=[1], reserve_tokens=12),  # 4 pages: POOL_EXHAUSTED
         op("append", session_id="ghost", token_ids=[1]),  # SESSION_NOT_FOUND
         op("append", session_id="a", token_ids=[1, 2, 3], reserve_tokens=1),
     ])
-    assert [r.status.code for r in results] == [code_pb2.OK, code_pb2.RESOURCE_EXHAUSTED, code_pb2.NOT_FOUND,
-                                                code_pb2.OK]
-    assert [reason(r.status) for r in results[1:3]] == ["POOL_EXHAUSTED", "SESSION_NOT_FOUND"]
-    assert [r.WhichOneof("result") for r in results] == ["open", None, None, "append"]
-    assert list(results[3].append.page_ids) == [1]  # the failed append took nothing
+    assert [r.status.code for r in results] == [code_pb2.OK, code_pb2.OK, code_pb2.OK, code_pb2.RESOURCE_EXHAUSTED,
+                                                code_pb2.NOT_FOUND, code_pb2.OK]
+    assert [reason(r.status) for r in results[3:5]] == ["POOL_EXHAUSTED", "SESSION_NOT_FOUND"]
+    assert [r.WhichOneof("result") for r in results] == ["open", "open", "append", None, None, "append"]
+    assert list(results[5].append.page_ids) == [7]  # the failed append took nothing
     after = server.stub.GetStats(pb.GetStatsRequest(), timeout=10)
-    assert (after.free_pages, after.in_flight_pages, after.sessions_in_turn) == (before.free_pages - 1, 1, 1)
+    assert (after.free_pages, after.in_flight_pages, after.sessions_in_turn) == (before.free_pages - 7, 7, 2)
 
 
 def test_the_step_engine_id_is_the_default_owner(start_thread_server: Callable[..., ThreadServer]) -> None:
@@ -176,6 +178,7 @@ SCENARIOS: dict[str, Scenario] = {
                                        op("append", session_id="i", token_ids=[1], reserve_tokens=-1)], ""),
     "NOT_OWNER": lambda s, c: ([op("open", session_id="o", engine_id="e1"),
                                 op("append", session_id="o", token_ids=[1], engine_id="e2")], ""),
+    "SESSION_LIMIT": lambda s, c: ([op("open", session_id=f"m{i}") for i in range(4)], ""),  # --max-sessions 3
 }
 
 
@@ -188,12 +191,13 @@ def _lease_expired(server: ThreadServer, clock: FakeClock) -> tuple[list[pb.Step
 
 SCENARIOS["LEASE_EXPIRED"] = _lease_expired
 REQUEST_LEVEL = {"INSTANCE_MISMATCH", "BAD_TOKEN"}  # the whole call fails (test above)
+WITH_IDENTITIES = {"SALT_NOT_ALLOWED", "ROLE_REQUIRED"}  # tests/rpc/test_identity.py, in a Step and alone
 
 
 def test_every_op_level_reason_is_reachable_inside_a_step() -> None:
     from cache_service.core import Reason
 
-    assert set(SCENARIOS) | REQUEST_LEVEL == {r.value for r in Reason}
+    assert set(SCENARIOS) | REQUEST_LEVEL | WITH_IDENTITIES == {r.value for r in Reason}
 
 
 @pytest.mark.parametrize("why", sorted(SCENARIOS))
@@ -204,7 +208,7 @@ def test_each_reason_comes_back_as_the_ops_status_exactly_as_alone(
     clocks = [FakeClock(), FakeClock()]
     # 16 usable pages of 4 tokens, a 60-token cap, a budget of 8 pages (none for POOL_EXHAUSTED)
     budget = 0.0 if why == "POOL_EXHAUSTED" else 0.5
-    config = {"num_pages": 17, "max_session_tokens": 60, "session_budget_fraction": budget}
+    config = {"num_pages": 17, "max_session_tokens": 60, "session_budget_fraction": budget, "max_sessions": 3}
     stepped, alone = (start_thread_server(clock=c, **config) for c in clocks)
     for s in (stepped, alone):
         for engine in ("e1", "e2"):

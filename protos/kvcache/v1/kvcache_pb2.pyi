@@ -27,6 +27,9 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INVALID_ARGUMENT: _ClassVar[ErrorReason]
     NOT_OWNER: _ClassVar[ErrorReason]
     BAD_TOKEN: _ClassVar[ErrorReason]
+    SALT_NOT_ALLOWED: _ClassVar[ErrorReason]
+    ROLE_REQUIRED: _ClassVar[ErrorReason]
+    SESSION_LIMIT: _ClassVar[ErrorReason]
 
 class SessionState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -50,6 +53,9 @@ INVALID_TOKENS: ErrorReason
 INVALID_ARGUMENT: ErrorReason
 NOT_OWNER: ErrorReason
 BAD_TOKEN: ErrorReason
+SALT_NOT_ALLOWED: ErrorReason
+ROLE_REQUIRED: ErrorReason
+SESSION_LIMIT: ErrorReason
 SESSION_STATE_UNSPECIFIED: SessionState
 SESSION_STATE_IDLE: SessionState
 SESSION_STATE_IN_TURN: SessionState
@@ -136,6 +142,28 @@ class HeartbeatResponse(_message.Message):
     instance_id: str
     num_sessions: int
     def __init__(self, ttl_seconds: _Optional[float] = ..., expires_in_seconds: _Optional[float] = ..., instance_id: _Optional[str] = ..., num_sessions: _Optional[int] = ...) -> None: ...
+
+class HoldLeaseRequest(_message.Message):
+    __slots__ = ("engine_id", "ttl_seconds")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    ttl_seconds: float
+    def __init__(self, engine_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+
+class HoldLeaseResponse(_message.Message):
+    __slots__ = ("engine_id", "ttl_seconds", "instance_id", "num_sessions", "keepalive")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    KEEPALIVE_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    ttl_seconds: float
+    instance_id: str
+    num_sessions: int
+    keepalive: int
+    def __init__(self, engine_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., instance_id: _Optional[str] = ..., num_sessions: _Optional[int] = ..., keepalive: _Optional[int] = ...) -> None: ...
 
 class UnregisterEngineRequest(_message.Message):
     __slots__ = ("engine_id",)
@@ -392,7 +420,7 @@ class StepResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "epoch", "state", "streaming", "cache_salt", "engine_id", "context_tokens", "kv_tokens", "turns", "num_pages", "radix_pages", "held_pages", "in_flight_pages", "idle_seconds", "timeout_seconds", "demoted", "close_pending")
+    __slots__ = ("session_id", "epoch", "state", "streaming", "cache_salt", "engine_id", "context_tokens", "kv_tokens", "turns", "num_pages", "radix_pages", "held_pages", "in_flight_pages", "idle_seconds", "timeout_seconds", "demoted", "close_pending", "identity")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -410,6 +438,7 @@ class SessionInfo(_message.Message):
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DEMOTED_FIELD_NUMBER: _ClassVar[int]
     CLOSE_PENDING_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     state: SessionState
@@ -427,7 +456,8 @@ class SessionInfo(_message.Message):
     timeout_seconds: float
     demoted: bool
     close_pending: bool
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., state: _Optional[_Union[SessionState, str]] = ..., streaming: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., engine_id: _Optional[str] = ..., context_tokens: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., turns: _Optional[int] = ..., num_pages: _Optional[int] = ..., radix_pages: _Optional[int] = ..., held_pages: _Optional[int] = ..., in_flight_pages: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., timeout_seconds: _Optional[float] = ..., demoted: _Optional[bool] = ..., close_pending: _Optional[bool] = ...) -> None: ...
+    identity: str
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., state: _Optional[_Union[SessionState, str]] = ..., streaming: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., engine_id: _Optional[str] = ..., context_tokens: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., turns: _Optional[int] = ..., num_pages: _Optional[int] = ..., radix_pages: _Optional[int] = ..., held_pages: _Optional[int] = ..., in_flight_pages: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., timeout_seconds: _Optional[float] = ..., demoted: _Optional[bool] = ..., close_pending: _Optional[bool] = ..., identity: _Optional[str] = ...) -> None: ...
 
 class GetSessionRequest(_message.Message):
     __slots__ = ("session_id", "epoch", "include_tokens")
@@ -448,20 +478,26 @@ class GetSessionResponse(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionInfo, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ListSessionsRequest(_message.Message):
-    __slots__ = ("engine_id", "limit")
+    __slots__ = ("engine_id", "limit", "page_size", "page_token")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     limit: int
-    def __init__(self, engine_id: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+    page_size: int
+    page_token: str
+    def __init__(self, engine_id: _Optional[str] = ..., limit: _Optional[int] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListSessionsResponse(_message.Message):
-    __slots__ = ("sessions", "total")
+    __slots__ = ("sessions", "total", "next_page_token")
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
     total: int
-    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., total: _Optional[int] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., total: _Optional[int] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ("verify",)
@@ -470,7 +506,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, verify: _Optional[bool] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("num_pages", "page_size", "free_pages", "evictable_pages", "radix_locked_pages", "session_held_pages", "in_flight_pages", "session_budget_pages", "radix_tokens", "session_tokens", "session_kv_tokens", "prefix_hit_tokens", "session_hit_tokens", "miss_tokens", "evicted_pages", "duplicate_pages", "demoted_sessions", "reaped_sessions", "expired_leases", "sessions_idle", "sessions_in_turn", "sessions_closing", "sessions_demoted", "engines", "instance_id", "uptime_seconds", "physical_usage", "verified")
+    __slots__ = ("num_pages", "page_size", "free_pages", "evictable_pages", "radix_locked_pages", "session_held_pages", "in_flight_pages", "session_budget_pages", "radix_tokens", "session_tokens", "session_kv_tokens", "prefix_hit_tokens", "session_hit_tokens", "miss_tokens", "evicted_pages", "duplicate_pages", "demoted_sessions", "reaped_sessions", "expired_leases", "sessions_idle", "sessions_in_turn", "sessions_closing", "sessions_demoted", "engines", "instance_id", "uptime_seconds", "physical_usage", "verified", "quarantined_pages")
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -499,6 +535,7 @@ class GetStatsResponse(_message.Message):
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PHYSICAL_USAGE_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_PAGES_FIELD_NUMBER: _ClassVar[int]
     num_pages: int
     page_size: int
     free_pages: int
@@ -527,4 +564,5 @@ class GetStatsResponse(_message.Message):
     uptime_seconds: float
     physical_usage: float
     verified: bool
-    def __init__(self, num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., free_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ..., radix_locked_pages: _Optional[int] = ..., session_held_pages: _Optional[int] = ..., in_flight_pages: _Optional[int] = ..., session_budget_pages: _Optional[int] = ..., radix_tokens: _Optional[int] = ..., session_tokens: _Optional[int] = ..., session_kv_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., session_hit_tokens: _Optional[int] = ..., miss_tokens: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., duplicate_pages: _Optional[int] = ..., demoted_sessions: _Optional[int] = ..., reaped_sessions: _Optional[int] = ..., expired_leases: _Optional[int] = ..., sessions_idle: _Optional[int] = ..., sessions_in_turn: _Optional[int] = ..., sessions_closing: _Optional[int] = ..., sessions_demoted: _Optional[int] = ..., engines: _Optional[int] = ..., instance_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., physical_usage: _Optional[float] = ..., verified: _Optional[bool] = ...) -> None: ...
+    quarantined_pages: int
+    def __init__(self, num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., free_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ..., radix_locked_pages: _Optional[int] = ..., session_held_pages: _Optional[int] = ..., in_flight_pages: _Optional[int] = ..., session_budget_pages: _Optional[int] = ..., radix_tokens: _Optional[int] = ..., session_tokens: _Optional[int] = ..., session_kv_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., session_hit_tokens: _Optional[int] = ..., miss_tokens: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., duplicate_pages: _Optional[int] = ..., demoted_sessions: _Optional[int] = ..., reaped_sessions: _Optional[int] = ..., expired_leases: _Optional[int] = ..., sessions_idle: _Optional[int] = ..., sessions_in_turn: _Optional[int] = ..., sessions_closing: _Optional[int] = ..., sessions_demoted: _Optional[int] = ..., engines: _Optional[int] = ..., instance_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., physical_usage: _Optional[float] = ..., verified: _Optional[bool] = ..., quarantined_pages: _Optional[int] = ...) -> None: ...

@@ -54,6 +54,11 @@ class KVCacheServiceStub:
                 request_serializer=protos_dot_kvcache_dot_v1_dot_kvcache__pb2.UnregisterEngineRequest.SerializeToString,
                 response_deserializer=protos_dot_kvcache_dot_v1_dot_kvcache__pb2.UnregisterEngineResponse.FromString,
                 _registered_method=True)
+        self.HoldLease = channel.unary_stream(
+                '/kvcache.v1.KVCacheService/HoldLease',
+                request_serializer=protos_dot_kvcache_dot_v1_dot_kvcache__pb2.HoldLeaseRequest.SerializeToString,
+                response_deserializer=protos_dot_kvcache_dot_v1_dot_kvcache__pb2.HoldLeaseResponse.FromString,
+                _registered_method=True)
         self.MatchPrefix = channel.unary_unary(
                 '/kvcache.v1.KVCacheService/MatchPrefix',
                 request_serializer=protos_dot_kvcache_dot_v1_dot_kvcache__pb2.MatchPrefixRequest.SerializeToString,
@@ -136,6 +141,15 @@ class KVCacheServiceServicer:
 
     def UnregisterEngine(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HoldLease(self, request, context):
+        """A lease held by this stream: it lasts exactly as long as the stream is open, whatever the TTL, so a
+        process that exits releases everything at once and a stopped process (SIGSTOP, a GC pause, a debugger)
+        keeps its pages. The first message confirms the registration; later ones are keepalives.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -234,6 +248,11 @@ def add_KVCacheServiceServicer_to_server(servicer, server):
                     servicer.UnregisterEngine,
                     request_deserializer=protos_dot_kvcache_dot_v1_dot_kvcache__pb2.UnregisterEngineRequest.FromString,
                     response_serializer=protos_dot_kvcache_dot_v1_dot_kvcache__pb2.UnregisterEngineResponse.SerializeToString,
+            ),
+            'HoldLease': grpc.unary_stream_rpc_method_handler(
+                    servicer.HoldLease,
+                    request_deserializer=protos_dot_kvcache_dot_v1_dot_kvcache__pb2.HoldLeaseRequest.FromString,
+                    response_serializer=protos_dot_kvcache_dot_v1_dot_kvcache__pb2.HoldLeaseResponse.SerializeToString,
             ),
             'MatchPrefix': grpc.unary_unary_rpc_method_handler(
                     servicer.MatchPrefix,
@@ -399,6 +418,33 @@ class KVCacheService:
             '/kvcache.v1.KVCacheService/UnregisterEngine',
             protos_dot_kvcache_dot_v1_dot_kvcache__pb2.UnregisterEngineRequest.SerializeToString,
             protos_dot_kvcache_dot_v1_dot_kvcache__pb2.UnregisterEngineResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HoldLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvcache.v1.KVCacheService/HoldLease',
+            protos_dot_kvcache_dot_v1_dot_kvcache__pb2.HoldLeaseRequest.SerializeToString,
+            protos_dot_kvcache_dot_v1_dot_kvcache__pb2.HoldLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
