@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -57,3 +58,21 @@ def test_metrics_report_pages_sessions_tokens_and_rpc_latency(start_server: Call
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5)
     assert err.value.code == 404
+
+
+def test_quarantined_pages_are_a_page_state(start_server: Callable[..., ServerProcess]) -> None:
+    server = start_server("--page-size", "4", "--num-pages", "101", "--metrics-port", "0", "--lease-ttl", "0.3")
+    port = int(server.banner[3].strip().rsplit(":", 1)[1].split("/")[0])
+    with KVCacheClient(server.target) as c:
+        c.register_engine("lapsing", ttl_seconds=0.3, hold=False)  # no heartbeats: it expires
+        c.open_session("q")
+        c.append_session("q", list(range(10)), 2)  # 3 pages in flight when the lease lapses
+        for _ in range(500):
+            m = scrape(port)
+            if m["kvcache_engines"] == 0:
+                break
+            time.sleep(0.02)
+        assert m['kvcache_pages{state="quarantined"}'] == 3
+        assert (m['kvcache_pages{state="free"}'], m['kvcache_pages{state="in_flight"}']) == (97, 0)
+        assert m["kvcache_expired_leases_total"] == 1
+        assert c.get_stats().quarantined_pages == 3
