@@ -42,7 +42,7 @@ from engine_client.errors import (
     SessionTokenLimit,
 )
 from engine_client.layout import LayoutMismatch, check_layout
-from engine_client.options import ClientOptions
+from engine_client.options import ClientOptions, TlsFileError
 from engine_client.step import StepBatch, StepOutcome
 from engine_client.types import DTYPE_BYTES, DTYPE_NAMES, PoolInfo, PoolLayout
 
@@ -52,7 +52,7 @@ __all__ = [
     "LayoutMismatch", "LeaseExpired", "MappedPool", "NoTurnInFlight", "NotOwner", "PoolExhausted", "PoolInfo",
     "PoolLayout", "PoolMappingError", "ResourceExhausted", "ServiceRestarted", "ServiceUnavailable", "Session",
     "SessionBudget", "SessionBusy", "SessionClosing", "SessionExists", "SessionNotFound", "SessionTokenLimit",
-    "StepBatch", "StepOutcome", "Turn", "check_layout", "map_pool",
+    "StepBatch", "StepOutcome", "TlsFileError", "Turn", "check_layout", "map_pool",
 ]
 
 _LAZY: dict[str, str] = {
