@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 import time
 import uuid
 from collections.abc import Callable
@@ -17,14 +18,14 @@ from collections.abc import Callable
 from grpc_health.v1._async import HealthServicer
 
 from cache_service import __version__
-from cache_service.config import ServiceConfig
+from cache_service.config import ConfigError, ServiceConfig
 from cache_service.core import CoreConfig, KVCacheCore
 from cache_service.log import get_logger
 from cache_service.memory import PoolBackend
 from cache_service.memory.select import PoolChoice, create_pool
 from cache_service.metrics import Metrics, serve_metrics
 from cache_service.rpc.identity import Identities, load_tenants
-from cache_service.rpc.server import RpcServer, RpcSettings
+from cache_service.rpc.server import RpcServer, RpcSettings, ServerTls
 
 
 def core_config(config: ServiceConfig) -> CoreConfig:
@@ -53,10 +54,61 @@ def identities(config: ServiceConfig) -> Identities:
     return Identities()
 
 
-def rpc_settings(config: ServiceConfig, who: Identities) -> RpcSettings:
+def rpc_settings(config: ServiceConfig, who: Identities, tls: ServerTls | None = None) -> RpcSettings:
     return RpcSettings(listen=config.listen, identities=who,
                        max_request_tokens=config.max_request_tokens, max_step_ops=config.max_step_ops,
-                       max_message_bytes=config.max_message_bytes)
+                       max_message_bytes=config.max_message_bytes, tls=tls)
+
+
+class _EncryptedKey(Exception):
+    pass
+
+
+def _read(flag: str, path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ConfigError(f"--{flag}: cannot read {path}: {e.strerror or e}") from None
+
+
+def _check_certificates(flag: str, path: str, pem: bytes) -> None:
+    try:
+        ssl.create_default_context(cadata=pem.decode("latin-1"))
+    except (ssl.SSLError, ValueError):
+        raise ConfigError(f"--{flag}: {path} holds no PEM certificate") from None
+
+
+def _refuse_password() -> bytes:
+    raise _EncryptedKey
+
+
+def server_tls(config: ServiceConfig) -> ServerTls | None:
+    """The TLS material that --tls-cert, --tls-key and --tls-client-ca name, read and checked now: a missing,
+    unreadable or malformed file, or a key that is not the certificate's, stops start-up with one line
+    naming the flag and the file (ConfigError) instead of failing every handshake later. None: plaintext.
+
+    The files are read once: a renewed certificate takes effect at the next start."""
+    if not config.tls_cert:
+        return None
+    chain = _read("tls-cert", config.tls_cert)
+    key = _read("tls-key", config.tls_key)
+    _check_certificates("tls-cert", config.tls_cert, chain)
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(config.tls_cert, config.tls_key,
+                                                                password=_refuse_password)
+    except _EncryptedKey:
+        raise ConfigError(f"--tls-key: {config.tls_key} is encrypted; gRPC needs an unencrypted PEM key") from None
+    except ssl.SSLError as e:
+        if e.reason == "KEY_VALUES_MISMATCH":
+            raise ConfigError(f"--tls-key: {config.tls_key} is not the private key of the certificate in "
+                              f"{config.tls_cert}") from None
+        raise ConfigError(f"--tls-key: {config.tls_key} holds no usable PEM private key") from None
+    client_ca = b""
+    if config.tls_client_ca:
+        client_ca = _read("tls-client-ca", config.tls_client_ca)
+        _check_certificates("tls-client-ca", config.tls_client_ca, client_ca)
+    return ServerTls(certificate_chain=chain, private_key=key, client_ca=client_ca)
 
 
 class KVCacheServer:
@@ -65,6 +117,8 @@ class KVCacheServer:
     def __init__(self, config: ServiceConfig, *, clock: Callable[[], float] = time.monotonic,
                  pool_factory: Callable[[ServiceConfig, str], PoolChoice] = create_pool) -> None:
         self.config = config
+        self.tls = server_tls(config)  # before anything is allocated: a bad file is a config error
+        self.identities = identities(config)  # likewise a bad tenants file (TenantsFileError)
         self.instance_id = uuid.uuid4().hex[:16]
         self._log = get_logger("kvcache.server")
         self._clock = clock
@@ -80,7 +134,11 @@ class KVCacheServer:
         self.metrics_port: int | None = None
         """The bound metrics port (the free one picked for --metrics-port 0); None when metrics are off."""
         self._stopped = False
-        self.identities = Identities()
+
+    @property
+    def security(self) -> str:
+        """How the gRPC listener is secured: "plaintext", "tls" or "mtls" (client certificates required)."""
+        return self.tls.mode if self.tls is not None else "plaintext"
 
     @property
     def health(self) -> HealthServicer:
@@ -89,7 +147,6 @@ class KVCacheServer:
 
     async def start(self) -> None:
         cfg = self.config
-        self.identities = identities(cfg)  # before the pool: a bad tenants file costs nothing
         choice = self._pool_factory(cfg, self.instance_id)
         self.pool, self.pool_why = choice.pool, choice.why
         for path in choice.removed_stale:
@@ -101,7 +158,7 @@ class KVCacheServer:
             raise
         self._log.info("serving", address=self.address, instance_id=self.instance_id, backend=self.pool.name,
                        usable_pages=cfg.resolved_num_pages - 1, metrics_port=self.metrics_port,
-                       identities=list(self.identities.names))
+                       security=self.security, identities=list(self.identities.names))
         if self.identities.open and not _local(self.address):
             self._log.warning("no_auth", address=self.address,
                               why="every caller is admin: set --tenants-file or --auth-token on a non-loopback "
@@ -112,8 +169,9 @@ class KVCacheServer:
         assert self.pool is not None
         metrics = Metrics(self.core.stats, {"instance_id": self.instance_id, "backend": self.pool.name,
                                             "version": __version__})
-        rpc = RpcServer(self.core, self.pool.layout, self.pool.handle(), rpc_settings(cfg, self.identities),
-                        instance_id=self.instance_id, metrics=metrics, clock=self._clock)
+        rpc = RpcServer(self.core, self.pool.layout, self.pool.handle(),
+                        rpc_settings(cfg, self.identities, self.tls), instance_id=self.instance_id, metrics=metrics,
+                        clock=self._clock)
         self.address = rpc.bind()
         if rpc.removed_stale_socket:
             self._log.warning("removed_stale_socket", path=rpc.removed_stale_socket)

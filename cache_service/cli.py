@@ -7,25 +7,28 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shutil
 import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-import grpc
 from google.protobuf import json_format
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from cache_service import __version__
 from cache_service.config import ConfigError, ServiceConfig, add_serve_arguments, config_from
 from cache_service.log import configure_logging
 from cache_service.memory import PoolError
 from cache_service.memory.base import format_bytes
-from cache_service.rpc.identity import TenantsFileError
 from protos.kvcache.v1 import kvcache_pb2 as pb
-from protos.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:  # the on-call tools import grpc when they run (see main)
+    import grpc
+
+    from engine_client.options import ClientOptions
 
 PROG = "kvcache-service"
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -50,6 +53,16 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("--target", default=DEFAULT_TARGET, help="host:port or unix:/path (default %(default)s)")
         cmd.add_argument("--timeout", type=float, default=5.0, help="seconds (default %(default)s)")
         cmd.add_argument("--auth-token", default="", help="bearer token, when the service requires one")
+        tls = cmd.add_argument_group("TLS", "for a service started with --tls-cert; TLS is on when --tls-ca is "
+                                            "given")
+        tls.add_argument("--tls-ca", default="", metavar="FILE",
+                         help="PEM CA bundle that signed the service's certificate")
+        tls.add_argument("--tls-cert", default="", metavar="FILE",
+                         help="PEM client certificate, for a service that requires one (mutual TLS)")
+        tls.add_argument("--tls-key", default="", metavar="FILE", help="PEM private key of --tls-cert")
+        tls.add_argument("--tls-server-name", default="", metavar="NAME",
+                         help="name to check the service's certificate against instead of the target's host "
+                              "(default: the host; localhost for a unix: target)")
         if name in ("stats", "sessions"):
             cmd.add_argument("--json", action="store_true", help="print the response as JSON")
         if name == "stats":
@@ -61,9 +74,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command != "serve":
+        # Read by grpc at its first import, which the on-call tools defer to here: grpc core would log a failed
+        # TLS handshake at INFO on stderr, ahead of the command's one-line reason. An explicit value wins.
+        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     handlers = {"serve": _cmd_serve, "stats": _cmd_stats, "sessions": _cmd_sessions, "health": _cmd_health}
     try:
         return handlers[args.command](args)
+    except ConfigError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 
@@ -83,16 +103,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 async def _serve(config: ServiceConfig) -> int:
     from cache_service.app import KVCacheServer
+    from cache_service.rpc.identity import TenantsFileError
 
     # Handlers first: a signal that arrives while starting (or right after the banner) stops cleanly too.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    server = KVCacheServer(config)
     try:
+        server = KVCacheServer(config)
         await server.start()
-    except (PoolError, TenantsFileError) as e:
+    except (ConfigError, PoolError, TenantsFileError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:
@@ -110,22 +131,49 @@ def _banner(server: Any) -> str:
     layout = server.pool.layout
     handle = server.pool.handle()
     where = handle.shm_path or f"GPU {handle.device_uuid}"
-    grpcurl = tool_command("grpcurl")
-    if server.address.startswith("unix:"):
-        try_line = f"{grpcurl} -plaintext -unix {server.address[len('unix:'):]} list"
-    else:
-        try_line = f"{grpcurl} -plaintext {server.address} list"
     metrics = (f"http://{_host_for_url(cfg.metrics_host)}:{server.metrics_port}/metrics"
                if server.metrics_port is not None else "disabled (--metrics-port)")
-    return "\n".join([
+    lines = [
         f"{PROG} {__version__} listening on {server.address} (instance {server.instance_id})",
         f"  backend  {server.pool.name}: {where} ({server.pool_why})",
         f"  pool     {layout.num_pages - 1:,} pages x {layout.page_size} tokens = {layout.usable_tokens:,} tokens, "
         f"{format_bytes(layout.size_bytes)} ({layout.describe()})",
         f"  metrics  {metrics}",
         f"  auth     {_auth_line(server)}",
-        f"  try      {try_line}",
-    ])
+    ]
+    if server.security == "mtls":
+        lines.append(f"  tls      mtls: certificate {cfg.tls_cert}; clients must present a certificate signed by "
+                     f"{cfg.tls_client_ca}")
+    elif server.security == "tls":
+        lines.append(f"  tls      tls: certificate {cfg.tls_cert}; no client certificates asked")
+    lines.append(f"  try      {_grpcurl_line(server.address, server.security, cfg.tls_cert)}")
+    return "\n".join(lines)
+
+
+# grpcurl checks the certificate against the host it dials: a wildcard bind address is no certificate's name.
+_WILDCARD_HOSTS = ("0.0.0.0", "[::]", "::")
+
+
+def _grpcurl_line(address: str, security: str, tls_cert: str) -> str:
+    """A grpcurl command that lists the services. With TLS, `-cacert` names the server's own certificate,
+    which grpcurl (Go) trusts as a pinned anchor, so it works with any CA; the certificate must name the
+    host dialled (localhost for a unix socket or a wildcard bind address). With mutual TLS, `-cert`/`-key`
+    are placeholders for a client certificate the client CA signed."""
+    words = [tool_command("grpcurl")]
+    if security == "plaintext":
+        words.append("-plaintext")
+    else:
+        words += ["-cacert", os.path.abspath(tls_cert)]
+        if security == "mtls":
+            words += ["-cert", "CLIENT_CERT.pem", "-key", "CLIENT_KEY.pem"]
+    if address.startswith("unix:"):
+        if security != "plaintext":
+            words += ["-servername", "localhost"]
+        words += ["-unix", address[len("unix:"):]]
+    else:
+        host, _, port = address.rpartition(":")
+        words.append(f"localhost:{port}" if security != "plaintext" and host in _WILDCARD_HOSTS else address)
+    return " ".join([*words, "list"])
 
 
 def _auth_line(server: Any) -> str:
@@ -160,11 +208,39 @@ def _host_for_url(host: str) -> str:
 # ------------------------------------------------------------------------------------- on-call tools
 
 
-def _channel(target: str) -> grpc.Channel:
-    return grpc.insecure_channel(target)
+_TLS_FLAGS = {"tls_ca_file": "--tls-ca", "tls_cert_file": "--tls-cert", "tls_key_file": "--tls-key"}
+
+
+def _client_options(args: argparse.Namespace) -> ClientOptions:
+    """The on-call command's TLS options; a bad combination is a ConfigError naming the flag (exit 2)."""
+    from engine_client.options import ClientOptions
+
+    if bool(args.tls_cert) != bool(args.tls_key):
+        flag, other = ("--tls-cert", "--tls-key") if args.tls_cert else ("--tls-key", "--tls-cert")
+        raise ConfigError(f"{flag}: needs {other} (a client certificate and its key go together)")
+    for given, flag in ((args.tls_cert, "--tls-cert"), (args.tls_server_name, "--tls-server-name")):
+        if given and not args.tls_ca:
+            raise ConfigError(f"{flag}: needs --tls-ca, the CA bundle that signed the service's certificate (TLS "
+                              "is on when --tls-ca is given)")
+    return ClientOptions(timeout_seconds=args.timeout, tls_ca_file=args.tls_ca, tls_cert_file=args.tls_cert,
+                         tls_key_file=args.tls_key, tls_server_name=args.tls_server_name)
+
+
+def _channel(args: argparse.Namespace) -> grpc.Channel:
+    """A channel to --target, over TLS when --tls-ca is given; a bad TLS file is a ConfigError naming it."""
+    import grpc
+
+    from engine_client.options import TlsFileError, open_channel
+
+    try:
+        return open_channel(args.target, _client_options(args), grpc.insecure_channel, grpc.secure_channel)
+    except TlsFileError as e:
+        raise ConfigError(f"{_TLS_FLAGS[e.option]}: {e.detail}") from None
 
 
 def _stub(channel: grpc.Channel) -> Any:
+    from protos.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
+
     return pb_grpc.KVCacheServiceStub(channel)  # type: ignore[no-untyped-call]  # generated without types
 
 
@@ -178,7 +254,9 @@ def _fail(args: argparse.Namespace, e: grpc.RpcError) -> int:
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
-    with _channel(args.target) as ch:
+    import grpc
+
+    with _channel(args) as ch:
         try:
             st = _stub(ch).GetStats(pb.GetStatsRequest(verify=args.verify),
                                                          timeout=args.timeout, metadata=_metadata(args))
@@ -226,8 +304,10 @@ def format_stats(st: pb.GetStatsResponse) -> str:
 
 def _cmd_sessions(args: argparse.Namespace) -> int:
     """Every session the caller may see, read page by page (in the order they were opened)."""
+    import grpc
+
     res = pb.ListSessionsResponse()
-    with _channel(args.target) as ch:
+    with _channel(args) as ch:
         stub = _stub(ch)
         token = ""
         try:
@@ -258,7 +338,10 @@ def _cmd_sessions(args: argparse.Namespace) -> int:
 
 
 def _cmd_health(args: argparse.Namespace) -> int:
-    with _channel(args.target) as ch:
+    import grpc
+    from grpc_health.v1 import health_pb2_grpc
+
+    with _channel(args) as ch:
         try:
             res = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=args.service),
                                                        timeout=args.timeout)

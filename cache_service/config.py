@@ -110,6 +110,11 @@ FLAGS: tuple[Flag, ...] = (
          "identity"),
     Flag("tenants-file", str, "", "YAML file of identities (token, name, role, cache_salts, max_sessions); "
          "see SECURITY.md", metavar="PATH"),
+    Flag("tls-cert", str, "", "PEM certificate chain file: serve TLS instead of plaintext (with --tls-key)",
+         metavar="FILE"),
+    Flag("tls-key", str, "", "PEM private key file of --tls-cert (unencrypted)", metavar="FILE"),
+    Flag("tls-client-ca", str, "", "PEM CA bundle: clients must present a certificate it signed (mutual TLS; "
+         "needs --tls-cert)", metavar="FILE"),
     Flag("grace-period", float, 5.0, "seconds in-flight RPCs get to finish on SIGTERM"),
     Flag("log-level", str, "info", "log level", ("debug", "info", "warning", "error")),
     Flag("log-format", str, "auto", "auto: pretty on a TTY, JSON lines otherwise", ("auto", "json", "console")),
@@ -149,6 +154,9 @@ class ServiceConfig:
     metrics_host: str = "127.0.0.1"
     auth_token: str = ""
     tenants_file: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
     grace_period: float = 5.0
     log_level: str = "info"
     log_format: str = "auto"
@@ -240,6 +248,10 @@ class ServiceConfig:
         need(bool(self.shm_prefix) and "/" not in self.shm_prefix, "shm-prefix", "must be a plain file name part")
         need(_valid_listen(self.listen), "listen",
              f"{self.listen!r} is not host:port or unix:/absolute/path")
+        need(bool(self.tls_key) or not self.tls_cert, "tls-cert", "needs --tls-key (the certificate's private key)")
+        need(bool(self.tls_cert) or not self.tls_key, "tls-key", "needs --tls-cert (the certificate it belongs to)")
+        need(bool(self.tls_cert) or not self.tls_client_ca, "tls-client-ca",
+             "needs --tls-cert and --tls-key: mutual TLS is TLS with client certificates")
 
 
 def _valid_listen(listen: str) -> bool:

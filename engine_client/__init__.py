@@ -46,7 +46,7 @@ from engine_client.errors import (
     SessionTokenLimit,
 )
 from engine_client.layout import LayoutMismatch, check_layout
-from engine_client.options import ClientOptions
+from engine_client.options import ClientOptions, TlsFileError
 from engine_client.step import StepBatch, StepOutcome
 from engine_client.types import DTYPE_BYTES, DTYPE_NAMES, PoolInfo, PoolLayout
 
@@ -57,7 +57,7 @@ __all__ = [
     "PoolInfo", "PoolLayout", "PoolMappingError", "ResourceExhausted", "RoleRequired", "SaltNotAllowed",
     "ServiceRestarted", "ServiceUnavailable", "Session", "SessionBudget", "SessionBusy", "SessionClosing",
     "SessionExists", "SessionLimit", "SessionNotFound", "SessionTokenLimit",
-    "StepBatch", "StepOutcome", "Turn", "check_layout", "map_pool",
+    "StepBatch", "StepOutcome", "TlsFileError", "Turn", "check_layout", "map_pool",
 ]
 
 _LAZY: dict[str, str] = {

@@ -23,7 +23,7 @@ from engine_client._base import ClientBase
 from engine_client._calls import Call
 from engine_client._codec import TokensLike
 from engine_client.errors import KVCacheClientError, LeaseExpired, ServiceUnavailable, error_from_rpc
-from engine_client.options import ClientOptions
+from engine_client.options import ClientOptions, open_channel
 from engine_client.step import StepBatch, StepOutcome
 from engine_client.types import (
     AppendResult,
@@ -49,7 +49,7 @@ class KVCacheClient(ClientBase):
     def __init__(self, target: str | None = None, options: ClientOptions | None = None, *,
                  engine_id: str = "") -> None:
         super().__init__(target, options, engine_id)
-        self._channel = grpc.insecure_channel(self.target, options=self.options.channel_options())
+        self._channel = open_channel(self.target, self.options, grpc.insecure_channel, grpc.secure_channel)
         self._stub = pb_grpc.KVCacheServiceStub(self._channel)  # type: ignore[no-untyped-call]
         self._heartbeat: _HeartbeatThread | None = None
         self._holder: _LeaseHolder | None = None

@@ -61,6 +61,12 @@ def test_a_budget_of_zero_or_one_means_none() -> None:
     ({"shm_prefix": "a/b"}, "--shm-prefix: must be a plain file name part"),
     ({"max_message_bytes": 10}, "--max-message-bytes: must be at least 4096 bytes"),
     ({"pool_bytes": 1000}, "--pool-bytes: 1000 B holds fewer than 2 pages of 32.0 KiB"),
+    ({"tls_cert": "/tls/server.pem"}, "--tls-cert: needs --tls-key (the certificate's private key)"),
+    ({"tls_key": "/tls/server.key"}, "--tls-key: needs --tls-cert (the certificate it belongs to)"),
+    ({"tls_client_ca": "/tls/ca.pem"},
+     "--tls-client-ca: needs --tls-cert and --tls-key: mutual TLS is TLS with client certificates"),
+    ({"tls_client_ca": "/tls/ca.pem", "tls_key": "/tls/server.key"},
+     "--tls-key: needs --tls-cert (the certificate it belongs to)"),
 ])
 def test_validation_names_the_flag(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -74,3 +80,11 @@ def test_every_flag_is_a_config_field_with_a_kvcache_env_var() -> None:
     assert all(f.env == "KVCACHE_" + f.dest.upper() for f in FLAGS)
     defaults = ServiceConfig()
     assert all(getattr(defaults, f.dest) == f.default for f in FLAGS)
+
+
+def test_tls_flags_name_files_that_start_up_reads() -> None:
+    """Config only pairs the TLS flags; reading and checking the files is start-up's (cache_service.app)."""
+    cfg = parse(["--tls-cert", "/nonexistent/server.pem", "--tls-key", "/nonexistent/server.key"],
+                {"KVCACHE_TLS_CLIENT_CA": "/nonexistent/ca.pem"})
+    assert (cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) == (
+        "/nonexistent/server.pem", "/nonexistent/server.key", "/nonexistent/ca.pem")

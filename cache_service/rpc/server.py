@@ -78,6 +78,31 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
 ]
 
 
+@dataclass(frozen=True, repr=False)
+class ServerTls:
+    """PEM material of a TLS listener, read and checked by start-up. With `client_ca`, clients must present a
+    certificate it signed (mutual TLS)."""
+
+    certificate_chain: bytes
+    private_key: bytes
+    client_ca: bytes = b""
+
+    @property
+    def mode(self) -> str:
+        """What the start line and logs call it: "mtls" with client certificates, else "tls"."""
+        return "mtls" if self.client_ca else "tls"
+
+    def credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials(
+            [(self.private_key, self.certificate_chain)],
+            root_certificates=self.client_ca or None,
+            require_client_auth=bool(self.client_ca),
+        )
+
+    def __repr__(self) -> str:  # never the key's bytes in a log line or a traceback
+        return f"ServerTls(mode={self.mode!r})"
+
+
 @dataclass(frozen=True)
 class RpcSettings:
     listen: str
@@ -87,6 +112,8 @@ class RpcSettings:
     max_request_tokens: int = 1 << 20
     max_step_ops: int = 4096
     max_message_bytes: int = 64 << 20
+    tls: ServerTls | None = None
+    """None: plaintext (`add_insecure_port`)."""
 
 
 class RpcServer:
@@ -113,14 +140,18 @@ class RpcServer:
         reflection.enable_server_reflection((SERVICE_NAME, HEALTH_NAME, reflection.SERVICE_NAME), self._server)
 
     def bind(self) -> str:
-        """Bind the listen address; returns the bound address (the real port when port 0 was asked).
+        """Bind the listen address, with TLS when the settings carry it; returns the bound address (the real
+        port when port 0 was asked).
 
         A port or unix socket another process serves is refused with one line (OSError) before grpc tries
         it, so grpc's own error log does not come first; a unix socket file nobody serves is removed."""
-        listen = self.settings.listen
+        listen, tls = self.settings.listen, self.settings.tls
         self.removed_stale_socket = _claim(listen)
         try:
-            port = self._server.add_insecure_port(listen)
+            if tls is None:
+                port = self._server.add_insecure_port(listen)
+            else:
+                port = self._server.add_secure_port(listen, tls.credentials())
         except RuntimeError as e:
             raise OSError(f"cannot listen on {listen}: {e}") from None
         if listen.startswith("unix:"):

@@ -39,6 +39,19 @@ FEATURE_VALUES: dict[str, tuple[dict[str, Any], str]] = {
         OLDEST_KUBE,
     ),
     "external-service-account": ({"serviceAccount": {"create": False, "name": "kv"}}, OLDEST_KUBE),
+    "tls": ({"tls": {"enabled": True, "existingSecret": "kv-tls"}}, OLDEST_KUBE),
+    "mtls-daemonset": (
+        {
+            "mode": "daemonset",
+            "tls": {
+                "enabled": True,
+                "existingSecret": "kv-tls",
+                "ca": {"existingSecret": "kv-ca", "key": "root.pem"},
+                "clientCa": {"enabled": True, "existingSecret": "engines-ca"},
+            },
+        },
+        OLDEST_KUBE,
+    ),
     # restartPolicy on an initContainer (native sidecars) is in the API from 1.28.
     "native-sidecar": (
         {

@@ -76,6 +76,11 @@ SCHEMA_REJECTS: list[tuple[dict[str, Any], str]] = [
         "- at '/sidecar/containers/0': missing property 'image'",
     ),
     ({"replicas": 2}, "- at '': additional properties 'replicas' not allowed"),
+    ({"tls": {"enabled": "yes"}}, "- at '/tls/enabled': got string, want boolean"),
+    ({"tls": {"mountPath": "etc/tls"}}, "- at '/tls/mountPath': 'etc/tls' does not match pattern"),
+    ({"tls": {"serverName": "kv service"}}, "- at '/tls/serverName': 'kv service' does not match pattern"),
+    ({"tls": {"ca": {"key": ""}}}, "- at '/tls/ca/key': minLength: got 0, want 1"),
+    ({"tls": {"clientCa": {"secret": "x"}}}, "- at '/tls/clientCa': additional properties 'secret' not allowed"),
 ]
 
 
@@ -148,6 +153,15 @@ RENDER_REJECTS: list[tuple[dict[str, Any], str]] = [
         "metrics.serviceMonitor.enabled needs metrics.enabled=true",
     ),
     ({"auth": {"token": "t", "existingSecret": "s"}}, "auth.token and auth.existingSecret are both set"),
+    ({"tls": {"enabled": True}}, "tls.enabled needs tls.existingSecret: the name of a kubernetes.io/tls Secret"),
+    (
+        {"tls": {"existingSecret": "kv-tls"}},
+        "tls.existingSecret=kv-tls is set but tls.enabled=false: the service would serve plaintext",
+    ),
+    (
+        {"tls": {"clientCa": {"enabled": True}}},
+        "tls.clientCa.enabled (mutual TLS) needs tls.enabled=true and tls.existingSecret",
+    ),
 ]
 
 
@@ -243,7 +257,10 @@ FLAG_CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "lease-ttl": ({"config": {"leaseTtl": 7.5}}, {"value": "7.5"}),
     "reap-interval": ({"config": {"reapInterval": 0.25}}, {"value": "0.25"}),
     "session-budget-fraction": ({"config": {"sessionBudgetFraction": 0.5}}, {"value": "0.5"}),
-    "max-session-tokens": ({"config": {"maxSessionTokens": 131072}}, {"value": "131072"}),
+    "max-session-tokens": ({"config": {"maxSessionTokens": 32768}}, {"value": "32768"}),
+    "max-sessions": ({"config": {"maxSessions": 50000}}, {"value": "50000"}),
+    "max-lease-ttl": ({"config": {"maxLeaseTtl": 120}}, {"value": "120"}),
+    "quarantine-seconds": ({"config": {"quarantineSeconds": 7.5}}, {"value": "7.5"}),
     # Above 1e6: Helm holds numbers as float64, which print as 2.097152e+06 unless the chart converts.
     "max-request-tokens": ({"config": {"maxRequestTokens": 2097152}}, {"value": "2097152"}),
     "max-step-ops": ({"config": {"maxStepOps": 8192}}, {"value": "8192"}),
@@ -256,6 +273,17 @@ FLAG_CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         {"auth": {"existingSecret": "kv-auth", "existingSecretKey": "bearer"}},
         {"valueFrom": {"secretKeyRef": {"name": "kv-auth", "key": "bearer"}}},
     ),
+    "tenants-file": ({"auth": {"tenantsSecret": "kv-tenants", "tenantsSecretKey": "t.yaml"}},
+                     {"value": "/etc/kvcache/tenants/t.yaml"}),
+    "tls-cert": ({"tls": {"enabled": True, "existingSecret": "kv-tls"}}, {"value": "/etc/kvcache/tls/tls.crt"}),
+    "tls-key": (
+        {"tls": {"enabled": True, "existingSecret": "kv-tls", "mountPath": "/run/tls/"}},
+        {"value": "/run/tls/tls.key"},
+    ),
+    "tls-client-ca": (
+        {"tls": {"enabled": True, "existingSecret": "kv-tls", "clientCa": {"enabled": True}}},
+        {"value": "/etc/kvcache/tls/client-ca.crt"},
+    ),
     "grace-period": ({"config": {"gracePeriod": 12.5}}, {"value": "12.5"}),
     "log-level": ({"config": {"logLevel": "debug"}}, {"value": "debug"}),
     "log-format": ({"config": {"logFormat": "console"}}, {"value": "console"}),
@@ -263,7 +291,12 @@ FLAG_CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 FLAGS_BY_NAME = {flag.name: flag for flag in FLAGS}
 
 # Flags the chart sets from values outside `config` (see FLAG_CASES for which).
-STRUCTURAL_FLAGS = frozenset({"listen", "metrics-port", "metrics-host", "auth-token"})
+STRUCTURAL_FLAGS = frozenset(
+    {"listen", "metrics-port", "metrics-host", "auth-token", "tenants-file", "tls-cert", "tls-key", "tls-client-ca"}
+)
+# Flags the chart sets only when a value turns them on (their env is absent by default).
+OPT_IN_ENV = frozenset({"KVCACHE_AUTH_TOKEN", "KVCACHE_TENANTS_FILE", "KVCACHE_TLS_CERT", "KVCACHE_TLS_KEY",
+                        "KVCACHE_TLS_CLIENT_CA"})
 
 # Where the chart's defaults differ from the service's on purpose (ServiceConfig field -> chart default).
 CHART_OVERRIDES: dict[str, Any] = {
@@ -303,11 +336,13 @@ def test_every_serve_flag_has_a_chart_value() -> None:
 def test_serve_flag_reaches_the_container_env(chart: helm.Chart, flag_name: str) -> None:
     values, entry = FLAG_CASES[flag_name]
     flag = FLAGS_BY_NAME[flag_name]
-    env = env_of(service_container(render(chart, values)))
+    container = service_container(render(chart, values))
+    env = env_of(container)
     assert env[flag.env] == {"name": flag.env, **entry}
     if "value" in entry:
-        # The service parses it: config_from raises ConfigError on a value it would refuse at start.
-        parsed = config_from({}, {flag.env: entry["value"]})
+        # The service parses it, with the env rendered beside it (the TLS flags come in pairs): config_from
+        # raises ConfigError on a value it would refuse at start.
+        parsed = config_from({}, env_values(container))
         assert getattr(parsed, flag.dest) == flag.type(entry["value"])
 
 
@@ -320,9 +355,17 @@ def test_config_values_are_exactly_the_non_structural_flags(chart: helm.Chart) -
 def test_rendered_env_names_are_serve_flags(chart: helm.Chart) -> None:
     """No misspelt KVCACHE_* variable (the service would ignore it): every one is a flag's."""
     names = {name for name in env_of(service_container(render(chart))) if name.startswith("KVCACHE_")}
-    assert names == {flag.env for flag in FLAGS} - {"KVCACHE_AUTH_TOKEN"}
-    with_auth = env_of(service_container(render(chart, {"auth": {"token": "t"}})))
-    assert {name for name in with_auth if name.startswith("KVCACHE_")} == {flag.env for flag in FLAGS}
+    assert names == {flag.env for flag in FLAGS} - OPT_IN_ENV
+    everything_on = {
+        "auth": {"token": "t"},
+        "tls": {"enabled": True, "existingSecret": "kv-tls", "clientCa": {"enabled": True}},
+    }
+    with_all = env_of(service_container(render(chart, everything_on)))
+    assert {name for name in with_all if name.startswith("KVCACHE_")} == {flag.env for flag in FLAGS} - {
+        "KVCACHE_TENANTS_FILE"}  # exclusive with a token
+    with_tenants = env_of(service_container(render(chart, {**everything_on, "auth": {"tenantsSecret": "kv-t"}})))
+    assert {name for name in with_tenants if name.startswith("KVCACHE_")} == {flag.env for flag in FLAGS} - {
+        "KVCACHE_AUTH_TOKEN"}
 
 
 def test_chart_defaults_are_the_service_defaults_but_for_deliberate_overrides(chart: helm.Chart) -> None:

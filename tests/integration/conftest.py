@@ -3,7 +3,8 @@
 `ServerProcess` starts the console entry point (`python -m cache_service serve`) on a free TCP port
 (`--listen 127.0.0.1:0`, the bound address read from the start line) or a unix socket, with a unique
 shm prefix so concurrent tests never touch each other's pool files. After each test the fixture checks
-the pool accounting invariant through GetStats(verify=True) and that SIGTERM leaves no pool file.
+the pool accounting invariant through GetStats(verify=True) and that SIGTERM leaves no pool file. A server
+started with TLS flags is given the `client_options` (CA, client certificate) that check reaches it with.
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+
+from engine_client import ClientOptions
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -26,8 +30,11 @@ SHM_DIR = "/dev/shm"
 
 class ServerProcess:
     def __init__(self, *args: str, listen: str = "127.0.0.1:0", shm_prefix: str | None = None,
-                 env: dict[str, str] | None = None, log_path: Path | None = None, auth_token: str = "") -> None:
+                 env: dict[str, str] | None = None, log_path: Path | None = None, auth_token: str = "",
+                 client_options: ClientOptions | None = None) -> None:
         self.auth_token = auth_token
+        self.client_options = client_options or ClientOptions()
+        """How a client reaches this server (TLS files); the auth token is added where verify_stats uses it."""
         if auth_token:
             args = (*args, "--auth-token", auth_token)
         self.shm_prefix = shm_prefix or f"kvtest-{uuid.uuid4().hex[:8]}"
@@ -46,8 +53,11 @@ class ServerProcess:
             self.proc.kill()
             raise RuntimeError(f"server did not start: {self.banner[0]!r}; log: {self.log_tail()}")
         self.address, self.instance_id = match.group(1), match.group(2)
-        for _ in range(5):
-            self.banner.append(self.proc.stdout.readline())
+        while not self.banner[-1].startswith("  try "):  # the last line; a TLS server has one more before it
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the start line ended early: {self.banner!r}; log: {self.log_tail()}")
+            self.banner.append(line)
 
     @property
     def target(self) -> str:
@@ -85,11 +95,13 @@ class ServerProcess:
             self._log.close()
 
 
-def verify_stats(target: str, auth_token: str = "") -> None:
-    """GetStats(verify=True) through a fresh client: the full invariant check passes."""
-    from engine_client import ClientOptions, KVCacheClient
+def verify_stats(target: str, auth_token: str = "", options: ClientOptions | None = None) -> None:
+    """GetStats(verify=True) through a fresh client (with `options`' TLS files, if any): the full invariant
+    check passes."""
+    from engine_client import KVCacheClient
 
-    with KVCacheClient(target, ClientOptions(auth_token=auth_token)) as client:
+    options = replace(options or ClientOptions(), auth_token=auth_token)
+    with KVCacheClient(target, options) as client:
         st = client.get_stats(verify=True)
     assert st.verified and st.accounting_holds, st
 
@@ -111,7 +123,7 @@ def start_server(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
     for server in started:
         if server.proc.poll() is None:
             try:
-                verify_stats(server.target, server.auth_token)
+                verify_stats(server.target, server.auth_token, server.client_options)
             except Exception as e:  # report every server, then fail
                 errors.append(f"{server.target}: {e}")
             code, _ = server.terminate()

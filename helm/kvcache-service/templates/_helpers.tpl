@@ -94,6 +94,83 @@ Addresses.
 {{- end -}}
 
 {{/*
+TLS material: the Secrets' files in one projected volume named "tls" at tls.mountPath.
+*/}}
+
+{{/* The directory of the TLS files, without a trailing slash. */}}
+{{- define "kvcache.tlsDir" -}}
+{{- .Values.tls.mountPath | trimSuffix "/" -}}
+{{- end -}}
+
+{{/* The name the probes and the helm test pod check the server certificate against. */}}
+{{- define "kvcache.tlsServerName" -}}
+{{- .Values.tls.serverName | default (printf "%s.%s.svc" (include "kvcache.fullname" .) .Release.Namespace) -}}
+{{- end -}}
+
+{{/*
+The "tls" volume. Call with (list $ true) for the service's pod: the server certificate and key, the CA
+the probes trust and, with mutual TLS, the client CA; (list $ false) for the helm test pod: the CA, and
+the server certificate and key only with mutual TLS (they are its client certificate). 0440 (288): the
+pod's fsGroup reads them.
+*/}}
+{{- define "kvcache.tlsVolume" -}}
+{{- $root := index . 0 -}}
+{{- $forService := index . 1 -}}
+{{- $tls := $root.Values.tls -}}
+- name: tls
+  projected:
+    defaultMode: 288
+    sources:
+      {{- if or $forService $tls.clientCa.enabled }}
+      - secret:
+          name: {{ $tls.existingSecret }}
+          items:
+            - key: tls.crt
+              path: tls.crt
+            - key: tls.key
+              path: tls.key
+      {{- end }}
+      - secret:
+          name: {{ $tls.ca.existingSecret | default $tls.existingSecret }}
+          items:
+            - key: {{ $tls.ca.key }}
+              path: ca.crt
+      {{- if and $forService $tls.clientCa.enabled }}
+      - secret:
+          name: {{ $tls.clientCa.existingSecret | default $tls.existingSecret }}
+          items:
+            - key: {{ $tls.clientCa.key }}
+              path: client-ca.crt
+      {{- end }}
+{{- end -}}
+
+{{/* The read-only mount of the "tls" volume. */}}
+{{- define "kvcache.tlsMount" -}}
+- name: tls
+  mountPath: {{ include "kvcache.tlsDir" . }}
+  readOnly: true
+{{- end -}}
+
+{{/*
+`kvcache-service health` options that reach the service over TLS, as YAML list items: trust the CA that
+signed its certificate, check the certificate against tls.serverName, and with mutual TLS present the
+server's own certificate and key as the client certificate.
+*/}}
+{{- define "kvcache.tlsHealthArgs" -}}
+{{- $dir := include "kvcache.tlsDir" . -}}
+- --tls-ca
+- {{ printf "%s/ca.crt" $dir }}
+- --tls-server-name
+- {{ include "kvcache.tlsServerName" . }}
+{{- if .Values.tls.clientCa.enabled }}
+- --tls-cert
+- {{ printf "%s/tls.crt" $dir }}
+- --tls-key
+- {{ printf "%s/tls.key" $dir }}
+{{- end }}
+{{- end -}}
+
+{{/*
 Pool sizing, mirroring cache_service/config.py, for the host_shm size check.
 */}}
 
@@ -185,6 +262,21 @@ and the fix.
 {{- if and $v.auth.token $v.auth.existingSecret -}}
 {{- fail "auth.token and auth.existingSecret are both set: keep one" -}}
 {{- end -}}
+{{- if and $v.auth.tenantsSecret (or $v.auth.token $v.auth.existingSecret) -}}
+{{- fail "auth.tenantsSecret and a token (auth.token or auth.existingSecret) are both set: give the admin an entry in the tenants file instead" -}}
+{{- end -}}
+{{- if gt (float64 $v.config.leaseTtl) (float64 $v.config.maxLeaseTtl) -}}
+{{- fail (printf "config.leaseTtl=%v is above config.maxLeaseTtl=%v" $v.config.leaseTtl $v.config.maxLeaseTtl) -}}
+{{- end -}}
+{{- if and $v.tls.enabled (not $v.tls.existingSecret) -}}
+{{- fail "tls.enabled needs tls.existingSecret: the name of a kubernetes.io/tls Secret with the server certificate (tls.crt) and key (tls.key)" -}}
+{{- end -}}
+{{- if and $v.tls.existingSecret (not $v.tls.enabled) -}}
+{{- fail (printf "tls.existingSecret=%s is set but tls.enabled=false: the service would serve plaintext; set tls.enabled=true, or drop the Secret" $v.tls.existingSecret) -}}
+{{- end -}}
+{{- if and $v.tls.clientCa.enabled (not $v.tls.enabled) -}}
+{{- fail "tls.clientCa.enabled (mutual TLS) needs tls.enabled=true and tls.existingSecret" -}}
+{{- end -}}
 {{- if and (eq (include "kvcache.effectiveBackend" .) "host_shm") (not $v.shm.hostPath) -}}
 {{- $poolBytes := include "kvcache.poolBytes" . | int64 -}}
 {{- $limitBytes := include "kvcache.bytes" $v.shm.sizeLimit | int64 -}}
@@ -221,18 +313,53 @@ Whole numbers render as integers (Helm holds every number as a float64, and "1.0
       name: {{ . }}
       key: {{ ternary $.Values.auth.existingSecretKey "token" (not (empty $.Values.auth.existingSecret)) }}
 {{- end }}
+{{- with .Values.auth.tenantsSecret }}
+- name: KVCACHE_TENANTS_FILE
+  value: {{ printf "%s/%s" ($.Values.auth.tenantsMountPath | trimSuffix "/") $.Values.auth.tenantsSecretKey | quote }}
+{{- end }}
+{{- if .Values.tls.enabled }}
+- name: KVCACHE_TLS_CERT
+  value: {{ printf "%s/tls.crt" (include "kvcache.tlsDir" .) | quote }}
+- name: KVCACHE_TLS_KEY
+  value: {{ printf "%s/tls.key" (include "kvcache.tlsDir" .) | quote }}
+{{- if .Values.tls.clientCa.enabled }}
+- name: KVCACHE_TLS_CLIENT_CA
+  value: {{ printf "%s/client-ca.crt" (include "kvcache.tlsDir" .) | quote }}
+{{- end }}
+{{- end }}
 {{- with .Values.extraEnv }}
 {{ toYaml . }}
 {{- end }}
 {{- end -}}
 
-{{/* One native gRPC probe (grpc.health.v1 on the gRPC port). Call with (list $ "liveness"). */}}
+{{/*
+One probe of grpc.health.v1 on the gRPC port. Call with (list $ "liveness"). Native gRPC probes speak
+plaintext only: with TLS it is an exec probe running `kvcache-service health` over TLS against the pod's
+loopback, with an RPC deadline a second shorter than the probe's timeout (at least one second), so that a
+slow answer fails with the command's own reason.
+*/}}
 {{- define "kvcache.probe" -}}
 {{- $root := index . 0 -}}
 {{- $probe := index $root.Values.probes (index . 1) -}}
+{{- if $root.Values.tls.enabled -}}
+exec:
+  command:
+    - kvcache-service
+    - health
+    - --target
+    - {{ include "kvcache.localTarget" $root }}
+    {{- with $probe.service }}
+    - --service
+    - {{ . }}
+    {{- end }}
+    - --timeout
+    - {{ max 1 (sub (int $probe.timeoutSeconds) 1) | quote }}
+    {{- include "kvcache.tlsHealthArgs" $root | nindent 4 }}
+{{- else -}}
 grpc:
   port: {{ int $root.Values.grpc.port }}
   service: {{ $probe.service | quote }}
+{{- end }}
 periodSeconds: {{ int $probe.periodSeconds }}
 timeoutSeconds: {{ int $probe.timeoutSeconds }}
 failureThreshold: {{ int $probe.failureThreshold }}
@@ -291,6 +418,14 @@ volumeMounts:
     mountPath: {{ .Values.config.shmDir }}
   - name: tmp
     mountPath: /tmp
+  {{- if .Values.tls.enabled }}
+  {{- include "kvcache.tlsMount" . | nindent 2 }}
+  {{- end }}
+  {{- if .Values.auth.tenantsSecret }}
+  - name: tenants
+    mountPath: {{ .Values.auth.tenantsMountPath | trimSuffix "/" }}
+    readOnly: true
+  {{- end }}
   {{- with .Values.extraVolumeMounts }}
   {{- toYaml . | nindent 2 }}
   {{- end }}
@@ -411,6 +546,17 @@ spec:
     - name: tmp
       emptyDir:
         sizeLimit: 64Mi
+    {{- if .Values.tls.enabled }}
+    {{- include "kvcache.tlsVolume" (list . true) | nindent 4 }}
+    {{- end }}
+    {{- with .Values.auth.tenantsSecret }}
+    - name: tenants
+      secret:
+        secretName: {{ . }}
+        items:
+          - key: {{ $.Values.auth.tenantsSecretKey }}
+            path: {{ $.Values.auth.tenantsSecretKey }}
+    {{- end }}
     {{- with .Values.extraVolumes }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
