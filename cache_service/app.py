@@ -25,6 +25,7 @@ from cache_service.memory import PoolBackend
 from cache_service.memory.select import PoolChoice, create_pool
 from cache_service.metrics import Metrics, serve_metrics
 from cache_service.rpc.identity import Identities, load_tenants
+from cache_service.rpc.kv_events import EventHub, ZmqPublisher, default_topic
 from cache_service.rpc.server import RpcServer, RpcSettings, ServerTls
 
 
@@ -134,6 +135,7 @@ class KVCacheServer:
         self.metrics_port: int | None = None
         """The bound metrics port (the free one picked for --metrics-port 0); None when metrics are off."""
         self._stopped = False
+        self.events: EventHub | None = None
 
     @property
     def security(self) -> str:
@@ -154,6 +156,8 @@ class KVCacheServer:
         try:
             await self._start_serving()
         except BaseException:
+            if self.events is not None:
+                self.events.close()
             self.pool.close()
             raise
         self._log.info("serving", address=self.address, instance_id=self.instance_id, backend=self.pool.name,
@@ -169,9 +173,11 @@ class KVCacheServer:
         assert self.pool is not None
         metrics = Metrics(self.core.stats, {"instance_id": self.instance_id, "backend": self.pool.name,
                                             "version": __version__})
+        self.events = self._event_hub()
+        metrics.add_events(self.events)
         rpc = RpcServer(self.core, self.pool.layout, self.pool.handle(),
                         rpc_settings(cfg, self.identities, self.tls), instance_id=self.instance_id, metrics=metrics,
-                        clock=self._clock)
+                        events=self.events, clock=self._clock)
         self.address = rpc.bind()
         if rpc.removed_stale_socket:
             self._log.warning("removed_stale_socket", path=rpc.removed_stale_socket)
@@ -179,9 +185,27 @@ class KVCacheServer:
         if cfg.metrics_port is not None:
             self._metrics_server = await serve_metrics(metrics, cfg.metrics_host, cfg.metrics_port)
             self.metrics_port = int(self._metrics_server.sockets[0].getsockname()[1])
+        self.events.start(asyncio.get_running_loop())
+        if self.events.publisher is not None:
+            self.events.publisher.serve_replay(self.events)
+            self._log.info("kv_events", endpoint=self.events.publisher.endpoint,
+                           replay_endpoint=self.events.publisher.replay_endpoint,
+                           topic=self.events.publisher.topic.decode(), first_seq=self.events.last_seq)
         await rpc.start()
         self._rpc = rpc
         self._reaper = asyncio.create_task(self._reap_forever(), name="kvcache-reaper")
+
+    def _event_hub(self) -> EventHub:
+        """The change feed's hub, with a ZMQ publisher when --kv-events-endpoint is set."""
+        cfg = self.config
+        assert self.pool is not None
+        publisher = None
+        if cfg.kv_events_endpoint:
+            publisher = ZmqPublisher(cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint,
+                                     cfg.kv_events_topic or default_topic(cfg.model_name))
+        medium = "GPU" if self.pool.name.startswith("cuda") else "CPU"
+        return EventHub(self.core, instance_id=self.instance_id, medium=medium, buffer=cfg.kv_events_buffer,
+                        publisher=publisher)
 
     async def _reap_forever(self) -> None:
         interval = self.config.reap_interval
@@ -219,6 +243,8 @@ class KVCacheServer:
         st = self.core.stats()
         for engine in self.core.list_engines():
             self.core.unregister_engine(engine.engine_id, identity=None)
+        if self.events is not None:
+            self.events.close()
         if self.pool is not None:
             self.pool.close()
         self._log.info("stopped", released_sessions=st.sessions, released_engines=st.engines,

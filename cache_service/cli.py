@@ -48,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
                                        "KVCACHE_<FLAG> (command line wins).")
     add_serve_arguments(serve)
     for name, text in (("stats", "print GetStats as a table"), ("sessions", "list open sessions"),
+                       ("events", "follow WatchEvents: a snapshot of the radix and open sessions, then every "
+                                  "change, one line per event (Ctrl-C stops)"),
                        ("health", "call grpc.health.v1 Health/Check; exit 0 when SERVING")):
         cmd = sub.add_parser(name, help=text, description=text)
         cmd.add_argument("--target", default=DEFAULT_TARGET, help="host:port or unix:/path (default %(default)s)")
@@ -63,8 +65,12 @@ def _parser() -> argparse.ArgumentParser:
         tls.add_argument("--tls-server-name", default="", metavar="NAME",
                          help="name to check the service's certificate against instead of the target's host "
                               "(default: the host; localhost for a unix: target)")
-        if name in ("stats", "sessions"):
+        if name in ("stats", "sessions", "events"):
             cmd.add_argument("--json", action="store_true", help="print the response as JSON")
+        if name == "events":
+            cmd.add_argument("--from-seq", type=int, default=0, metavar="SEQ",
+                             help="resume at this batch while the service still buffers it (default: a snapshot)")
+            cmd.add_argument("--count", type=int, default=0, metavar="N", help="stop after N events (0: never)")
         if name == "stats":
             cmd.add_argument("--verify", action="store_true", help="also run the full invariant check")
         if name == "health":
@@ -78,7 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Read by grpc at its first import, which the on-call tools defer to here: grpc core would log a failed
         # TLS handshake at INFO on stderr, ahead of the command's one-line reason. An explicit value wins.
         os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-    handlers = {"serve": _cmd_serve, "stats": _cmd_stats, "sessions": _cmd_sessions, "health": _cmd_health}
+    handlers = {"serve": _cmd_serve, "stats": _cmd_stats, "sessions": _cmd_sessions, "events": _cmd_events,
+                "health": _cmd_health}
     try:
         return handlers[args.command](args)
     except ConfigError as e:
@@ -140,6 +147,7 @@ def _banner(server: Any) -> str:
         f"{format_bytes(layout.size_bytes)} ({layout.describe()})",
         f"  metrics  {metrics}",
         f"  auth     {_auth_line(server)}",
+        *_events_lines(server),
     ]
     if server.security == "mtls":
         lines.append(f"  tls      mtls: certificate {cfg.tls_cert}; clients must present a certificate signed by "
@@ -174,6 +182,16 @@ def _grpcurl_line(address: str, security: str, tls_cert: str) -> str:
         host, _, port = address.rpartition(":")
         words.append(f"localhost:{port}" if security != "plaintext" and host in _WILDCARD_HOSTS else address)
     return " ".join([*words, "list"])
+
+
+def _events_lines(server: Any) -> list[str]:
+    """The KV events line, when --kv-events-endpoint is set."""
+    hub = server.events
+    if hub is None or hub.publisher is None:
+        return []
+    pub = hub.publisher
+    replay = f", replay {pub.replay_endpoint}" if pub.replay_endpoint else ""
+    return [f"  events   {pub.endpoint}{replay}, topic {pub.topic.decode()!r}, first seq {hub.last_seq}"]
 
 
 def _auth_line(server: Any) -> str:
@@ -335,6 +353,62 @@ def _cmd_sessions(args: argparse.Namespace) -> int:
     lines.append(f"{len(res.sessions)} session(s)")
     print("\n".join(lines))
     return 0
+
+
+def _cmd_events(args: argparse.Namespace) -> int:
+    """One line per event (or one JSON object per batch with --json) until Ctrl-C or --count events."""
+    import grpc
+
+    shown = 0
+    with _channel(args) as ch:
+        try:
+            stream = _stub(ch).WatchEvents(pb.WatchEventsRequest(from_seq=args.from_seq), metadata=_metadata(args))
+            for batch in stream:
+                if args.json:
+                    print(json_format.MessageToJson(batch, indent=None), flush=True)
+                    shown += len(batch.events)
+                else:
+                    for event in batch.events:
+                        print(format_event(batch, event), flush=True)
+                        shown += 1
+                        if args.count and shown >= args.count:
+                            break
+                if args.count and shown >= args.count:
+                    stream.cancel()
+                    return 0
+        except grpc.RpcError as e:
+            if e.code() is grpc.StatusCode.CANCELLED and args.count and shown >= args.count:
+                return 0
+            return _fail(args, e)
+    return 0
+
+
+def _hashes(hashes: Sequence[int]) -> str:
+    if len(hashes) <= 2:
+        return ",".join(f"{h:016x}" for h in hashes)
+    return f"{hashes[0]:016x}..{hashes[-1]:016x}"
+
+
+def format_event(batch: pb.WatchEventsResponse, event: pb.KvEvent) -> str:
+    """`seq <n> [snapshot] <what> <details>` for one event."""
+    head = f"seq {batch.seq}{' snapshot' if batch.snapshot else ''}"
+    kind = event.WhichOneof("event")
+    if kind == "stored":
+        e = event.stored
+        parent = f"{e.parent_block_hash:016x}" if e.HasField("parent_block_hash") else "-"
+        return (f"{head} stored salt={e.cache_salt!r} pages={len(e.block_hashes)} hashes={_hashes(e.block_hashes)} "
+                f"parent={parent} tokens={len(e.token_ids)} medium={e.medium}")
+    if kind == "removed":
+        r = event.removed
+        return f"{head} removed salt={r.cache_salt!r} pages={len(r.block_hashes)} hashes={_hashes(r.block_hashes)}"
+    if kind == "cleared":
+        return f"{head} cleared"
+    if kind == "session_opened":
+        o = event.session_opened
+        return (f"{head} session opened {o.session_id} epoch={o.epoch} {'streaming' if o.streaming else 'regular'} "
+                f"salt={o.cache_salt!r} engine={o.engine_id or '-'}")
+    detail = getattr(event, kind)
+    return f"{head} session {kind.removeprefix('session_')} {detail.session_id} epoch={detail.epoch}"
 
 
 def _cmd_health(args: argparse.Namespace) -> int:

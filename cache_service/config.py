@@ -115,6 +115,14 @@ FLAGS: tuple[Flag, ...] = (
     Flag("tls-key", str, "", "PEM private key file of --tls-cert (unencrypted)", metavar="FILE"),
     Flag("tls-client-ca", str, "", "PEM CA bundle: clients must present a certificate it signed (mutual TLS; "
          "needs --tls-cert)", metavar="FILE"),
+    Flag("kv-events-endpoint", str, "", "ZMQ PUB address for KV events in vLLM's format (e.g. tcp://127.0.0.1:5557; "
+         "port 0 picks a free one); off when empty. A wildcard host (*, 0.0.0.0, ::) is yours to ask for",
+         metavar="ADDR"),
+    Flag("kv-events-replay-endpoint", str, "", "ZMQ ROUTER address answering replay requests for buffered KV "
+         "event batches (off when empty)", metavar="ADDR"),
+    Flag("kv-events-topic", str, "", "topic frame of KV events (default kv@<hostname>@<model-name>)"),
+    Flag("model-name", str, "default", "model name this pool serves, as routers know it (KV events topic)"),
+    Flag("kv-events-buffer", int, 10000, "event batches kept for ZMQ replay and WatchEvents from_seq"),
     Flag("grace-period", float, 5.0, "seconds in-flight RPCs get to finish on SIGTERM"),
     Flag("log-level", str, "info", "log level", ("debug", "info", "warning", "error")),
     Flag("log-format", str, "auto", "auto: pretty on a TTY, JSON lines otherwise", ("auto", "json", "console")),
@@ -157,6 +165,11 @@ class ServiceConfig:
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""
+    kv_events_endpoint: str = ""
+    kv_events_replay_endpoint: str = ""
+    kv_events_topic: str = ""
+    model_name: str = "default"
+    kv_events_buffer: int = 10000
     grace_period: float = 5.0
     log_level: str = "info"
     log_format: str = "auto"
@@ -246,12 +259,30 @@ class ServiceConfig:
         need(self.log_level in ("debug", "info", "warning", "error"), "log-level", f"unknown {self.log_level!r}")
         need(self.log_format in ("auto", "json", "console"), "log-format", f"unknown {self.log_format!r}")
         need(bool(self.shm_prefix) and "/" not in self.shm_prefix, "shm-prefix", "must be a plain file name part")
+        for name in ("kv-events-endpoint", "kv-events-replay-endpoint"):
+            value = getattr(self, name.replace("-", "_"))
+            need(not value or _valid_zmq_endpoint(value), name,
+                 f"{value!r} is not tcp://host:port or ipc:///path")
+        need(not self.kv_events_replay_endpoint or bool(self.kv_events_endpoint), "kv-events-replay-endpoint",
+             "needs --kv-events-endpoint (it replays what that publishes)")
+        need(self.kv_events_buffer >= 1, "kv-events-buffer", f"must be >= 1, got {self.kv_events_buffer}")
+        need(bool(self.model_name) and "@" not in self.model_name, "model-name",
+             f"must be non-empty without '@' (it is part of the topic), got {self.model_name!r}")
         need(_valid_listen(self.listen), "listen",
              f"{self.listen!r} is not host:port or unix:/absolute/path")
         need(bool(self.tls_key) or not self.tls_cert, "tls-cert", "needs --tls-key (the certificate's private key)")
         need(bool(self.tls_cert) or not self.tls_key, "tls-key", "needs --tls-cert (the certificate it belongs to)")
         need(bool(self.tls_cert) or not self.tls_client_ca, "tls-client-ca",
              "needs --tls-cert and --tls-key: mutual TLS is TLS with client certificates")
+
+
+def _valid_zmq_endpoint(endpoint: str) -> bool:
+    if endpoint.startswith("ipc://"):
+        return len(endpoint) > len("ipc://")
+    if not endpoint.startswith("tcp://"):
+        return False
+    host, sep, port = endpoint[len("tcp://"):].rpartition(":")
+    return bool(sep and host) and port.isdigit() and int(port) <= 65535
 
 
 def _valid_listen(listen: str) -> bool:

@@ -11,6 +11,7 @@ import asyncio
 import math
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Mapping
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -100,6 +101,37 @@ class _CallCollector(Collector):
         yield ops
 
 
+class EventCounts(Protocol):
+    """What the KV event hub exposes to metrics."""
+
+    batches: int
+    events: dict[str, int]
+
+    @property
+    def watchers(self) -> int: ...
+
+    @property
+    def dropped(self) -> int: ...
+
+
+class _EventCollector(Collector):
+    def __init__(self, hub: EventCounts) -> None:
+        self._hub = hub
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        hub = self._hub
+        yield CounterMetricFamily("kvcache_kv_event_batches", "KV event batches published (ZMQ and WatchEvents).",
+                                  value=hub.batches)
+        events = CounterMetricFamily("kvcache_kv_events", "Changes published, by type.", labels=["type"])
+        for kind, n in sorted(hub.events.items()):
+            events.add_metric([kind], n)
+        yield events
+        yield CounterMetricFamily("kvcache_kv_event_batches_dropped",
+                                  "Batches the ZMQ high-water mark refused (subscribers replay them).",
+                                  value=hub.dropped)
+        yield GaugeMetricFamily("kvcache_event_watchers", "Open WatchEvents streams.", value=hub.watchers)
+
+
 class Metrics:
     """The service's registry. `observe_rpc` (a bisect and two additions) is the only per-call cost."""
 
@@ -108,6 +140,10 @@ class Metrics:
         self.registry.register(_StatsCollector(stats, info))
         self._calls = _CallCollector()
         self.registry.register(self._calls)
+
+    def add_events(self, hub: EventCounts) -> None:
+        """Export the KV event hub's counters (batches, events by type, ZMQ drops, watchers)."""
+        self.registry.register(_EventCollector(hub))
 
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
         counts = self._calls.latency.get((method, code))

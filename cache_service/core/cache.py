@@ -29,6 +29,7 @@ import numpy.typing as npt
 from cache_service.core.accounting import Accounting, Counters
 from cache_service.core.config import CoreConfig
 from cache_service.core.errors import KVCacheError, Reason, invalid_argument
+from cache_service.core.events import EventFeed
 from cache_service.core.leases import Lease, LeaseTable, lease_expired
 from cache_service.core.pages import PageAllocator
 from cache_service.core.radix import RadixTree, token_key
@@ -62,7 +63,9 @@ class KVCacheCore:
         self.page_size = config.page_size
         self._clock = clock
         self.pages = PageAllocator(config.num_pages)
-        self.radix = RadixTree(config.page_size, self.pages.free, config.eviction_policy)
+        self.events = EventFeed(config.num_pages, config.page_size)
+        """The change feed (radix pages in and out, sessions); it records once something `start`s it."""
+        self.radix = RadixTree(config.page_size, self.pages.free, config.eviction_policy, self.events)
         self.sessions = SessionTable()
         self.leases = LeaseTable(config.expired_lease_memory)
         self.counters = Counters()
@@ -109,6 +112,8 @@ class KVCacheCore:
                                  identity=identity, timeout_seconds=timeout_seconds, now=now)
         if lease is not None:
             lease.sessions.add(s.id)
+        if self.events.recording:
+            self.events.session("opened", s)
         return OpenResult(s.id, s.epoch, timeout_seconds)
 
     def append(
@@ -480,6 +485,8 @@ class KVCacheCore:
         cached = self.turns.cached_tokens(s) if cache else 0
         self.counters.session_tokens -= s.committed_tokens
         self.sessions.remove(s)
+        if self.events.recording:
+            self.events.session("closed", s)
         if s.owner:
             lease = self.leases.find(s.owner)
             if lease is not None:

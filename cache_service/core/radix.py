@@ -22,6 +22,7 @@ from typing import NamedTuple
 import numpy as np
 
 from cache_service.core.errors import InvariantError
+from cache_service.core.events import EventFeed
 from cache_service.core.eviction import EVICTION_POLICIES, LeafHeap
 from cache_service.core.types import EMPTY_PAGES, PageArray, TokenArray
 
@@ -56,7 +57,7 @@ class RadixNode:
         self.tick = 0
         self.hits = 0
         self.heap_ver = 0
-        self.salt: str | None = None  # set on roots only
+        self.salt: str | None = None  # every node's tree's cache salt
 
     @property
     def num_pages(self) -> int:
@@ -94,8 +95,11 @@ class RadixTree:
     """Page-granular radix tree. Owns one allocator reference per page it holds (released via `free`)."""
 
     def __init__(
-        self, page_size: int, free_pages: Callable[[PageArray], None], policy: str = "lru"
+        self, page_size: int, free_pages: Callable[[PageArray], None], policy: str = "lru",
+        feed: EventFeed | None = None,
     ) -> None:
+        self.feed = feed
+        """Told of every page that enters or leaves the tree, while it records."""
         self._leaves = LeafHeap(policy)
         self.page_size = page_size
         self.page_bytes = page_size * TOKEN_BYTES
@@ -121,6 +125,10 @@ class RadixTree:
     @property
     def num_salts(self) -> int:
         return len(self._roots)
+
+    def roots(self) -> list[RadixNode]:
+        """The salt roots (pageless; their children start each salt's sequences)."""
+        return list(self._roots.values())
 
     def match(self, salt: str, key: bytes, *, lock: bool = False, touch: bool = True) -> RadixMatch:
         """Longest cached prefix of `key` (whole pages) under `salt`.
@@ -188,10 +196,13 @@ class RadixTree:
         new_pages = np.array(pages[matched:], dtype=np.int32)
         leaf = RadixNode(self._new_id(), new_key, new_pages, node)
         leaf.tick = self._tick
+        leaf.salt = node.salt
         node.children[new_key[: self.page_bytes]] = leaf
         self.evictable_pages += leaf.num_pages
         self._update_leaf(node)
         self._update_leaf(leaf)
+        if self.feed is not None and self.feed.recording:
+            self.feed.stored(leaf)
         all_pages = np.concatenate((existing, new_pages)) if matched else new_pages.copy()
         return RadixInsert(matched, all_pages, leaf)
 
@@ -233,13 +244,18 @@ class RadixTree:
         freed = 0
         if num_pages <= 0:
             return 0
+        feed = self.feed if self.feed is not None and self.feed.recording else None
         for node in self._leaves.pop_order():
             take = min(num_pages - freed, node.num_pages)
             if take == node.num_pages:
+                if feed is not None:
+                    feed.removed(node.salt or "", node.pages)
                 self._free_pages(node.pages)
                 self._remove_leaf(node)
             else:
                 keep = node.num_pages - take
+                if feed is not None:
+                    feed.removed(node.salt or "", node.pages[keep:])
                 self._free_pages(node.pages[keep:])
                 node.pages = node.pages[:keep].copy()
                 node.key = node.key[: keep * self.page_bytes]
@@ -329,6 +345,7 @@ class RadixTree:
         cut = at * self.page_bytes
         upper = RadixNode(self._new_id(), node.key[:cut], node.pages[:at].copy(), parent)
         upper.lock_ref = node.lock_ref
+        upper.salt = node.salt
         upper.tick = node.tick
         upper.hits = node.hits
         parent.children[upper.key[: self.page_bytes]] = upper

@@ -188,6 +188,9 @@ class Turns:
         self.drop_kv(s, cache=True)
         self._sessions.set_demoted(s, True)
         self._c.demoted_sessions += 1
+        feed = self._radix.feed
+        if feed is not None and feed.recording:
+            feed.session("demoted", s)
 
     def cached_tokens(self, s: Session) -> int:
         """Leading tokens of `s`'s context that the radix holds (a read-only probe)."""

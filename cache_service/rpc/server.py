@@ -25,6 +25,7 @@ from cache_service.memory import PoolHandle, PoolLayout
 from cache_service.metrics import Metrics
 from cache_service.rpc.identity import Identities
 from cache_service.rpc.interceptor import ServiceInterceptor
+from cache_service.rpc.kv_events import EventHub
 from cache_service.rpc.servicer import KVCacheServicer
 from protos.kvcache.v1 import kvcache_pb2 as pb
 
@@ -120,7 +121,8 @@ class RpcServer:
     """A grpc.aio server serving `core`. `bind()`, `start()`, then `stop(grace)`."""
 
     def __init__(self, core: KVCacheCore, layout: PoolLayout, handle: PoolHandle, settings: RpcSettings, *,
-                 instance_id: str, metrics: Metrics, clock: Callable[[], float] = time.monotonic) -> None:
+                 instance_id: str, metrics: Metrics, events: EventHub,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
         self.health = HealthServicer()
         self.address = ""
@@ -128,7 +130,7 @@ class RpcServer:
         self.removed_stale_socket = ""
         servicer = KVCacheServicer(core, layout, handle, instance_id=instance_id,
                                    max_request_tokens=settings.max_request_tokens,
-                                   max_step_ops=settings.max_step_ops, metrics=metrics, clock=clock)
+                                   max_step_ops=settings.max_step_ops, metrics=metrics, events=events, clock=clock)
         interceptor = ServiceInterceptor(metrics, instance_id=instance_id, identities=settings.identities)
         self._server = grpc.aio.server(options=[
             *SERVER_OPTIONS,

@@ -20,6 +20,7 @@ from google.rpc import code_pb2
 from cache_service import __version__
 from cache_service.core import KVCacheCore, KVCacheError, Reason
 from cache_service.core.errors import invalid_argument
+from cache_service.core.events import Record, SessionChange
 from cache_service.log import get_logger
 from cache_service.memory import PoolHandle, PoolLayout
 from cache_service.metrics import Metrics
@@ -27,6 +28,7 @@ from cache_service.rpc import convert
 from cache_service.rpc.errors import status_proto
 from cache_service.rpc.identity import Identity, Role
 from cache_service.rpc.interceptor import CALLER
+from cache_service.rpc.kv_events import EventHub, Visible
 from protos.kvcache.v1 import kvcache_pb2 as pb
 from protos.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 
@@ -44,9 +46,10 @@ STEP_OPS = tuple(f.name for f in pb.StepOp.DESCRIPTOR.oneofs_by_name["op"].field
 
 class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
     def __init__(self, core: KVCacheCore, layout: PoolLayout, handle: PoolHandle, *, instance_id: str,
-                 max_request_tokens: int, max_step_ops: int = 4096, metrics: Metrics | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 max_request_tokens: int, events: EventHub, max_step_ops: int = 4096,
+                 metrics: Metrics | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.core = core
+        self.events = events
         self.instance_id = instance_id
         self._max_tokens = max_request_tokens
         self._max_step_ops = max_step_ops
@@ -176,6 +179,35 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         finally:
             closed = self.core.end_held_lease(engine_id, serial)
             self._log.info("lease_stream_ended", engine_id=engine_id, closed_sessions=list(closed))
+
+    async def WatchEvents(self, request: pb.WatchEventsRequest, context: Context
+                          ) -> AsyncIterator[pb.WatchEventsResponse]:
+        """A snapshot (or, with a `from_seq` the buffer still holds, the batches from it), then live
+        batches; only the changes of the caller's salts (and, for an engine identity, its own sessions)."""
+        who = CALLER.get()
+        visible = _visible_to(who)
+        hub = self.events
+        hub.ensure_recording()
+        hub.flush()  # what happened before this call belongs to the snapshot, not to the live batches
+        watcher = hub.watch()
+        try:
+            if request.from_seq and hub.holds(request.from_seq):
+                for old in hub.replay(request.from_seq):
+                    yield hub.message(old, visible)
+            else:
+                for message in hub.snapshot(visible):
+                    yield message
+            while True:
+                batch = await watcher.next()
+                if batch is None:  # it fell a whole buffer behind: start over from a snapshot
+                    hub.flush()
+                    watcher.clear()  # the snapshot covers what is queued
+                    for message in hub.snapshot(visible):
+                        yield message
+                else:
+                    yield hub.message(batch, visible)
+        finally:
+            hub.unwatch(watcher)
 
     async def MatchPrefix(self, request: pb.MatchPrefixRequest, context: Context) -> pb.MatchPrefixResponse:
         out = pb.MatchPrefixResponse()
@@ -310,6 +342,23 @@ def _driver(what: str) -> Identity:
     if who.role is Role.READER:
         who.need(*DRIVERS, what=what)
     return who
+
+
+def _visible_to(who: Identity) -> Visible | None:
+    """Which records a watcher may see: those of its salts, and for an engine identity only its own
+    sessions. None: everything."""
+    allowed = None if "*" in who.cache_salts else frozenset(who.cache_salts)
+    own = who.sees
+    if allowed is None and own is None:
+        return None
+
+    def visible(record: Record) -> bool:
+        salt = getattr(record, "cache_salt", None)
+        if allowed is not None and salt is not None and salt not in allowed:
+            return False
+        return own is None or not isinstance(record, SessionChange) or record.identity == own
+
+    return visible
 
 
 def _page_token(token: str) -> int:

@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from cache_service.core import CoreConfig, KVCacheError, Reason
+from cache_service.core.events import Removed, Stored
 from cache_service.core.pages import QUARANTINED
 
 from .conftest import CheckedCore, FakeClock
@@ -80,6 +81,9 @@ class Simulator:
         self.models: dict[str, Model] = {}
         self.seen: Counter[str] = Counter()
         self.stale: list[StaleWriter] = []
+        self.core.events.start(self.core.radix)
+        self.mirror: dict[int, tuple[str, int | None, tuple[int, ...]]] = {}
+        """What a router that applied every event holds: page hash -> (salt, parent hash, tokens)."""
 
     def sync(self) -> None:
         """Drop models of sessions the core closed on its own (reaped, lease expired); a turn in flight
@@ -293,12 +297,41 @@ class Simulator:
         st_ = self.core.check_invariants()
         assert (st_.free_pages + st_.evictable_pages + st_.radix_locked_pages + st_.session_held_pages
                 + st_.in_flight_pages + st_.quarantined_pages) == NUM_PAGES - 1
+        self.apply_events()
         infos = {i.session_id: i for i in self.core.list_sessions()}
         assert set(infos) == set(self.models)
         for sid, m in self.models.items():
             expected = m.turn[0] if m.turn else m.committed
             assert self.core.session_tokens(sid).tolist() == expected
             assert infos[sid].epoch == m.epoch
+
+
+    def apply_events(self) -> None:
+        """Apply the feed's records like a router would, then compare with the tree itself: a stored
+        page's parent was announced before it, a removed page was announced, and the result is exactly the
+        tree's pages (with their salts and tokens)."""
+        for r in self.core.events.drain():
+            if isinstance(r, Stored):
+                assert r.parent_hash is None or r.parent_hash in self.mirror, "a parent was never announced"
+                parent = r.parent_hash
+                for i, h in enumerate(r.hashes):
+                    assert h not in self.mirror, "a page announced twice"
+                    self.mirror[h] = (r.cache_salt, parent, tuple(r.token_ids[i * PAGE_SIZE : (i + 1) * PAGE_SIZE]))
+                    parent = h
+                self.seen["events:stored"] += len(r.hashes)
+            elif isinstance(r, Removed):
+                for h in r.hashes:
+                    assert h in self.mirror, "removal of a page never announced"
+                    del self.mirror[h]
+                self.seen["events:removed"] += len(r.hashes)
+        tree = {}
+        for r in self.core.events.snapshot(self.core.radix):
+            parent = r.parent_hash
+            for i, h in enumerate(r.hashes):
+                tree[h] = (r.cache_salt, parent, tuple(r.token_ids[i * PAGE_SIZE : (i + 1) * PAGE_SIZE]))
+                parent = h
+        assert self.mirror == tree
+        assert len(tree) == self.core.radix.cached_pages
 
 
 # ---------------------------------------------------------------------------- Hypothesis driver
@@ -448,7 +481,8 @@ def test_long_random_walks_reach_deep_states() -> None:
         "abort:turn1": 20, "close:deferred": 20, "reaped": 10, "append:POOL_EXHAUSTED": 1,
         "append:SESSION_BUDGET": 1, "append:SESSION_BUSY": 20, "demoted": 5, "duplicate_pages": 5,
         "evicted_pages": 20, "expired_leases": 5, "extend": 100, "extend:NO_TURN_IN_FLIGHT": 10,
-        "extend:POOL_EXHAUSTED": 1, "stale_write": 20, "quarantined": 5,
+        "extend:POOL_EXHAUSTED": 1, "stale_write": 20, "quarantined": 5, "events:stored": 100,
+        "events:removed": 20,
     }
     low = {what: seen[what] for what, floor in floors.items() if seen[what] < floor}
     assert not low, f"under-exercised: {low}; all: {dict(seen)}"

@@ -566,3 +566,99 @@ class GetStatsResponse(_message.Message):
     verified: bool
     quarantined_pages: int
     def __init__(self, num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., free_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ..., radix_locked_pages: _Optional[int] = ..., session_held_pages: _Optional[int] = ..., in_flight_pages: _Optional[int] = ..., session_budget_pages: _Optional[int] = ..., radix_tokens: _Optional[int] = ..., session_tokens: _Optional[int] = ..., session_kv_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., session_hit_tokens: _Optional[int] = ..., miss_tokens: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., duplicate_pages: _Optional[int] = ..., demoted_sessions: _Optional[int] = ..., reaped_sessions: _Optional[int] = ..., expired_leases: _Optional[int] = ..., sessions_idle: _Optional[int] = ..., sessions_in_turn: _Optional[int] = ..., sessions_closing: _Optional[int] = ..., sessions_demoted: _Optional[int] = ..., engines: _Optional[int] = ..., instance_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., physical_usage: _Optional[float] = ..., verified: _Optional[bool] = ..., quarantined_pages: _Optional[int] = ...) -> None: ...
+
+class WatchEventsRequest(_message.Message):
+    __slots__ = ("from_seq",)
+    FROM_SEQ_FIELD_NUMBER: _ClassVar[int]
+    from_seq: int
+    def __init__(self, from_seq: _Optional[int] = ...) -> None: ...
+
+class WatchEventsResponse(_message.Message):
+    __slots__ = ("seq", "ts", "instance_id", "snapshot", "events")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    ts: float
+    instance_id: str
+    snapshot: bool
+    events: _containers.RepeatedCompositeFieldContainer[KvEvent]
+    def __init__(self, seq: _Optional[int] = ..., ts: _Optional[float] = ..., instance_id: _Optional[str] = ..., snapshot: _Optional[bool] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ...) -> None: ...
+
+class KvEvent(_message.Message):
+    __slots__ = ("stored", "removed", "cleared", "session_opened", "session_closed", "session_demoted")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    SESSION_OPENED_FIELD_NUMBER: _ClassVar[int]
+    SESSION_CLOSED_FIELD_NUMBER: _ClassVar[int]
+    SESSION_DEMOTED_FIELD_NUMBER: _ClassVar[int]
+    stored: BlockStored
+    removed: BlockRemoved
+    cleared: AllBlocksCleared
+    session_opened: SessionOpened
+    session_closed: SessionClosed
+    session_demoted: SessionDemoted
+    def __init__(self, stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ..., session_opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., session_closed: _Optional[_Union[SessionClosed, _Mapping]] = ..., session_demoted: _Optional[_Union[SessionDemoted, _Mapping]] = ...) -> None: ...
+
+class BlockStored(_message.Message):
+    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "medium", "cache_salt")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    parent_block_hash: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    medium: str
+    cache_salt: str
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., medium: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+
+class BlockRemoved(_message.Message):
+    __slots__ = ("block_hashes", "medium", "cache_salt")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    medium: str
+    cache_salt: str
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., medium: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+
+class AllBlocksCleared(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SessionOpened(_message.Message):
+    __slots__ = ("session_id", "epoch", "streaming", "cache_salt", "engine_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STREAMING_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    epoch: int
+    streaming: bool
+    cache_salt: str
+    engine_id: str
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., streaming: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., engine_id: _Optional[str] = ...) -> None: ...
+
+class SessionClosed(_message.Message):
+    __slots__ = ("session_id", "epoch")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    epoch: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class SessionDemoted(_message.Message):
+    __slots__ = ("session_id", "epoch")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    epoch: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...

@@ -59,6 +59,11 @@ class KVCacheServiceStub:
                 request_serializer=protos_dot_kvcache_dot_v1_dot_kvcache__pb2.HoldLeaseRequest.SerializeToString,
                 response_deserializer=protos_dot_kvcache_dot_v1_dot_kvcache__pb2.HoldLeaseResponse.FromString,
                 _registered_method=True)
+        self.WatchEvents = channel.unary_stream(
+                '/kvcache.v1.KVCacheService/WatchEvents',
+                request_serializer=protos_dot_kvcache_dot_v1_dot_kvcache__pb2.WatchEventsRequest.SerializeToString,
+                response_deserializer=protos_dot_kvcache_dot_v1_dot_kvcache__pb2.WatchEventsResponse.FromString,
+                _registered_method=True)
         self.MatchPrefix = channel.unary_unary(
                 '/kvcache.v1.KVCacheService/MatchPrefix',
                 request_serializer=protos_dot_kvcache_dot_v1_dot_kvcache__pb2.MatchPrefixRequest.SerializeToString,
@@ -149,6 +154,15 @@ class KVCacheServiceServicer:
         """A lease held by this stream: it lasts exactly as long as the stream is open, whatever the TTL, so a
         process that exits releases everything at once and a stopped process (SIGSTOP, a GC pause, a debugger)
         keeps its pages. The first message confirms the registration; later ones are keepalives.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchEvents(self, request, context):
+        """Radix and session changes for routers: a snapshot of the current tree first (stored events, parents
+        before children, with the open sessions), then live batches in seq order. `from_seq` resumes after a
+        disconnect while the replay buffer (--kv-events-buffer) still holds that batch.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -253,6 +267,11 @@ def add_KVCacheServiceServicer_to_server(servicer, server):
                     servicer.HoldLease,
                     request_deserializer=protos_dot_kvcache_dot_v1_dot_kvcache__pb2.HoldLeaseRequest.FromString,
                     response_serializer=protos_dot_kvcache_dot_v1_dot_kvcache__pb2.HoldLeaseResponse.SerializeToString,
+            ),
+            'WatchEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchEvents,
+                    request_deserializer=protos_dot_kvcache_dot_v1_dot_kvcache__pb2.WatchEventsRequest.FromString,
+                    response_serializer=protos_dot_kvcache_dot_v1_dot_kvcache__pb2.WatchEventsResponse.SerializeToString,
             ),
             'MatchPrefix': grpc.unary_unary_rpc_method_handler(
                     servicer.MatchPrefix,
@@ -445,6 +464,33 @@ class KVCacheService:
             '/kvcache.v1.KVCacheService/HoldLease',
             protos_dot_kvcache_dot_v1_dot_kvcache__pb2.HoldLeaseRequest.SerializeToString,
             protos_dot_kvcache_dot_v1_dot_kvcache__pb2.HoldLeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvcache.v1.KVCacheService/WatchEvents',
+            protos_dot_kvcache_dot_v1_dot_kvcache__pb2.WatchEventsRequest.SerializeToString,
+            protos_dot_kvcache_dot_v1_dot_kvcache__pb2.WatchEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,

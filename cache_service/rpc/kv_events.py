@@ -1,0 +1,358 @@
+"""KV events for routers: the core's change feed, numbered, buffered, and published two ways.
+
+`EventHub` drains the feed once per event-loop iteration (the feed calls back at its first record after a
+drain; the hub schedules one `flush`), numbers each batch (`seq`, upward across restarts: the first is
+the clock in microseconds), keeps the last --kv-events-buffer batches, and hands each to:
+
+- `ZmqPublisher`, in vLLM's wire format (what Dynamo's and llm-d's indexers read): frames
+  `[topic, seq as 8 bytes big-endian, payload]`, payload a msgpack array `[ts, events, dp_rank]`, each event
+  a msgpack map with a `type`; a ROUTER socket replays buffered batches on request. Sends never block: a
+  subscriber that cannot keep up loses batches (ZMQ's high-water mark) and asks for a replay when it sees
+  the gap in `seq`.
+- `WatchEvents` watchers (the gRPC stream), whose queues are bounded too: a watcher that falls more than a
+  buffer behind gets a fresh snapshot instead of the batches it missed.
+
+Cache salts in the ZMQ format: vLLM's events have no salt field, and Dynamo's indexer (1.6.1) merges pages
+whose token ids match whatever `extra_keys` say, so a salted page is announced with `lora_name`
+"cache_salt:<salt>" (a LoRA name is part of the block identity for Dynamo and llm-d): a router finds it only
+when it asks with that name, never for a request of another salt or of none. Unsalted pages have no
+`lora_name`. Session changes are WatchEvents-only (vLLM's format has no such event).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from cache_service.core import KVCacheCore
+from cache_service.core.events import Cleared, Record, Removed, SessionChange, Stored
+from cache_service.log import get_logger
+from protos.kvcache.v1 import kvcache_pb2 as pb
+
+SALT_LORA_PREFIX = "cache_salt:"
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+"""The replay end marker's seq frame."""
+SNAPSHOT_CHUNK = 512
+"""Events per WatchEvents snapshot message."""
+
+Visible = Callable[[Record], bool]
+
+
+def default_topic(model_name: str) -> str:
+    return f"kv@{socket.gethostname()}@{model_name}"
+
+
+def lora_name_for(cache_salt: str) -> str | None:
+    return SALT_LORA_PREFIX + cache_salt if cache_salt else None
+
+
+# ----------------------------------------------------------------------------------------- wire format
+
+
+def wire_event(record: Record, medium: str, page_size: int) -> dict[str, Any] | None:
+    """One record as a vLLM KV event map (None for records vLLM's format has no event for)."""
+    if isinstance(record, Stored):
+        return {"type": "BlockStored", "block_hashes": record.hashes, "parent_block_hash": record.parent_hash,
+                "token_ids": record.token_ids.tolist(), "block_size": page_size, "lora_id": None,
+                "medium": medium, "lora_name": lora_name_for(record.cache_salt)}
+    if isinstance(record, Removed):
+        return {"type": "BlockRemoved", "block_hashes": record.hashes, "medium": medium}
+    if isinstance(record, Cleared):
+        return {"type": "AllBlocksCleared"}
+    return None
+
+
+def wire_batch(ts: float, records: Iterable[Record], medium: str, page_size: int, dp_rank: int = 0) -> bytes:
+    """The msgpack payload of one batch: `[ts, [event maps...], dp_rank]` (always three elements)."""
+    events = [e for r in records if (e := wire_event(r, medium, page_size)) is not None]
+    payload: bytes = msgpack.packb([ts, events, dp_rank], use_bin_type=True)
+    return payload
+
+
+# ----------------------------------------------------------------------------------------- protobuf
+
+
+def proto_event(record: Record, medium: str, page_size: int) -> pb.KvEvent:
+    if isinstance(record, Stored):
+        stored = pb.BlockStored(block_hashes=record.hashes, token_ids=record.token_ids.tolist(),
+                                block_size=page_size, medium=medium, cache_salt=record.cache_salt)
+        if record.parent_hash is not None:
+            stored.parent_block_hash = record.parent_hash
+        return pb.KvEvent(stored=stored)
+    if isinstance(record, Removed):
+        return pb.KvEvent(removed=pb.BlockRemoved(block_hashes=record.hashes, medium=medium,
+                                                  cache_salt=record.cache_salt))
+    if isinstance(record, Cleared):
+        return pb.KvEvent(cleared=pb.AllBlocksCleared())
+    if record.kind == "opened":
+        return pb.KvEvent(session_opened=pb.SessionOpened(
+            session_id=record.session_id, epoch=record.epoch, streaming=record.streaming,
+            cache_salt=record.cache_salt, engine_id=record.engine_id))
+    if record.kind == "closed":
+        return pb.KvEvent(session_closed=pb.SessionClosed(session_id=record.session_id, epoch=record.epoch))
+    return pb.KvEvent(session_demoted=pb.SessionDemoted(session_id=record.session_id, epoch=record.epoch))
+
+
+# ----------------------------------------------------------------------------------------- the hub
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    seq: int
+    ts: float
+    records: list[Record]
+    payload: bytes | None
+    """The ZMQ payload (None when no publisher is configured)."""
+
+
+class Watcher:
+    """One WatchEvents stream's queue of batches; bounded: an overflow empties it and asks for a snapshot."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._queue: deque[Batch] = deque()
+        self._ready = asyncio.Event()
+        self.lagged = False
+
+    def push(self, batch: Batch) -> None:
+        if len(self._queue) >= self._limit:
+            self._queue.clear()
+            self.lagged = True
+        else:
+            self._queue.append(batch)
+        self._ready.set()
+
+    def clear(self) -> None:
+        self._queue.clear()
+        self.lagged = False
+
+    async def next(self) -> Batch | None:
+        """The next batch, or None when the watcher lagged (it needs a snapshot)."""
+        while not self._queue and not self.lagged:
+            self._ready.clear()
+            await self._ready.wait()
+        if self.lagged:
+            self.lagged = False
+            return None
+        return self._queue.popleft()
+
+
+class EventHub:
+    """Numbers, buffers and fans out the core's change feed (see the module doc)."""
+
+    def __init__(self, core: KVCacheCore, *, instance_id: str, medium: str, buffer: int,
+                 publisher: ZmqPublisher | None = None, clock: Callable[[], float] = time.time) -> None:
+        self.core = core
+        self.feed = core.events
+        self.instance_id = instance_id
+        self.medium = medium
+        self.page_size = core.page_size
+        self.publisher = publisher
+        self._clock = clock
+        self._next_seq = time.time_ns() // 1000
+        self._ring: deque[Batch] = deque(maxlen=buffer)
+        self._buffer = buffer
+        self._watchers: set[Watcher] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._scheduled = False
+        self.batches = 0
+        self.events: dict[str, int] = {"stored": 0, "removed": 0, "cleared": 0, "session": 0}
+        self._log = get_logger("kvcache.events")
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Hook the feed; with a ZMQ publisher, record from now on and announce AllBlocksCleared first (a
+        router forgets what an earlier instance at this address announced)."""
+        self._loop = loop
+        self.feed.on_record = self._schedule
+        if self.publisher is not None:
+            self.feed.start(self.core.radix)
+            self.feed.cleared()
+            self.flush()
+
+    def ensure_recording(self) -> None:
+        """A watcher arrived: record from now on (hashing what the tree holds already)."""
+        self.feed.start(self.core.radix)
+
+    def close(self) -> None:
+        self.flush()
+        self.feed.on_record = None
+        if self.publisher is not None:
+            self.publisher.close()
+
+    # ------------------------------------------------------------------ batches
+
+    @property
+    def last_seq(self) -> int:
+        """The seq of the last batch published (one below the first seq when none was)."""
+        return self._next_seq - 1
+
+    @property
+    def watchers(self) -> int:
+        return len(self._watchers)
+
+    @property
+    def dropped(self) -> int:
+        """Batches the ZMQ publisher could not send."""
+        return self.publisher.dropped if self.publisher is not None else 0
+
+    def _schedule(self) -> None:
+        if not self._scheduled and self._loop is not None:
+            self._scheduled = True
+            self._loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Publish what the feed recorded since the last flush as one batch."""
+        self._scheduled = False
+        records = self.feed.drain()
+        if not records:
+            return
+        seq = self._next_seq
+        self._next_seq += 1
+        ts = self._clock()
+        payload = None
+        if self.publisher is not None:
+            payload = wire_batch(ts, records, self.medium, self.page_size)
+            self.publisher.publish(seq, payload)
+        batch = Batch(seq, ts, records, payload)
+        self._ring.append(batch)
+        self.batches += 1
+        for r in records:
+            self.events[_COUNTER[type(r).__name__]] += 1
+        for w in self._watchers:
+            w.push(batch)
+
+    def replay(self, start: int) -> Iterator[Batch]:
+        """Buffered batches with seq >= start, oldest first."""
+        return (b for b in list(self._ring) if b.seq >= start)
+
+    def holds(self, seq: int) -> bool:
+        """The buffer can resume at `seq`: it holds that batch, or `seq` is the next one."""
+        first = self._ring[0].seq if self._ring else self._next_seq
+        return first <= seq <= self._next_seq
+
+    # ------------------------------------------------------------------ watchers
+
+    def watch(self) -> Watcher:
+        w = Watcher(self._buffer)
+        self._watchers.add(w)
+        return w
+
+    def unwatch(self, w: Watcher) -> None:
+        self._watchers.discard(w)
+
+    def snapshot(self, visible: Visible | None) -> list[pb.WatchEventsResponse]:
+        """The current tree and open sessions as snapshot messages at `last_seq`: `cleared`, the stored
+        pages (parents before children), the opened sessions. Call right after `flush` so the live
+        batches that follow continue from it."""
+        records: list[Record] = [Cleared(), *self.feed.snapshot(self.core.radix)]
+        for info in self.core.list_sessions():
+            records.append(SessionChange("opened", info.session_id, info.epoch, info.cache_salt, info.streaming,
+                                         info.engine_id, info.identity))
+        events = [proto_event(r, self.medium, self.page_size) for r in records if visible is None or visible(r)]
+        ts = self._clock()
+        chunks = [events[i : i + SNAPSHOT_CHUNK] for i in range(0, len(events), SNAPSHOT_CHUNK)] or [[]]
+        return [pb.WatchEventsResponse(seq=self.last_seq, ts=ts, instance_id=self.instance_id, snapshot=True,
+                                       events=chunk) for chunk in chunks]
+
+    def message(self, batch: Batch, visible: Visible | None) -> pb.WatchEventsResponse:
+        events = [proto_event(r, self.medium, self.page_size) for r in batch.records
+                  if visible is None or visible(r)]
+        return pb.WatchEventsResponse(seq=batch.seq, ts=batch.ts, instance_id=self.instance_id, events=events)
+
+
+_COUNTER = {"Stored": "stored", "Removed": "removed", "Cleared": "cleared", "SessionChange": "session"}
+
+
+# ----------------------------------------------------------------------------------------- ZMQ
+
+
+def _zmq_bind_address(endpoint: str) -> str:
+    """tcp://host:0 asks ZMQ for a free port (its spelling is host:*)."""
+    if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
+        return endpoint[:-2] + ":*"
+    return endpoint
+
+
+class ZmqPublisher:
+    """A PUB socket (and optionally a ROUTER for replays) bound at start. `endpoint` and
+    `replay_endpoint` are the bound addresses (the real port when port 0 was asked)."""
+
+    def __init__(self, endpoint: str, replay_endpoint: str, topic: str, *, hwm: int = 100_000) -> None:
+        import zmq
+        import zmq.asyncio
+
+        self._zmq = zmq
+        self.topic = topic.encode()
+        self._ctx = zmq.asyncio.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.SNDHWM, hwm)
+        self._pub.setsockopt(zmq.LINGER, 500)
+        self._router: Any = None
+        self._task: asyncio.Task[None] | None = None
+        self.dropped = 0
+        self.replays = 0
+        try:
+            self._pub.bind(_zmq_bind_address(endpoint))
+            self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            self.replay_endpoint = ""
+            if replay_endpoint:
+                self._router = self._ctx.socket(zmq.ROUTER)
+                self._router.setsockopt(zmq.LINGER, 0)
+                self._router.setsockopt(zmq.SNDHWM, hwm)
+                self._router.bind(_zmq_bind_address(replay_endpoint))
+                self.replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError as e:
+            self.close()
+            raise OSError(f"cannot bind KV events endpoint: {e}") from None
+
+    def publish(self, seq: int, payload: bytes) -> None:
+        """Send without blocking; a batch the high-water mark refuses is dropped (a subscriber replays it)."""
+        try:
+            self._pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload], flags=self._zmq.NOBLOCK)
+        except self._zmq.Again:
+            self.dropped += 1
+
+    def serve_replay(self, hub: EventHub) -> None:
+        if self._router is not None:
+            self._task = asyncio.get_running_loop().create_task(self._replay_loop(hub), name="kvcache-kv-replay")
+
+    async def _replay_loop(self, hub: EventHub) -> None:
+        """Answer `[identity, "", start_seq]` (REQ) or `[identity, start_seq]` (DEALER) with every buffered
+        batch from start_seq, `[identity, "", topic, seq, payload]`, then `[identity, "", "", -1, ""]`."""
+        zmq = self._zmq
+        log = get_logger("kvcache.events")
+        while True:
+            frames = await self._router.recv_multipart()
+            if len(frames) < 2 or len(frames[-1]) != 8:
+                log.warning("kv_events_bad_replay_request", frames=len(frames))
+                continue
+            identity, start = frames[0], int.from_bytes(frames[-1], "big")
+            self.replays += 1
+            try:
+                for batch in hub.replay(start):
+                    if batch.payload is not None:
+                        self._router.send_multipart([identity, b"", self.topic, batch.seq.to_bytes(8, "big"),
+                                                     batch.payload], flags=zmq.NOBLOCK)
+                self._router.send_multipart([identity, b"", b"", END_SEQ, b""], flags=zmq.NOBLOCK)
+            except zmq.Again:
+                log.warning("kv_events_replay_dropped", start_seq=start)
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+        for sock in (self._pub, self._router):
+            if sock is not None:
+                with contextlib.suppress(Exception):
+                    sock.close()
+        self._ctx.term()
