@@ -5,11 +5,13 @@ BIN := $(VENV)/bin
 PY := $(BIN)/python
 STAMP := $(VENV)/.kvcache-setup
 TOOLS := .tools
+CONFORMANCE := .venv-conformance
+DYNAMO_VERSION := 1.6.1
 BUF_VERSION := 1.75.0
 BUF := $(TOOLS)/node_modules/.bin/buf
 
 .DEFAULT_GOAL := help
-.PHONY: help setup run test lint typecheck unit proto proto-check docs docs-check chart-render chart-check bench demo hf-demo gpu-test clean
+.PHONY: help setup conformance-setup run test lint typecheck unit proto proto-check docs docs-check chart-render chart-check bench demo hf-demo gpu-test clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -18,6 +20,14 @@ setup: $(STAMP) ## create .venv and install kvcache[dev] (torch 2.13.0 CPU unles
 
 $(STAMP): pyproject.toml scripts/setup.sh
 	@bash scripts/setup.sh "$(PYTHON)" "$(VENV)"
+	@touch $@
+
+conformance-setup: $(CONFORMANCE)/.stamp ## NVIDIA Dynamo's KV indexer in its own venv (its pins clash with ours)
+
+$(CONFORMANCE)/.stamp:
+	@echo "[setup] Dynamo's standalone KV indexer (ai-dynamo-runtime==$(DYNAMO_VERSION)) into $(CONFORMANCE)"
+	@$(PYTHON) -m venv $(CONFORMANCE)
+	@$(CONFORMANCE)/bin/python -m pip install --quiet --disable-pip-version-check ai-dynamo-runtime==$(DYNAMO_VERSION)
 	@touch $@
 
 run: setup ## serve on the embedded default (host shm, 127.0.0.1:50051); add flags with ARGS="..."
@@ -41,7 +51,7 @@ $(BUF): ## buf from npm (@bufbuild/buf), pinned
 typecheck: setup ## mypy --strict on cache_service and engine_client
 	@$(BIN)/mypy --no-error-summary && echo "[typecheck] mypy: clean"
 
-unit: setup ## pytest, 3 worker processes (the tests mostly wait on the servers and engines they start)
+unit: setup conformance-setup ## pytest, 3 worker processes (the tests mostly wait on the servers and engines they start)
 	@$(BIN)/pytest -q -n 3
 
 proto: setup ## regenerate the Python code of protos/kvcache/v1/*.proto
@@ -76,4 +86,4 @@ gpu-test: setup ## on a GPU machine (torch + cupy): tests/gpu and the mapped-poo
 	@$(PY) scripts/gpu_check.py
 
 clean: ## remove .venv and caches
-	rm -rf $(VENV) $(TOOLS) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(CONFORMANCE) $(TOOLS) .pytest_cache .mypy_cache .ruff_cache .hypothesis

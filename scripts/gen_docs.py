@@ -18,6 +18,7 @@ from cache_service.config import FLAGS  # noqa: E402
 from cache_service.core import CoreConfig, KVCacheCore  # noqa: E402
 from cache_service.core.reasons import Reason  # noqa: E402
 from cache_service.metrics import Metrics  # noqa: E402
+from cache_service.rpc.kv_events import EventHub  # noqa: E402
 
 
 def flags_table() -> str:
@@ -38,6 +39,7 @@ def metrics_table() -> str:
     core = KVCacheCore(CoreConfig(num_pages=4, page_size=1))
     metrics = Metrics(core.stats, {"instance_id": "x", "backend": "host_shm", "version": "v"})
     metrics.observe_rpc("GetStats", "OK", 0.001)
+    metrics.add_events(EventHub(core, instance_id="x", medium="CPU", buffer=1))
     rows = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
     for family in metrics.registry.collect():
         labels = sorted({k for s in family.samples for k in s.labels if k not in ("le",)})

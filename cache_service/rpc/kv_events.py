@@ -42,6 +42,9 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The replay end marker's seq frame."""
 SNAPSHOT_CHUNK = 512
 """Events per WatchEvents snapshot message."""
+HEARTBEAT_SECONDS = 1.0
+"""An idle publisher sends an empty batch this often, so a subscriber that missed batches (it connected
+late, or reconnected to a restarted service) sees the gap in `seq` and asks for a replay."""
 
 Visible = Callable[[Record], bool]
 
@@ -163,6 +166,8 @@ class EventHub:
         self._watchers: set[Watcher] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._scheduled = False
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._last_publish = 0.0
         self.batches = 0
         self.events: dict[str, int] = {"stored": 0, "removed": 0, "cleared": 0, "session": 0}
         self._log = get_logger("kvcache.events")
@@ -170,20 +175,31 @@ class EventHub:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Hook the feed; with a ZMQ publisher, record from now on and announce AllBlocksCleared first (a
-        router forgets what an earlier instance at this address announced)."""
+        """Hook the feed; with a ZMQ publisher, record from now on, announce AllBlocksCleared first (a
+        router forgets what an earlier instance at this address announced), and keep idle subscribers
+        informed with heartbeats."""
         self._loop = loop
         self.feed.on_record = self._schedule
         if self.publisher is not None:
             self.feed.start(self.core.radix)
             self.feed.cleared()
             self.flush()
+            self._heartbeat = loop.create_task(self._beat(), name="kvcache-kv-heartbeat")
+
+    async def _beat(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_SECONDS)
+            if self._clock() - self._last_publish >= HEARTBEAT_SECONDS:
+                self.flush(heartbeat=True)
 
     def ensure_recording(self) -> None:
         """A watcher arrived: record from now on (hashing what the tree holds already)."""
         self.feed.start(self.core.radix)
 
     def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            self._heartbeat = None
         self.flush()
         self.feed.on_record = None
         if self.publisher is not None:
@@ -210,11 +226,12 @@ class EventHub:
             self._scheduled = True
             self._loop.call_soon(self.flush)
 
-    def flush(self) -> None:
-        """Publish what the feed recorded since the last flush as one batch."""
+    def flush(self, *, heartbeat: bool = False) -> None:
+        """Publish what the feed recorded since the last flush as one batch (a `heartbeat` goes out even
+        when empty, to ZMQ only)."""
         self._scheduled = False
         records = self.feed.drain()
-        if not records:
+        if not records and not heartbeat:
             return
         seq = self._next_seq
         self._next_seq += 1
@@ -223,13 +240,15 @@ class EventHub:
         if self.publisher is not None:
             payload = wire_batch(ts, records, self.medium, self.page_size)
             self.publisher.publish(seq, payload)
+        self._last_publish = ts
         batch = Batch(seq, ts, records, payload)
         self._ring.append(batch)
         self.batches += 1
         for r in records:
             self.events[_COUNTER[type(r).__name__]] += 1
-        for w in self._watchers:
-            w.push(batch)
+        if records:
+            for w in self._watchers:
+                w.push(batch)
 
     def replay(self, start: int) -> Iterator[Batch]:
         """Buffered batches with seq >= start, oldest first."""

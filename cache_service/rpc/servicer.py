@@ -193,7 +193,8 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         try:
             if request.from_seq and hub.holds(request.from_seq):
                 for old in hub.replay(request.from_seq):
-                    yield hub.message(old, visible)
+                    if old.records:  # heartbeats are for ZMQ subscribers
+                        yield hub.message(old, visible)
             else:
                 for message in hub.snapshot(visible):
                     yield message

@@ -142,8 +142,9 @@ def test_each_method_sends_one_request(run: Callable[..., tuple[Sent, str]], met
 
 def test_every_rpc_the_clients_make_is_a_service_method() -> None:
     # Step takes a batch that can be sent once: tests/engine_client/test_step.py covers it the same way.
-    # HoldLease is a stream held by a thread or task: tests/integration/test_fencing.py runs it for real.
-    assert {rpc for *_, rpc, _, _ in CASES} | {"Step", "HoldLease"} == set(SERVICE.methods_by_name)
+    # HoldLease is a stream held by a thread or task: tests/integration/test_lease_stream.py runs it for real.
+    # WatchEvents is for routers and on-call (`kvcache-service events`), not engines: tests/rpc/test_watch_events.py.
+    assert {rpc for *_, rpc, _, _ in CASES} | {"Step", "HoldLease", "WatchEvents"} == set(SERVICE.methods_by_name)
 
 
 def test_both_clients_have_the_same_methods_with_the_same_signatures() -> None:

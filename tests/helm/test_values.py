@@ -273,6 +273,12 @@ FLAG_CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         {"auth": {"existingSecret": "kv-auth", "existingSecretKey": "bearer"}},
         {"valueFrom": {"secretKeyRef": {"name": "kv-auth", "key": "bearer"}}},
     ),
+    "kv-events-endpoint": ({"kvEvents": {"enabled": True, "port": 6557}}, {"value": "tcp://0.0.0.0:6557"}),
+    "kv-events-replay-endpoint": ({"kvEvents": {"enabled": True, "replayPort": 6558, "host": "::"}},
+                                  {"value": "tcp://[::]:6558"}),
+    "kv-events-topic": ({"config": {"kvEventsTopic": "kv@node-3@llama"}}, {"value": "kv@node-3@llama"}),
+    "model-name": ({"config": {"modelName": "llama-3-8b"}}, {"value": "llama-3-8b"}),
+    "kv-events-buffer": ({"config": {"kvEventsBuffer": 500}}, {"value": "500"}),
     "tenants-file": ({"auth": {"tenantsSecret": "kv-tenants", "tenantsSecretKey": "t.yaml"}},
                      {"value": "/etc/kvcache/tenants/t.yaml"}),
     "tls-cert": ({"tls": {"enabled": True, "existingSecret": "kv-tls"}}, {"value": "/etc/kvcache/tls/tls.crt"}),
@@ -292,11 +298,12 @@ FLAGS_BY_NAME = {flag.name: flag for flag in FLAGS}
 
 # Flags the chart sets from values outside `config` (see FLAG_CASES for which).
 STRUCTURAL_FLAGS = frozenset(
-    {"listen", "metrics-port", "metrics-host", "auth-token", "tenants-file", "tls-cert", "tls-key", "tls-client-ca"}
+    {"listen", "metrics-port", "metrics-host", "auth-token", "tenants-file", "tls-cert", "tls-key", "tls-client-ca",
+     "kv-events-endpoint", "kv-events-replay-endpoint"}
 )
 # Flags the chart sets only when a value turns them on (their env is absent by default).
 OPT_IN_ENV = frozenset({"KVCACHE_AUTH_TOKEN", "KVCACHE_TENANTS_FILE", "KVCACHE_TLS_CERT", "KVCACHE_TLS_KEY",
-                        "KVCACHE_TLS_CLIENT_CA"})
+                        "KVCACHE_TLS_CLIENT_CA", "KVCACHE_KV_EVENTS_ENDPOINT", "KVCACHE_KV_EVENTS_REPLAY_ENDPOINT"})
 
 # Where the chart's defaults differ from the service's on purpose (ServiceConfig field -> chart default).
 CHART_OVERRIDES: dict[str, Any] = {
@@ -358,6 +365,7 @@ def test_rendered_env_names_are_serve_flags(chart: helm.Chart) -> None:
     assert names == {flag.env for flag in FLAGS} - OPT_IN_ENV
     everything_on = {
         "auth": {"token": "t"},
+        "kvEvents": {"enabled": True},
         "tls": {"enabled": True, "existingSecret": "kv-tls", "clientCa": {"enabled": True}},
     }
     with_all = env_of(service_container(render(chart, everything_on)))

@@ -138,3 +138,27 @@ def test_on_call_tools_fail_with_one_line_when_the_service_is_down() -> None:
     assert proc.returncode == 1
     assert len(proc.stderr.splitlines()) == 1
     assert proc.stderr.startswith("kvcache-service: stats 127.0.0.1:1: UNAVAILABLE: ")
+
+
+def test_events_prints_one_line_per_event(server: ServerProcess) -> None:
+    with KVCacheClient(server.target) as client:
+        client.open_session("cached", streaming=False)
+        client.append_session("cached", list(range(1, 10)))
+        client.commit_session("cached", [7])
+        client.open_session("open", cache_salt="t")
+        proc = run_cli("events", "--target", server.target, "--count", "4")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    seq = lines[0].split()[1]
+    assert lines == [
+        f"seq {seq} snapshot cleared",
+        f"seq {seq} snapshot stored salt='' pages=2 hashes=a56148b7edcc6bb5,8b7febb04cd5c39d parent=- tokens=8 "
+        "medium=CPU",
+        f"seq {seq} snapshot session opened cached epoch=1 regular salt='' engine=-",
+        f"seq {seq} snapshot session opened open epoch=2 streaming salt='t' engine=-",
+    ]
+    as_json = run_cli("events", "--target", server.target, "--json", "--count", "1")
+    assert as_json.returncode == 0 and '"snapshot": true' in as_json.stdout
+    with KVCacheClient(server.target) as client:
+        client.close_session("cached")
+        client.close_session("open")

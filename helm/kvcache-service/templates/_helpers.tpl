@@ -268,6 +268,13 @@ and the fix.
 {{- if gt (float64 $v.config.leaseTtl) (float64 $v.config.maxLeaseTtl) -}}
 {{- fail (printf "config.leaseTtl=%v is above config.maxLeaseTtl=%v" $v.config.leaseTtl $v.config.maxLeaseTtl) -}}
 {{- end -}}
+{{- if $v.kvEvents.enabled -}}
+{{- $taken := list (int $v.grpc.port) -}}
+{{- if $v.metrics.enabled }}{{ $taken = append $taken (int $v.metrics.port) }}{{ end -}}
+{{- if or (has (int $v.kvEvents.port) $taken) (has (int $v.kvEvents.replayPort) $taken) (eq (int $v.kvEvents.port) (int $v.kvEvents.replayPort)) -}}
+{{- fail (printf "kvEvents.port=%d and kvEvents.replayPort=%d must differ from each other and from grpc.port and metrics.port" (int $v.kvEvents.port) (int $v.kvEvents.replayPort)) -}}
+{{- end -}}
+{{- end -}}
 {{- if and $v.tls.enabled (not $v.tls.existingSecret) -}}
 {{- fail "tls.enabled needs tls.existingSecret: the name of a kubernetes.io/tls Secret with the server certificate (tls.crt) and key (tls.key)" -}}
 {{- end -}}
@@ -312,6 +319,12 @@ Whole numbers render as integers (Helm holds every number as a float64, and "1.0
     secretKeyRef:
       name: {{ . }}
       key: {{ ternary $.Values.auth.existingSecretKey "token" (not (empty $.Values.auth.existingSecret)) }}
+{{- end }}
+{{- if .Values.kvEvents.enabled }}
+- name: KVCACHE_KV_EVENTS_ENDPOINT
+  value: {{ printf "tcp://%s:%d" (include "kvcache.bindHost" .Values.kvEvents.host) (int .Values.kvEvents.port) | quote }}
+- name: KVCACHE_KV_EVENTS_REPLAY_ENDPOINT
+  value: {{ printf "tcp://%s:%d" (include "kvcache.bindHost" .Values.kvEvents.host) (int .Values.kvEvents.replayPort) | quote }}
 {{- end }}
 {{- with .Values.auth.tenantsSecret }}
 - name: KVCACHE_TENANTS_FILE
@@ -393,6 +406,14 @@ ports:
   {{- if .Values.metrics.enabled }}
   - name: metrics
     containerPort: {{ int .Values.metrics.port }}
+    protocol: TCP
+  {{- end }}
+  {{- if .Values.kvEvents.enabled }}
+  - name: kv-events
+    containerPort: {{ int .Values.kvEvents.port }}
+    protocol: TCP
+  - name: kv-replay
+    containerPort: {{ int .Values.kvEvents.replayPort }}
     protocol: TCP
   {{- end }}
 env:
@@ -560,4 +581,9 @@ spec:
     {{- with .Values.extraVolumes }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
+{{- end -}}
+
+{{/* A host for a ZMQ tcp:// address: IPv6 literals in brackets. */}}
+{{- define "kvcache.bindHost" -}}
+{{- if contains ":" . -}}[{{ . }}]{{- else -}}{{ . }}{{- end -}}
 {{- end -}}
