@@ -102,8 +102,9 @@ def _scrape(port: int) -> dict[str, float]:
 def _cpu_seconds(pid: int) -> float:
     """User + system CPU time the process has used (Linux /proc)."""
     import os
+    from pathlib import Path
 
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
