@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import ssl
 import time
 import uuid
 from collections.abc import Callable
+from typing import cast
 
 from grpc_health.v1._async import HealthServicer
 
@@ -21,11 +23,13 @@ from cache_service import __version__
 from cache_service.config import ConfigError, ServiceConfig
 from cache_service.core import CoreConfig, KVCacheCore
 from cache_service.log import get_logger
-from cache_service.memory import PoolBackend
+from cache_service.memory import PoolBackend, PoolHandle
+from cache_service.memory.base import FdPool, exports_fd
 from cache_service.memory.select import PoolChoice, create_pool
 from cache_service.metrics import Metrics, serve_metrics
 from cache_service.rpc.identity import Identities, load_tenants
 from cache_service.rpc.kv_events import EventHub, ZmqPublisher, default_topic
+from cache_service.rpc.pool_socket import PoolSocketServer, parse_uids
 from cache_service.rpc.server import RpcServer, RpcSettings, ServerTls
 
 
@@ -136,6 +140,7 @@ class KVCacheServer:
         """The bound metrics port (the free one picked for --metrics-port 0); None when metrics are off."""
         self._stopped = False
         self.events: EventHub | None = None
+        self.pool_socket: PoolSocketServer | None = None
 
     @property
     def security(self) -> str:
@@ -158,6 +163,8 @@ class KVCacheServer:
         except BaseException:
             if self.events is not None:
                 self.events.close()
+            if self.pool_socket is not None:
+                self.pool_socket.close()
             self.pool.close()
             raise
         self._log.info("serving", address=self.address, instance_id=self.instance_id, backend=self.pool.name,
@@ -175,7 +182,11 @@ class KVCacheServer:
                                             "version": __version__})
         self.events = self._event_hub()
         metrics.add_events(self.events)
-        rpc = RpcServer(self.core, self.pool.layout, self.pool.handle(),
+        handle = self.pool.handle()
+        if exports_fd(self.pool):
+            self.pool_socket = self._pool_socket(handle)
+            handle = dataclasses.replace(handle, pool_socket=self.pool_socket.address)
+        rpc = RpcServer(self.core, self.pool.layout, handle,
                         rpc_settings(cfg, self.identities, self.tls), instance_id=self.instance_id, metrics=metrics,
                         events=self.events, clock=self._clock)
         self.address = rpc.bind()
@@ -194,6 +205,18 @@ class KVCacheServer:
         await rpc.start()
         self._rpc = rpc
         self._reaper = asyncio.create_task(self._reap_forever(), name="kvcache-reaper")
+
+    def _pool_socket(self, handle: PoolHandle) -> PoolSocketServer:
+        """Serve the fd-backed pool on --pool-socket (default: @kvcache-<instance id>)."""
+        cfg = self.config
+        pool = cast(FdPool, self.pool)
+        server = PoolSocketServer(cfg.pool_socket or f"@kvcache-{self.instance_id}", pool.export_fd,
+                                  identities=self.identities, instance_id=self.instance_id, backend=handle.backend,
+                                  size_bytes=handle.size_bytes, device_uuid=handle.device_uuid,
+                                  allowed_uids=parse_uids(cfg.pool_socket_uids))
+        server.start()
+        self._log.info("pool_socket", address=server.address, uids=cfg.pool_socket_uids or "own")
+        return server
 
     def _event_hub(self) -> EventHub:
         """The change feed's hub, with a ZMQ publisher when --kv-events-endpoint is set."""
@@ -245,6 +268,8 @@ class KVCacheServer:
             self.core.unregister_engine(engine.engine_id, identity=None)
         if self.events is not None:
             self.events.close()
+        if self.pool_socket is not None:
+            self.pool_socket.close()
         if self.pool is not None:
             self.pool.close()
         self._log.info("stopped", released_sessions=st.sessions, released_engines=st.engines,

@@ -138,6 +138,9 @@ def _banner(server: Any) -> str:
     layout = server.pool.layout
     handle = server.pool.handle()
     where = handle.shm_path or f"GPU {handle.device_uuid}"
+    if server.pool_socket is not None:
+        where = ("memfd" if not handle.device_uuid else f"GPU {handle.device_uuid}") + \
+            f", handed out on {server.pool_socket.address}"
     metrics = (f"http://{_host_for_url(cfg.metrics_host)}:{server.metrics_port}/metrics"
                if server.metrics_port is not None else "disabled (--metrics-port)")
     lines = [

@@ -17,7 +17,7 @@ from typing import Any
 from cache_service.memory.base import format_bytes
 from protos.kvcache.v1.layout import DTYPE_NAMES, PoolLayout
 
-BACKEND_CHOICES = ("auto", "host_shm", "cuda_ipc")
+BACKEND_CHOICES = ("auto", "host_shm", "host_memfd", "cuda_ipc", "cuda_vmm")
 _SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
                "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
@@ -73,9 +73,9 @@ def _port_or_off(text: str) -> int | None:
 
 FLAGS: tuple[Flag, ...] = (
     Flag("listen", str, "127.0.0.1:50051", "gRPC address: host:port (port 0 picks a free one) or unix:/path"),
-    Flag("backend", str, "auto", "pool backend: auto picks cuda_ipc when a GPU is visible, else host_shm",
-         BACKEND_CHOICES),
-    Flag("device", str, "0", "CUDA device for cuda_ipc: an index or a GPU UUID (GPU-...)"),
+    Flag("backend", str, "auto", "pool backend: auto picks cuda_vmm when a GPU supports it (else cuda_ipc), and "
+         "host_shm without a GPU", BACKEND_CHOICES),
+    Flag("device", str, "0", "CUDA device for cuda_ipc and cuda_vmm: an index or a GPU UUID (GPU-...)"),
     Flag("num-layers", int, 2, "transformer layers in the pool layout"),
     Flag("num-kv-heads", int, 4, "KV heads per layer"),
     Flag("head-dim", int, 64, "head dimension"),
@@ -85,6 +85,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("pool-bytes", parse_bytes, 0, "pool size in bytes instead of --num-pages (e.g. 512Mi, 8Gi)",
          metavar="SIZE"),
     Flag("shm-dir", str, "/dev/shm", "directory of the host_shm pool file"),
+    Flag("pool-socket", str, "", "unix socket that hands fd pools (host_memfd, cuda_vmm) to engines: a path, or "
+         "@name in the abstract namespace (default @kvcache-<instance id>)", metavar="ADDR"),
+    Flag("pool-socket-uids", str, "", "peer uids the pool socket serves, comma-separated; * for any (default: "
+         "this process's uid only)", metavar="UIDS"),
     Flag("shm-prefix", str, "kvcache", "pool file name prefix; stale files with it are removed at start"),
     Flag("session-timeout", float, 600.0, "default sliding session timeout in seconds (0 = never)"),
     Flag("lease-ttl", float, 30.0, "default engine lease TTL in seconds"),
@@ -145,6 +149,8 @@ class ServiceConfig:
     pool_bytes: int = 0
     shm_dir: str = "/dev/shm"
     shm_prefix: str = "kvcache"
+    pool_socket: str = ""
+    pool_socket_uids: str = ""
     session_timeout: float = 600.0
     lease_ttl: float = 30.0
     reap_interval: float = 1.0
@@ -225,6 +231,11 @@ class ServiceConfig:
         need(self.dtype in DTYPE_NAMES, "dtype", f"unknown dtype {self.dtype!r}; one of {', '.join(DTYPE_NAMES)}")
         need(self.backend in BACKEND_CHOICES, "backend",
              f"unknown backend {self.backend!r}; one of {', '.join(BACKEND_CHOICES)}")
+        need(not self.pool_socket or self.pool_socket.startswith("/")
+             or (self.pool_socket.startswith("@") and len(self.pool_socket) > 1), "pool-socket",
+             f"{self.pool_socket!r} is not an absolute path or @name")
+        need(_valid_uids(self.pool_socket_uids), "pool-socket-uids",
+             f"{self.pool_socket_uids!r} is not a comma-separated list of uids or *")
         need(not (self.num_pages and self.pool_bytes), "pool-bytes", "set --num-pages or --pool-bytes, not both")
         need(self.num_pages >= 0, "num-pages", f"must be >= 2, got {self.num_pages}")
         need(self.num_pages != 1, "num-pages", "must be >= 2 (page 0 is reserved)")
@@ -274,6 +285,11 @@ class ServiceConfig:
         need(bool(self.tls_cert) or not self.tls_key, "tls-key", "needs --tls-cert (the certificate it belongs to)")
         need(bool(self.tls_cert) or not self.tls_client_ca, "tls-client-ca",
              "needs --tls-cert and --tls-key: mutual TLS is TLS with client certificates")
+
+
+def _valid_uids(text: str) -> bool:
+    text = text.strip()
+    return text in ("", "*") or all(part.strip().isdigit() for part in text.split(","))
 
 
 def _valid_zmq_endpoint(endpoint: str) -> bool:

@@ -30,6 +30,8 @@ class PoolInfo:
     offset_bytes: int
     page_bytes: int
     server_version: str
+    pool_socket: str = ""
+    """host_memfd, cuda_vmm: the unix socket that hands the pool over (a path, or @name)."""
 
 
 @dataclass(frozen=True, slots=True)

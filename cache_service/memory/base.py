@@ -29,6 +29,8 @@ class PoolHandle:
     cuda_ipc_handle: bytes = b""
     device_uuid: str = ""
     offset_bytes: int = 0
+    pool_socket: str = ""
+    """fd backends: where engines receive the pool (set by start-up, which serves the socket)."""
 
 
 class PoolBackend(Protocol):
@@ -43,3 +45,15 @@ class PoolBackend(Protocol):
 
     @property
     def closed(self) -> bool: ...
+
+
+class FdPool(PoolBackend, Protocol):
+    """A backend whose pool is a file descriptor, handed to engines over the pool socket."""
+
+    def export_fd(self) -> int:
+        """The pool's fd; the backend keeps it (the socket sends duplicates)."""
+        ...
+
+
+def exports_fd(pool: PoolBackend) -> bool:
+    return callable(getattr(pool, "export_fd", None))

@@ -77,6 +77,19 @@ def _host_shm(config: PoolSettings, instance_id: str) -> PoolBackend:
                        size_flag=size_flag)
 
 
+def _host_memfd(config: PoolSettings, instance_id: str) -> PoolBackend:
+    from cache_service.memory.host_memfd import HostMemfdPool
+
+    size_flag = f"--pool-bytes (asked: {format_bytes(config.pool_bytes)})" if config.pool_bytes else "--num-pages"
+    return HostMemfdPool(config.layout(), size_flag=size_flag)
+
+
+def _cuda_vmm(config: PoolSettings, instance_id: str) -> PoolBackend:
+    from cache_service.memory.cuda_vmm import CudaVmmPool
+
+    return CudaVmmPool(config.layout(), device=config.device)
+
+
 def _cuda_ipc(config: PoolSettings, instance_id: str) -> PoolBackend:
     from cache_service.memory.cuda_ipc import CudaIpcPool
 
@@ -85,7 +98,9 @@ def _cuda_ipc(config: PoolSettings, instance_id: str) -> PoolBackend:
 
 BACKENDS: dict[str, Callable[[PoolSettings, str], PoolBackend]] = {
     "host_shm": _host_shm,
+    "host_memfd": _host_memfd,
     "cuda_ipc": _cuda_ipc,
+    "cuda_vmm": _cuda_vmm,
 }
 
 
@@ -98,11 +113,11 @@ def create_pool(config: PoolSettings, instance_id: str,
         cuda = probe()
         backend = "cuda_ipc" if cuda.available else "host_shm"
         why = f"auto: {cuda.reason}"
-    elif backend == "cuda_ipc":
+    elif backend in ("cuda_ipc", "cuda_vmm"):
         cuda = probe()
         if not cuda.available:
-            raise PoolError(f"--backend cuda_ipc needs a GPU: {cuda.reason}; use --backend host_shm")
-        why = "--backend cuda_ipc"
+            raise PoolError(f"--backend {backend} needs a GPU: {cuda.reason}; use --backend host_shm")
+        why = f"--backend {backend}"
     else:
         why = f"--backend {backend}"
     removed: tuple[str, ...] = ()

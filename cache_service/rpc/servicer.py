@@ -64,6 +64,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             backend=handle.backend, shm_path=handle.shm_path, cuda_ipc_handle=handle.cuda_ipc_handle,
             device_uuid=handle.device_uuid, size_bytes=handle.size_bytes, instance_id=instance_id,
             offset_bytes=handle.offset_bytes, page_bytes=layout.page_bytes, server_version=__version__,
+            pool_socket=handle.pool_socket,
         )
         self._fills: dict[str, Fill] = {"open": self._open, "append": self._append, "extend": self._extend,
                                         "commit": self._commit, "close": self._close, "match": self._match}

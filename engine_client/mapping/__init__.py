@@ -32,24 +32,30 @@ class LazyImporter:
     module: str
     function: str
 
-    def __call__(self, info: PoolInfo, device: Device, /) -> MappedPool:
+    def __call__(self, info: PoolInfo, device: Device, /, *, auth_token: str = "") -> MappedPool:
         importer: PoolImporter = getattr(importlib.import_module(self.module), self.function)
-        return importer(info, device)
+        return importer(info, device, auth_token=auth_token)
 
 
 IMPORTERS: dict[str, PoolImporter] = {
     "host_shm": LazyImporter("engine_client.mapping.host_shm", "map_host_shm"),
+    "host_memfd": LazyImporter("engine_client.mapping.host_memfd", "map_host_memfd"),
     "cuda_ipc": LazyImporter("engine_client.mapping.cuda_ipc", "map_cuda_ipc"),
+    "cuda_vmm": LazyImporter("engine_client.mapping.cuda_vmm", "map_cuda_vmm"),
 }
 
 
-def map_pool(source: Any, device: Any = None) -> MappedPool:
+def map_pool(source: Any, device: Any = None, *, auth_token: str | None = None) -> MappedPool:
     """Map the pool described by `source`: a `PoolInfo`, or a client (GetPoolInfo is called).
 
-    `device`: for cuda_ipc, the local torch device that is the pool's GPU (found by UUID when None).
+    `device`: for the cuda backends, the local torch device that is the pool's GPU (found by UUID when
+    None). `auth_token`: the bearer token the pool socket checks (host_memfd, cuda_vmm); a client's own
+    when `source` is a client.
     """
     info = source if isinstance(source, PoolInfo) else source.get_pool_info()
+    if auth_token is None:
+        auth_token = getattr(getattr(source, "options", None), "auth_token", "") or ""
     importer = IMPORTERS.get(info.backend)
     if importer is None:
         raise PoolMappingError(f"unknown pool backend {info.backend!r}; this client knows {sorted(IMPORTERS)}")
-    return importer(info, device)
+    return importer(info, device, auth_token=auth_token)

@@ -74,9 +74,10 @@ class MappedPool:
 
 class PoolImporter(Protocol):
     """Maps the pool `info` describes on `device` (None: the importer's default), zero-copy, or raises
-    `PoolMappingError` (or `ServiceRestarted` when the pool is gone) with a message that says what to check."""
+    `PoolMappingError` (or `ServiceRestarted` when the pool is gone) with a message that says what to check.
+    `auth_token` is the client's bearer token, for backends that hand the pool over a socket."""
 
-    def __call__(self, info: PoolInfo, device: Device, /) -> MappedPool: ...
+    def __call__(self, info: PoolInfo, device: Device, /, *, auth_token: str = "") -> MappedPool: ...
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

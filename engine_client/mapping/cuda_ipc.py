@@ -163,7 +163,7 @@ def _index_of(want: str, uuids: list[str]) -> int | None:
 
 
 def map_cuda_ipc(info: PoolInfo, device: Device = None, importer: IpcImporter | None = None,
-                 mappings: IpcMappings = MAPPINGS) -> MappedPool:
+                 mappings: IpcMappings = MAPPINGS, *, auth_token: str = "") -> MappedPool:
     """Map `info`'s pool on the local GPU that has its UUID; zero-copy torch tensors."""
     importer = importer if importer is not None else CupyImporter()
     layout = info.layout

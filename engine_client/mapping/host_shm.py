@@ -13,7 +13,7 @@ from engine_client.mapping.base import TORCH_DTYPES, Device, MappedPool, PoolImp
 from engine_client.types import PoolInfo
 
 
-def map_host_shm(info: PoolInfo, device: Device = None) -> MappedPool:
+def map_host_shm(info: PoolInfo, device: Device = None, *, auth_token: str = "") -> MappedPool:
     """Map `info.shm_path` (host memory: `device` must be None or a CPU device).
 
     Raises `ServiceRestarted` when the file cannot be opened (the service is gone or restarted, or this
