@@ -63,8 +63,10 @@ class PoolSocketServer:
     """Serves `export_fd()` on `address` to peers that pass the checks. `start()`, then `close()`."""
 
     def __init__(self, address: str, export_fd: Callable[[], int], *, identities: Identities, instance_id: str,
-                 backend: str, size_bytes: int, device_uuid: str = "", allowed_uids: frozenset[int] | None) -> None:
+                 backend: str, size_bytes: int, device_uuid: str = "", allowed_uids: frozenset[int] | None,
+                 exchange_seconds: float = EXCHANGE_SECONDS) -> None:
         self.address = address
+        self.exchange_seconds = exchange_seconds
         self._export_fd = export_fd
         self._identities = identities
         self._instance_id = instance_id
@@ -115,16 +117,12 @@ class PoolSocketServer:
             conn.setblocking(False)
             pid, uid, gid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
             try:
-                data = await asyncio.wait_for(loop.sock_recv(conn, wire.MAX_MESSAGE), EXCHANGE_SECONDS)
+                data = await asyncio.wait_for(loop.sock_recv(conn, wire.MAX_MESSAGE), self.exchange_seconds)
                 reply = self._decide(data, uid)
             except TimeoutError:
-                reply = _refusal("DEADLINE_EXCEEDED", "", f"no request within {EXCHANGE_SECONDS:g} s")
+                reply = _refusal("DEADLINE_EXCEEDED", "DEADLINE_EXCEEDED",
+                                 f"no request within {self.exchange_seconds:g} s")
             fds = [self._export_fd()] if reply["ok"] else []
-            try:
-                socket.send_fds(conn, [wire.encode(reply)], fds)
-            except OSError as e:
-                self._log.warning("pool_socket_send_failed", peer_pid=pid, peer_uid=uid, error=e.strerror)
-                return
             if reply["ok"]:
                 self.served += 1
                 self._log.info("pool_fd_sent", peer_pid=pid, peer_uid=uid, peer_gid=gid)
@@ -132,6 +130,10 @@ class PoolSocketServer:
                 self.refused += 1
                 self._log.warning("pool_fd_refused", peer_pid=pid, peer_uid=uid, reason=reply["reason"],
                                   message=reply["message"])
+            try:
+                socket.send_fds(conn, [wire.encode(reply)], fds)
+            except OSError as e:
+                self._log.warning("pool_socket_send_failed", peer_pid=pid, peer_uid=uid, error=e.strerror)
 
     def _decide(self, data: bytes, uid: int) -> dict[str, Any]:
         if self._uids is not None and uid not in self._uids:
