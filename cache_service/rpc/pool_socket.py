@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import os
 import socket
-import stat
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +24,7 @@ from typing import Any
 from cache_service.core import KVCacheError
 from cache_service.log import get_logger
 from cache_service.rpc.identity import Identities, Role
+from cache_service.rpc.server import claim_unix_path
 from protos.kvcache.v1 import pool_socket as wire
 
 EXCHANGE_SECONDS = 5.0
@@ -42,21 +42,6 @@ def parse_uids(text: str) -> frozenset[int] | None:
         return frozenset(int(u) for u in text.split(","))
     except ValueError:
         raise ValueError(f"not a list of uids: {text!r} (use e.g. 1000,1001, or * for any)") from None
-
-
-def _claim(path: str) -> None:
-    """Remove a stale socket file at `path`; refuse a live one or a non-socket."""
-    if not os.path.lexists(path):
-        return
-    if not stat.S_ISSOCK(os.lstat(path).st_mode):
-        raise OSError(f"cannot serve the pool on {path}: it exists and is not a socket")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(path)
-        except (ConnectionRefusedError, FileNotFoundError):
-            os.unlink(path)
-            return
-    raise OSError(f"cannot serve the pool on {path}: a running process serves it (another kvcache-service?)")
 
 
 class PoolSocketServer:
@@ -83,7 +68,7 @@ class PoolSocketServer:
     def start(self) -> None:
         abstract = self.address.startswith("@")
         if not abstract:
-            _claim(self.address)
+            claim_unix_path(self.address, f"serve the pool on {self.address}")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             if not abstract:

@@ -32,22 +32,28 @@ from protos.kvcache.v1 import kvcache_pb2 as pb
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCacheService"].full_name
 
 
+def claim_unix_path(path: str, purpose: str) -> str:
+    """Make `path` free for a unix socket: remove a stale socket file (left by a SIGKILLed process: nobody
+    answers on it) and return its path, "" when there was none; refuse a live socket or another file with
+    one line (OSError) saying `cannot <purpose>`."""
+    if not os.path.lexists(path):
+        return ""
+    if not stat.S_ISSOCK(os.lstat(path).st_mode):
+        raise OSError(f"cannot {purpose}: {path} exists and is not a socket")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            os.unlink(path)
+            return path
+    raise OSError(f"cannot {purpose}: a running process serves it (another kvcache-service?); stop it or choose "
+                  "another path")
+
+
 def _claim(listen: str) -> str:
     """Refuse an address in use; return the path of a stale unix socket file it removed ("" if none)."""
     if listen.startswith("unix:"):
-        path = listen[len("unix:"):]
-        if not os.path.lexists(path):
-            return ""
-        if not stat.S_ISSOCK(os.lstat(path).st_mode):
-            raise OSError(f"cannot listen on {listen}: {path} exists and is not a socket")
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-            try:
-                probe.connect(path)
-            except (ConnectionRefusedError, FileNotFoundError):
-                os.unlink(path)  # left by a process that is gone (SIGKILL): nobody answers on it
-                return path
-        raise OSError(f"cannot listen on {listen}: a running process serves it (another kvcache-service?); stop "
-                      "it or choose another path")
+        return claim_unix_path(listen[len("unix:"):], f"listen on {listen}")
     host, _, port = listen.rpartition(":")
     if int(port) == 0:
         return ""
