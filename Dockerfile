@@ -1,14 +1,15 @@
 # syntax=docker/dockerfile:1
 # kvcache-service image: runs `kvcache-service serve`, configured by KVCACHE_* environment variables.
 #
-#   docker build -t kvcache-service:0.1.0 .                      # CUDA runtime: cuda_ipc and host_shm
+#   docker build -t kvcache-service:0.1.0 .                      # CUDA runtime: every backend
 #   docker build --build-arg BASE_IMAGE=python:3.11-slim --build-arg EXTRAS= \
 #                -t kvcache-service:0.1.0-cpu .                  # CPU only: host_shm
 #   docker run --rm -p 50051:50051 --shm-size=1g kvcache-service:0.1.0-cpu
 #
 # Both stages start from BASE_IMAGE, so the virtualenv built in the first runs on the same Python in
-# the second. Torch is not installed: only engines need it. cupy-cuda12x (the `cuda` extra) is what
-# cuda_ipc needs; it loads the CUDA 12 runtime libraries of the base image. Leave it out
+# the second. Torch is not installed: only engines need it. The `cuda` extra brings cupy-cuda12x, which
+# cuda_ipc needs (it loads the CUDA 12 runtime libraries of the base image), and cuda-python 12, whose
+# driver bindings cuda_vmm calls (libcuda comes from the GPU driver). Leave it out
 # (`--build-arg EXTRAS=`) on a CPU base.
 
 ARG BASE_IMAGE=nvidia/cuda:12.4.1-runtime-ubuntu22.04

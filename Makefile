@@ -82,7 +82,7 @@ demo: setup ## concurrent chats through the reference engine in four cache modes
 hf-demo: setup ## a multi-turn chat through Hugging Face transformers on the pool, against recompute
 	@$(PY) -m engine_client.hf_demo $(ARGS)
 
-gpu-test: setup ## on a GPU machine (torch + cupy): tests/gpu and the mapped-pool bandwidth table
+gpu-test: setup ## on a GPU machine (torch; cupy for cuda_ipc, cuda-python for cuda_vmm): tests/gpu and the bandwidth table
 	@$(PY) scripts/gpu_check.py
 
 clean: ## remove .venv and caches

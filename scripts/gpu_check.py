@@ -1,4 +1,5 @@
-"""`make gpu-test`: every GPU check in one table (tests/gpu, then the mapped-pool bandwidth benchmark).
+"""`make gpu-test`: every GPU check in one table (tests/gpu, then the mapped-pool bandwidth benchmark of each
+GPU backend, cuda_ipc and cuda_vmm).
 
 Exit 0 when all pass, 1 when any fails, 2 when there is no GPU to check on (one line saying why).
 """
@@ -17,9 +18,9 @@ sys.path.insert(0, str(ROOT))
 
 
 def main() -> int:
-    from tests.gpu.conftest import cuda_unavailable
+    from tests.gpu.conftest import torch_cuda_unavailable
 
-    reason = cuda_unavailable()
+    reason = torch_cuda_unavailable()  # without cupy or cuda-python, their backends' checks skip
     if reason:
         print(f"gpu-test: nothing to check: {reason}")
         return 2
@@ -41,9 +42,12 @@ def main() -> int:
     try:
         report = json.loads(bench.stdout.strip().splitlines()[-1])
         for r in report["rows"]:
-            rows.append((f"bandwidth: {r['access']} (mapped vs native)", "PASS" if r["ratio"] >= report["target"]
-                         else "FAIL", f"{r['mapped_gbps']:.0f} vs {r['native_gbps']:.0f} GB/s, ratio "
-                                      f"{r['ratio']:.3f} (target {report['target']}) on {report['gpu']}"))
+            rows.append((f"bandwidth: {r['backend']} {r['access']} (mapped vs native)",
+                         "PASS" if r["ratio"] >= report["target"] else "FAIL",
+                         f"{r['mapped_gbps']:.0f} vs {r['native_gbps']:.0f} GB/s, ratio {r['ratio']:.3f} (target "
+                         f"{report['target']}) on {report['gpu']}"))
+        for backend, why in report["skipped"].items():
+            rows.append((f"bandwidth: {backend}", "SKIP", why))
     except (IndexError, json.JSONDecodeError, KeyError):
         rows.append(("bandwidth benchmark", "FAIL", (bench.stderr.strip().splitlines() or ["no output"])[-1]))
     width = max(len(r[0]) for r in rows)

@@ -30,8 +30,9 @@ def format_uuid(raw: bytes | str) -> str:
     return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
-def resolve_device(spec: str, uuids: Sequence[str]) -> int:
-    """The index of the device `spec` names: an ordinal, or a UUID (a unique prefix is enough)."""
+def resolve_device(spec: str, uuids: Sequence[str], *, mig_ok: bool = False) -> int:
+    """The index of the device `spec` names: an ordinal, or a UUID (a unique prefix is enough). A MIG
+    instance's UUID is refused unless `mig_ok` (the backend then relies on the driver's own checks)."""
     if not uuids:
         raise PoolError("no CUDA device is visible; use --backend host_shm")
     if spec.isdigit():
@@ -39,9 +40,12 @@ def resolve_device(spec: str, uuids: Sequence[str]) -> int:
         if index >= len(uuids):
             raise PoolError(f"--device {spec}: only {len(uuids)} CUDA device(s) are visible (0..{len(uuids) - 1})")
         return index
+    key = spec
     if spec.upper().startswith("MIG-"):
-        raise PoolError(f"--device {spec}: MIG instances do not support CUDA IPC; give the service a whole GPU")
-    matches = [i for i, u in enumerate(uuids) if u.lower().startswith(spec.lower())]
+        if not mig_ok:
+            raise PoolError(f"--device {spec}: MIG instances do not support CUDA IPC; give the service a whole GPU")
+        key = "GPU-" + spec[4:]  # the driver reports a MIG instance's UUID as 16 bytes, formatted GPU-...
+    matches = [i for i, u in enumerate(uuids) if u.lower().startswith(key.lower())]
     if len(matches) != 1:
         what = "no visible GPU has" if not matches else "more than one visible GPU matches"
         raise PoolError(f"--device {spec}: {what} this UUID (visible: {', '.join(uuids)})")

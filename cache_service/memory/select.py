@@ -1,4 +1,4 @@
-"""Pick and create the pool backend for a service start (`--backend auto|host_shm|cuda_ipc`).
+"""Pick and create the pool backend for a service start (`--backend auto|host_shm|host_memfd|cuda_ipc|cuda_vmm`).
 
 The settings arrive as any object with the `PoolSettings` attributes (the service's configuration is
 one); this layer knows nothing of flags or of who starts it.
@@ -6,13 +6,18 @@ one); this layer knows nothing of flags or of who starts it.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Protocol
 
 from cache_service.memory.base import PoolBackend, PoolError, format_bytes
 from cache_service.memory.host_shm import HostShmPool, remove_stale_pools
 from protos.kvcache.v1.layout import PoolLayout
+
+if TYPE_CHECKING:
+    from cache_service.memory.cuda_vmm import VmmDriver
 
 
 class PoolSettings(Protocol):
@@ -38,11 +43,23 @@ class PoolSettings(Protocol):
 
 
 @dataclass(frozen=True)
-class CudaProbe:
-    """Whether a CUDA device is usable from this process, and why not when it is not."""
+class VmmProbe:
+    """Whether cuda_vmm can run on --device, and why (not). `gpu`: cuda-python sees a CUDA device at all,
+    so a refusal is about that device, not about a missing GPU, driver or package."""
 
     available: bool
     reason: str
+    gpu: bool = False
+
+
+@dataclass(frozen=True)
+class CudaProbe:
+    """Whether a CUDA device is usable from this process for cuda_ipc (cupy), and why not when it is not;
+    `vmm`: the same for cuda_vmm (cuda-python, a device that exports memory as POSIX fds)."""
+
+    available: bool
+    reason: str
+    vmm: VmmProbe = VmmProbe(False, "")
 
 
 def probe_cuda() -> CudaProbe:
@@ -57,6 +74,42 @@ def probe_cuda() -> CudaProbe:
     if count == 0:
         return CudaProbe(False, "no CUDA device is visible")
     return CudaProbe(True, f"{count} CUDA device(s) visible")
+
+
+def probe_cuda_vmm(device: str = "0", driver: Callable[[], VmmDriver] | None = None) -> VmmProbe:
+    """Can cuda_vmm run on `device` (an ordinal or a UUID, as --device)? Asks the driver only."""
+    from cache_service.memory.cuda_ipc import resolve_device
+    from cache_service.memory.cuda_vmm import CudaPythonDriver, fd_export_problem
+
+    try:
+        d = driver() if driver is not None else CudaPythonDriver()
+    except ImportError:
+        return VmmProbe(False, "cuda-python is not installed (pip install 'kvcache[cuda]')")
+    except Exception as e:  # the driver library is missing, or cuInit failed
+        return VmmProbe(False, f"no usable CUDA driver ({_one_line(e)})")
+    try:
+        count = d.device_count()
+        if count == 0:
+            return VmmProbe(False, "no CUDA device is visible")
+        uuids = [d.device_uuid(i) for i in range(count)]
+        index = resolve_device(device, uuids, mig_ok=True)
+        problem = fd_export_problem(d, index)
+    except PoolError as e:
+        return VmmProbe(False, str(e), gpu=True)
+    except Exception as e:
+        return VmmProbe(False, f"no usable CUDA driver or device ({_one_line(e)})")
+    finally:
+        with contextlib.suppress(Exception):
+            d.close()
+    where = f"GPU {index} ({uuids[index]})"
+    if problem:
+        return VmmProbe(False, f"{where} {problem}", gpu=True)
+    return VmmProbe(True, f"{where} exports memory as POSIX file descriptors", gpu=True)
+
+
+def probe_gpu(device: str = "0") -> CudaProbe:
+    """What `auto` decides on: cuda_ipc's probe (cupy) with cuda_vmm's (cuda-python) on `device`."""
+    return replace(probe_cuda(), vmm=probe_cuda_vmm(device))
 
 
 def _one_line(e: BaseException) -> str:
@@ -87,7 +140,8 @@ def _host_memfd(config: PoolSettings, instance_id: str) -> PoolBackend:
 def _cuda_vmm(config: PoolSettings, instance_id: str) -> PoolBackend:
     from cache_service.memory.cuda_vmm import CudaVmmPool
 
-    return CudaVmmPool(config.layout(), device=config.device)
+    size_flag = f"--pool-bytes (asked: {format_bytes(config.pool_bytes)})" if config.pool_bytes else "--num-pages"
+    return CudaVmmPool(config.layout(), device=config.device, size_flag=size_flag)
 
 
 def _cuda_ipc(config: PoolSettings, instance_id: str) -> PoolBackend:
@@ -104,22 +158,40 @@ BACKENDS: dict[str, Callable[[PoolSettings, str], PoolBackend]] = {
 }
 
 
+def choose_auto(cuda: CudaProbe) -> tuple[str, str]:
+    """`--backend auto`: (backend, why). cuda_vmm where --device exports memory as POSIX fds (no shared IPC
+    namespace needed), else cuda_ipc where cupy sees a GPU, else host_shm. The why says why not cuda_vmm
+    whenever a GPU is in play."""
+    if cuda.vmm.available:
+        return "cuda_vmm", f"auto: {cuda.vmm.reason}"
+    why = f"auto: {cuda.reason}"
+    if cuda.vmm.reason and (cuda.available or cuda.vmm.gpu):
+        why += f"; not cuda_vmm: {cuda.vmm.reason}"
+    return ("cuda_ipc" if cuda.available else "host_shm"), why
+
+
+GPU_MISSING: dict[str, Callable[[CudaProbe], str]] = {
+    "cuda_ipc": lambda cuda: "" if cuda.available else cuda.reason,
+    # A GPU that cannot export fds is the pool's to refuse: it names the device and suggests cuda_ipc.
+    "cuda_vmm": lambda cuda: "" if cuda.vmm.available or cuda.vmm.gpu else cuda.vmm.reason,
+}
+"""The GPU backends: why this process has no GPU for them ("" when it has one)."""
+
+
 def create_pool(config: PoolSettings, instance_id: str,
-                probe: Callable[[], CudaProbe] = probe_cuda) -> PoolChoice:
-    """Create the configured pool. `auto` takes cuda_ipc when a GPU is usable, else host_shm; the
-    returned `why` says which and why (it goes in the start line)."""
+                probe: Callable[[], CudaProbe] | None = None) -> PoolChoice:
+    """Create the configured pool (`choose_auto` decides `auto`); the returned `why` says which and why (it
+    goes in the start line). `probe` defaults to `probe_gpu` on --device."""
     backend = config.backend
+    if probe is None:
+        probe = functools.partial(probe_gpu, config.device)
     if backend == "auto":
-        cuda = probe()
-        backend = "cuda_ipc" if cuda.available else "host_shm"
-        why = f"auto: {cuda.reason}"
-    elif backend in ("cuda_ipc", "cuda_vmm"):
-        cuda = probe()
-        if not cuda.available:
-            raise PoolError(f"--backend {backend} needs a GPU: {cuda.reason}; use --backend host_shm")
-        why = f"--backend {backend}"
+        backend, why = choose_auto(probe())
     else:
         why = f"--backend {backend}"
+        missing = GPU_MISSING.get(backend)
+        if missing is not None and (reason := missing(probe())):
+            raise PoolError(f"--backend {backend} needs a GPU: {reason}; use --backend host_shm")
     removed: tuple[str, ...] = ()
     if backend == "host_shm":
         removed = tuple(str(p) for p in remove_stale_pools(config.shm_dir, config.shm_prefix))

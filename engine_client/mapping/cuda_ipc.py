@@ -126,7 +126,7 @@ class IpcMappings:
 MAPPINGS = IpcMappings()
 
 
-def find_device(pool_uuid: str, uuids: list[str], device: Device = None) -> int:
+def find_device(pool_uuid: str, uuids: list[str], device: Device = None, *, backend: str = "cuda_ipc") -> int:
     """The local index of the pool's GPU. With `device`, check that it is that GPU."""
     if not uuids:
         raise PoolMappingError(
@@ -137,7 +137,7 @@ def find_device(pool_uuid: str, uuids: list[str], device: Device = None) -> int:
     if device is not None:
         dev = torch.device(device)
         if dev.type != "cuda":
-            raise PoolMappingError(f"a cuda_ipc pool lives on a GPU; it cannot be mapped on {dev}")
+            raise PoolMappingError(f"a {backend} pool lives on a GPU; it cannot be mapped on {dev}")
         index = dev.index if dev.index is not None else 0
         if index >= len(uuids):
             raise PoolMappingError(f"{dev} does not exist here ({len(uuids)} CUDA device(s) visible)")

@@ -33,7 +33,9 @@ def test_every_pool_dtype_has_its_torch_dtype() -> None:
 def test_the_registry_names_each_backend_and_where_its_importer_lives() -> None:
     assert dict(IMPORTERS) == {
         "host_shm": LazyImporter("engine_client.mapping.host_shm", "map_host_shm"),
+        "host_memfd": LazyImporter("engine_client.mapping.host_memfd", "map_host_memfd"),
         "cuda_ipc": LazyImporter("engine_client.mapping.cuda_ipc", "map_cuda_ipc"),
+        "cuda_vmm": LazyImporter("engine_client.mapping.cuda_vmm", "map_cuda_vmm"),
     }
     for importer in IMPORTERS.values():
         assert isinstance(importer, LazyImporter)
@@ -43,8 +45,9 @@ def test_the_registry_names_each_backend_and_where_its_importer_lives() -> None:
 
 def test_an_unknown_backend_names_the_known_ones() -> None:
     with pytest.raises(PoolMappingError) as err:
-        map_pool(info(backend="host_memfd"))
-    assert str(err.value) == "unknown pool backend 'host_memfd'; this client knows ['cuda_ipc', 'host_shm']"
+        map_pool(info(backend="nvme"))
+    assert str(err.value) == ("unknown pool backend 'nvme'; this client knows ['cuda_ipc', 'cuda_vmm', 'host_memfd', "
+                              "'host_shm']")
 
 
 def test_contiguous_strides() -> None:

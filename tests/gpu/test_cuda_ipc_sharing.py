@@ -8,7 +8,7 @@ from collections.abc import Callable
 from engine_client import KVCacheClient
 from tests.integration.conftest import ServerProcess, run_engine
 
-from .conftest import GPU_POOL
+from .conftest import GPU_POOL, cuda_vmm_unavailable
 
 
 def test_the_start_line_and_pool_info_name_the_gpu(start_server: Callable[..., ServerProcess]) -> None:
@@ -32,6 +32,8 @@ def test_two_processes_share_pages_through_the_service(start_server: Callable[..
     assert b["device"].startswith("cuda")
 
 
-def test_auto_picks_cuda_ipc_when_a_gpu_is_visible(start_server: Callable[..., ServerProcess]) -> None:
+def test_auto_picks_a_gpu_backend_when_a_gpu_is_visible(start_server: Callable[..., ServerProcess]) -> None:
+    """cuda_vmm where the GPU exports memory as POSIX fds (tests/gpu/test_cuda_vmm_sharing.py), else cuda_ipc."""
     server = start_server("--backend", "auto", "--num-pages", "64")
-    assert server.banner[1].startswith("  backend  cuda_ipc: GPU GPU-") and "(auto: " in server.banner[1]
+    backend = "cuda_ipc" if cuda_vmm_unavailable() else "cuda_vmm"
+    assert server.banner[1].startswith(f"  backend  {backend}: GPU GPU-") and "(auto: " in server.banner[1]

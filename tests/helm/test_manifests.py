@@ -128,7 +128,7 @@ def test_gpu_daemonset_example_requests_one_gpu(chart: helm.Chart) -> None:
 
 
 @pytest.mark.parametrize(
-    ("case", "host_ipc"), [("defaults", False), ("cpu", False), ("sidecar", False), ("gpu-daemonset", True)]
+    ("case", "host_ipc"), [("defaults", False), ("cpu", False), ("sidecar", False), ("gpu-daemonset", False)]
 )
 def test_host_ipc_only_where_opted_in(chart: helm.Chart, case: str, host_ipc: bool) -> None:
     values = ALL_CASES[case]
@@ -146,16 +146,29 @@ def test_host_ipc_opt_in(chart: helm.Chart, mode: str) -> None:
     )
 
 
-def test_nothing_else_turns_host_ipc_on(chart: helm.Chart) -> None:
-    values = {"mode": "daemonset", "config": {"backend": "cuda_ipc"}, "gpu": {"count": 8}}
+@pytest.mark.parametrize("values", [
+    {"mode": "daemonset", "config": {"backend": "cuda_vmm", "poolSocket": "/run/kv/pool.sock"},
+     "poolSocket": {"hostPath": "/run/kv"}, "gpu": {"count": 8}},
+    {"mode": "deployment", "config": {"backend": "cuda_ipc"}, "gpu": {"count": 8}},
+], ids=["daemonset-cuda_vmm", "deployment-cuda_ipc"])
+def test_nothing_else_turns_host_ipc_on(chart: helm.Chart, values: dict[str, Any]) -> None:
     assert pod_spec(render(chart, values))["hostIPC"] is False
+
+
+# The examples' opt-ins: the node directory of the pool socket, which engine pods mount.
+HOST_PATHS: dict[str, list[Obj]] = {
+    "gpu-daemonset": [{"name": "pool-socket", "hostPath": {"path": "/run/kvcache", "type": "DirectoryOrCreate"}}],
+}
 
 
 def test_no_host_namespaces_or_host_paths_by_default(chart: helm.Chart) -> None:
     for case, values in ALL_CASES.items():
         spec = pod_spec(render(chart, values))
         assert not {"hostNetwork", "hostPID"} & set(spec), case
-        assert all("hostPath" not in volume for volume in spec["volumes"]), case
+        host_paths = HOST_PATHS.get(case, [])
+        assert [v for v in spec["volumes"] if "hostPath" in v] == host_paths, case
+        opted_in = (values or {}).get("poolSocket", {}).get("hostPath", "")  # on only through the value itself
+        assert opted_in == (host_paths[0]["hostPath"]["path"] if host_paths else ""), case
 
 
 def test_host_path_is_an_opt_in_with_a_warning(chart: helm.Chart) -> None:
@@ -237,7 +250,7 @@ def test_daemonset_mode_has_a_node_local_service(chart: helm.Chart) -> None:
     assert service["spec"]["selector"] == workload(objects)["spec"]["selector"]["matchLabels"]
     spec = pod_spec(objects)
     assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
-    assert env_values(service_container(objects))["KVCACHE_BACKEND"] == "cuda_ipc"
+    assert env_values(service_container(objects))["KVCACHE_BACKEND"] == "cuda_vmm"
 
 
 def test_daemonset_test_pod_lands_where_service_pods_run(chart: helm.Chart) -> None:

@@ -52,6 +52,15 @@ FEATURE_VALUES: dict[str, tuple[dict[str, Any], str]] = {
         },
         OLDEST_KUBE,
     ),
+    "host-memfd-sidecar-socket-dir": (
+        {
+            "mode": "sidecar",
+            "config": {"backend": "host_memfd", "poolSocket": "/run/kvcache/pool.sock", "poolSocketUids": "10001,0"},
+            "poolSocket": {"hostPath": "/run/kvcache"},
+            "sidecar": {"containers": [{"name": "engine", "image": "e:1"}]},
+        },
+        OLDEST_KUBE,
+    ),
     # restartPolicy on an initContainer (native sidecars) is in the API from 1.28.
     "native-sidecar": (
         {

@@ -23,7 +23,7 @@ SCHEMA_REJECTS: list[tuple[dict[str, Any], str]] = [
     ({"config": {"numPages": 10.5}}, "- at '/config/numPages': got number, want integer"),
     (
         {"config": {"backend": "rdma"}},
-        "- at '/config/backend': value must be one of 'auto', 'host_shm', 'cuda_ipc'",
+        "- at '/config/backend': value must be one of 'auto', 'host_shm', 'host_memfd', 'cuda_ipc', 'cuda_vmm'",
     ),
     (
         {"config": {"dtype": "int4"}},
@@ -62,6 +62,12 @@ SCHEMA_REJECTS: list[tuple[dict[str, Any], str]] = [
     ({"gpu": {"count": 0.5}}, "- at '/gpu/count': got number, want integer"),
     ({"shm": {"sizeLimit": "1 gig"}}, "- at '/shm/sizeLimit': '1 gig' does not match pattern"),
     ({"shm": {"hostPath": "dev/shm"}}, "- at '/shm/hostPath': 'dev/shm' does not match pattern"),
+    ({"poolSocket": {"hostPath": "run/kv"}}, "- at '/poolSocket/hostPath': 'run/kv' does not match pattern"),
+    ({"poolSocket": {"path": "/run/kv"}}, "- at '/poolSocket': additional properties 'path' not allowed"),
+    ({"config": {"poolSocket": "pool.sock"}}, "- at '/config/poolSocket': 'pool.sock' does not match pattern"),
+    ({"config": {"poolSocket": "@"}}, "- at '/config/poolSocket': '@' does not match pattern"),
+    ({"config": {"poolSocketUids": "root"}}, "- at '/config/poolSocketUids': 'root' does not match pattern"),
+    ({"config": {"poolSocketUids": 0}}, "- at '/config/poolSocketUids': got number, want string"),
     ({"image": {"pullPolicy": "Sometimes"}}, "- at '/image/pullPolicy': value must be one of 'Always'"),
     (
         {"probes": {"liveness": {"periodSeconds": 0}}},
@@ -253,6 +259,8 @@ FLAG_CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "pool-bytes": ({"config": {"poolBytes": "512Mi"}}, {"value": "512Mi"}),
     "shm-dir": ({"config": {"shmDir": "/dev/shm/kv"}}, {"value": "/dev/shm/kv"}),
     "shm-prefix": ({"config": {"shmPrefix": "tenant-a"}}, {"value": "tenant-a"}),
+    "pool-socket": ({"config": {"poolSocket": "@kv-pool"}}, {"value": "@kv-pool"}),
+    "pool-socket-uids": ({"config": {"poolSocketUids": "10001,0"}}, {"value": "10001,0"}),
     "session-timeout": ({"config": {"sessionTimeout": 0}}, {"value": "0"}),
     "lease-ttl": ({"config": {"leaseTtl": 7.5}}, {"value": "7.5"}),
     "reap-interval": ({"config": {"reapInterval": 0.25}}, {"value": "0.25"}),

@@ -10,11 +10,15 @@ from collections.abc import Callable
 
 import pytest
 
+from cache_service.memory.select import probe_cuda_vmm
 from engine_client import KVCacheClient
 
 from .conftest import REPO, ServerProcess
 
 CLI = [sys.executable, "-m", "cache_service"]
+NO_VMM = probe_cuda_vmm().reason
+"""Why this machine has no cuda_vmm, as the service words it: cuda-python is an optional extra, so the words
+depend on whether it is installed (tests/memory/test_cuda_vmm.py pins each wording with fakes)."""
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 30) -> subprocess.CompletedProcess[str]:
@@ -69,7 +73,7 @@ def test_environment_variables_configure_and_flags_win(start_server: Callable[..
         (["--num-pages", "-5"], {}, "kvcache-service: error: --num-pages: must be >= 2, got -5"),
         (["--num-pages", "1"], {}, "kvcache-service: error: --num-pages: must be >= 2 (page 0 is reserved)"),
         (["--backend", "tpu"], {}, "kvcache-service: error: --backend: 'tpu' is not one of auto, host_shm, "
-                                   "cuda_ipc"),
+                                   "host_memfd, cuda_ipc, cuda_vmm"),
         (["--pool-bytes", "12xx"], {}, "kvcache-service serve: error: argument --pool-bytes: invalid parse_bytes "
                                        "value: '12xx' (see --help)"),
         (["--num-pages", "64", "--pool-bytes", "1Mi"], {},
@@ -79,13 +83,15 @@ def test_environment_variables_configure_and_flags_win(start_server: Callable[..
         ([], {"KVCACHE_NUM_PAGES": "many"}, "kvcache-service: error: KVCACHE_NUM_PAGES='many': invalid literal "
                                             "for int() with base 10: 'many'"),
         ([], {"KVCACHE_BACKEND": "tpu"}, "kvcache-service: error: KVCACHE_BACKEND='tpu': must be one of auto, "
-                                         "host_shm, cuda_ipc"),
+                                         "host_shm, host_memfd, cuda_ipc, cuda_vmm"),
         (["--session-budget-fraction", "1.5"], {}, "kvcache-service: error: --session-budget-fraction: must be in "
                                                    "[0, 1], got 1.5"),
         (["--shm-dir", "/nonexistent/dir"], {}, "kvcache-service: error: --shm-dir /nonexistent/dir does not "
                                                 "exist or is not a directory"),
         (["--backend", "cuda_ipc"], {}, "kvcache-service: error: --backend cuda_ipc needs a GPU: cupy is not "
                                         "installed (pip install 'kvcache[cuda]'); use --backend host_shm"),
+        (["--backend", "cuda_vmm"], {}, f"kvcache-service: error: --backend cuda_vmm needs a GPU: {NO_VMM}; use "
+                                        "--backend host_shm"),
         (["--tenants-file", "/nonexistent/tenants.yaml"], {},
          "kvcache-service: error: /nonexistent/tenants.yaml: No such file or directory"),
         (["--tenants-file", "/etc/hostname", "--auth-token", "t"], {},

@@ -174,11 +174,12 @@ server's own certificate and key as the client certificate.
 Pool sizing, mirroring cache_service/config.py, for the host_shm size check.
 */}}
 
-{{/* The backend the service will pick: "auto" is cuda_ipc exactly when the container gets a GPU. */}}
+{{/* The backend the service will pick: "auto" is cuda_vmm when the container gets a GPU (or cuda_ipc, where
+the driver cannot export POSIX fds: the chart cannot tell), host_shm without one. */}}
 {{- define "kvcache.effectiveBackend" -}}
 {{- $backend := .Values.config.backend -}}
 {{- if eq $backend "auto" -}}
-{{- ternary "cuda_ipc" "host_shm" (gt (int .Values.gpu.count) 0) -}}
+{{- ternary "cuda_vmm" "host_shm" (gt (int .Values.gpu.count) 0) -}}
 {{- else -}}
 {{- $backend -}}
 {{- end -}}
@@ -284,7 +285,25 @@ and the fix.
 {{- if and $v.tls.clientCa.enabled (not $v.tls.enabled) -}}
 {{- fail "tls.clientCa.enabled (mutual TLS) needs tls.enabled=true and tls.existingSecret" -}}
 {{- end -}}
-{{- if and (eq (include "kvcache.effectiveBackend" .) "host_shm") (not $v.shm.hostPath) -}}
+{{- $backend := include "kvcache.effectiveBackend" . -}}
+{{- $backendLabel := ternary (printf "auto (expected: %s)" $backend) $backend (eq $v.config.backend "auto") -}}
+{{- if $v.poolSocket.hostPath -}}
+{{- if not (has $backend (list "cuda_vmm" "host_memfd")) -}}
+{{- fail (printf "poolSocket.hostPath=%s is set but backend=%s serves no pool socket: it is for cuda_vmm and host_memfd" $v.poolSocket.hostPath $backendLabel) -}}
+{{- end -}}
+{{- if or (not (hasPrefix "/" $v.config.poolSocket)) (eq (dir $v.config.poolSocket) "/") -}}
+{{- fail (printf "poolSocket.hostPath=%s needs config.poolSocket, a socket path in the directory the node directory is mounted at (e.g. /run/kvcache/pool.sock); got %q" $v.poolSocket.hostPath $v.config.poolSocket) -}}
+{{- end -}}
+{{- end -}}
+{{- if eq $v.mode "daemonset" -}}
+{{- if and (eq $backend "cuda_ipc") (not $v.hostIPC) -}}
+{{- fail (printf "backend=%s in mode=daemonset needs hostIPC=true: engines in other pods open a CUDA IPC handle only in the node's IPC namespace. Or use backend=cuda_vmm with poolSocket.hostPath, which needs no hostIPC" $backendLabel) -}}
+{{- end -}}
+{{- if and (has $backend (list "cuda_vmm" "host_memfd")) (not $v.poolSocket.hostPath) -}}
+{{- fail (printf "backend=%s in mode=daemonset needs poolSocket.hostPath, with config.poolSocket in it (e.g. /run/kvcache and /run/kvcache/pool.sock): engines in other pods receive the pool over that socket, which otherwise stays inside the service's pod" $backendLabel) -}}
+{{- end -}}
+{{- end -}}
+{{- if and (eq $backend "host_shm") (not $v.shm.hostPath) -}}
 {{- $poolBytes := include "kvcache.poolBytes" . | int64 -}}
 {{- $limitBytes := include "kvcache.bytes" $v.shm.sizeLimit | int64 -}}
 {{- if gt $poolBytes $limitBytes -}}
@@ -439,6 +458,10 @@ volumeMounts:
     mountPath: {{ .Values.config.shmDir }}
   - name: tmp
     mountPath: /tmp
+  {{- if .Values.poolSocket.hostPath }}
+  - name: pool-socket
+    mountPath: {{ dir .Values.config.poolSocket }}
+  {{- end }}
   {{- if .Values.tls.enabled }}
   {{- include "kvcache.tlsMount" . | nindent 2 }}
   {{- end }}
@@ -453,8 +476,8 @@ volumeMounts:
 {{- end -}}
 
 {{/*
-Sidecar engine containers as a YAML list: the user's specs, plus the shm volume at config.shmDir and
-KVCACHE_TARGET where the spec does not already set them.
+Sidecar engine containers as a YAML list: the user's specs, plus the shm volume at config.shmDir, the
+pool-socket volume (with poolSocket.hostPath) and KVCACHE_TARGET where the spec does not already set them.
 */}}
 {{- define "kvcache.engineContainers" -}}
 {{- $engines := list -}}
@@ -469,6 +492,18 @@ KVCACHE_TARGET where the spec does not already set them.
 {{- end -}}
 {{- if not $hasShm -}}
 {{- $mounts = append $mounts (dict "name" "shm" "mountPath" $.Values.config.shmDir) -}}
+{{- end -}}
+{{- if $.Values.poolSocket.hostPath -}}
+{{- $socketDir := dir $.Values.config.poolSocket -}}
+{{- $hasSocket := false -}}
+{{- range $mounts -}}
+{{- if or (eq .name "pool-socket") (eq .mountPath $socketDir) -}}
+{{- $hasSocket = true -}}
+{{- end -}}
+{{- end -}}
+{{- if not $hasSocket -}}
+{{- $mounts = append $mounts (dict "name" "pool-socket" "mountPath" $socketDir) -}}
+{{- end -}}
 {{- end -}}
 {{- $_ := set $engine "volumeMounts" $mounts -}}
 {{- $env := $engine.env | default list -}}
@@ -567,6 +602,12 @@ spec:
     - name: tmp
       emptyDir:
         sizeLimit: 64Mi
+    {{- with .Values.poolSocket.hostPath }}
+    - name: pool-socket
+      hostPath:
+        path: {{ . }}
+        type: DirectoryOrCreate
+    {{- end }}
     {{- if .Values.tls.enabled }}
     {{- include "kvcache.tlsVolume" (list . true) | nindent 4 }}
     {{- end }}
