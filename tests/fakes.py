@@ -1,4 +1,4 @@
-"""Fakes shared by tests that must run without a GPU."""
+"""Fakes shared by tests: a clock the test moves, and CUDA drivers for tests that must run without a GPU."""
 
 from __future__ import annotations
 
@@ -7,6 +7,20 @@ from collections.abc import Callable
 from typing import Any
 
 from cache_service.memory.cuda_ipc import IPC_HANDLE_BYTES
+
+
+class FakeClock:
+    """time.monotonic for a core or server under test; the test moves it."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
 
 UUIDS = ["GPU-11111111-2222-3333-4444-555555555555", "GPU-abcdef01-2222-3333-4444-555555555555"]
 

@@ -11,18 +11,7 @@ import pytest
 
 from cache_service.core import CoreConfig, KVCacheCore, KVCacheError, Reason
 from cache_service.core.types import SessionInfo, Stats
-
-
-class FakeClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
+from tests.fakes import FakeClock
 
 _CHECKED = (
     "match_prefix", "open_session", "append", "extend", "commit", "close", "reap", "register_engine",

@@ -12,8 +12,9 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from protos.kvcache.v1 import kvcache_pb2 as pb
+from tests.fakes import FakeClock
 
-from .conftest import FakeClock, ThreadServer
+from .conftest import ThreadServer
 
 UNARY = {"open": "OpenSession", "append": "AppendSession", "extend": "ExtendSession", "commit": "CommitSession",
          "close": "CloseSession", "match": "MatchPrefix"}
