@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 import torch
 
@@ -100,6 +101,11 @@ def staller(args: argparse.Namespace) -> dict[str, object]:
             outcome = "committed"
         except KVCacheClientError as e:
             outcome = e.reason
+        # The heartbeat thread woke with this one: give it a few intervals to hear LEASE_EXPIRED (the commit
+        # above may have raced ahead of it), so the report says what the client learned, not who ran first.
+        deadline = time.monotonic() + 20 * args.ttl
+        while not args.hold and client.lease_error is None and time.monotonic() < deadline:
+            time.sleep(args.ttl / 20)
         print(json.dumps({"wrote_pages": pages, "commit": outcome,
                           "lease_error": client.lease_error.reason if client.lease_error else ""}), flush=True)
         sys.stdin.readline()
