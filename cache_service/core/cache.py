@@ -34,7 +34,7 @@ from cache_service.core.leases import LeaseTable
 from cache_service.core.ledger import Counters, PageLedger
 from cache_service.core.ops import Ops
 from cache_service.core.pages import PageAllocator
-from cache_service.core.radix import RadixTree, token_key
+from cache_service.core.radix import RadixTree
 from cache_service.core.sessions import SessionTable
 from cache_service.core.slot import Slots
 from cache_service.core.types import (
@@ -51,7 +51,7 @@ from cache_service.core.types import (
     Stats,
     TokenArray,
 )
-from cache_service.core.validate import as_tokens, check_count, check_salt, token_bytes
+from cache_service.core.validate import check_count, token_bytes
 
 Clock = Callable[[], float]
 
@@ -79,7 +79,7 @@ class KVCacheCore:
         """Change records (radix tuples, session records) since the last `take_events`, while recording."""
         self._hashes = PageHashes(config.num_pages, config.page_size)
         self._ready: list[Record] = []
-        self.ops = Ops(config, clock, self.pages, self.slots, self.sessions, self.leases, self.counters,
+        self.ops = Ops(config, clock, self.pages, self.radix, self.slots, self.sessions, self.leases, self.counters,
                        self._changes)
         self.accounting = Accounting(config, self.ledger, self.pages, self.radix, self.slots, self.sessions,
                                      self.leases, self.counters)
@@ -88,10 +88,8 @@ class KVCacheCore:
 
     def match_prefix(self, token_ids: npt.ArrayLike, cache_salt: str = "") -> MatchResult:
         """Read-only: how many leading tokens (whole pages) are cached under `cache_salt`. No LRU touch."""
-        tokens = as_tokens(token_ids)
-        check_salt(cache_salt)
-        match = self.radix.match(cache_salt, token_key(tokens, self.page_size), touch=False)
-        return MatchResult(match.num_pages * self.page_size, _pages(match.pages))
+        cached, pages = self.ops.match(token_bytes(token_ids), cache_salt)
+        return MatchResult(cached, _pages(pages))
 
     # ================================================================== sessions
 

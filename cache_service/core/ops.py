@@ -25,6 +25,7 @@ from cache_service.core.errors import KVCacheError, Reason, invalid_argument
 from cache_service.core.leases import Lease, LeaseTable, lease_expired
 from cache_service.core.ledger import Counters
 from cache_service.core.pages import PageAllocator
+from cache_service.core.radix import RadixTree
 from cache_service.core.sessions import SessionTable
 from cache_service.core.slot import CLOSING, IDLE, IN_TURN, SessionSlot, Slots, change
 from cache_service.core.types import EngineInfo
@@ -32,11 +33,13 @@ from cache_service.core.validate import check_count, check_id, check_salt, check
 
 
 class Ops:
-    def __init__(self, config: CoreConfig, clock: Callable[[], float], pages: PageAllocator, slots: Slots,
-                 sessions: SessionTable, leases: LeaseTable, counters: Counters, changes: list[Any]) -> None:
+    def __init__(self, config: CoreConfig, clock: Callable[[], float], pages: PageAllocator, radix: RadixTree,
+                 slots: Slots, sessions: SessionTable, leases: LeaseTable, counters: Counters,
+                 changes: list[Any]) -> None:
         self.config = config
         self._clock = clock
         self._pages = pages
+        self._radix = radix
         self._slots = slots
         self._sessions = sessions
         self._by_id = sessions._by_id
@@ -48,6 +51,14 @@ class Ops:
         self._cap = config.max_session_tokens
 
     # ------------------------------------------------------------------ sessions
+
+    def match(self, tokens: bytes, cache_salt: str) -> tuple[int, bytes]:
+        """Read-only: (leading tokens cached under `cache_salt`, their pages as int32 LE). No LRU touch."""
+        check_salt(cache_salt)
+        ps = self.config.page_size
+        n = (len(tokens) >> 2) // ps * ps
+        match = self._radix.match(cache_salt, tokens[: n * 4], touch=False)
+        return match.num_pages * ps, match.pages
 
     def open(self, session_id: str, streaming: bool, timeout_seconds: float | None, cache_salt: str,
              engine_id: str, identity: str, quota: int) -> tuple[str, int, float]:

@@ -37,8 +37,43 @@ class FakeSession:
         self.applied.append((kind, result))
 
 
-def test_a_batch_becomes_one_step_request_in_order() -> None:
+def fill_every_kind(batch: StepBatch) -> FakeSession:
+    s = FakeSession("s", 7)
+    batch.open("new", streaming=False, timeout_seconds=0.0, cache_salt="t")
+    batch.append(s, [1, 2], reserve_tokens=4)
+    batch.extend("other", 8)
+    batch.commit(s, np.array([1, 2], dtype=np.int64), kv_tokens=3, turn=2)
+    batch.abort("other")
+    batch.close(s, cache=True)
+    batch.match([1, 2], "t")
+    return s
+
+
+def test_a_batch_becomes_one_step_request_of_columns_in_order() -> None:
     batch = StepBatch()
+    s = fill_every_kind(batch)
+    request = batch.request("eng-1")
+    assert request.engine_id == "eng-1" and not request.ops
+
+    def u32(*values: int) -> bytes:
+        return np.array(values, dtype="<u4").tobytes()
+
+    assert request.columns == pb.StepColumns(
+        kinds=bytes([1, 2, 3, 4, 4, 5, 6]), session_ids=["new", "s", "other", "s", "other", "s", ""],
+        epochs=np.array([0, 7, 0, 7, 0, 7, 0], dtype="<u8").tobytes(),
+        counts=np.array([0, 4, 8, 3, 0, 0, 0], dtype="<i4").tobytes(),
+        flags=bytes([pb.STEP_FLAG_TIMEOUT, 0, 0, pb.STEP_FLAG_KV_TOKENS, pb.STEP_FLAG_SET, pb.STEP_FLAG_SET, 0]),
+        token_counts=u32(0, 2, 0, 2, 0, 0, 2), token_ids=TOKENS * 3, turns=u32(0, 0, 0, 2, 0, 0, 0),
+        timeouts=np.zeros(7, dtype="<f8").tobytes(), cache_salts=["t", "", "", "", "", "", "t"],
+    )
+    with pytest.raises(RuntimeError, match="sent already"):
+        batch.request("eng-1")
+    with pytest.raises(RuntimeError, match="sent already"):
+        batch.append(s, [1])
+
+
+def test_a_batch_becomes_one_step_request_in_order() -> None:
+    batch = StepBatch(columns=False)  # one StepOp message per op
     s = FakeSession("s", 7)
     batch.open("new", streaming=False, timeout_seconds=0.0, cache_salt="t")
     batch.append(s, [1, 2], reserve_tokens=4)
@@ -70,7 +105,7 @@ def test_an_open_without_an_id_draws_one_so_later_ops_can_name_it() -> None:
     batch = StepBatch(engine_id="")
     batch.open()
     request = batch.request("ignored")  # the batch's own engine id ("": no owner) wins over the client's
-    assert len(request.ops[0].open.session_id) == 32 and request.engine_id == ""
+    assert len(request.columns.session_ids[0]) == 32 and request.engine_id == ""
 
 
 def test_outcomes_fill_from_the_response_and_failures_stay_typed_values() -> None:
@@ -162,7 +197,7 @@ def test_both_clients_send_the_batch_as_one_step(run: Callable[[StepBatch], tupl
     extended = batch.extend("s", 4)
     outcomes, sent, instance_id = run(batch)
     [(request, metadata)] = sent
-    assert request.engine_id == "eng-1" and [o.WhichOneof("op") for o in request.ops] == ["open", "extend"]
+    assert request.engine_id == "eng-1" and request.columns.kinds == bytes([1, 3])  # open, extend
     assert metadata == (("authorization", "Bearer k"),)  # no instance known yet: nothing pinned
     assert outcomes == [opened, extended]
     assert opened.value.epoch == 1 and instance_id == "i9"  # the open taught the client the instance
