@@ -16,8 +16,10 @@ Rows, each the median over the measured steps (interleaved, so all see the same 
 - client wall: `client.step(batch)`, from the call to every outcome filled (what a scheduler waits for);
 - handler: the service's own time per Step (its RPC latency metric: decode to encode excluded, the
   interceptor and the handler included; a mean over the phase);
-- client build: filling the `StepBatch` (224 op calls); client read: `StepBatch.apply` (typed results);
-  client encode/decode: `StepRequest.SerializeToString` / `StepResponse.FromString` of the same messages;
+- client build: filling the `StepBatch` (224 op calls); client read: `StepBatch.apply` (inside the call)
+  plus reading every outcome as a scheduler does (`ok` of each, the typed `value` of appends and extends:
+  their page-table deltas); client encode/decode: `StepRequest.SerializeToString` /
+  `StepResponse.FromString` of the same messages;
 - empty Step: the gRPC floor on this transport; refusal Step: the §9 shape where every op is refused
   (unknown sessions: SESSION_NOT_FOUND; opens of open ids: SESSION_EXISTS).
 The second table is the handler in this process, without a transport (decode, interceptor + handler,
@@ -187,10 +189,16 @@ def server_table(steps: int, warmup: int) -> dict[str, Phase]:
     from protos.kvcache.v1 import kvcache_pb2 as pb
 
     class TimedBatch(StepBatch):
-        """A StepBatch that times its own result reading and keeps the response (for the codec columns)."""
+        """A StepBatch that times its own result reading and keeps its request and the response (for the
+        codec columns)."""
 
         read_us = 0.0
         response: Any = None
+        built: Any = None
+
+        def request(self, default_engine_id: str) -> Any:
+            self.built = super().request(default_engine_id)
+            return self.built
 
         def apply(self, response: Any) -> Any:
             t0 = time.perf_counter()
@@ -198,6 +206,17 @@ def server_table(steps: int, warmup: int) -> dict[str, Phase]:
             self.read_us = (time.perf_counter() - t0) * 1e6
             self.response = response
             return out
+
+    def read(outcomes: list[Any]) -> int:
+        """What a scheduler reads: whether each op went through, and the page-table deltas."""
+        ok = 0
+        for o in outcomes:
+            if o.ok:
+                ok += 1
+                if o.kind in ("append", "extend"):
+                    delta = o.value.page_ids
+                    assert delta.size or o.kind == "append"
+        return ok
 
     proc, target, metrics_port = start_server()
     phases = {name: Phase() for name in ("§9 Step", "empty Step", "refusal Step")}
@@ -227,17 +246,15 @@ def server_table(steps: int, warmup: int) -> dict[str, Phase]:
             t1 = time.perf_counter()
             outcomes = client.step(batch)
             t2 = time.perf_counter()
+            ok = read(outcomes)
+            t3 = time.perf_counter()
             after = step_handler_seconds(metrics_port)
-            if expect_ok:
-                assert all(o.ok for o in outcomes), [o.error for o in outcomes if not o.ok][:3]
-            else:
-                assert not any(o.ok for o in outcomes)
+            assert ok == (len(outcomes) if expect_ok else 0), [o.error for o in outcomes if not o.ok][:3]
             phase.build.append((t1 - t0) * 1e6)
             phase.wall.append((t2 - t1) * 1e6)
-            phase.read.append(batch.read_us)
-            request = pb.StepRequest(ops=batch._ops, engine_id=client.engine_id)
+            phase.read.append(batch.read_us + (t3 - t2) * 1e6)
             t0 = time.perf_counter()
-            data = request.SerializeToString()
+            data = batch.built.SerializeToString()
             t1 = time.perf_counter()
             answer = batch.response.SerializeToString()
             t2 = time.perf_counter()

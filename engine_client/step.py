@@ -73,7 +73,7 @@ _PENDING: Any = object()
 class StepOutcome(Generic[T]):
     """One op's result once its Step has run: `value` on success, `error` (typed, not raised) otherwise."""
 
-    __slots__ = ("_results", "_value", "error", "index", "kind")
+    __slots__ = ("_error", "_results", "_status", "_value", "index", "kind")
 
     def __init__(self, kind: str, index: int) -> None:
         self.kind = kind
@@ -83,21 +83,36 @@ class StepOutcome(Generic[T]):
         self._value: Any = _PENDING
         self._results: _ColumnResults | None = None
         """The response's columns, which `value` is built from at first read."""
-        self.error: KVCacheClientError | None = None
+        self._error: KVCacheClientError | None = None
+        self._status: Any = None
+        """The google.rpc.Status of a failed op, which `error` is built from at first read."""
+
+    @property
+    def error(self) -> KVCacheClientError | None:
+        """The op's typed error (None: it succeeded, or has not run)."""
+        if self._error is None and self._status is not None:
+            self._error = error_from_status(self._status)
+        return self._error
+
+    @error.setter
+    def error(self, error: KVCacheClientError | None) -> None:
+        self._error, self._status = error, None
 
     @property
     def done(self) -> bool:
-        return self.ok or self.error is not None
+        return self.ok or self._status is not None or self._error is not None
 
     @property
     def ok(self) -> bool:
-        return self._value is not _PENDING or (self._results is not None and self.error is None)
+        return self._value is not _PENDING or (self._results is not None and self._status is None
+                                               and self._error is None)
 
     @property
     def value(self) -> T:
         """The op's result; raises its typed error if it failed (and RuntimeError before the Step ran)."""
-        if self.error is not None:
-            raise self.error
+        error = self.error
+        if error is not None:
+            raise error
         if self._value is _PENDING:
             if self._results is None:
                 raise RuntimeError(f"op {self.index} ({self.kind}) has not been sent: run the batch with "
@@ -317,11 +332,11 @@ class StepBatch:
         outcomes = self._outcomes
         if results.failed:
             for i, status in zip(results.failed, cols.errors, strict=True):
-                outcomes[i].error = error_from_status(status)
+                outcomes[i]._status = status
         for outcome in outcomes:
             outcome._results = results
         for session, outcome in zip(self._sessions, outcomes, strict=True):
-            if session is not None and outcome.error is None:
+            if session is not None and outcome._status is None:
                 session._apply(outcome.kind, outcome.value)
 
 

@@ -37,11 +37,10 @@ def _numbers(data: bytes, typecode: str, n: int, name: str) -> Any:
     """A little-endian column of `n` numbers (an empty column: zeros)."""
     if not data:
         return array(typecode, bytes(n * array(typecode).itemsize))
-    col = array(typecode, data)
-    if len(data) % col.itemsize or len(col) != n:
-        raise invalid_argument(f"columns.{name}", f"holds {len(data)} bytes, not {n} ops of "
-                               f"{col.itemsize} bytes")
-    return col
+    size = array(typecode).itemsize
+    if len(data) != n * size:
+        raise invalid_argument(f"columns.{name}", f"holds {len(data)} bytes, not {n} ops of {size} bytes")
+    return array(typecode, data)
 
 
 def _strings(values: Any, n: int, name: str, *, optional: bool) -> list[str] | None:

@@ -433,3 +433,33 @@ def test_random_sequences_give_the_same_results_and_state_as_unary_calls(
         for info in s.stub.ListSessions(pb.ListSessionsRequest(), timeout=10).sessions:
             if info.state != pb.SESSION_STATE_IDLE:
                 s.stub.CommitSession(pb.CommitSessionRequest(session_id=info.session_id, abort=True), timeout=10)
+
+
+@pytest.mark.parametrize(("columns", "field", "message"), [
+    (pb.StepColumns(kinds=b"\x03\x03", session_ids=["a"]), "columns.session_ids", "has 1 entries for 2 ops"),
+    (pb.StepColumns(kinds=b"\x03", session_ids=["a"], counts=b"\x01\x00"), "columns.counts",
+     "holds 2 bytes, not 1 ops of 4 bytes"),
+    (pb.StepColumns(kinds=b"\x02", session_ids=["a"], token_counts=b"\x02\x00\x00\x00", token_ids=b"\x01\x00\x00\x00"),
+     "columns.token_ids", "holds 4 bytes; token_counts add up to 2 int32 ids"),
+    (pb.StepColumns(kinds=b"\x03", session_ids=["a"], flags=b"\x00\x00"), "columns.flags", "holds 2 bytes for 1 ops"),
+])
+def test_malformed_columns_fail_the_whole_call_naming_the_column(
+        start_thread_server: Callable[..., ThreadServer], columns: pb.StepColumns, field: str, message: str) -> None:
+    server = start_thread_server()
+    server.stub.OpenSession(pb.OpenSessionRequest(session_id="a"), timeout=10)
+    with pytest.raises(grpc.RpcError) as err:
+        server.stub.Step(pb.StepRequest(columns=columns), timeout=10)
+    status = rpc_status.from_call(err.value)  # type: ignore[arg-type]
+    assert status is not None and status.code == code_pb2.INVALID_ARGUMENT and reason(status) == "INVALID_ARGUMENT"
+    info = error_details_pb2.ErrorInfo()
+    assert status.details[0].Unpack(info) and info.metadata["field"] == field
+    assert message in status.message
+
+
+def test_ops_and_columns_together_fail_the_whole_call(start_thread_server: Callable[..., ThreadServer]) -> None:
+    server = start_thread_server()
+    request = pb.StepRequest(ops=[op("open", session_id="s")], columns=pb.StepColumns(kinds=b"\x01", session_ids=["t"]))
+    with pytest.raises(grpc.RpcError) as err:
+        server.stub.Step(request, timeout=10)
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert server.stub.GetStats(pb.GetStatsRequest(), timeout=10).sessions_idle == 0  # nothing applied
