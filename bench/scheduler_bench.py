@@ -300,7 +300,6 @@ def in_process_handler() -> tuple[Callable[[bytes], Any], Callable[[Any], Any], 
     """(decode, handle, encode, engine id) of the Step method of a servicer in this process, behind the
     service's interceptor, on a core like the server's."""
     from cache_service.core import CoreConfig, KVCacheCore
-    from cache_service.log import configure_logging
     from cache_service.memory import PoolHandle, PoolLayout
     from cache_service.metrics import Metrics
     from cache_service.rpc.interceptor import ServiceInterceptor
@@ -311,8 +310,6 @@ def in_process_handler() -> tuple[Callable[[bytes], Any], Callable[[Any], Any], 
         method = "/kvcache.v1.KVCacheService/Step"
         invocation_metadata = ()
 
-    configure_logging("warning", "json")
-    sys.stderr.flush()
     core = KVCacheCore(CoreConfig(num_pages=INPROC_PAGES, page_size=PAGE, session_budget_pages=0))
     layout = PoolLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="bfloat16", page_size=PAGE,
                         num_pages=INPROC_PAGES)
