@@ -339,7 +339,25 @@ def step_bytes(ops: list[tuple[str, str, Any]], engine_id: str) -> bytes:
 
 
 def in_process_table(steps: int, warmup: int, profile: bool) -> tuple[dict[str, list[float]], str]:
-    """Microseconds per step (decode, handle, encode) and per op kind (handle only), median of steps."""
+    """Microseconds per step (decode, handle, encode) and per op kind (handle only), median of steps. Logs go
+    to /dev/null at the service's level (warning) meanwhile; the process's logging is restored after."""
+    import os
+
+    import structlog
+
+    from cache_service.log import _LEVELS
+
+    saved = structlog.get_config()
+    with open(os.devnull, "w") as devnull:
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(_LEVELS["warning"]),
+                            logger_factory=structlog.PrintLoggerFactory(devnull), cache_logger_on_first_use=True)
+        try:
+            return _in_process_table(steps, warmup, profile)
+        finally:
+            structlog.configure(**saved)
+
+
+def _in_process_table(steps: int, warmup: int, profile: bool) -> tuple[dict[str, list[float]], str]:
     decode, handle, encode, engine = in_process_handler()
     trace = Trace(seed=11, prefix="p")
     for _ in range(warmup):
