@@ -239,6 +239,9 @@ class KVCacheServer:
             except Exception:
                 self._log.exception("reaper_failed")
                 continue
+            finally:
+                if self.events is not None:
+                    self.events.poke()
             if res.session_ids or res.engine_ids:
                 self._log.info("reaped", sessions=list(res.session_ids), expired_engines=list(res.engine_ids))
 

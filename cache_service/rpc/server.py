@@ -137,7 +137,8 @@ class RpcServer:
         servicer = KVCacheServicer(core, layout, handle, instance_id=instance_id,
                                    max_request_tokens=settings.max_request_tokens,
                                    max_step_ops=settings.max_step_ops, metrics=metrics, events=events, clock=clock)
-        interceptor = ServiceInterceptor(metrics, instance_id=instance_id, identities=settings.identities)
+        interceptor = ServiceInterceptor(metrics, instance_id=instance_id, identities=settings.identities,
+                                         after=events.poke)
         self._server = grpc.aio.server(options=[
             *SERVER_OPTIONS,
             ("grpc.max_receive_message_length", settings.max_message_bytes),

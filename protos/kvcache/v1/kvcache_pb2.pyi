@@ -31,6 +31,13 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROLE_REQUIRED: _ClassVar[ErrorReason]
     SESSION_LIMIT: _ClassVar[ErrorReason]
 
+class StepFlag(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STEP_FLAG_UNSPECIFIED: _ClassVar[StepFlag]
+    STEP_FLAG_SET: _ClassVar[StepFlag]
+    STEP_FLAG_KV_TOKENS: _ClassVar[StepFlag]
+    STEP_FLAG_TIMEOUT: _ClassVar[StepFlag]
+
 class SessionState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     SESSION_STATE_UNSPECIFIED: _ClassVar[SessionState]
@@ -56,6 +63,10 @@ BAD_TOKEN: ErrorReason
 SALT_NOT_ALLOWED: ErrorReason
 ROLE_REQUIRED: ErrorReason
 SESSION_LIMIT: ErrorReason
+STEP_FLAG_UNSPECIFIED: StepFlag
+STEP_FLAG_SET: StepFlag
+STEP_FLAG_KV_TOKENS: StepFlag
+STEP_FLAG_TIMEOUT: StepFlag
 SESSION_STATE_UNSPECIFIED: SessionState
 SESSION_STATE_IDLE: SessionState
 SESSION_STATE_IN_TURN: SessionState
@@ -390,12 +401,40 @@ class StepOp(_message.Message):
     def __init__(self, open: _Optional[_Union[OpenSessionRequest, _Mapping]] = ..., append: _Optional[_Union[AppendSessionRequest, _Mapping]] = ..., extend: _Optional[_Union[ExtendSessionRequest, _Mapping]] = ..., commit: _Optional[_Union[CommitSessionRequest, _Mapping]] = ..., close: _Optional[_Union[CloseSessionRequest, _Mapping]] = ..., match: _Optional[_Union[MatchPrefixRequest, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("ops", "engine_id")
+    __slots__ = ("ops", "engine_id", "columns")
     OPS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     ops: _containers.RepeatedCompositeFieldContainer[StepOp]
     engine_id: str
-    def __init__(self, ops: _Optional[_Iterable[_Union[StepOp, _Mapping]]] = ..., engine_id: _Optional[str] = ...) -> None: ...
+    columns: StepColumns
+    def __init__(self, ops: _Optional[_Iterable[_Union[StepOp, _Mapping]]] = ..., engine_id: _Optional[str] = ..., columns: _Optional[_Union[StepColumns, _Mapping]] = ...) -> None: ...
+
+class StepColumns(_message.Message):
+    __slots__ = ("kinds", "session_ids", "epochs", "counts", "flags", "token_counts", "token_ids", "turns", "timeouts", "engine_ids", "cache_salts")
+    KINDS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    FLAGS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TURNS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUTS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALTS_FIELD_NUMBER: _ClassVar[int]
+    kinds: bytes
+    session_ids: _containers.RepeatedScalarFieldContainer[str]
+    epochs: bytes
+    counts: bytes
+    flags: bytes
+    token_counts: bytes
+    token_ids: bytes
+    turns: bytes
+    timeouts: bytes
+    engine_ids: _containers.RepeatedScalarFieldContainer[str]
+    cache_salts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, kinds: _Optional[bytes] = ..., session_ids: _Optional[_Iterable[str]] = ..., epochs: _Optional[bytes] = ..., counts: _Optional[bytes] = ..., flags: _Optional[bytes] = ..., token_counts: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., turns: _Optional[bytes] = ..., timeouts: _Optional[bytes] = ..., engine_ids: _Optional[_Iterable[str]] = ..., cache_salts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("status", "open", "append", "extend", "commit", "close", "match")
@@ -416,10 +455,50 @@ class StepResult(_message.Message):
     def __init__(self, status: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., open: _Optional[_Union[OpenSessionResponse, _Mapping]] = ..., append: _Optional[_Union[AppendSessionResponse, _Mapping]] = ..., extend: _Optional[_Union[ExtendSessionResponse, _Mapping]] = ..., commit: _Optional[_Union[CommitSessionResponse, _Mapping]] = ..., close: _Optional[_Union[CloseSessionResponse, _Mapping]] = ..., match: _Optional[_Union[MatchPrefixResponse, _Mapping]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("results",)
+    __slots__ = ("results", "columns")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[StepResult]
-    def __init__(self, results: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ...) -> None: ...
+    columns: StepColumnResults
+    def __init__(self, results: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., columns: _Optional[_Union[StepColumnResults, _Mapping]] = ...) -> None: ...
+
+class StepColumnResults(_message.Message):
+    __slots__ = ("codes", "errors", "epochs", "turns", "cached_tokens", "context_tokens", "capacity_tokens", "page_offsets", "num_pages", "prefix_hit_tokens", "kv_tokens", "closed", "page_counts", "page_ids", "opened_ids", "timeouts", "instance_id")
+    CODES_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    TURNS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    PAGE_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    OPENED_IDS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUTS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    codes: bytes
+    errors: _containers.RepeatedCompositeFieldContainer[_status_pb2.Status]
+    epochs: bytes
+    turns: bytes
+    cached_tokens: bytes
+    context_tokens: bytes
+    capacity_tokens: bytes
+    page_offsets: bytes
+    num_pages: bytes
+    prefix_hit_tokens: bytes
+    kv_tokens: bytes
+    closed: bytes
+    page_counts: bytes
+    page_ids: bytes
+    opened_ids: _containers.RepeatedScalarFieldContainer[str]
+    timeouts: bytes
+    instance_id: str
+    def __init__(self, codes: _Optional[bytes] = ..., errors: _Optional[_Iterable[_Union[_status_pb2.Status, _Mapping]]] = ..., epochs: _Optional[bytes] = ..., turns: _Optional[bytes] = ..., cached_tokens: _Optional[bytes] = ..., context_tokens: _Optional[bytes] = ..., capacity_tokens: _Optional[bytes] = ..., page_offsets: _Optional[bytes] = ..., num_pages: _Optional[bytes] = ..., prefix_hit_tokens: _Optional[bytes] = ..., kv_tokens: _Optional[bytes] = ..., closed: _Optional[bytes] = ..., page_counts: _Optional[bytes] = ..., page_ids: _Optional[bytes] = ..., opened_ids: _Optional[_Iterable[str]] = ..., timeouts: _Optional[bytes] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
     __slots__ = ("session_id", "epoch", "state", "streaming", "cache_salt", "engine_id", "context_tokens", "kv_tokens", "turns", "num_pages", "radix_pages", "held_pages", "in_flight_pages", "idle_seconds", "timeout_seconds", "demoted", "close_pending", "identity")
