@@ -59,7 +59,7 @@ def test_a_budget_of_zero_or_one_means_none() -> None:
     ({"metrics_port": 70000}, "--metrics-port: not a port: 70000"),
     ({"listen": "unix:relative.sock"}, "--listen: 'unix:relative.sock' is not host:port or unix:/absolute/path"),
     ({"shm_prefix": "a/b"}, "--shm-prefix: must be a plain file name part"),
-    ({"max_message_bytes": 10}, "--max-message-bytes: must be at least 4096 bytes"),
+    ({"max_message_bytes": 10}, "--max-message-bytes: must be >= 4096 bytes, got 10"),
     ({"pool_bytes": 1000}, "--pool-bytes: 1000 B holds fewer than 2 pages of 32.0 KiB"),
     ({"tls_cert": "/tls/server.pem"}, "--tls-cert: needs --tls-key (the certificate's private key)"),
     ({"tls_key": "/tls/server.key"}, "--tls-key: needs --tls-cert (the certificate it belongs to)"),

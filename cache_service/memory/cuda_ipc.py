@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from cache_service.memory.base import PoolError, PoolHandle
-from protos.kvcache.v1.layout import PoolLayout
+from kvcache_common.cuda_driver import format_uuid as uuid_of_bytes
+from kvcache_common.layout import PoolLayout
 
 IPC_HANDLE_BYTES = 64
 
@@ -24,10 +25,10 @@ def format_uuid(raw: bytes | str) -> str:
     """A device UUID as nvidia-smi prints it: 'GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx' (or 'MIG-...')."""
     if isinstance(raw, str):
         return raw if raw[:4].upper() in ("GPU-", "MIG-") else f"GPU-{raw}"
-    if len(raw) != 16:
-        raise PoolError(f"a CUDA device UUID has 16 bytes, got {len(raw)}")
-    h = raw.hex()
-    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+    try:
+        return uuid_of_bytes(raw)
+    except ValueError as e:
+        raise PoolError(str(e)) from None
 
 
 def resolve_device(spec: str, uuids: Sequence[str], *, mig_ok: bool = False) -> int:

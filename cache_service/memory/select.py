@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from cache_service.memory.base import PoolBackend, PoolError, format_bytes
 from cache_service.memory.host_shm import HostShmPool, remove_stale_pools
-from protos.kvcache.v1.layout import PoolLayout
+from kvcache_common.layout import PoolLayout
 
 if TYPE_CHECKING:
     from cache_service.memory.cuda_vmm import VmmDriver
@@ -79,10 +79,11 @@ def probe_cuda() -> CudaProbe:
 def probe_cuda_vmm(device: str = "0", driver: Callable[[], VmmDriver] | None = None) -> VmmProbe:
     """Can cuda_vmm run on `device` (an ordinal or a UUID, as --device)? Asks the driver only."""
     from cache_service.memory.cuda_ipc import resolve_device
-    from cache_service.memory.cuda_vmm import CudaPythonDriver, fd_export_problem
+    from cache_service.memory.cuda_vmm import fd_export_problem
+    from kvcache_common.cuda_driver import CudaDriver
 
     try:
-        d = driver() if driver is not None else CudaPythonDriver()
+        d = driver() if driver is not None else CudaDriver()
     except ImportError:
         return VmmProbe(False, "cuda-python is not installed (pip install 'kvcache[cuda]')")
     except Exception as e:  # the driver library is missing, or cuInit failed

@@ -294,7 +294,7 @@ def test_the_default_probe_asks_about_the_configured_device(monkeypatch: pytest.
 
 
 def test_the_cuda_python_driver_makes_these_calls(monkeypatch: pytest.MonkeyPatch) -> None:
-    """CudaPythonDriver over cuda-python's real types with scripted functions: the arguments it builds."""
+    """CudaDriver over cuda-python's real types with scripted functions: the arguments it builds."""
     cu = pytest.importorskip("cuda.bindings.driver", reason="cuda-python is not installed")
     script = ScriptedCuda(cu).install(monkeypatch)
     pool = CudaVmmPool(LAYOUT, device="0")
