@@ -17,8 +17,12 @@ from typing import Any
 
 from cache_service.memory.base import format_bytes
 from kvcache_common.layout import DTYPE_NAMES, PoolLayout
+from kvcache_common.model import ModelConfigError, ModelLayout, UnsupportedModel, read_model_layout
 
 BACKEND_CHOICES = ("auto", "host_shm", "host_memfd", "cuda_ipc", "cuda_vmm")
+GPU_BACKENDS = ("cuda_ipc", "cuda_vmm")
+MODEL_LAYOUT = ("num_layers", "num_kv_heads", "head_dim")
+"""The layout fields --model sets (and --dtype, unless given: the KV element type may differ from the model's)."""
 _SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
                "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
@@ -93,6 +97,9 @@ class ServiceConfig:
     backend: str = setting("auto", "pool backend: auto picks cuda_vmm when a GPU supports it (else cuda_ipc), and "
                            "host_shm without a GPU", choices=BACKEND_CHOICES)
     device: str = setting("0", "CUDA device for cuda_ipc and cuda_vmm: an index or a GPU UUID (GPU-...)")
+    model: str = setting("", "Hugging Face model directory (or its config.json) whose layout the pool takes: layers, "
+                         "KV heads, head dim and dtype; layout flags given too must agree (--dtype may differ: "
+                         "the KV element type)", metavar="PATH")
     num_layers: int = setting(2, "transformer layers in the pool layout", at_least=1)
     num_kv_heads: int = setting(4, "KV heads per layer", at_least=1)
     head_dim: int = setting(64, "head dimension", at_least=1)
@@ -102,6 +109,9 @@ class ServiceConfig:
                              "is set)")
     pool_bytes: int = setting(0, "pool size in bytes instead of --num-pages (e.g. 512Mi, 8Gi)", parse=parse_bytes,
                               metavar="SIZE")
+    gpu_memory_fraction: float = setting(0.0, "size a GPU pool (cuda_ipc, cuda_vmm) to this share of the device's "
+                                         "free memory at start, instead of --num-pages or --pool-bytes (0 = off)",
+                                         at_least=0, at_most=1)
     shm_dir: str = setting("/dev/shm", "directory of the host_shm pool file")
     pool_socket: str = setting("", "unix socket that hands fd pools (host_memfd, cuda_vmm) to engines: a path, or "
                                "@name in the abstract namespace (default @kvcache-<instance id>)", metavar="ADDR")
@@ -155,7 +165,16 @@ class ServiceConfig:
     log_format: str = setting("auto", "auto: pretty on a TTY, JSON lines otherwise", choices=("auto", "json",
                                                                                              "console"))
 
+    model_layout: ModelLayout | None = field(default=None, compare=False, repr=False)
+    """What --model read (set by `config_from`, or on construction); not a setting of its own."""
+
     def __post_init__(self) -> None:
+        if self.model and self.model_layout is None:
+            # Built directly (not by config_from): a layout field that differs from its default was asked for.
+            given = {n for n in (*MODEL_LAYOUT, "dtype") if getattr(self, n) != _FIELDS[n].default}
+            fitted = fit_model({n: getattr(self, n) for n in ("model", *MODEL_LAYOUT, "dtype")}, given)
+            for name, value in fitted.items():
+                object.__setattr__(self, name, value)
         self.validate()
 
     # ------------------------------------------------------------------ derived
@@ -180,19 +199,6 @@ class ServiceConfig:
     def layout(self) -> PoolLayout:
         return PoolLayout(num_pages=self.resolved_num_pages, **self._dims())
 
-    @property
-    def session_token_cap(self) -> int:
-        """The core's per-session token cap: --max-session-tokens, at most what the pool holds."""
-        pool_tokens = (self.resolved_num_pages - 1) * self.page_size
-        return min(self.max_session_tokens, pool_tokens) if self.max_session_tokens else pool_tokens
-
-    @property
-    def session_budget_pages(self) -> int:
-        """The core's budget in pages (0: none)."""
-        if self.session_budget_fraction in (0, 1):
-            return 0
-        return max(1, int((self.resolved_num_pages - 1) * self.session_budget_fraction))
-
     # ------------------------------------------------------------------ checks
 
     def validate(self) -> None:
@@ -212,6 +218,10 @@ class ServiceConfig:
         need(_valid_uids(self.pool_socket_uids), "pool-socket-uids",
              f"{self.pool_socket_uids!r} is not a comma-separated list of uids or *")
         need(not (self.num_pages and self.pool_bytes), "pool-bytes", "set --num-pages or --pool-bytes, not both")
+        need(not (self.gpu_memory_fraction and (self.num_pages or self.pool_bytes)), "gpu-memory-fraction",
+             "set one of --num-pages, --pool-bytes and --gpu-memory-fraction")
+        need(not self.gpu_memory_fraction or self.backend in ("auto", *GPU_BACKENDS), "gpu-memory-fraction",
+             f"sizes a GPU pool ({', '.join(GPU_BACKENDS)}), not --backend {self.backend}; use --pool-bytes")
         need(self.num_pages >= 0, "num-pages", f"must be >= 2, got {self.num_pages}")
         need(self.num_pages != 1, "num-pages", "must be >= 2 (page 0 is reserved)")
         if self.pool_bytes:
@@ -291,7 +301,8 @@ def _flag(f: Field[Any]) -> Flag:
     return Flag(f.name.replace("_", "-"), parse, f.default, spec.help, spec.choices, spec.metavar, spec)
 
 
-FLAGS: tuple[Flag, ...] = tuple(_flag(f) for f in fields(ServiceConfig))
+_FIELDS = {f.name: f for f in fields(ServiceConfig)}
+FLAGS: tuple[Flag, ...] = tuple(_flag(f) for f in _FIELDS.values() if "setting" in f.metadata)
 """Every serve flag, in declaration order: what the CLI, the README's table and the chart's checks read."""
 
 
@@ -346,4 +357,28 @@ def config_from(args: Mapping[str, Any], environ: Mapping[str, str] | None = Non
                 values[flag.dest] = flag.type(raw)
             except ValueError as e:
                 raise ConfigError(f"{flag.env}={raw!r}: {e}") from None
+    if values.get("model"):
+        given = set(values)
+        values = fit_model({n: values.get(n, _FIELDS[n].default) for n in (*MODEL_LAYOUT, "dtype")} | values, given)
     return ServiceConfig(**values)
+
+
+def fit_model(values: dict[str, Any], given: set[str]) -> dict[str, Any]:
+    """`values` with the layout of the model that `values["model"]` names (and `model_layout`, what was read).
+    A layout field in `given` must agree with the model (ConfigError naming both); --dtype, when given, wins."""
+    path = values["model"]
+    try:
+        model = read_model_layout(path)
+    except (ModelConfigError, UnsupportedModel) as e:
+        raise ConfigError(f"--model: {e}") from None
+    fitted = dict(values, model_layout=model)
+    for name in MODEL_LAYOUT:
+        want = getattr(model, name)
+        if name in given and values[name] != want:
+            flag = name.replace("_", "-")
+            raise ConfigError(f"--{flag}: {values[name]} disagrees with --model {path} ({flag} {want}); leave it "
+                              "out and the model's is used")
+        fitted[name] = want
+    if "dtype" not in given and model.dtype:
+        fitted["dtype"] = model.dtype
+    return fitted

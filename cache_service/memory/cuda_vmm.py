@@ -72,6 +72,10 @@ class VmmDriver(Protocol):
 
     def release(self, index: int, handle: int) -> None: ...
 
+    def free_memory(self, index: int) -> int:
+        """Bytes of device `index`'s memory free right now."""
+        ...
+
     def close(self) -> None:
         """Drop what the driver object holds (contexts); after every other call."""
         ...
