@@ -33,14 +33,20 @@ from cache_service.rpc.pool_socket import PoolSocketServer, parse_uids
 from cache_service.rpc.server import RpcServer, RpcSettings, ServerTls
 
 
-def core_config(config: ServiceConfig) -> CoreConfig:
+def core_config(config: ServiceConfig, num_pages: int) -> CoreConfig:
+    """The core's settings for a pool of `num_pages` pages (page 0 included), each with one meaning: the
+    session budget in pages (0: none; a fraction of 0 or 1 asks for none) and the per-session cap in tokens
+    (--max-session-tokens, at most what the pool holds)."""
+    usable = num_pages - 1
+    fraction = config.session_budget_fraction
+    pool_tokens = usable * config.page_size
     return CoreConfig(
-        num_pages=config.resolved_num_pages,
+        num_pages=num_pages,
         page_size=config.page_size,
         session_timeout_seconds=config.session_timeout,
         lease_ttl_seconds=config.lease_ttl,
-        session_budget_pages=config.session_budget_pages,
-        max_session_tokens=config.session_token_cap,
+        session_budget_pages=0 if fraction in (0, 1) else max(1, int(usable * fraction)),
+        max_session_tokens=min(config.max_session_tokens, pool_tokens) if config.max_session_tokens else pool_tokens,
         max_sessions=config.max_sessions,
         max_lease_ttl_seconds=config.max_lease_ttl,
         quarantine_seconds=config.quarantine_seconds,
@@ -130,7 +136,8 @@ class KVCacheServer:
         self._pool_factory = pool_factory
         self.pool: PoolBackend | None = None
         self.pool_why = ""
-        self.core = KVCacheCore(core_config(config), clock)
+        self._core: KVCacheCore | None = None
+        """Made at start, for the pool the backend allocated (--gpu-memory-fraction sizes it only then)."""
         self._rpc: RpcServer | None = None
         self._reaper: asyncio.Task[None] | None = None
         self._metrics_server: asyncio.Server | None = None
@@ -141,6 +148,11 @@ class KVCacheServer:
         self._stopped = False
         self.events: EventHub | None = None
         self.pool_socket: PoolSocketServer | None = None
+
+    @property
+    def core(self) -> KVCacheCore:
+        assert self._core is not None, "start() first"
+        return self._core
 
     @property
     def security(self) -> str:
@@ -156,6 +168,7 @@ class KVCacheServer:
         cfg = self.config
         choice = self._pool_factory(cfg, self.instance_id)
         self.pool, self.pool_why = choice.pool, choice.why
+        self._core = KVCacheCore(core_config(cfg, self.pool.layout.num_pages), self._clock)
         for path in choice.removed_stale:
             self._log.warning("removed_stale_pool_file", path=path)
         try:
@@ -168,7 +181,7 @@ class KVCacheServer:
             self.pool.close()
             raise
         self._log.info("serving", address=self.address, instance_id=self.instance_id, backend=self.pool.name,
-                       usable_pages=cfg.resolved_num_pages - 1, metrics_port=self.metrics_port,
+                       usable_pages=self.pool.layout.num_pages - 1, metrics_port=self.metrics_port,
                        security=self.security, identities=list(self.identities.names))
         if self.identities.open and not _local(self.address):
             self._log.warning("no_auth", address=self.address,
@@ -266,16 +279,17 @@ class KVCacheServer:
             await self._metrics_server.wait_closed()
         # Every session open now is released: engines' leases end (their sessions close, KV cached) and
         # the rest go with the pool.
-        st = self.core.stats()
-        for engine in self.core.list_engines():
-            self.core.unregister_engine(engine.engine_id, identity=None)
+        st = self._core.stats() if self._core is not None else None
+        if self._core is not None:
+            for engine in self._core.list_engines():
+                self._core.unregister_engine(engine.engine_id, identity=None)
         if self.events is not None:
             self.events.close()
         if self.pool_socket is not None:
             self.pool_socket.close()
         if self.pool is not None:
             self.pool.close()
-        self._log.info("stopped", released_sessions=st.sessions, released_engines=st.engines,
+        self._log.info("stopped", released_sessions=st.sessions if st else 0, released_engines=st.engines if st else 0,
                        instance_id=self.instance_id)
 
 

@@ -146,6 +146,7 @@ def _banner(server: Any) -> str:
     lines = [
         f"{PROG} {__version__} listening on {server.address} (instance {server.instance_id})",
         f"  backend  {server.pool.name}: {where} ({server.pool_why})",
+        *_model_lines(cfg),
         f"  pool     {layout.num_pages - 1:,} pages x {layout.page_size} tokens = {layout.usable_tokens:,} tokens, "
         f"{format_bytes(layout.size_bytes)} ({layout.describe()})",
         f"  metrics  {metrics}",
@@ -159,6 +160,15 @@ def _banner(server: Any) -> str:
         lines.append(f"  tls      tls: certificate {cfg.tls_cert}; no client certificates asked")
     lines.append(f"  try      {_grpcurl_line(server.address, server.security, cfg.tls_cert)}")
     return "\n".join(lines)
+
+
+def _model_lines(cfg: ServiceConfig) -> list[str]:
+    """What --model read, when it is set: the pool's layout came from it."""
+    model = cfg.model_layout
+    if model is None:
+        return []
+    dtype = "" if model.dtype == cfg.dtype else f"; KV dtype {cfg.dtype} (--dtype)"
+    return [f"  model    {cfg.model}: {model.architecture}, {model.describe()}{dtype}"]
 
 
 # grpcurl checks the certificate against the host it dials: a wildcard bind address is no certificate's name.

@@ -112,13 +112,15 @@ class ServerTls:
 
 @dataclass(frozen=True)
 class RpcSettings:
+    """The transport's settings, taken from `ServiceConfig` (where their defaults live) by `app.rpc_settings`."""
+
     listen: str
     """host:port (port 0 picks a free one) or unix:/path."""
+    max_request_tokens: int
+    max_step_ops: int
+    max_message_bytes: int
     identities: Identities = field(default_factory=Identities)
     """Who may call (no tokens: everyone, as the anonymous admin)."""
-    max_request_tokens: int = 1 << 20
-    max_step_ops: int = 4096
-    max_message_bytes: int = 64 << 20
     tls: ServerTls | None = None
     """None: plaintext (`add_insecure_port`)."""
 

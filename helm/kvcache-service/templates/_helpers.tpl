@@ -213,10 +213,15 @@ same way.
 {{- mul (int64 $c.numLayers) 2 (int64 $c.pageSize) (int64 $c.numKvHeads) (int64 $c.headDim) $dtypeBytes -}}
 {{- end -}}
 
-{{/* Bytes of the pool: numPages pages, else as many whole pages as poolBytes holds, else 1024 pages. */}}
+{{/* Bytes of the pool: numPages pages, else as many whole pages as poolBytes holds (with a model config, whose
+page size the chart cannot read: poolBytes, an upper bound), else 1024 pages. */}}
 {{- define "kvcache.poolBytes" -}}
 {{- $pageBytes := include "kvcache.pageBytes" . | int64 -}}
 {{- $poolBytes := include "kvcache.bytes" .Values.config.poolBytes | int64 -}}
+{{- if and (or .Values.config.model .Values.modelConfig.configMap) (gt $poolBytes 0) -}}
+{{- /* the model's page size is unknown here: the pool is whole pages within poolBytes, at most that */ -}}
+{{- $pageBytes = 1 -}}
+{{- end -}}
 {{- $numPages := int64 1024 -}}
 {{- if gt (int64 .Values.config.numPages) 0 -}}
 {{- $numPages = int64 .Values.config.numPages -}}
@@ -303,6 +308,19 @@ and the fix.
 {{- fail (printf "backend=%s in mode=daemonset needs poolSocket.hostPath, with config.poolSocket in it (e.g. /run/kvcache and /run/kvcache/pool.sock): engines in other pods receive the pool over that socket, which otherwise stays inside the service's pod" $backendLabel) -}}
 {{- end -}}
 {{- end -}}
+{{- $model := or $v.config.model $v.modelConfig.configMap -}}
+{{- if and $v.config.model $v.modelConfig.configMap -}}
+{{- fail (printf "config.model=%s and modelConfig.configMap=%s are both set: the ConfigMap sets --model; keep one" $v.config.model $v.modelConfig.configMap) -}}
+{{- end -}}
+{{- if and (gt (float64 $v.config.gpuMemoryFraction) 0.0) (or (gt (int64 $v.config.numPages) 0) $poolBytesSet) -}}
+{{- fail "config.gpuMemoryFraction sizes the pool: leave config.numPages and config.poolBytes at 0" -}}
+{{- end -}}
+{{- if and (gt (float64 $v.config.gpuMemoryFraction) 0.0) (not (has $backend (list "cuda_vmm" "cuda_ipc"))) -}}
+{{- fail (printf "config.gpuMemoryFraction sizes a GPU pool, not backend=%s: use config.poolBytes" $backendLabel) -}}
+{{- end -}}
+{{- if and $model (has $backend (list "host_shm" "host_memfd")) (not $poolBytesSet) -}}
+{{- fail (printf "a model config (config.model or modelConfig.configMap) with backend=%s needs config.poolBytes: the chart cannot read the model's layout to size the pool's memory" $backendLabel) -}}
+{{- end -}}
 {{- if and (eq $backend "host_shm") (not $v.shm.hostPath) -}}
 {{- $poolBytes := include "kvcache.poolBytes" . | int64 -}}
 {{- $limitBytes := include "kvcache.bytes" $v.shm.sizeLimit | int64 -}}
@@ -313,18 +331,26 @@ and the fix.
 {{- end -}}
 
 {{/*
-Serve flags as env vars: config.<camelCase> -> KVCACHE_<SNAKE_CASE>, then the flags other values own.
+Serve flags as env vars: config.<camelCase> -> KVCACHE_<SNAKE_CASE>, then the flags other values own. With a
+model config (config.model or modelConfig.configMap) the layout values stay out: --model sets them.
 Whole numbers render as integers (Helm holds every number as a float64, and "1.048576e+06" is no
 --max-request-tokens).
 */}}
 {{- define "kvcache.env" -}}
+{{- $model := or .Values.config.model .Values.modelConfig.configMap -}}
 {{- range $key, $value := .Values.config }}
+{{- if not (or (and (eq $key "model") $.Values.modelConfig.configMap) (and $model (has $key (list "numLayers" "numKvHeads" "headDim" "dtype")))) }}
 - name: {{ printf "KVCACHE_%s" ($key | snakecase | upper) }}
   {{- if and (kindIs "float64" $value) (eq $value (floor $value)) }}
   value: {{ int64 $value | quote }}
   {{- else }}
   value: {{ toString $value | quote }}
   {{- end }}
+{{- end }}
+{{- end }}
+{{- with .Values.modelConfig.configMap }}
+- name: KVCACHE_MODEL
+  value: {{ printf "%s/%s" ($.Values.modelConfig.mountPath | trimSuffix "/") $.Values.modelConfig.key | quote }}
 {{- end }}
 - name: KVCACHE_LISTEN
   value: {{ include "kvcache.listen" . | quote }}
@@ -464,6 +490,11 @@ volumeMounts:
   {{- end }}
   {{- if .Values.tls.enabled }}
   {{- include "kvcache.tlsMount" . | nindent 2 }}
+  {{- end }}
+  {{- if .Values.modelConfig.configMap }}
+  - name: model-config
+    mountPath: {{ .Values.modelConfig.mountPath | trimSuffix "/" }}
+    readOnly: true
   {{- end }}
   {{- if .Values.auth.tenantsSecret }}
   - name: tenants
@@ -610,6 +641,14 @@ spec:
     {{- end }}
     {{- if .Values.tls.enabled }}
     {{- include "kvcache.tlsVolume" (list . true) | nindent 4 }}
+    {{- end }}
+    {{- with .Values.modelConfig.configMap }}
+    - name: model-config
+      configMap:
+        name: {{ . }}
+        items:
+          - key: {{ $.Values.modelConfig.key }}
+            path: {{ $.Values.modelConfig.key }}
     {{- end }}
     {{- with .Values.auth.tenantsSecret }}
     - name: tenants
