@@ -18,6 +18,9 @@ from cache_service.memory.base import format_bytes
 from protos.kvcache.v1.layout import DTYPE_NAMES, PoolLayout
 
 BACKEND_CHOICES = ("auto", "host_shm", "host_memfd", "cuda_ipc", "cuda_vmm")
+TIER_CHOICES = ("none", "disk", "mooncake")
+MOONCAKE_MIN_SEGMENT_BYTES = 16 << 20
+"""Mooncake 0.3.13 refuses smaller segments (seen: 8 MB is INVALID_PARAMS, 16 MB works)."""
 _SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
                "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
@@ -105,6 +108,25 @@ FLAGS: tuple[Flag, ...] = (
     Flag("max-step-ops", int, 4096, "most operations one Step call may carry"),
     Flag("max-message-bytes", parse_bytes, 64 << 20, "largest gRPC message accepted", metavar="SIZE"),
     Flag("eviction-policy", str, "lru", "radix eviction order", ("lru", "lfu")),
+    Flag("tier", str, "none", "where pages evicted from the pool are kept and loaded back from: none, disk "
+         "(--tier-dir) or mooncake (Mooncake Store, --mooncake-master)", TIER_CHOICES),
+    Flag("tier-dir", str, "", "disk tier: directory of page values, found again after a restart (one service "
+         "per directory)", metavar="PATH"),
+    Flag("tier-bytes", parse_bytes, 0, "disk tier: most bytes of values kept, least recently used dropped first "
+         "(0 = half the free space of --tier-dir at start)", metavar="SIZE"),
+    Flag("tier-timeout", float, 1.0, "seconds a request waits for pages loaded from the tier before it counts "
+         "them as a miss"),
+    Flag("tier-queue-pages", int, 256, "most evicted pages waiting to be offloaded; beyond, pages are not "
+         "offloaded (eviction never waits; counted)", metavar="PAGES"),
+    Flag("mooncake-master", str, "", "mooncake tier: the master's host:port (mooncake_master --rpc_port)",
+         metavar="ADDR"),
+    Flag("mooncake-metadata", str, "P2PHANDSHAKE", "mooncake tier: metadata service, P2PHANDSHAKE or an "
+         "http://host:port/metadata URL", metavar="ADDR"),
+    Flag("mooncake-protocol", str, "tcp", "mooncake tier: transfer protocol (tcp; rdma where the nodes have it)"),
+    Flag("mooncake-segment-bytes", parse_bytes, 0, "mooncake tier: memory this service lends the store (0: none, "
+         "the default; else at least 16Mi, and what it holds goes when the service stops)", metavar="SIZE"),
+    Flag("mooncake-local-hostname", str, "127.0.0.1", "mooncake tier: the address this service's transfer engine "
+         "announces to the store (the pod IP in a cluster; also MC_TCP_BIND_ADDRESS unless set)", metavar="HOST"),
     Flag("demote-idle-sessions", _bool, True,
          "under pressure, turn idle sessions' KV into evictable radix entries (LRU-first)", metavar="BOOL"),
     Flag("metrics-port", _port_or_off, None, "Prometheus /metrics port: off, or a port (0 picks a free one, "
@@ -164,6 +186,16 @@ class ServiceConfig:
     max_message_bytes: int = 64 << 20
     eviction_policy: str = "lru"
     demote_idle_sessions: bool = True
+    tier: str = "none"
+    tier_dir: str = ""
+    tier_bytes: int = 0
+    tier_timeout: float = 1.0
+    tier_queue_pages: int = 256
+    mooncake_master: str = ""
+    mooncake_metadata: str = "P2PHANDSHAKE"
+    mooncake_protocol: str = "tcp"
+    mooncake_segment_bytes: int = 0
+    mooncake_local_hostname: str = "127.0.0.1"
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     auth_token: str = ""
@@ -265,6 +297,7 @@ class ServiceConfig:
         need(self.max_step_ops >= 1, "max-step-ops", f"must be >= 1, got {self.max_step_ops}")
         need(self.max_message_bytes >= 4096, "max-message-bytes", "must be at least 4096 bytes")
         need(self.eviction_policy in ("lru", "lfu"), "eviction-policy", f"unknown policy {self.eviction_policy!r}")
+        self._validate_tier(need)
         need(self.metrics_port is None or 0 <= self.metrics_port <= 65535, "metrics-port",
              f"not a port: {self.metrics_port}")
         need(self.log_level in ("debug", "info", "warning", "error"), "log-level", f"unknown {self.log_level!r}")
@@ -285,6 +318,37 @@ class ServiceConfig:
         need(bool(self.tls_cert) or not self.tls_key, "tls-key", "needs --tls-cert (the certificate it belongs to)")
         need(bool(self.tls_cert) or not self.tls_client_ca, "tls-client-ca",
              "needs --tls-cert and --tls-key: mutual TLS is TLS with client certificates")
+
+
+    def _validate_tier(self, need: Callable[[bool, str, str], None]) -> None:
+        need(self.tier in TIER_CHOICES, "tier", f"unknown tier {self.tier!r}; one of {', '.join(TIER_CHOICES)}")
+        need(self.tier != "disk" or bool(self.tier_dir), "tier-dir", "--tier disk needs a directory")
+        need(not self.tier_dir or self.tier == "disk", "tier-dir", f"needs --tier disk (the tier is {self.tier})")
+        need(self.tier_bytes >= 0, "tier-bytes", f"must be >= 0, got {self.tier_bytes}")
+        need(not self.tier_bytes or self.tier == "disk", "tier-bytes", f"needs --tier disk (the tier is {self.tier})")
+        need(math.isfinite(self.tier_timeout) and self.tier_timeout > 0, "tier-timeout",
+             f"must be > 0 seconds, got {self.tier_timeout}")
+        need(self.tier_queue_pages >= 1, "tier-queue-pages", f"must be >= 1, got {self.tier_queue_pages}")
+        need(self.tier != "mooncake" or bool(self.mooncake_master), "mooncake-master",
+             "--tier mooncake needs the master's host:port")
+        need(not self.mooncake_master or self.tier == "mooncake", "mooncake-master",
+             f"needs --tier mooncake (the tier is {self.tier})")
+        need(not self.mooncake_master or _valid_host_port(self.mooncake_master), "mooncake-master",
+             f"{self.mooncake_master!r} is not host:port")
+        need(self.mooncake_metadata == "P2PHANDSHAKE" or "://" in self.mooncake_metadata, "mooncake-metadata",
+             f"{self.mooncake_metadata!r} is not P2PHANDSHAKE or a URL such as http://host:8080/metadata")
+        need(bool(self.mooncake_protocol) and self.mooncake_protocol.isidentifier(), "mooncake-protocol",
+             f"{self.mooncake_protocol!r} is not a protocol name such as tcp or rdma")
+        need(self.mooncake_segment_bytes == 0 or self.mooncake_segment_bytes >= MOONCAKE_MIN_SEGMENT_BYTES,
+             "mooncake-segment-bytes", f"0 or at least 16Mi (Mooncake refuses smaller segments), got "
+             f"{self.mooncake_segment_bytes}")
+        need(bool(self.mooncake_local_hostname) and " " not in self.mooncake_local_hostname,
+             "mooncake-local-hostname", f"{self.mooncake_local_hostname!r} is not a host name or address")
+
+
+def _valid_host_port(text: str) -> bool:
+    host, sep, port = text.rpartition(":")
+    return bool(sep and host) and port.isdigit() and 0 < int(port) <= 65535
 
 
 def _valid_uids(text: str) -> bool:
