@@ -34,6 +34,9 @@ from cache_service.rpc.server import RpcServer, RpcSettings, ServerTls
 from cache_service.tier import TierConfigError, TierService, create_backend, page_memory
 from cache_service.tier.memory import TierMemoryError
 
+TIER_CONNECT_WAIT_SECONDS = 3.0
+"""Most start-up waits for the tier's first connection attempt (Mooncake's port check gives up after 2 s)."""
+
 
 def core_config(config: ServiceConfig) -> CoreConfig:
     return CoreConfig(
@@ -164,6 +167,7 @@ class KVCacheServer:
             self._log.warning("removed_stale_pool_file", path=path)
         try:
             self.tier = self._start_tier()
+            await self._await_tier()
             await self._start_serving()
         except BaseException:
             if self.events is not None:
@@ -240,6 +244,12 @@ class KVCacheServer:
         self._log.info("tier", backend=backend.name, description=backend.describe(),
                        timeout_seconds=cfg.tier_timeout, queue_pages=cfg.tier_queue_pages)
         return tier
+
+    async def _await_tier(self) -> None:
+        """Give the tier's first connection a moment (bounded: a master that is down costs hits, never the
+        start), so that the banner says whether the store answered."""
+        if self.tier is not None:
+            await asyncio.to_thread(self.tier.wait_first_connection, TIER_CONNECT_WAIT_SECONDS)
 
     def _pool_socket(self, handle: PoolHandle) -> PoolSocketServer:
         """Serve the fd-backed pool on --pool-socket (default: @kvcache-<instance id>)."""

@@ -203,7 +203,7 @@ def _tier_lines(server: Any) -> list[str]:
     tier = server.tier
     if tier is None:
         return []
-    state = "up" if tier.up else "connecting (misses until the store answers)"
+    state = "up" if tier.up else "DOWN (misses until the store answers; the service reconnects)"
     return [f"  tier     {tier.backend.describe()}; {state}; loads wait at most {server.config.tier_timeout:g} s"]
 
 

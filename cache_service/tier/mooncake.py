@@ -7,8 +7,9 @@ to standalone `mooncake_client` processes on the storage nodes (or to this servi
 
 Transfers are zero-copy: the pool's host memory (or a GPU pool's pinned staging area) is registered with
 the client (`register_buffer`) and every value moves with `batch_put_from_multi_buffers` /
-`batch_get_into_multi_buffers`, one call per batch, whose buffers are the header slot and the page's
-`2 * num_layers` chunks where they lie. Headers sit in a small registered arena of their own.
+`batch_get_into_multi_buffers`, whose buffers are the header slot and the page's `2 * num_layers` chunks
+where they lie; one call per batch, split so that no call queues more than MAX_SLICES_PER_CALL transfer
+slices (the TCP transport's limit). Headers sit in a small registered arena of their own.
 
 What the store answers, and what it means here (seen against mooncake_master 0.3.13.post1 on loopback):
 - put: 0 stored; -705 OBJECT_ALREADY_EXISTS (someone stored it first): stored; -200 NO_AVAILABLE_HANDLE:
@@ -73,6 +74,13 @@ _RPC = (RPC_FAIL, RPC_TIMEOUT)
 
 HEADER_SLOTS = 1024
 """Registered 64-byte header slots shared by the worker threads (a batch takes one per page)."""
+
+TCP_SLICE_BYTES = 64 << 10
+"""Mooncake's TCP transport moves a buffer as slices of at most 64 KiB ..."""
+MAX_SLICES_PER_CALL = 480
+"""... and queues at most 1024 of them per peer (more fail at once with TRANSFER_FAIL, "TCP lane queue-full
+rejection" in its log: seen with 64 Llama-8B pages in one call). The two worker threads share a peer, so a
+call carries at most this many slices; a bigger batch is split into several calls."""
 
 PROBE_KEY = b"\0" * KEY_BYTES
 
@@ -144,6 +152,9 @@ class MooncakeTier:
         # Read by the transfer engine at setup: bind its TCP transport to the address it announces.
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_hostname)
         self._headers = _HeaderArena(HEADER_SLOTS)
+        slices = 1 + geometry.num_chunks * -(-geometry.chunk_bytes // TCP_SLICE_BYTES)
+        self.pages_per_call = max(1, MAX_SLICES_PER_CALL // slices)
+        """Values per store call (a value of more than 1024 slices cannot move over TCP at all)."""
         self._regions: list[tuple[int, int]] = []
         self._lock = threading.Lock()
         self._store: Any = None
@@ -221,7 +232,7 @@ class MooncakeTier:
         if not items:
             return []
         store = self._client()
-        slots = self._headers.take(len(items))
+        slots = self._headers.take(min(len(items), self.pages_per_call))
         try:
             out: list[str] = []
             for start in range(0, len(items), len(slots)):
@@ -245,7 +256,7 @@ class MooncakeTier:
         if not items:
             return []
         store = self._client()
-        slots = self._headers.take(len(items))
+        slots = self._headers.take(min(len(items), self.pages_per_call))
         try:
             out: list[GetResult] = []
             for start in range(0, len(items), len(slots)):

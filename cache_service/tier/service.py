@@ -156,6 +156,8 @@ class _Link:
         self._cond = threading.Condition()
         self._up = backend.connected
         self._ever_up = self._up
+        self._tried = self._up
+        """The first connection was attempted (or not needed)."""
         self._inflight = 0
         self._stopping = False
         self._since = time.monotonic()
@@ -183,6 +185,12 @@ class _Link:
     def wait_up(self, timeout: float) -> bool:
         with self._cond:
             return self._cond.wait_for(lambda: self._up or self._stopping, timeout) and self._up
+
+    def wait_tried(self, timeout: float) -> bool:
+        """Wait until the first connection attempt ended; True when the store is up."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._tried or self._stopping, timeout)
+            return self._up
 
     def down(self, operation: str, error: Exception) -> None:
         with self._cond:
@@ -226,11 +234,14 @@ class _Link:
                 else:
                     self._log.debug("tier_probe_failed", error=str(e), reconnect=reconnect)
                 with self._cond:
+                    self._tried = True
+                    self._cond.notify_all()
                     self._cond.wait_for(lambda: self._stopping, delay)
                 delay = min(delay * 2, self._retry_max)
                 continue
             with self._cond:
                 self._up = True
+                self._tried = True
                 with self._counters.lock:
                     self._counters.up = True
                 self._cond.notify_all()
@@ -336,8 +347,13 @@ class TierService:
     # ------------------------------------------------------------------ loop side
 
     def wait_up(self, timeout: float) -> bool:
-        """Block up to `timeout` seconds until the store answers (for start-up's banner; not on the loop)."""
+        """Block up to `timeout` seconds until the store answers (not on the loop)."""
         return self._link.wait_up(timeout)
+
+    def wait_first_connection(self, timeout: float) -> bool:
+        """Block up to `timeout` seconds until the first connection attempt ended (start-up's banner then says
+        whether the store answered); True when it is up. Not on the loop."""
+        return self._link.wait_tried(timeout)
 
     def stats(self) -> TierStats:
         usage = self.backend.usage()
