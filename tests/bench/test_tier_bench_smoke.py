@@ -14,4 +14,5 @@ def test_tier_bench_quick_prints_both_backends_and_the_copy(capsys: pytest.Captu
     assert [(r[0], r[1], r[2]) for r in rows] == [
         (backend, op, str(batch)) for backend in ("disk", "mooncake") for batch in (1, 8, 64)
         for op in ("offload", "load")] + [("memcpy", "memcpy", str(b)) for b in (1, 8, 64)]
-    assert all(float(r[3]) > 0 for r in rows)
+    assert all(float(r[3]) > 0 for r in rows if r[0] != "memcpy")  # a 576-byte copy prints as 0.000 ms
+    assert all(float(r[5]) >= 0 for r in rows)

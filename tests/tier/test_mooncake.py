@@ -23,7 +23,7 @@ from cache_service.tier.backend import DOWN, FULL, MISSING, TAINTED, WRONG_SIZE
 from cache_service.tier.memory import geometry
 from cache_service.tier.mooncake import import_client
 from cache_service.tier.service import OffloadResult
-from cache_service.tier.value import checksum, header
+from cache_service.tier.value import Geometry, checksum, header
 from tests.tier.cluster import MooncakeCluster
 from tests.tier.conftest import LAYOUT, Pool
 from tests.tier.node import digest, expected, keys_for
@@ -288,6 +288,16 @@ def test_a_full_store_costs_offloads_never_bytes(tmp_path: Path) -> None:
     finally:
         pool.close()
         cluster.stop()
+
+
+@pytest.mark.parametrize(("geometry_", "per_call"), [
+    (geometry(LAYOUT), 96),  # 4 chunks of 128 B and a header: 5 slices a value
+    (geometry(BIG), 53),  # 8 chunks of 32 KiB: 9 slices
+    (Geometry(64, 32 << 10), 7),  # Llama-3-8B pages: 65 slices
+    (Geometry(64, 256 << 10), 1),  # 257 slices: one value a call
+])
+def test_calls_stay_under_the_tcp_transports_slice_queue(geometry_: Geometry, per_call: int) -> None:
+    assert MooncakeTier("127.0.0.1:1", geometry_).pages_per_call == per_call
 
 
 def test_bad_flags_are_one_line_errors() -> None:
