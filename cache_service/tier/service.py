@@ -389,8 +389,8 @@ class TierService:
         job = _Load(tuple(keys), tuple(int(p) for p in pages), done, loop.create_future())
         with self._counters.lock:
             self._counters.load_queue_pages += len(keys)
-        if self._closing:
-            self._finish_load(job, self._unloaded(job, CLOSED))
+        if self._closing:  # `done` still runs later on the loop, never inside this call
+            loop.call_soon(self._finish_load, job, self._unloaded(job, CLOSED))
         else:
             self._loads.put(job)
         return LoadTicket(self, job, self.timeout_seconds)
