@@ -25,6 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from cache_service.core.tier_keys import Namespace, chain
+from cache_service.log import configure_logging
 from cache_service.tier import DiskTier, MooncakeTier, TierService, page_memory
 from cache_service.tier.backend import TierBackend
 from cache_service.tier.memory import geometry
@@ -60,6 +61,8 @@ def backend(args: argparse.Namespace) -> TierBackend:
 async def run(args: argparse.Namespace, pool: Pool) -> dict[str, object]:
     tier = TierService(backend(args), page_memory(pool.pool), timeout_seconds=10)
     tier.start(asyncio.get_running_loop())
+    if not await asyncio.to_thread(tier.wait_up, 30):  # the link thread connects in the background
+        raise SystemExit(f"node: the {args.tier} tier did not come up")
     try:
         if args.command == "load":
             keys = keys_for(args.seed, args.pages)
@@ -100,6 +103,7 @@ def main() -> int:
     ap.add_argument("--pages", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    configure_logging("warning", "json")  # logs on stderr: stdout carries the result
     with tempfile.TemporaryDirectory() as shm:
         pool = Pool(Path(shm))
         try:

@@ -164,27 +164,30 @@ def test_a_missing_key_is_a_miss(cluster: MooncakeCluster, pool: Pool) -> None:
     asyncio.run(scenario())
 
 
-def test_a_stopped_master_makes_loads_miss_after_the_timeout(cluster: MooncakeCluster, pool: Pool) -> None:
+def test_a_stopped_master_makes_loads_miss_after_the_timeout(cluster: MooncakeCluster, pool: Pool,
+                                                            raw: tuple[Any, np.ndarray]) -> None:
     keys = keys_for(15, 2)
+    payload = os.urandom(G.payload_bytes)
+    chunks = [payload[i:i + G.chunk_bytes] for i in range(0, G.payload_bytes, G.chunk_bytes)]
+    for key in keys:  # stored by another client: this one has nothing of them cached
+        _put_raw(raw, key, header(key, G, checksum(chunks)) + payload)
 
     async def scenario() -> None:
         service = _service(cluster, pool, timeout_seconds=0.2)
-        pool.write(1, seed=1)
-        pool.write(2, seed=2)
-        await offload(service, [(keys[0], 1), (keys[1], 2)])
         assert cluster.master is not None
         os.kill(cluster.master.pid, signal.SIGSTOP)  # slow: alive, answering nothing
         try:
+            assert await service.lookup(keys_for(19, 1)) == 0
             ticket = service.load(keys, [30, 31])
             assert await ticket.wait() is None
-            assert await service.lookup(keys) == 0
         finally:
             os.kill(cluster.master.pid, signal.SIGCONT)
         late = await ticket.wait(30)
         assert late is not None and late.late and late.loaded == 2
-        assert np.array_equal(pool.read(30), pool.read(1))
+        assert b"".join(bytes(v) for v in pool.memory.page(30).views) == payload
         st = service.stats()
-        assert (st.load_timeouts, st.hit_pages, st.miss_pages) == (1, 0, 4)
+        assert (st.load_timeouts, st.hit_pages, st.miss_pages, st.load_pages) == (1, 0, 3, 2)
+        assert st.errors == {("exists", "timeout"): 1}
         await asyncio.to_thread(service.close)
 
     asyncio.run(scenario())
