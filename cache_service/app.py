@@ -31,6 +31,11 @@ from cache_service.rpc.identity import Identities, load_tenants
 from cache_service.rpc.kv_events import EventHub, ZmqPublisher, default_topic
 from cache_service.rpc.pool_socket import PoolSocketServer, parse_uids
 from cache_service.rpc.server import RpcServer, RpcSettings, ServerTls
+from cache_service.tier import TierConfigError, TierService, create_backend, page_memory
+from cache_service.tier.memory import TierMemoryError
+
+TIER_CONNECT_WAIT_SECONDS = 3.0
+"""Most start-up waits for the tier's first connection attempt (Mooncake's port check gives up after 2 s)."""
 
 
 def core_config(config: ServiceConfig, num_pages: int) -> CoreConfig:
@@ -148,6 +153,8 @@ class KVCacheServer:
         self._stopped = False
         self.events: EventHub | None = None
         self.pool_socket: PoolSocketServer | None = None
+        self.tier: TierService | None = None
+        """The tier beyond the pool (--tier), None with --tier none."""
 
     @property
     def core(self) -> KVCacheCore:
@@ -172,12 +179,16 @@ class KVCacheServer:
         for path in choice.removed_stale:
             self._log.warning("removed_stale_pool_file", path=path)
         try:
+            self.tier = self._start_tier()
+            await self._await_tier()
             await self._start_serving()
         except BaseException:
             if self.events is not None:
                 self.events.close()
             if self.pool_socket is not None:
                 self.pool_socket.close()
+            if self.tier is not None:
+                await asyncio.to_thread(self.tier.close, 0.0)
             self.pool.close()
             raise
         self._log.info("serving", address=self.address, instance_id=self.instance_id, backend=self.pool.name,
@@ -195,13 +206,15 @@ class KVCacheServer:
                                             "version": __version__})
         self.events = self._event_hub()
         metrics.add_events(self.events)
+        if self.tier is not None:
+            metrics.add_tier(self.tier)
         handle = self.pool.handle()
         if exports_fd(self.pool):
             self.pool_socket = self._pool_socket(handle)
             handle = dataclasses.replace(handle, pool_socket=self.pool_socket.address)
         rpc = RpcServer(self.core, self.pool.layout, handle,
                         rpc_settings(cfg, self.identities, self.tls), instance_id=self.instance_id, metrics=metrics,
-                        events=self.events, clock=self._clock)
+                        events=self.events, clock=self._clock, tier=self.tier)
         self.address = rpc.bind()
         if rpc.removed_stale_socket:
             self._log.warning("removed_stale_socket", path=rpc.removed_stale_socket)
@@ -218,6 +231,38 @@ class KVCacheServer:
         await rpc.start()
         self._rpc = rpc
         self._reaper = asyncio.create_task(self._reap_forever(), name="kvcache-reaper")
+
+    def _start_tier(self) -> TierService | None:
+        """The tier --tier names, started on this loop (its store connects in the background); None for
+        --tier none. A bad flag, a missing client or memory the store refuses is a ConfigError."""
+        cfg = self.config
+        if cfg.tier == "none":
+            return None
+        assert self.pool is not None
+        try:
+            memory = page_memory(self.pool)
+        except (TierConfigError, TierMemoryError) as e:
+            raise ConfigError(str(e)) from None
+        try:
+            backend = create_backend(cfg, self.pool)
+        except TierConfigError as e:
+            memory.close()
+            raise ConfigError(str(e)) from None
+        tier = TierService(backend, memory, timeout_seconds=cfg.tier_timeout, queue_pages=cfg.tier_queue_pages)
+        try:
+            tier.start(asyncio.get_running_loop())
+        except TierConfigError as e:
+            tier.close(0.0)
+            raise ConfigError(str(e)) from None
+        self._log.info("tier", backend=backend.name, description=backend.describe(),
+                       timeout_seconds=cfg.tier_timeout, queue_pages=cfg.tier_queue_pages)
+        return tier
+
+    async def _await_tier(self) -> None:
+        """Give the tier's first connection a moment (bounded: a master that is down costs hits, never the
+        start), so that the banner says whether the store answered."""
+        if self.tier is not None:
+            await asyncio.to_thread(self.tier.wait_first_connection, TIER_CONNECT_WAIT_SECONDS)
 
     def _pool_socket(self, handle: PoolHandle) -> PoolSocketServer:
         """Serve the fd-backed pool on --pool-socket (default: @kvcache-<instance id>)."""
@@ -287,6 +332,8 @@ class KVCacheServer:
             self.events.close()
         if self.pool_socket is not None:
             self.pool_socket.close()
+        if self.tier is not None:  # queued offloads finish first (a restart finds them), then the mapping goes
+            await asyncio.to_thread(self.tier.close, grace)
         if self.pool is not None:
             self.pool.close()
         self._log.info("stopped", released_sessions=st.sessions if st else 0, released_engines=st.engines if st else 0,

@@ -23,6 +23,9 @@ BACKEND_CHOICES = ("auto", "host_shm", "host_memfd", "cuda_ipc", "cuda_vmm")
 GPU_BACKENDS = ("cuda_ipc", "cuda_vmm")
 MODEL_LAYOUT = ("num_layers", "num_kv_heads", "head_dim")
 """The layout fields --model sets (and --dtype, unless given: the KV element type may differ from the model's)."""
+TIER_CHOICES = ("none", "disk", "mooncake")
+MOONCAKE_MIN_SEGMENT_BYTES = 16 << 20
+"""Mooncake 0.3.13 refuses smaller segments (seen: 8 MB is INVALID_PARAMS, 16 MB works)."""
 _SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
                "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
@@ -140,6 +143,28 @@ class ServiceConfig:
     eviction_policy: str = setting("lru", "radix eviction order", choices=("lru", "lfu"))
     demote_idle_sessions: bool = setting(True, "under pressure, turn idle sessions' KV into evictable radix entries "
                                          "(LRU-first)", metavar="BOOL")
+    tier: str = setting("none", "where pages evicted from the pool are kept and loaded back from: none, disk "
+                        "(--tier-dir) or mooncake (Mooncake Store, --mooncake-master)", choices=TIER_CHOICES)
+    tier_dir: str = setting("", "disk tier: directory of page values, found again after a restart (one service per "
+                            "directory)", metavar="PATH")
+    tier_bytes: int = setting(0, "disk tier: most bytes of values kept, least recently used dropped first (0 = half "
+                              "the free space of --tier-dir at start)", parse=parse_bytes, metavar="SIZE", at_least=0,
+                              unit="bytes")
+    tier_timeout: float = setting(1.0, "seconds a request waits for pages loaded from the tier before it counts them "
+                                  "as a miss", above=0, **SECONDS)
+    tier_queue_pages: int = setting(256, "most evicted pages waiting to be offloaded; beyond, pages are not offloaded "
+                                    "(eviction never waits; counted)", metavar="PAGES", at_least=1)
+    mooncake_master: str = setting("", "mooncake tier: the master's host:port (mooncake_master --rpc_port)",
+                                   metavar="ADDR")
+    mooncake_metadata: str = setting("P2PHANDSHAKE", "mooncake tier: metadata service, P2PHANDSHAKE or an "
+                                     "http://host:port/metadata URL", metavar="ADDR")
+    mooncake_protocol: str = setting("tcp", "mooncake tier: transfer protocol (tcp; rdma where the nodes have it)")
+    mooncake_segment_bytes: int = setting(0, "mooncake tier: memory this service lends the store (0: none, the "
+                                          "default; else at least 16Mi, and what it holds goes when the service "
+                                          "stops)", parse=parse_bytes, metavar="SIZE")
+    mooncake_local_hostname: str = setting("127.0.0.1", "mooncake tier: the address this service's transfer engine "
+                                           "announces to the store (the pod IP in a cluster; also "
+                                           "MC_TCP_BIND_ADDRESS unless set)", metavar="HOST")
     metrics_port: int | None = setting(None, "Prometheus /metrics port: off, or a port (0 picks a free one, printed "
                                        "at start)", parse=_port_or_off, metavar="PORT")
     metrics_host: str = setting("127.0.0.1", "Prometheus bind address")
@@ -228,6 +253,7 @@ class ServiceConfig:
             need(self.pool_bytes // self.bytes_per_page >= 2, "pool-bytes",
                  f"{format_bytes(self.pool_bytes)} holds fewer than 2 pages of {format_bytes(self.bytes_per_page)}")
         need(self.resolved_num_pages <= 2**31 - 1, "num-pages", "must fit in int32 page ids")
+        self._validate_tier(need)
         need(self.metrics_port is None or 0 <= self.metrics_port <= 65535, "metrics-port",
              f"not a port: {self.metrics_port}")
         need(self.lease_ttl <= self.max_lease_ttl, "lease-ttl",
@@ -249,6 +275,26 @@ class ServiceConfig:
         need(bool(self.tls_cert) or not self.tls_key, "tls-key", "needs --tls-cert (the certificate it belongs to)")
         need(bool(self.tls_cert) or not self.tls_client_ca, "tls-client-ca",
              "needs --tls-cert and --tls-key: mutual TLS is TLS with client certificates")
+
+    def _validate_tier(self, need: Callable[[bool, str, str], None]) -> None:
+        need(self.tier != "disk" or bool(self.tier_dir), "tier-dir", "--tier disk needs a directory")
+        need(not self.tier_dir or self.tier == "disk", "tier-dir", f"needs --tier disk (the tier is {self.tier})")
+        need(not self.tier_bytes or self.tier == "disk", "tier-bytes", f"needs --tier disk (the tier is {self.tier})")
+        need(self.tier != "mooncake" or bool(self.mooncake_master), "mooncake-master",
+             "--tier mooncake needs the master's host:port")
+        need(not self.mooncake_master or self.tier == "mooncake", "mooncake-master",
+             f"needs --tier mooncake (the tier is {self.tier})")
+        need(not self.mooncake_master or _valid_host_port(self.mooncake_master), "mooncake-master",
+             f"{self.mooncake_master!r} is not host:port")
+        need(self.mooncake_metadata == "P2PHANDSHAKE" or "://" in self.mooncake_metadata, "mooncake-metadata",
+             f"{self.mooncake_metadata!r} is not P2PHANDSHAKE or a URL such as http://host:8080/metadata")
+        need(bool(self.mooncake_protocol) and self.mooncake_protocol.isidentifier(), "mooncake-protocol",
+             f"{self.mooncake_protocol!r} is not a protocol name such as tcp or rdma")
+        need(self.mooncake_segment_bytes == 0 or self.mooncake_segment_bytes >= MOONCAKE_MIN_SEGMENT_BYTES,
+             "mooncake-segment-bytes", f"0 or at least 16Mi (Mooncake refuses smaller segments), got "
+             f"{self.mooncake_segment_bytes}")
+        need(bool(self.mooncake_local_hostname) and " " not in self.mooncake_local_hostname,
+             "mooncake-local-hostname", f"{self.mooncake_local_hostname!r} is not a host name or address")
 
 
 @dataclass(frozen=True)
@@ -280,15 +326,16 @@ class Flag:
         if spec.choices is not None:
             return "" if value in spec.choices else f"{value!r} is not one of {', '.join(spec.choices)}"
         unit = f" {spec.unit}" if spec.unit else ""
-        if isinstance(value, float) and not math.isfinite(value):
-            return f"must be a finite number{unit}, got {value}"
-        if spec.at_least is not None and spec.at_most is not None and not spec.at_least <= value <= spec.at_most:
-            return f"must be in [{_num(spec.at_least)}, {_num(spec.at_most)}]{unit}, got {value}"
-        if spec.at_least is not None and value < spec.at_least:
-            return f"must be >= {_num(spec.at_least)}{unit}, got {value}"
-        if spec.above is not None and value <= spec.above:
-            return f"must be > {_num(spec.above)}{unit}, got {value}"
-        return ""
+        finite = not isinstance(value, float) or math.isfinite(value)
+        if spec.at_least is not None and spec.at_most is not None:
+            bound, ok = f"in [{_num(spec.at_least)}, {_num(spec.at_most)}]", spec.at_least <= value <= spec.at_most
+        elif spec.at_least is not None:
+            bound, ok = f">= {_num(spec.at_least)}", value >= spec.at_least
+        elif spec.above is not None:
+            bound, ok = f"> {_num(spec.above)}", value > spec.above
+        else:
+            bound, ok = "a finite number", True
+        return "" if ok and finite else f"must be {bound}{unit}, got {value}"
 
 
 def _num(bound: float) -> str:
@@ -304,6 +351,11 @@ def _flag(f: Field[Any]) -> Flag:
 _FIELDS = {f.name: f for f in fields(ServiceConfig)}
 FLAGS: tuple[Flag, ...] = tuple(_flag(f) for f in _FIELDS.values() if "setting" in f.metadata)
 """Every serve flag, in declaration order: what the CLI, the README's table and the chart's checks read."""
+
+
+def _valid_host_port(text: str) -> bool:
+    host, sep, port = text.rpartition(":")
+    return bool(sep and host) and port.isdigit() and 0 < int(port) <= 65535
 
 
 def _valid_uids(text: str) -> bool:

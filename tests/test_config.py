@@ -70,6 +70,26 @@ def test_a_budget_of_zero_or_one_means_none() -> None:
      "--tls-client-ca: needs --tls-cert and --tls-key: mutual TLS is TLS with client certificates"),
     ({"tls_client_ca": "/tls/ca.pem", "tls_key": "/tls/server.key"},
      "--tls-key: needs --tls-cert (the certificate it belongs to)"),
+    ({"tier": "s3"}, "--tier: 's3' is not one of none, disk, mooncake"),
+    ({"tier": "disk"}, "--tier-dir: --tier disk needs a directory"),
+    ({"tier_dir": "/t"}, "--tier-dir: needs --tier disk (the tier is none)"),
+    ({"tier": "mooncake", "mooncake_master": "m:1", "tier_dir": "/t"},
+     "--tier-dir: needs --tier disk (the tier is mooncake)"),
+    ({"tier_bytes": 1 << 30}, "--tier-bytes: needs --tier disk (the tier is none)"),
+    ({"tier": "disk", "tier_dir": "/t", "tier_bytes": -1}, "--tier-bytes: must be >= 0 bytes, got -1"),
+    ({"tier_timeout": 0.0}, "--tier-timeout: must be > 0 seconds, got 0.0"),
+    ({"tier_timeout": float("nan")}, "--tier-timeout: must be > 0 seconds, got nan"),
+    ({"tier_queue_pages": 0}, "--tier-queue-pages: must be >= 1, got 0"),
+    ({"tier": "mooncake"}, "--mooncake-master: --tier mooncake needs the master's host:port"),
+    ({"mooncake_master": "m:1"}, "--mooncake-master: needs --tier mooncake (the tier is none)"),
+    ({"tier": "mooncake", "mooncake_master": "m"}, "--mooncake-master: 'm' is not host:port"),
+    ({"tier": "mooncake", "mooncake_master": "m:0"}, "--mooncake-master: 'm:0' is not host:port"),
+    ({"mooncake_metadata": "etcd"},
+     "--mooncake-metadata: 'etcd' is not P2PHANDSHAKE or a URL such as http://host:8080/metadata"),
+    ({"mooncake_protocol": "t c p"}, "--mooncake-protocol: 't c p' is not a protocol name such as tcp or rdma"),
+    ({"mooncake_segment_bytes": 8 << 20},
+     "--mooncake-segment-bytes: 0 or at least 16Mi (Mooncake refuses smaller segments), got 8388608"),
+    ({"mooncake_local_hostname": ""}, "--mooncake-local-hostname: '' is not a host name or address"),
 ])
 def test_validation_names_the_flag(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -83,6 +103,27 @@ def test_every_flag_is_a_config_field_with_a_kvcache_env_var() -> None:
     assert all(f.env == "KVCACHE_" + f.dest.upper() for f in FLAGS)
     defaults = ServiceConfig()
     assert all(getattr(defaults, f.dest) == f.default for f in FLAGS)
+
+
+def test_tier_flags_parse_from_the_command_line_and_the_environment() -> None:
+    cfg = parse(["--tier", "disk", "--tier-dir", "/var/lib/kv", "--tier-bytes", "50Gi"],
+                {"KVCACHE_TIER_TIMEOUT": "0.25", "KVCACHE_TIER_QUEUE_PAGES": "64"})
+    assert (cfg.tier, cfg.tier_dir, cfg.tier_bytes, cfg.tier_timeout, cfg.tier_queue_pages) == (
+        "disk", "/var/lib/kv", 50 * 2**30, 0.25, 64)
+    cfg = parse(["--tier", "mooncake", "--mooncake-master", "10.0.0.2:50051", "--mooncake-segment-bytes", "1Gi"],
+                {"KVCACHE_MOONCAKE_LOCAL_HOSTNAME": "10.0.0.9", "KVCACHE_MOONCAKE_PROTOCOL": "rdma"})
+    assert (cfg.mooncake_master, cfg.mooncake_segment_bytes, cfg.mooncake_local_hostname, cfg.mooncake_protocol,
+            cfg.mooncake_metadata) == ("10.0.0.2:50051", 2**30, "10.0.0.9", "rdma", "P2PHANDSHAKE")
+    with pytest.raises(ConfigError, match=r"KVCACHE_TIER='tape': must be one of none, disk, mooncake"):
+        parse([], {"KVCACHE_TIER": "tape"})
+
+
+def test_the_tier_choices_are_the_tier_registry() -> None:
+    from cache_service.config import TIER_CHOICES
+    from cache_service.tier import BACKENDS
+    from cache_service.tier import TIER_CHOICES as REGISTRY_CHOICES
+
+    assert TIER_CHOICES == REGISTRY_CHOICES == ("none", *BACKENDS)
 
 
 def test_tls_flags_name_files_that_start_up_reads() -> None:

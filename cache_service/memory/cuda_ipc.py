@@ -161,6 +161,12 @@ class CudaIpcPool:
         return PoolHandle(backend=self.name, size_bytes=self.layout.size_bytes, cuda_ipc_handle=self._handle,
                           device_uuid=self.device_uuid, offset_bytes=0)
 
+    def device_address(self) -> int:
+        """The pool's device address in this process (the tier copies pages through it)."""
+        if self._ptr is None:
+            raise PoolError("the pool is closed")
+        return self._ptr
+
     @property
     def closed(self) -> bool:
         return self._ptr is None

@@ -186,6 +186,24 @@ class CudaVmmPool:
         d.memset(index, self._va, 0, size)
         self._unmap()
 
+    def device_address(self) -> int:
+        """Map the pool into this process (once; unmapped by `close()`) and return its device address: the
+        tier copies pages through it. Without a tier the service never maps the pool after zeroing it."""
+        if self._closed or self._handle is None:
+            raise PoolError("the pool is closed")
+        if not self._mapped:
+            d, index, size = self._driver, self.device_index, self.size_bytes
+            self._va = d.reserve(index, size, self.granularity)
+            try:
+                d.map(index, self._va, size, self._handle)
+                self._mapped = True
+                d.set_access(index, self._va, size, ACCESS_READWRITE)
+            except Exception as e:
+                self._unmap()
+                raise PoolError(f"cannot map the cuda_vmm pool for the tier: {_one_line(e)}") from None
+        assert self._va is not None, "a mapping has an address"
+        return self._va
+
     def _unmap(self) -> None:
         d, index = self._driver, self.device_index
         if self._mapped:
@@ -211,8 +229,8 @@ class CudaVmmPool:
         return self._closed
 
     def close(self) -> None:
-        """Unmap (only while zeroing), free the address range, release the allocation handle, close the
-        fd, then the driver. Every step runs even when one fails; failures are raised together after."""
+        """Unmap (while zeroing, or the tier's mapping), free the address range, release the allocation handle,
+        close the fd, then the driver. Every step runs even when one fails; failures are raised together after."""
         if self._closed:
             return
         self._closed = True

@@ -27,6 +27,7 @@ from cache_service.rpc.identity import Identities
 from cache_service.rpc.interceptor import ServiceInterceptor
 from cache_service.rpc.kv_events import EventHub
 from cache_service.rpc.servicer import KVCacheServicer
+from cache_service.tier import TierService
 from protos.kvcache.v1 import kvcache_pb2 as pb
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCacheService"].full_name
@@ -130,7 +131,7 @@ class RpcServer:
 
     def __init__(self, core: KVCacheCore, layout: PoolLayout, handle: PoolHandle, settings: RpcSettings, *,
                  instance_id: str, metrics: Metrics, events: EventHub,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, tier: TierService | None = None) -> None:
         self.settings = settings
         self.health = HealthServicer()
         self.address = ""
@@ -138,7 +139,8 @@ class RpcServer:
         self.removed_stale_socket = ""
         servicer = KVCacheServicer(core, layout, handle, instance_id=instance_id,
                                    max_request_tokens=settings.max_request_tokens,
-                                   max_step_ops=settings.max_step_ops, metrics=metrics, events=events, clock=clock)
+                                   max_step_ops=settings.max_step_ops, metrics=metrics, events=events, clock=clock,
+                                   tier=tier)
         interceptor = ServiceInterceptor(metrics, instance_id=instance_id, identities=settings.identities,
                                          after=events.poke)
         self._server = grpc.aio.server(options=[

@@ -30,6 +30,7 @@ from cache_service.rpc.identity import Identity, Role
 from cache_service.rpc.interceptor import CALLER
 from cache_service.rpc.kv_events import EventHub, Visible
 from cache_service.rpc.step_columns import KIND_NAMES, run_columns
+from cache_service.tier import TierService
 from protos.kvcache.v1 import kvcache_pb2 as pb
 from protos.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 
@@ -48,8 +49,11 @@ STEP_OPS = tuple(f.name for f in pb.StepOp.DESCRIPTOR.oneofs_by_name["op"].field
 class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
     def __init__(self, core: KVCacheCore, layout: PoolLayout, handle: PoolHandle, *, instance_id: str,
                  max_request_tokens: int, events: EventHub, max_step_ops: int = 4096,
-                 metrics: Metrics | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 metrics: Metrics | None = None, clock: Callable[[], float] = time.monotonic,
+                 tier: TierService | None = None) -> None:
         self.core = core
+        self.tier = tier
+        """The tier beyond the pool (--tier), None without one; GetStats reports it."""
         self.events = events
         self.instance_id = instance_id
         self._max_tokens = max_request_tokens
@@ -290,7 +294,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             CALLER.get().need(Role.ADMIN, what="GetStats with verify")
         st = self.core.check_invariants() if request.verify else self.core.stats()
         return convert.stats(st, instance_id=self.instance_id, uptime_seconds=self._clock() - self._started,
-                             verified=request.verify)
+                             verified=request.verify, tier=self.tier.stats() if self.tier is not None else None)
 
     # ------------------------------------------------------------------ Step
 

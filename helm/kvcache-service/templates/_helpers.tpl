@@ -321,12 +321,61 @@ and the fix.
 {{- if and $model (has $backend (list "host_shm" "host_memfd")) (not $poolBytesSet) -}}
 {{- fail (printf "a model config (config.model or modelConfig.configMap) with backend=%s needs config.poolBytes: the chart cannot read the model's layout to size the pool's memory" $backendLabel) -}}
 {{- end -}}
+{{- include "kvcache.validateTier" . -}}
 {{- if and (eq $backend "host_shm") (not $v.shm.hostPath) -}}
 {{- $poolBytes := include "kvcache.poolBytes" . | int64 -}}
 {{- $limitBytes := include "kvcache.bytes" $v.shm.sizeLimit | int64 -}}
 {{- if gt $poolBytes $limitBytes -}}
 {{- fail (printf "shm.sizeLimit=%v (%d bytes) cannot hold the host_shm pool of %d bytes (config.numLayers*2*pageSize*numKvHeads*headDim*dtype bytes*pages): raise shm.sizeLimit or shrink the pool" $v.shm.sizeLimit $limitBytes $poolBytes) -}}
 {{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The tier's cross-value checks (config.tier, its flags and tierVolume). */}}
+{{- define "kvcache.validateTier" -}}
+{{- $v := .Values -}}
+{{- $c := $v.config -}}
+{{- $t := $v.tierVolume -}}
+{{- if eq $c.tier "disk" -}}
+{{- if not $c.tierDir -}}
+{{- fail "config.tier=disk needs config.tierDir, the directory the chart mounts tierVolume at (e.g. /var/lib/kvcache/tier)" -}}
+{{- end -}}
+{{- if and $t.existingClaim $t.hostPath -}}
+{{- fail (printf "tierVolume.existingClaim=%s and tierVolume.hostPath=%s are both set: keep one" $t.existingClaim $t.hostPath) -}}
+{{- end -}}
+{{- if and (eq $v.mode "daemonset") $t.existingClaim -}}
+{{- fail (printf "tierVolume.existingClaim=%s in mode=daemonset: one claim cannot serve a pod on every node; use tierVolume.hostPath" $t.existingClaim) -}}
+{{- end -}}
+{{- if and (gt (int $v.replicaCount) 1) (or $t.existingClaim $t.hostPath) (ne $v.mode "daemonset") -}}
+{{- fail (printf "replicaCount=%d with a shared tierVolume: each service needs its own tier directory (one service per directory); use one replica, or the emptyDir" (int $v.replicaCount)) -}}
+{{- end -}}
+{{- if not (or $t.existingClaim $t.hostPath) -}}
+{{- $tierBytes := include "kvcache.bytes" $c.tierBytes | int64 -}}
+{{- $limitBytes := include "kvcache.bytes" $t.sizeLimit | int64 -}}
+{{- if or (eq $tierBytes 0) (gt $tierBytes $limitBytes) -}}
+{{- fail (printf "config.tierBytes=%v must be set within tierVolume.sizeLimit=%v with the emptyDir (the default of half the free space is the node's disk, not the limit)" $c.tierBytes $t.sizeLimit) -}}
+{{- end -}}
+{{- end -}}
+{{- else -}}
+{{- if $c.tierDir -}}
+{{- fail (printf "config.tierDir=%s is set but config.tier=%s: the disk tier needs config.tier=disk" $c.tierDir $c.tier) -}}
+{{- end -}}
+{{- if gt (include "kvcache.bytes" $c.tierBytes | int64) 0 -}}
+{{- fail (printf "config.tierBytes=%v is set but config.tier=%s: it sizes the disk tier" $c.tierBytes $c.tier) -}}
+{{- end -}}
+{{- if or $t.existingClaim $t.hostPath -}}
+{{- fail (printf "tierVolume is set but config.tier=%s: it holds the disk tier (config.tier=disk)" $c.tier) -}}
+{{- end -}}
+{{- end -}}
+{{- if and (eq $c.tier "mooncake") (not $c.mooncakeMaster) -}}
+{{- fail "config.tier=mooncake needs config.mooncakeMaster, the Mooncake master's host:port" -}}
+{{- end -}}
+{{- if and $c.mooncakeMaster (ne $c.tier "mooncake") -}}
+{{- fail (printf "config.mooncakeMaster=%s is set but config.tier=%s: set config.tier=mooncake" $c.mooncakeMaster $c.tier) -}}
+{{- end -}}
+{{- $segment := include "kvcache.bytes" $c.mooncakeSegmentBytes | int64 -}}
+{{- if and (gt $segment 0) (lt $segment 16777216) -}}
+{{- fail (printf "config.mooncakeSegmentBytes=%v: 0 or at least 16Mi (Mooncake refuses smaller segments)" $c.mooncakeSegmentBytes) -}}
 {{- end -}}
 {{- end -}}
 
@@ -338,7 +387,7 @@ Whole numbers render as integers (Helm holds every number as a float64, and "1.0
 */}}
 {{- define "kvcache.env" -}}
 {{- $model := or .Values.config.model .Values.modelConfig.configMap -}}
-{{- range $key, $value := .Values.config }}
+{{- range $key, $value := omit .Values.config "mooncakeLocalHostname" }}
 {{- if not (or (and (eq $key "model") $.Values.modelConfig.configMap) (and $model (has $key (list "numLayers" "numKvHeads" "headDim" "dtype")))) }}
 - name: {{ printf "KVCACHE_%s" ($key | snakecase | upper) }}
   {{- if and (kindIs "float64" $value) (eq $value (floor $value)) }}
@@ -352,6 +401,15 @@ Whole numbers render as integers (Helm holds every number as a float64, and "1.0
 - name: KVCACHE_MODEL
   value: {{ printf "%s/%s" ($.Values.modelConfig.mountPath | trimSuffix "/") $.Values.modelConfig.key | quote }}
 {{- end }}
+- name: KVCACHE_MOONCAKE_LOCAL_HOSTNAME
+  {{- with .Values.config.mooncakeLocalHostname }}
+  value: {{ . | quote }}
+  {{- else }}
+  {{- /* The address Mooncake's transfer engine announces: the pod's own, which the storage nodes reach. */}}
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+  {{- end }}
 - name: KVCACHE_LISTEN
   value: {{ include "kvcache.listen" . | quote }}
 - name: KVCACHE_METRICS_PORT
@@ -487,6 +545,10 @@ volumeMounts:
   {{- if .Values.poolSocket.hostPath }}
   - name: pool-socket
     mountPath: {{ dir .Values.config.poolSocket }}
+  {{- end }}
+  {{- if eq .Values.config.tier "disk" }}
+  - name: tier
+    mountPath: {{ .Values.config.tierDir }}
   {{- end }}
   {{- if .Values.tls.enabled }}
   {{- include "kvcache.tlsMount" . | nindent 2 }}
@@ -638,6 +700,20 @@ spec:
       hostPath:
         path: {{ . }}
         type: DirectoryOrCreate
+    {{- end }}
+    {{- if eq .Values.config.tier "disk" }}
+    - name: tier
+      {{- if .Values.tierVolume.existingClaim }}
+      persistentVolumeClaim:
+        claimName: {{ .Values.tierVolume.existingClaim }}
+      {{- else if .Values.tierVolume.hostPath }}
+      hostPath:
+        path: {{ .Values.tierVolume.hostPath }}
+        type: DirectoryOrCreate
+      {{- else }}
+      emptyDir:
+        sizeLimit: {{ .Values.tierVolume.sizeLimit }}
+      {{- end }}
     {{- end }}
     {{- if .Values.tls.enabled }}
     {{- include "kvcache.tlsVolume" (list . true) | nindent 4 }}

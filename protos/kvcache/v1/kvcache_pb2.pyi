@@ -203,14 +203,16 @@ class MatchPrefixRequest(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., packed_token_ids: _Optional[bytes] = ..., cache_salt: _Optional[str] = ..., packed_response: _Optional[bool] = ...) -> None: ...
 
 class MatchPrefixResponse(_message.Message):
-    __slots__ = ("cached_tokens", "page_ids", "packed_page_ids")
+    __slots__ = ("cached_tokens", "page_ids", "packed_page_ids", "tier_tokens")
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     PACKED_PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    TIER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     cached_tokens: int
     page_ids: _containers.RepeatedScalarFieldContainer[int]
     packed_page_ids: bytes
-    def __init__(self, cached_tokens: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., packed_page_ids: _Optional[bytes] = ...) -> None: ...
+    tier_tokens: int
+    def __init__(self, cached_tokens: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., packed_page_ids: _Optional[bytes] = ..., tier_tokens: _Optional[int] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("session_id", "streaming", "timeout_seconds", "cache_salt", "engine_id")
@@ -257,7 +259,7 @@ class AppendSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., packed_token_ids: _Optional[bytes] = ..., reserve_tokens: _Optional[int] = ..., epoch: _Optional[int] = ..., engine_id: _Optional[str] = ..., packed_response: _Optional[bool] = ...) -> None: ...
 
 class AppendSessionResponse(_message.Message):
-    __slots__ = ("session_id", "epoch", "turn", "cached_tokens", "context_tokens", "capacity_tokens", "page_offset", "page_ids", "packed_page_ids", "num_pages", "prefix_hit_tokens")
+    __slots__ = ("session_id", "epoch", "turn", "cached_tokens", "context_tokens", "capacity_tokens", "page_offset", "page_ids", "packed_page_ids", "num_pages", "prefix_hit_tokens", "tier_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TURN_FIELD_NUMBER: _ClassVar[int]
@@ -269,6 +271,7 @@ class AppendSessionResponse(_message.Message):
     PACKED_PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     turn: int
@@ -280,7 +283,8 @@ class AppendSessionResponse(_message.Message):
     packed_page_ids: bytes
     num_pages: int
     prefix_hit_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., turn: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., context_tokens: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., page_offset: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., packed_page_ids: _Optional[bytes] = ..., num_pages: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ...) -> None: ...
+    tier_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., turn: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., context_tokens: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., page_offset: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., packed_page_ids: _Optional[bytes] = ..., num_pages: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., tier_tokens: _Optional[int] = ...) -> None: ...
 
 class CommitSessionRequest(_message.Message):
     __slots__ = ("session_id", "token_ids", "packed_token_ids", "kv_tokens", "abort", "turn", "epoch", "engine_id")
@@ -587,7 +591,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, verify: _Optional[bool] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("num_pages", "page_size", "free_pages", "evictable_pages", "radix_locked_pages", "session_held_pages", "in_flight_pages", "session_budget_pages", "radix_tokens", "session_tokens", "session_kv_tokens", "prefix_hit_tokens", "session_hit_tokens", "miss_tokens", "evicted_pages", "duplicate_pages", "demoted_sessions", "reaped_sessions", "expired_leases", "sessions_idle", "sessions_in_turn", "sessions_closing", "sessions_demoted", "engines", "instance_id", "uptime_seconds", "physical_usage", "verified", "quarantined_pages")
+    __slots__ = ("num_pages", "page_size", "free_pages", "evictable_pages", "radix_locked_pages", "session_held_pages", "in_flight_pages", "session_budget_pages", "radix_tokens", "session_tokens", "session_kv_tokens", "prefix_hit_tokens", "session_hit_tokens", "miss_tokens", "evicted_pages", "duplicate_pages", "demoted_sessions", "reaped_sessions", "expired_leases", "sessions_idle", "sessions_in_turn", "sessions_closing", "sessions_demoted", "engines", "instance_id", "uptime_seconds", "physical_usage", "verified", "quarantined_pages", "tier")
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -617,6 +621,7 @@ class GetStatsResponse(_message.Message):
     PHYSICAL_USAGE_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     num_pages: int
     page_size: int
     free_pages: int
@@ -646,7 +651,66 @@ class GetStatsResponse(_message.Message):
     physical_usage: float
     verified: bool
     quarantined_pages: int
-    def __init__(self, num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., free_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ..., radix_locked_pages: _Optional[int] = ..., session_held_pages: _Optional[int] = ..., in_flight_pages: _Optional[int] = ..., session_budget_pages: _Optional[int] = ..., radix_tokens: _Optional[int] = ..., session_tokens: _Optional[int] = ..., session_kv_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., session_hit_tokens: _Optional[int] = ..., miss_tokens: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., duplicate_pages: _Optional[int] = ..., demoted_sessions: _Optional[int] = ..., reaped_sessions: _Optional[int] = ..., expired_leases: _Optional[int] = ..., sessions_idle: _Optional[int] = ..., sessions_in_turn: _Optional[int] = ..., sessions_closing: _Optional[int] = ..., sessions_demoted: _Optional[int] = ..., engines: _Optional[int] = ..., instance_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., physical_usage: _Optional[float] = ..., verified: _Optional[bool] = ..., quarantined_pages: _Optional[int] = ...) -> None: ...
+    tier: TierStats
+    def __init__(self, num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., free_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ..., radix_locked_pages: _Optional[int] = ..., session_held_pages: _Optional[int] = ..., in_flight_pages: _Optional[int] = ..., session_budget_pages: _Optional[int] = ..., radix_tokens: _Optional[int] = ..., session_tokens: _Optional[int] = ..., session_kv_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., session_hit_tokens: _Optional[int] = ..., miss_tokens: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., duplicate_pages: _Optional[int] = ..., demoted_sessions: _Optional[int] = ..., reaped_sessions: _Optional[int] = ..., expired_leases: _Optional[int] = ..., sessions_idle: _Optional[int] = ..., sessions_in_turn: _Optional[int] = ..., sessions_closing: _Optional[int] = ..., sessions_demoted: _Optional[int] = ..., engines: _Optional[int] = ..., instance_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., physical_usage: _Optional[float] = ..., verified: _Optional[bool] = ..., quarantined_pages: _Optional[int] = ..., tier: _Optional[_Union[TierStats, _Mapping]] = ...) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("backend", "up", "hit_pages", "miss_pages", "lookup_pages", "load_pages", "load_bytes", "load_seconds", "load_timeouts", "offload_pages", "offload_bytes", "offload_seconds", "offload_dropped_pages", "queue_pages", "queue_capacity_pages", "load_queue_pages", "tainted_pages", "errors", "outages", "stored_values", "stored_bytes", "capacity_bytes")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    UP_FIELD_NUMBER: _ClassVar[int]
+    HIT_PAGES_FIELD_NUMBER: _ClassVar[int]
+    MISS_PAGES_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_PAGES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_PAGES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_TIMEOUTS_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_PAGES_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_DROPPED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_CAPACITY_PAGES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_QUEUE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    TAINTED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    OUTAGES_FIELD_NUMBER: _ClassVar[int]
+    STORED_VALUES_FIELD_NUMBER: _ClassVar[int]
+    STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    up: bool
+    hit_pages: int
+    miss_pages: int
+    lookup_pages: int
+    load_pages: int
+    load_bytes: int
+    load_seconds: float
+    load_timeouts: int
+    offload_pages: int
+    offload_bytes: int
+    offload_seconds: float
+    offload_dropped_pages: int
+    queue_pages: int
+    queue_capacity_pages: int
+    load_queue_pages: int
+    tainted_pages: int
+    errors: _containers.RepeatedCompositeFieldContainer[TierErrorCount]
+    outages: int
+    stored_values: int
+    stored_bytes: int
+    capacity_bytes: int
+    def __init__(self, backend: _Optional[str] = ..., up: _Optional[bool] = ..., hit_pages: _Optional[int] = ..., miss_pages: _Optional[int] = ..., lookup_pages: _Optional[int] = ..., load_pages: _Optional[int] = ..., load_bytes: _Optional[int] = ..., load_seconds: _Optional[float] = ..., load_timeouts: _Optional[int] = ..., offload_pages: _Optional[int] = ..., offload_bytes: _Optional[int] = ..., offload_seconds: _Optional[float] = ..., offload_dropped_pages: _Optional[int] = ..., queue_pages: _Optional[int] = ..., queue_capacity_pages: _Optional[int] = ..., load_queue_pages: _Optional[int] = ..., tainted_pages: _Optional[int] = ..., errors: _Optional[_Iterable[_Union[TierErrorCount, _Mapping]]] = ..., outages: _Optional[int] = ..., stored_values: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...
+
+class TierErrorCount(_message.Message):
+    __slots__ = ("operation", "reason", "count")
+    OPERATION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    operation: str
+    reason: str
+    count: int
+    def __init__(self, operation: _Optional[str] = ..., reason: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
     __slots__ = ("from_seq",)
