@@ -12,6 +12,8 @@ from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from engine_client import AsyncKVCacheClient, ClientOptions, KVCacheClient, PoolExhausted, SessionBusy
+from engine_client import _calls as calls
+from engine_client._base import ClientBase
 from engine_client.step import StepBatch
 from engine_client.types import AppendResult, CloseResult, CommitResult, ExtendResult, OpenedSession
 from protos.kvcache.v1 import kvcache_pb2 as pb
@@ -99,6 +101,24 @@ def test_a_batch_becomes_one_step_request_in_order() -> None:
         batch.request("eng-1")
     with pytest.raises(RuntimeError, match="sent already"):
         batch.append(s, [1])
+
+
+def test_each_op_sent_as_a_message_is_the_request_its_unary_call_sends() -> None:
+    """One description of each request: a Step op message is what the op's unary call sends (the Step's
+    engine id stands in for each op's own)."""
+    client = ClientBase("127.0.0.1:1", None, "")
+    batch = StepBatch(columns=False)
+    fill_every_kind(batch)
+    ops = batch.request("").ops
+    assert [getattr(op, op.WhichOneof("op")) for op in ops] == [
+        calls.open_session(client, "new", False, 0.0, "t", "").request,
+        calls.append_session(client, "s", [1, 2], 4, 7).request,
+        calls.extend_session(client, "other", 8, 0).request,
+        calls.commit_session(client, "s", [1, 2], 3, False, 2, 7).request,
+        calls.commit_session(client, "other", b"", None, True, 0, 0).request,
+        calls.close_session(client, "s", True, 7).request,
+        calls.match_prefix([1, 2], "t").request,
+    ]
 
 
 def test_an_open_without_an_id_draws_one_so_later_ops_can_name_it() -> None:
