@@ -76,14 +76,7 @@ def test_a_batch_becomes_one_step_request_of_columns_in_order() -> None:
 
 def test_a_batch_becomes_one_step_request_in_order() -> None:
     batch = StepBatch(columns=False)  # one StepOp message per op
-    s = FakeSession("s", 7)
-    batch.open("new", streaming=False, timeout_seconds=0.0, cache_salt="t")
-    batch.append(s, [1, 2], reserve_tokens=4)
-    batch.extend("other", 8)
-    batch.commit(s, np.array([1, 2], dtype=np.int64), kv_tokens=3, turn=2)
-    batch.abort("other")
-    batch.close(s, cache=True)
-    batch.match([1, 2], "t")
+    s = fill_every_kind(batch)
     request = batch.request("eng-1")
     assert request == pb.StepRequest(engine_id="eng-1", ops=[
         pb.StepOp(open=pb.OpenSessionRequest(session_id="new", streaming=False, timeout_seconds=0.0,
