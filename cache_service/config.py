@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
+from cache_service.core.config import CoreConfig
+from cache_service.core.eviction import EVICTION_POLICIES
 from cache_service.memory.base import format_bytes
 from kvcache_common.layout import DTYPE_NAMES, PoolLayout
 from kvcache_common.model import ModelConfigError, ModelLayout, UnsupportedModel, read_model_layout
@@ -87,6 +89,8 @@ _PARSERS: dict[str, Callable[[str], Any]] = {"str": str, "int": int, "float": fl
 """Parsers by the field's annotation (this module's annotations are strings)."""
 
 DEFAULT_NUM_PAGES = 1024
+_CORE = {f.name: f.default for f in fields(CoreConfig)}
+"""The core's defaults, which the settings it shares with the core take as theirs (stated once, there)."""
 SECONDS = {"unit": "seconds"}
 
 
@@ -121,9 +125,9 @@ class ServiceConfig:
     pool_socket_uids: str = setting("", "peer uids the pool socket serves, comma-separated; * for any (default: "
                                     "this process's uid only)", metavar="UIDS")
     shm_prefix: str = setting("kvcache", "pool file name prefix; stale files with it are removed at start")
-    session_timeout: float = setting(600.0, "default sliding session timeout in seconds (0 = never)", at_least=0,
-                                     **SECONDS)
-    lease_ttl: float = setting(30.0, "default engine lease TTL in seconds", above=0, **SECONDS)
+    session_timeout: float = setting(_CORE["session_timeout_seconds"], "default sliding session timeout in seconds "
+                                     "(0 = never)", at_least=0, **SECONDS)
+    lease_ttl: float = setting(_CORE["lease_ttl_seconds"], "default engine lease TTL in seconds", above=0, **SECONDS)
     reap_interval: float = setting(1.0, "seconds between reaper passes (timeouts, expired leases)", above=0,
                                    **SECONDS)
     session_budget_fraction: float = setting(0.8, "share of the pool sessions may hold privately (0 = no budget "
@@ -140,9 +144,9 @@ class ServiceConfig:
     max_step_ops: int = setting(4096, "most operations one Step call may carry", at_least=1)
     max_message_bytes: int = setting(64 << 20, "largest gRPC message accepted", parse=parse_bytes, metavar="SIZE",
                                      at_least=4096, unit="bytes")
-    eviction_policy: str = setting("lru", "radix eviction order", choices=("lru", "lfu"))
-    demote_idle_sessions: bool = setting(True, "under pressure, turn idle sessions' KV into evictable radix entries "
-                                         "(LRU-first)", metavar="BOOL")
+    eviction_policy: str = setting(_CORE["eviction_policy"], "radix eviction order", choices=tuple(EVICTION_POLICIES))
+    demote_idle_sessions: bool = setting(_CORE["demote_idle_sessions"], "under pressure, turn idle sessions' KV "
+                                         "into evictable radix entries (LRU-first)", metavar="BOOL")
     tier: str = setting("none", "where pages evicted from the pool are kept and loaded back from: none, disk "
                         "(--tier-dir) or mooncake (Mooncake Store, --mooncake-master)", choices=TIER_CHOICES)
     tier_dir: str = setting("", "disk tier: directory of page values, found again after a restart (one service per "

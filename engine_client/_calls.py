@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 from engine_client import _codec as codec
+from engine_client import _requests as requests
 from engine_client._base import ClientBase
 from engine_client._codec import TokensLike
 from engine_client.step import StepBatch, StepOutcome
@@ -113,49 +114,39 @@ def unregister_engine(client: ClientBase, engine_id: str) -> Call[pb.UnregisterE
 
 
 def match_prefix(tokens: TokensLike, cache_salt: str) -> Call[pb.MatchPrefixResponse, MatchResult]:
-    req = pb.MatchPrefixRequest(packed_token_ids=codec.pack_tokens(tokens), cache_salt=cache_salt,
-                                packed_response=True)
-    return Call("MatchPrefix", req, codec.match)
+    return Call("MatchPrefix", requests.match_request(codec.pack_tokens(tokens), cache_salt), codec.match)
 
 
 def open_session(client: ClientBase, session_id: str, streaming: bool, timeout_seconds: float | None,
                  cache_salt: str, engine_id: str | None) -> Call[pb.OpenSessionResponse, OpenedSession]:
     """`engine_id=None` makes the client's engine the owner; "" opens a session no lease owns."""
-    req = pb.OpenSessionRequest(session_id=session_id, streaming=streaming, cache_salt=cache_salt,
-                                engine_id=client.engine_id if engine_id is None else engine_id)
-    if timeout_seconds is not None:  # unset (the service's default) differs from 0 (never times out)
-        req.timeout_seconds = timeout_seconds
+    req = requests.open_request(session_id, streaming, timeout_seconds, cache_salt,
+                                client.engine_id if engine_id is None else engine_id)
     return Call("OpenSession", req, codec.opened, after=_learn_instance)
 
 
 def append_session(client: ClientBase, session_id: str, tokens: TokensLike, reserve_tokens: int,
                    epoch: int) -> Call[pb.AppendSessionResponse, AppendResult]:
-    req = pb.AppendSessionRequest(session_id=session_id, packed_token_ids=codec.pack_tokens(tokens),
-                                  reserve_tokens=reserve_tokens, epoch=epoch, engine_id=client.engine_id,
-                                  packed_response=True)
+    req = requests.append_request(session_id, codec.pack_tokens(tokens), reserve_tokens, epoch, client.engine_id)
     return Call("AppendSession", req, codec.appended)
 
 
 def extend_session(client: ClientBase, session_id: str, reserve_tokens: int,
                    epoch: int) -> Call[pb.ExtendSessionResponse, ExtendResult]:
-    req = pb.ExtendSessionRequest(session_id=session_id, reserve_tokens=reserve_tokens, epoch=epoch,
-                                  engine_id=client.engine_id, packed_response=True)
-    return Call("ExtendSession", req, codec.extended)
+    return Call("ExtendSession", requests.extend_request(session_id, reserve_tokens, epoch, client.engine_id),
+                codec.extended)
 
 
 def commit_session(client: ClientBase, session_id: str, tokens: TokensLike, kv_tokens: int | None, abort: bool,
                    turn: int, epoch: int) -> Call[pb.CommitSessionResponse, CommitResult]:
-    req = pb.CommitSessionRequest(session_id=session_id, packed_token_ids=codec.pack_tokens(tokens), abort=abort,
-                                  turn=turn, epoch=epoch, engine_id=client.engine_id)
-    if kv_tokens is not None:  # unset: the service's default rule (every generated token but the last)
-        req.kv_tokens = kv_tokens
+    req = requests.commit_request(session_id, codec.pack_tokens(tokens), kv_tokens, abort, turn, epoch,
+                                  client.engine_id)
     return Call("CommitSession", req, codec.committed)
 
 
 def close_session(client: ClientBase, session_id: str, cache: bool,
                   epoch: int) -> Call[pb.CloseSessionResponse, CloseResult]:
-    req = pb.CloseSessionRequest(session_id=session_id, cache=cache, epoch=epoch, engine_id=client.engine_id)
-    return Call("CloseSession", req, codec.closed)
+    return Call("CloseSession", requests.close_request(session_id, cache, epoch, client.engine_id), codec.closed)
 
 
 def step(client: ClientBase, batch: StepBatch) -> Call[pb.StepResponse, list[StepOutcome[Any]]]:

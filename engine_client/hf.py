@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
+from engine_client.client import KVCacheClient
 from engine_client.layout import check_layout
 from engine_client.mapping import MappedPool, map_pool
 from engine_client.session import Session
@@ -191,7 +192,7 @@ class SessionChat:
     model against the pool first); `close()` (or leaving the `with`) closes it, caching its K/V in the radix
     when `close_cache`."""
 
-    def __init__(self, client: Any, model: Any, *, pool: MappedPool | None = None, session_id: str = "",
+    def __init__(self, client: KVCacheClient, model: Any, *, pool: MappedPool | None = None, session_id: str = "",
                  streaming: bool = True, cache_salt: str = "", close_cache: bool = True,
                  reserve_tokens: int | None = None, grow_tokens: int | None = None) -> None:
         info = pool.info if pool is not None else client.get_pool_info()

@@ -32,6 +32,8 @@ import numpy as np
 import torch
 
 from engine_client._codec import TokensLike
+from engine_client.aio import AsyncKVCacheClient
+from engine_client.client import KVCacheClient
 from engine_client.mapping import MappedPool
 from engine_client.step import StepBatch, StepOutcome
 from engine_client.types import AppendResult, CloseResult, CommitResult, ExtendResult, OpenedSession
@@ -117,8 +119,9 @@ class _SessionState:
                              f"({self.capacity_tokens} positions)")
         self.kv_tokens = end
 
-    def _extension_for(self, num_tokens: int) -> int:
-        """Slots to ask for so that `num_tokens` more positions after `kv_tokens` fit (0: they fit)."""
+    def extension_for(self, num_tokens: int) -> int:
+        """Slots to ask for so that `num_tokens` more positions after `kv_tokens` fit (0: they fit), counting
+        an extension already queued in a batch that has not run yet."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         pending = self._growing_tokens if self._growing is not None and not self._growing.done else 0
@@ -259,9 +262,11 @@ class _SessionState:
             return k, v
         return k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
 
-    def _queue_growth(self, batch: StepBatch, reserve: int) -> StepOutcome[ExtendResult]:
-        outcome = batch.extend(self, reserve)
-        self._growing, self._growing_tokens = outcome, reserve
+    def queue_extend(self, batch: StepBatch, reserve_tokens: int) -> StepOutcome[ExtendResult]:
+        """Queue an extension by `reserve_tokens` in `batch`; until the batch has run, `extension_for`
+        counts it as capacity the session will have (a scheduler does not ask twice)."""
+        outcome = batch.extend(self, reserve_tokens)
+        self._growing, self._growing_tokens = outcome, reserve_tokens
         return outcome
 
 
@@ -282,7 +287,7 @@ class Session(_SessionState):
     `client` is a `KVCacheClient` (sync). The page table lives on `device` (where your kernels read it).
     """
 
-    def __init__(self, client: Any, session_id: str = "", *, streaming: bool = True,
+    def __init__(self, client: KVCacheClient, session_id: str = "", *, streaming: bool = True,
                  timeout_seconds: float | None = None, cache_salt: str = "", close_cache: bool = True,
                  page_size: int | None = None, device: str | torch.device = "cpu",
                  pool: MappedPool | None = None) -> None:
@@ -294,7 +299,7 @@ class Session(_SessionState):
         super().__init__(opened.session_id, opened.epoch, page_size, device, close_cache, pool)
 
     @classmethod
-    def open_in(cls, batch: StepBatch, client: Any, session_id: str = "", *, page_size: int,
+    def open_in(cls, batch: StepBatch, client: KVCacheClient, session_id: str = "", *, page_size: int,
                 streaming: bool = True, timeout_seconds: float | None = None, cache_salt: str = "",
                 close_cache: bool = True, device: str | torch.device = "cpu",
                 pool: MappedPool | None = None) -> Session:
@@ -319,11 +324,11 @@ class Session(_SessionState):
                  ) -> ExtendResult | StepOutcome[ExtendResult] | None:
         """Make room for `num_tokens` more positions after `kv_tokens`: nothing when they fit, else one
         extension by whole pages, sent now or queued in `batch` (returning its outcome)."""
-        reserve = self._extension_for(num_tokens)
+        reserve = self.extension_for(num_tokens)
         if reserve == 0:
             return None
         if batch is not None:
-            return self._queue_growth(batch, reserve)
+            return self.queue_extend(batch, reserve)
         return self.extend(reserve)
 
     def commit(self, generated: TokensLike = b"", *, kv_tokens: int | None = None) -> CommitResult:
@@ -358,10 +363,10 @@ class AsyncSession(_SessionState):
     """`Session` for `AsyncKVCacheClient`: the same state and methods, awaitable. Create with
     `await AsyncSession.open(client, ...)` (or `AsyncSession.open_in(batch, ...)`); `async with` closes it."""
 
-    client: Any
+    client: AsyncKVCacheClient
 
     @classmethod
-    async def open(cls, client: Any, session_id: str = "", *, streaming: bool = True,
+    async def open(cls, client: AsyncKVCacheClient, session_id: str = "", *, streaming: bool = True,
                    timeout_seconds: float | None = None, cache_salt: str = "", close_cache: bool = True,
                    page_size: int | None = None, device: str | torch.device = "cpu",
                    pool: MappedPool | None = None) -> AsyncSession:
@@ -374,7 +379,7 @@ class AsyncSession(_SessionState):
         return session
 
     @classmethod
-    def open_in(cls, batch: StepBatch, client: Any, session_id: str = "", *, page_size: int,
+    def open_in(cls, batch: StepBatch, client: AsyncKVCacheClient, session_id: str = "", *, page_size: int,
                 streaming: bool = True, timeout_seconds: float | None = None, cache_salt: str = "",
                 close_cache: bool = True, device: str | torch.device = "cpu",
                 pool: MappedPool | None = None) -> AsyncSession:
@@ -395,11 +400,11 @@ class AsyncSession(_SessionState):
 
     async def grow_for(self, num_tokens: int, *, batch: StepBatch | None = None
                        ) -> ExtendResult | StepOutcome[ExtendResult] | None:
-        reserve = self._extension_for(num_tokens)
+        reserve = self.extension_for(num_tokens)
         if reserve == 0:
             return None
         if batch is not None:
-            return self._queue_growth(batch, reserve)
+            return self.queue_extend(batch, reserve)
         return await self.extend(reserve)
 
     async def commit(self, generated: TokensLike = b"", *, kv_tokens: int | None = None) -> CommitResult:

@@ -37,6 +37,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import numpy as np
 
 from engine_client import _codec as codec
+from engine_client import _requests as requests
 from engine_client._codec import TokensLike
 from engine_client.errors import KVCacheClientError, error_from_status
 from engine_client.types import (
@@ -267,7 +268,7 @@ class StepBatch:
         return pb.StepRequest(columns=cols, engine_id=engine_id)
 
     def _messages(self) -> list[pb.StepOp]:
-        """The ops as StepOp messages (columns=False)."""
+        """The ops as StepOp messages (columns=False), each the request its unary call sends."""
         ops = []
         pos = 0
         for i, kind in enumerate(self._kinds):
@@ -277,32 +278,21 @@ class StepBatch:
                 tokens = self._tokens[pos]
                 pos += 1
             if kind == OPEN:
-                req = pb.OpenSessionRequest(session_id=sid, streaming=bool(flags & _SET),
-                                            cache_salt=self._salts.get(i, ""), engine_id=self._engines.get(i, ""))
-                if flags & _TIMEOUT:
-                    req.timeout_seconds = self._timeouts[i]
-                ops.append(pb.StepOp(open=req))
+                ops.append(pb.StepOp(open=requests.open_request(
+                    sid, bool(flags & _SET), self._timeouts[i] if flags & _TIMEOUT else None,
+                    self._salts.get(i, ""), self._engines.get(i, ""))))
             elif kind == APPEND:
-                ops.append(pb.StepOp(append=pb.AppendSessionRequest(
-                    session_id=sid, packed_token_ids=tokens, reserve_tokens=count, epoch=epoch, packed_response=True)))
+                ops.append(pb.StepOp(append=requests.append_request(sid, tokens, count, epoch)))
             elif kind == EXTEND:
-                ops.append(pb.StepOp(extend=pb.ExtendSessionRequest(session_id=sid, reserve_tokens=count, epoch=epoch,
-                                                                    packed_response=True)))
-            elif kind == COMMIT and flags & _SET:
-                ops.append(pb.StepOp(commit=pb.CommitSessionRequest(session_id=sid, abort=True, epoch=epoch)))
+                ops.append(pb.StepOp(extend=requests.extend_request(sid, count, epoch)))
             elif kind == COMMIT:
-                commit = pb.CommitSessionRequest(session_id=sid, packed_token_ids=tokens, turn=self._turns.get(i, 0),
-                                                 epoch=epoch)
-                if flags & _KV_TOKENS:
-                    commit.kv_tokens = count
-                ops.append(pb.StepOp(commit=commit))
+                abort = bool(flags & _SET)
+                ops.append(pb.StepOp(commit=requests.commit_request(
+                    sid, tokens, count if flags & _KV_TOKENS else None, abort, self._turns.get(i, 0), epoch)))
             elif kind == CLOSE:
-                ops.append(pb.StepOp(close=pb.CloseSessionRequest(session_id=sid, cache=bool(flags & _SET),
-                                                                  epoch=epoch)))
+                ops.append(pb.StepOp(close=requests.close_request(sid, bool(flags & _SET), epoch)))
             else:
-                ops.append(pb.StepOp(match=pb.MatchPrefixRequest(packed_token_ids=tokens,
-                                                                 cache_salt=self._salts.get(i, ""),
-                                                                 packed_response=True)))
+                ops.append(pb.StepOp(match=requests.match_request(tokens, self._salts.get(i, ""))))
         return ops
 
     def apply(self, response: pb.StepResponse) -> list[StepOutcome[Any]]:

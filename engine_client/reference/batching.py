@@ -36,13 +36,15 @@ from typing import Any
 
 import torch
 
+from engine_client.aio import AsyncKVCacheClient
+from engine_client.client import KVCacheClient
 from engine_client.errors import ResourceExhausted
 from engine_client.layout import check_layout
 from engine_client.mapping import MappedPool, map_pool
 from engine_client.reference.model import ModelConfig, ReferenceModel
 from engine_client.session import AsyncSession, Session, _SessionState
 from engine_client.step import StepBatch, StepOutcome
-from engine_client.types import AppendResult
+from engine_client.types import AppendResult, PoolInfo
 
 __all__ = ["BatchingEngine", "Completion", "Request"]
 
@@ -108,13 +110,19 @@ class _Active:
 class BatchingEngine:
     """The reference model plus a continuous-batching scheduler whose only KV storage is the pool."""
 
-    def __init__(self, client: Any, config: ModelConfig | None = None, *, pool: MappedPool | None = None,
-                 device: str | torch.device = "cpu", max_batch: int = 32, info: Any = None) -> None:
+    def __init__(self, client: KVCacheClient | AsyncKVCacheClient, config: ModelConfig | None = None, *,
+                 pool: MappedPool | None = None, device: str | torch.device = "cpu", max_batch: int = 32,
+                 info: PoolInfo | None = None) -> None:
         """`client`: a KVCacheClient (for `run`) or an AsyncKVCacheClient (for `run_pipelined`); pass the
         pool (or its `info`) with an asynchronous client, whose `get_pool_info` must be awaited."""
         self.client = client
         self.config = config or ModelConfig()
-        info = pool.info if pool is not None else (info if info is not None else client.get_pool_info())
+        if pool is not None:
+            info = pool.info
+        elif info is None:
+            if not isinstance(client, KVCacheClient):
+                raise ValueError("pass pool= or info= with an AsyncKVCacheClient (its get_pool_info is awaited)")
+            info = client.get_pool_info()
         lay = info.layout
         check_layout(lay, num_layers=self.config.num_layers, num_kv_heads=self.config.num_kv_heads,
                      head_dim=self.config.head_dim, dtype=self.config.dtype)
@@ -149,9 +157,9 @@ class BatchingEngine:
     def run(self) -> list[Completion]:
         """Run scheduler steps until every submitted request has finished; returns the completions."""
         while not self.idle:
-            batch = self._plan(lookahead=1, session_cls=Session)
+            batch = self._plan(lookahead=1)
             t0 = time.perf_counter()
-            self._send(batch, self.client.step)
+            self._send(batch, self._sync_client().step)
             self.cache_seconds += time.perf_counter() - t0
             self._absorb(batch)
             self._forward_and_sample(self._forward_items())
@@ -159,12 +167,13 @@ class BatchingEngine:
 
     async def run_pipelined(self) -> list[Completion]:
         """`run` with an asyncio client, overlapping each Step call with the previous step's forward."""
-        batch = self._plan(lookahead=1, session_cls=AsyncSession)
+        self._async_client()
+        batch = self._plan(lookahead=1)
         await self._send_async(batch)
         self._absorb(batch)
         while not self.idle:
             items = self._forward_items()
-            batch = self._plan(lookahead=2, session_cls=AsyncSession)  # pages for this step and the next
+            batch = self._plan(lookahead=2)  # pages for this step and the next
             sending = asyncio.create_task(self._send_async(batch))
             if items:
                 logits = await asyncio.to_thread(self.model.forward_batch, [i[1] for i in items], self.pool.tensor)
@@ -179,7 +188,7 @@ class BatchingEngine:
 
     async def _send_async(self, batch: StepBatch) -> None:
         if len(batch):
-            await self.client.step(batch)
+            await self._async_client().step(batch)
             self.step_ops.append(len(batch))
 
     def _send(self, batch: StepBatch, step: Callable[[StepBatch], Any]) -> None:
@@ -189,7 +198,25 @@ class BatchingEngine:
 
     # ------------------------------------------------------------------ planning a Step
 
-    def _plan(self, *, lookahead: int, session_cls: type[Session] | type[AsyncSession]) -> StepBatch:
+    def _sync_client(self) -> KVCacheClient:
+        if not isinstance(self.client, KVCacheClient):
+            raise TypeError("run() needs a KVCacheClient; with an AsyncKVCacheClient use run_pipelined()")
+        return self.client
+
+    def _async_client(self) -> AsyncKVCacheClient:
+        if not isinstance(self.client, AsyncKVCacheClient):
+            raise TypeError("run_pipelined() needs an AsyncKVCacheClient; with a KVCacheClient use run()")
+        return self.client
+
+    def _open_in(self, batch: StepBatch, request: Request) -> Session | AsyncSession:
+        """The request's session, opened by `batch` (a Session or an AsyncSession, as the client is)."""
+        if isinstance(self.client, KVCacheClient):
+            return Session.open_in(batch, self.client, request.session_id, page_size=self.page_size,
+                                   streaming=request.streaming, cache_salt=request.cache_salt)
+        return AsyncSession.open_in(batch, self.client, request.session_id, page_size=self.page_size,
+                                    streaming=request.streaming, cache_salt=request.cache_salt)
+
+    def _plan(self, *, lookahead: int) -> StepBatch:
         """This step's cache work: finish, grow for the next `lookahead` forwards, admit."""
         batch = StepBatch()
         for a, aborted, close in self._finishing:
@@ -203,7 +230,7 @@ class BatchingEngine:
         for a in self._active:
             if a.prefilled or a.append.ok:
                 need = a.end_after(lookahead) - a.session.kv_tokens
-                a.growth = a.session._queue_growth(batch, need) if a.session._extension_for(need) else None
+                a.growth = a.session.queue_extend(batch, need) if a.session.extension_for(need) else None
         busy = {a.session.session_id for a in self._active}
         admitted = 0
         deferred: list[tuple[Request, int]] = []
@@ -214,8 +241,7 @@ class BatchingEngine:
                 continue
             session = self._sessions.get(request.session_id) if request.session_id else None
             if session is None:
-                session = session_cls.open_in(batch, self.client, request.session_id, page_size=self.page_size,
-                                              streaming=request.streaming, cache_salt=request.cache_salt)
+                session = self._open_in(batch, request)
                 self._sessions[session.session_id] = session
             request.session_id = session.session_id
             history = self._histories.get(session.session_id, [])

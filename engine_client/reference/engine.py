@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from engine_client.client import KVCacheClient
 from engine_client.layout import check_layout
 from engine_client.mapping import MappedPool, map_pool
 from engine_client.reference.model import ModelConfig, ReferenceModel
@@ -63,7 +64,7 @@ class _RpcTimer:
 class ReferenceEngine:
     """Holds the model and the mapped pool; opens `Conversation`s on the service."""
 
-    def __init__(self, client: Any, config: ModelConfig | None = None, *, pool: MappedPool | None = None,
+    def __init__(self, client: KVCacheClient, config: ModelConfig | None = None, *, pool: MappedPool | None = None,
                  device: str | torch.device = "cpu") -> None:
         self.client = client
         self.config = config or ModelConfig()

@@ -9,6 +9,7 @@ import torch
 
 from engine_client.mapping import MappedPool
 from engine_client.session import _SessionState
+from engine_client.step import StepBatch
 from engine_client.types import AppendResult, CommitResult, ExtendResult, PoolInfo, PoolLayout
 
 LAYOUT = PoolLayout(num_layers=2, num_kv_heads=2, head_dim=3, dtype="float32", page_size=4, num_pages=16)
@@ -108,3 +109,16 @@ def test_bad_writes_and_reads_are_refused() -> None:
     bare = _SessionState("t", 1, 4, "cpu", True)
     with pytest.raises(RuntimeError, match="this session has no pool"):
         bare.gather_kv(0, 0)
+
+
+def test_extension_for_counts_an_extension_queued_in_a_batch_until_the_batch_runs() -> None:
+    s, _ = make_session()
+    append(s, 0, [5], cached=0, context=4)  # one page of 4 positions
+    s.mark_kv(4)
+    assert s.extension_for(0) == 0 and s.extension_for(3) == 3
+    batch = StepBatch()
+    growth = s.queue_extend(batch, 3)
+    assert len(batch) == 1 and batch.outcomes[0] is growth and not growth.done
+    assert s.extension_for(3) == 0 and s.extension_for(5) == 2  # the queued 3 count until the Step answers
+    with pytest.raises(ValueError, match="num_tokens must be >= 0"):
+        s.extension_for(-1)

@@ -12,6 +12,8 @@ from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from engine_client import AsyncKVCacheClient, ClientOptions, KVCacheClient, PoolExhausted, SessionBusy
+from engine_client import _calls as calls
+from engine_client._base import ClientBase
 from engine_client.step import StepBatch
 from engine_client.types import AppendResult, CloseResult, CommitResult, ExtendResult, OpenedSession
 from protos.kvcache.v1 import kvcache_pb2 as pb
@@ -74,14 +76,7 @@ def test_a_batch_becomes_one_step_request_of_columns_in_order() -> None:
 
 def test_a_batch_becomes_one_step_request_in_order() -> None:
     batch = StepBatch(columns=False)  # one StepOp message per op
-    s = FakeSession("s", 7)
-    batch.open("new", streaming=False, timeout_seconds=0.0, cache_salt="t")
-    batch.append(s, [1, 2], reserve_tokens=4)
-    batch.extend("other", 8)
-    batch.commit(s, np.array([1, 2], dtype=np.int64), kv_tokens=3, turn=2)
-    batch.abort("other")
-    batch.close(s, cache=True)
-    batch.match([1, 2], "t")
+    s = fill_every_kind(batch)
     request = batch.request("eng-1")
     assert request == pb.StepRequest(engine_id="eng-1", ops=[
         pb.StepOp(open=pb.OpenSessionRequest(session_id="new", streaming=False, timeout_seconds=0.0,
@@ -99,6 +94,24 @@ def test_a_batch_becomes_one_step_request_in_order() -> None:
         batch.request("eng-1")
     with pytest.raises(RuntimeError, match="sent already"):
         batch.append(s, [1])
+
+
+def test_each_op_sent_as_a_message_is_the_request_its_unary_call_sends() -> None:
+    """One description of each request: a Step op message is what the op's unary call sends (the Step's
+    engine id stands in for each op's own)."""
+    client = ClientBase("127.0.0.1:1", None, "")
+    batch = StepBatch(columns=False)
+    fill_every_kind(batch)
+    ops = batch.request("").ops
+    assert [getattr(op, op.WhichOneof("op")) for op in ops] == [
+        calls.open_session(client, "new", False, 0.0, "t", "").request,
+        calls.append_session(client, "s", [1, 2], 4, 7).request,
+        calls.extend_session(client, "other", 8, 0).request,
+        calls.commit_session(client, "s", [1, 2], 3, False, 2, 7).request,
+        calls.commit_session(client, "other", b"", None, True, 0, 0).request,
+        calls.close_session(client, "s", True, 7).request,
+        calls.match_prefix([1, 2], "t").request,
+    ]
 
 
 def test_an_open_without_an_id_draws_one_so_later_ops_can_name_it() -> None:

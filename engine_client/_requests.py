@@ -1,0 +1,46 @@
+"""Every session and prefix request message, built in one place.
+
+A unary call (`_calls`) and a `StepBatch` sent as messages (`columns=False`) carry the same request for the
+same op: both build it here. The columnar encoding of a Step (`StepColumns`) carries these same fields, one
+packed array per field, and the service decodes it into the same operations.
+"""
+
+from __future__ import annotations
+
+from protos.kvcache.v1 import kvcache_pb2 as pb
+
+
+def open_request(session_id: str, streaming: bool, timeout_seconds: float | None, cache_salt: str,
+                 engine_id: str) -> pb.OpenSessionRequest:
+    req = pb.OpenSessionRequest(session_id=session_id, streaming=streaming, cache_salt=cache_salt, engine_id=engine_id)
+    if timeout_seconds is not None:  # unset (the service's default) differs from 0 (never times out)
+        req.timeout_seconds = timeout_seconds
+    return req
+
+
+def append_request(session_id: str, packed_tokens: bytes, reserve_tokens: int, epoch: int,
+                   engine_id: str = "") -> pb.AppendSessionRequest:
+    return pb.AppendSessionRequest(session_id=session_id, packed_token_ids=packed_tokens, reserve_tokens=reserve_tokens,
+                                   epoch=epoch, engine_id=engine_id, packed_response=True)
+
+
+def extend_request(session_id: str, reserve_tokens: int, epoch: int, engine_id: str = "") -> pb.ExtendSessionRequest:
+    return pb.ExtendSessionRequest(session_id=session_id, reserve_tokens=reserve_tokens, epoch=epoch,
+                                   engine_id=engine_id, packed_response=True)
+
+
+def commit_request(session_id: str, packed_tokens: bytes, kv_tokens: int | None, abort: bool, turn: int, epoch: int,
+                   engine_id: str = "") -> pb.CommitSessionRequest:
+    req = pb.CommitSessionRequest(session_id=session_id, packed_token_ids=packed_tokens, abort=abort, turn=turn,
+                                  epoch=epoch, engine_id=engine_id)
+    if kv_tokens is not None:  # unset: the service's default rule (every generated token but the last)
+        req.kv_tokens = kv_tokens
+    return req
+
+
+def close_request(session_id: str, cache: bool, epoch: int, engine_id: str = "") -> pb.CloseSessionRequest:
+    return pb.CloseSessionRequest(session_id=session_id, cache=cache, epoch=epoch, engine_id=engine_id)
+
+
+def match_request(packed_tokens: bytes, cache_salt: str) -> pb.MatchPrefixRequest:
+    return pb.MatchPrefixRequest(packed_token_ids=packed_tokens, cache_salt=cache_salt, packed_response=True)
