@@ -110,6 +110,19 @@ def raw(cluster: MooncakeCluster) -> Iterator[tuple[Any, np.ndarray]]:
     store.close()
 
 
+def stop_process(pid: int) -> None:
+    """SIGSTOP `pid` and wait until the kernel shows it stopped: the signal is delivered asynchronously, and a
+    master still running for a moment would answer the next call."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rpartition(")")[2].split()[0] in ("T", "t"):
+                return
+        time.sleep(0.005)
+    raise AssertionError(f"process {pid} did not stop within 10 s of SIGSTOP")
+
+
 def _put_raw(raw: tuple[Any, np.ndarray], key: bytes, data: bytes) -> None:
     store, buf = raw
     buf[:len(data)] = np.frombuffer(data, dtype=np.uint8)
@@ -175,7 +188,7 @@ def test_a_stopped_master_makes_loads_miss_after_the_timeout(cluster: MooncakeCl
     async def scenario() -> None:
         service = _service(cluster, pool, timeout_seconds=0.2)
         assert cluster.master is not None
-        os.kill(cluster.master.pid, signal.SIGSTOP)  # slow: alive, answering nothing
+        stop_process(cluster.master.pid)  # slow: alive, answering nothing
         try:
             assert await service.lookup(keys_for(19, 1)) == 0
             ticket = service.load(keys, [30, 31])
