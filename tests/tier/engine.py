@@ -39,6 +39,7 @@ class Engine:
     K/V for every page it had to compute, then commits and closes it (its full pages enter the radix)."""
 
     def __init__(self, target: str) -> None:
+        self.target = target
         self.channel = grpc.insecure_channel(target)
         self.stub: Any = pb_grpc.KVCacheServiceStub(self.channel)  # type: ignore[no-untyped-call]
         info = self.stub.GetPoolInfo(pb.GetPoolInfoRequest(), timeout=10)
