@@ -17,9 +17,10 @@ finds them.
 
 Offloads (`plan_offload` -> the store's put -> `offload_done`). Eviction never waits for the tier: pages are
 written ahead of it. When free pages plus radix pages the tier already holds fall under a low watermark
-(a quarter of the pool), the least recently used evictable leaves are pinned (a radix lock the tier holds)
-and the pages of their paths the tier lacks are handed to the store; the pin ends when the store is done
-reading, which marks the stored pages. Eviction then takes the same LRU leaves, already stored; a page
+(half the pool), the pages the tier lacks on the paths of the least recently used evictable leaves are
+handed to the store, root side first; each path is pinned (a radix lock the tier holds) down to its last
+such page, within a pin limit of a quarter of the pool; the pin ends when the store is done reading, which
+marks the stored pages. Eviction then takes the same LRU leaves, already stored; a page
 evicted before the tier held it is lost (counted in `evicted_unstored_pages`).
 """
 
@@ -92,12 +93,14 @@ class Load:
 class Offload:
     """An offload in progress: the store reads `pages` (radix pages, pinned by the tier's lock on `node`)."""
 
-    __slots__ = ("done", "keys", "node", "pages")
+    __slots__ = ("done", "keys", "node", "pages", "pinned")
 
-    def __init__(self, node: RadixNode, keys: list[bytes], pages: list[int]) -> None:
+    def __init__(self, node: RadixNode, keys: list[bytes], pages: list[int], pinned: int) -> None:
         self.node = node
         self.keys = keys
         self.pages = pages
+        self.pinned = pinned
+        """Pages the pin holds (the path down to `node`, stored ones included)."""
         self.done = False
 
     @property
@@ -129,8 +132,10 @@ class TierIndex:
         self._roots: dict[str, bytes] = {}
         self.stored_pages = 0
         self.offloading_pages = 0
+        self.pinned_pages = 0
+        """Radix pages held by offload pins (paths overlapping between offloads count once per offload)."""
         self.evicted_unstored_pages = 0
-        self.low_watermark = max(1, config.usable_pages // 4)
+        self.low_watermark = max(1, config.usable_pages // 2)
         """Offload ahead of eviction while free + stored radix pages are fewer than this."""
         self.pin_limit = max(1, config.usable_pages // 4)
         """Most pages offloads may pin at once (pinned pages cannot be evicted)."""
@@ -295,39 +300,49 @@ class TierIndex:
     # ------------------------------------------------------------------ offloads
 
     def plan_offload(self, room: int, *, force: bool = False) -> list[Offload]:
-        """Pin LRU evictable leaves and name the pages of their paths the tier lacks, up to `room` pages (the
-        offload queue's room) and the pin limit; only while free + stored pages are under the low watermark,
-        unless `force` (at stop: offload what is resident). Each offload's pin ends at `offload_done`."""
+        """Name the radix pages the tier lacks on the paths of the LRU evictable leaves, root side first, up to
+        `room` pages (the offload queue's room), and pin each path only down to its last such page (a radix
+        lock on a node ending there). Pinned pages count against the pin limit (a quarter of the pool), so
+        offloads never hold what an allocation needs. Only while free + stored pages are under the low
+        watermark, unless `force` (at stop: offload what is resident; no pin limit). Each pin ends at
+        `offload_done`."""
         radix = self._tree()
         counts = self._ledger.counts
         if not force and counts[FREE] + self.stored_pages >= self.low_watermark:
             return []
-        budget = min(room, self.pin_limit - self.offloading_pages) if not force else room
+        pin_room = (self.pin_limit - self.pinned_pages) if not force else counts[EVICTABLE]
         stamp = (counts[FREE], counts[EVICTABLE], radix.evicted_pages_total, radix.heap_entries, self.stored_pages)
-        if budget <= 0 or (not force and stamp == self._scanned):
+        if room <= 0 or pin_room <= 0 or (not force and stamp == self._scanned):
             return []
         jobs: list[Offload] = []
+        pb = self._pb
         for leaf in radix.first_to_evict(SCAN_LEAVES if not force else max(SCAN_LEAVES, room)):
-            if leaf.lock_ref:  # pinned by an offload planned in this call
-                continue
-            keys: list[bytes] = []
+            path = self._key_path(leaf)
+            ids = memoryview(b"".join(n.pages for n in path)).cast("i").tolist()
             pages: list[int] = []
-            for n in self._key_path(leaf):
-                for p in memoryview(n.pages).cast("i").tolist():
-                    if not self._stored[p] and not self._offloading[p]:
-                        pages.append(p)
-                        keys.append(self._keys[p].tobytes())
+            end = 0
+            for i, p in enumerate(ids[:pin_room]):
+                if not self._stored[p] and not self._offloading[p]:
+                    if len(pages) == room:
+                        break
+                    pages.append(p)
+                    end = i + 1
             if not pages:
                 continue
-            if len(pages) > budget:
-                break
-            radix.lock(leaf)
+            key = b"".join(n.key for n in path)[: end * pb]
+            match = radix.match(leaf.salt or "", key, lock=True, touch=False)
+            if match.num_pages != end or match.node is None:
+                raise InvariantError(f"tier: the path of leaf {leaf.id} no longer matches its own tokens")
             self._offloading[pages] = True
             self.offloading_pages += len(pages)
-            budget -= len(pages)
-            job = Offload(leaf, keys, pages)
+            self.pinned_pages += end
+            pin_room -= end
+            room -= len(pages)
+            job = Offload(match.node, [bytes(self._keys[p]) for p in pages], pages, end)
             self.offloads.add(job)
             jobs.append(job)
+            if room <= 0 or pin_room <= 0:
+                break
         if not jobs:
             self._scanned = stamp
         return jobs
@@ -348,6 +363,7 @@ class TierIndex:
                 return
         job.done = True
         self.offloads.discard(job)
+        self.pinned_pages -= job.pinned
         pages = job.pages
         self._offloading[pages] = False
         self.offloading_pages -= len(pages)
@@ -384,6 +400,8 @@ class TierIndex:
             raise InvariantError("tier: stored page count != stored bits")
         if int(np.count_nonzero(self._offloading)) != self.offloading_pages:
             raise InvariantError("tier: offloading page count != offloading bits")
+        if sum(j.pinned for j in self.offloads) != self.pinned_pages:
+            raise InvariantError("tier: pinned page count != pins of the offloads in progress")
         if sum(len(j.pages) for j in self.offloads) != self.offloading_pages:
             raise InvariantError("tier: offloading page count != pages of the offloads in progress")
         if (self._offloading & ~owned).any():

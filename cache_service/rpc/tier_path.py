@@ -11,8 +11,9 @@ without a tier: the append's radix match covers the loaded pages, and `tier_toke
 its hit the tier brought. A match reports, besides the radix's pages, the pages beyond them that only the
 tier holds (`tier_tokens`), and loads nothing.
 
-After every call that may allocate or insert, `offload` lets the core pick LRU radix pages to write to the
-tier ahead of eviction and hands them to the store's bounded queue (never waiting).
+After every call that may allocate or insert, and whenever an offload completes, `offload` lets the core pick
+LRU radix pages to write to the tier ahead of eviction and hands them to the store's bounded queue (never
+waiting).
 """
 
 from __future__ import annotations
@@ -164,6 +165,7 @@ class TierPath:
 
     def _offloaded(self, job: Offload, result: OffloadResult) -> None:
         self._index.offload_done(job, result.stored)
+        self.offload()  # keep the pipeline full while the pool is under the watermark, between calls too
 
     # ------------------------------------------------------------------ Step, both encodings
 

@@ -625,7 +625,7 @@ def random_walk(seed: int, steps: int) -> Simulator:
 
 def test_long_random_walks_reach_deep_states() -> None:
     seen: Counter[str] = Counter()
-    for seed in range(12):
+    for seed in range(14):
         seen += random_walk(seed, 600).seen
     # The walks must exercise what they are here for: each floor is well below what they reach.
     floors = {
