@@ -16,12 +16,12 @@ may still write; until the waiter's `release` the new pages stay pinned, so the 
 finds them.
 
 Offloads (`plan_offload` -> the store's put -> `offload_done`). Eviction never waits for the tier: pages are
-written ahead of it. When free pages plus radix pages the tier already holds fall under a low watermark
-(half the pool), the pages the tier lacks on the paths of the least recently used evictable leaves are
-handed to the store, root side first; each path is pinned (a radix lock the tier holds) down to its last
-such page, within a pin limit of a quarter of the pool; the pin ends when the store is done reading, which
-marks the stored pages. Eviction then takes the same LRU leaves, already stored; a page
-evicted before the tier held it is lost (counted in `evicted_unstored_pages`).
+written ahead of it. While fewer than half the pool's pages are free (a low watermark), the pages the tier
+lacks on the paths of the least recently used evictable leaves are handed to the store, root side first;
+each path is pinned (a radix lock the tier holds) down to its last such page, within a pin limit of a
+quarter of the pool; the pin ends when the store is done reading, which marks the stored pages. Eviction
+then takes the same LRU leaves, already stored; a page evicted before the tier held it is lost (counted in
+`evicted_unstored_pages`).
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ class TierIndex:
         """Radix pages held by offload pins (paths overlapping between offloads count once per offload)."""
         self.evicted_unstored_pages = 0
         self.low_watermark = max(1, config.usable_pages // 2)
-        """Offload ahead of eviction while free + stored radix pages are fewer than this."""
+        """Offload ahead of eviction while fewer pages than this are free."""
         self.pin_limit = max(1, config.usable_pages // 4)
         """Most pages offloads may pin at once (pinned pages cannot be evicted)."""
         self.loads: set[Load] = set()
@@ -303,12 +303,12 @@ class TierIndex:
         """Name the radix pages the tier lacks on the paths of the LRU evictable leaves, root side first, up to
         `room` pages (the offload queue's room), and pin each path only down to its last such page (a radix
         lock on a node ending there). Pinned pages count against the pin limit (a quarter of the pool), so
-        offloads never hold what an allocation needs. Only while free + stored pages are under the low
-        watermark, unless `force` (at stop: offload what is resident; no pin limit). Each pin ends at
-        `offload_done`."""
+        offloads never hold what an allocation needs. Only while free pages are under the low watermark (the
+        scan skips stored pages, and is not repeated while nothing changed), unless `force` (at stop: offload
+        what is resident; no pin limit). Each pin ends at `offload_done`."""
         radix = self._tree()
         counts = self._ledger.counts
-        if not force and counts[FREE] + self.stored_pages >= self.low_watermark:
+        if not force and counts[FREE] >= self.low_watermark:
             return []
         pin_room = (self.pin_limit - self.pinned_pages) if not force else counts[EVICTABLE]
         stamp = (counts[FREE], counts[EVICTABLE], radix.evicted_pages_total, radix.heap_entries, self.stored_pages)
