@@ -217,3 +217,47 @@ def test_a_full_store_costs_only_hits(start_server: Callable[..., ServerProcess]
         assert hits and misses, (hits, misses)
     finally:
         own.stop()
+
+
+def test_bad_inputs_keep_their_reasons_with_a_tier(start_server: Callable[..., ServerProcess],
+                                                  engines: list[Engine], tmp_path: Path) -> None:
+    """The tier's lookups come before the ops; refusals stay exactly those of the ops alone, and a refused op
+    loads nothing."""
+    import grpc
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    p = _prompt(8)
+    a = Engine(start_server(*TIER_ARGS, *_disk(tmp_path)).target)
+    engines.append(a)
+    _write_then_evict(a, p)
+    before = a.stats().tier
+
+    def reason(call: Callable[[], object]) -> tuple[grpc.StatusCode, str]:
+        with pytest.raises(grpc.RpcError) as info:
+            call()
+        status = rpc_status.from_call(info.value)
+        assert status is not None
+        detail = error_details_pb2.ErrorInfo()
+        assert status.details[0].Unpack(detail)
+        return info.value.code(), detail.reason
+
+    stub = a.stub
+    assert reason(lambda: stub.AppendSession(pb.AppendSessionRequest(session_id="nobody", token_ids=p), timeout=10)
+                  ) == (grpc.StatusCode.NOT_FOUND, "SESSION_NOT_FOUND")
+    stub.OpenSession(pb.OpenSessionRequest(session_id="bad"), timeout=10)
+    assert reason(lambda: stub.AppendSession(pb.AppendSessionRequest(session_id="bad", token_ids=[*p[:-1], -1]),
+                                             timeout=10)) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_TOKENS")
+    assert reason(lambda: stub.AppendSession(pb.AppendSessionRequest(session_id="bad", packed_token_ids=b"\x01\x02"),
+                                             timeout=10)) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_TOKENS")
+    assert reason(lambda: stub.Step(pb.StepRequest(columns=pb.StepColumns(kinds=bytes([2]), session_ids=["bad"],
+                                                                          token_counts=b"\x01")), timeout=10)
+                  ) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT")
+    step = stub.Step(pb.StepRequest(ops=[pb.StepOp(append=pb.AppendSessionRequest(session_id="nobody", token_ids=p))]),
+                     timeout=10)
+    assert step.results[0].status.code == grpc.StatusCode.NOT_FOUND.value[0]
+    after = a.stats()
+    assert (after.tier.lookup_pages, after.tier.load_pages, after.loading_pages) == (
+        before.lookup_pages, before.load_pages, 0)
+    probe = stub.MatchPrefix(pb.MatchPrefixRequest(token_ids=p), timeout=10)
+    assert (probe.cached_tokens, probe.tier_tokens) == (16, 16)  # still only in the tier: nothing was loaded
