@@ -187,7 +187,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "each append, as an engine computing them would (0: no wait, the tier's worst case)")
     ap.add_argument("--plot", default=str(OUT / "tier_hit_ratio.png"), help="PNG path ('' for none)")
     args = ap.parse_args(argv)
-    configure_logging("error")
     conversations, turns = (24, 3) if args.quick else (48, 6)
     requests = trace(conversations, turns)
     ws = working_set_pages(requests)
@@ -236,4 +235,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    configure_logging("error")  # the services' logs; not in main(): the smoke test runs it in pytest's process
     sys.exit(main())
