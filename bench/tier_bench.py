@@ -12,8 +12,8 @@ before the cache dropped it); Mooncake Store is a local `mooncake_master` and a 
 `mooncake_client` holding the memory, over loopback TCP. Medians over rounds; nothing is asserted on time.
 The machine is shared: compare rows of one run, not runs.
 
-What PART B adds (the multi-turn trace at 10x the pool, hit ratio and prefill saved against the infinite
-cache, and the plot against pool size) needs the core integration; see /work/notes/19-handover.md.
+The multi-turn trace at 10x the pool (hit ratio and prefill saved against the infinite cache, and the plot
+against pool size) is `bench/tier_trace_bench.py`.
 """
 
 from __future__ import annotations

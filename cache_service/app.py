@@ -22,8 +22,9 @@ from grpc_health.v1._async import HealthServicer
 from cache_service import __version__
 from cache_service.config import ConfigError, ServiceConfig
 from cache_service.core import CoreConfig, KVCacheCore
+from cache_service.core.tier_keys import Namespace
 from cache_service.log import get_logger
-from cache_service.memory import PoolBackend, PoolHandle
+from cache_service.memory import PoolBackend, PoolHandle, PoolLayout
 from cache_service.memory.base import FdPool, exports_fd
 from cache_service.memory.select import PoolChoice, create_pool
 from cache_service.metrics import Metrics, serve_metrics
@@ -127,6 +128,14 @@ def server_tls(config: ServiceConfig) -> ServerTls | None:
     return ServerTls(certificate_chain=chain, private_key=key, client_ca=client_ca)
 
 
+def tier_namespace(config: ServiceConfig, layout: PoolLayout) -> Namespace | None:
+    """What makes this service's pages interchangeable with another's (§8 keys); None with --tier none."""
+    if config.tier == "none":
+        return None
+    return Namespace(config.model_name, layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype,
+                     layout.page_size)
+
+
 class KVCacheServer:
     """One service instance. `await start()`, then `await stop()` (idempotent)."""
 
@@ -175,7 +184,8 @@ class KVCacheServer:
         cfg = self.config
         choice = self._pool_factory(cfg, self.instance_id)
         self.pool, self.pool_why = choice.pool, choice.why
-        self._core = KVCacheCore(core_config(cfg, self.pool.layout.num_pages), self._clock)
+        self._core = KVCacheCore(core_config(cfg, self.pool.layout.num_pages), self._clock,
+                                 tier=tier_namespace(cfg, self.pool.layout))
         for path in choice.removed_stale:
             self._log.warning("removed_stale_pool_file", path=path)
         try:
@@ -333,6 +343,9 @@ class KVCacheServer:
         if self.pool_socket is not None:
             self.pool_socket.close()
         if self.tier is not None:  # queued offloads finish first (a restart finds them), then the mapping goes
+            if self._rpc is not None and self._rpc.servicer.tier_path is not None:
+                offloaded = self._rpc.servicer.tier_path.offload(force=True)  # what is resident and not stored yet
+                self._log.info("tier_offload_at_stop", pages=offloaded)
             await asyncio.to_thread(self.tier.close, grace)
         if self.pool is not None:
             self.pool.close()

@@ -339,6 +339,9 @@ def format_stats(st: pb.GetStatsResponse) -> str:
     ]
     if st.HasField("tier"):
         rows += tier_rows(st.tier)
+        rows.append(("  pool pages", f"{st.loading_pages:,} loading, {st.offloading_pages:,} offloading, "
+                                     f"{st.tier_stored_pages:,} stored in the tier; {st.evicted_unstored_pages:,} "
+                                     "evicted unstored"))
     if st.verified:
         rows.append(("invariant check", "passed"))
     width = max(len(name) for name, _ in rows)

@@ -37,7 +37,8 @@ class _StatsCollector(Collector):
                                   labels=["state"])
         for state, value in (("free", st.free_pages), ("evictable", st.evictable_pages),
                              ("radix_locked", st.radix_locked_pages), ("session_held", st.session_held_pages),
-                             ("in_flight", st.in_flight_pages), ("quarantined", st.quarantined_pages)):
+                             ("in_flight", st.in_flight_pages), ("quarantined", st.quarantined_pages),
+                             ("loading", st.loading_pages)):
             pages.add_metric([state], value)
         yield pages
         yield GaugeMetricFamily("kvcache_pool_pages", "Usable pool pages (page 0 excluded).",
@@ -58,6 +59,10 @@ class _StatsCollector(Collector):
         yield GaugeMetricFamily("kvcache_sessions_demoted", "Idle sessions whose KV is demoted.",
                                 value=st.sessions_demoted)
         yield GaugeMetricFamily("kvcache_engines", "Engines holding a live lease.", value=st.engines)
+        yield GaugeMetricFamily("kvcache_offloading_pages", "Radix pages a tier offload is reading (pinned).",
+                                value=st.offloading_pages)
+        yield GaugeMetricFamily("kvcache_tier_stored_pages", "Radix pages the tier holds too.",
+                                value=st.tier_stored_pages)
         for name, doc, value in (
             ("kvcache_prefix_hit_tokens", "Tokens served from the radix prefix cache at appends.",
              st.prefix_hit_tokens),
@@ -65,6 +70,8 @@ class _StatsCollector(Collector):
              st.session_hit_tokens),
             ("kvcache_miss_tokens", "Tokens engines had to compute at appends.", st.miss_tokens),
             ("kvcache_evicted_pages", "Radix pages evicted.", st.evicted_pages),
+            ("kvcache_evicted_unstored_pages", "Radix pages evicted before the tier held them.",
+             st.evicted_unstored_pages),
             ("kvcache_duplicate_pages", "Pages freed because the radix already held them.", st.duplicate_pages),
             ("kvcache_demoted_sessions", "Idle sessions demoted under pressure.", st.demoted_sessions),
             ("kvcache_reaped_sessions", "Sessions closed by timeout or lease expiry.", st.reaped_sessions),

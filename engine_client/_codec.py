@@ -91,7 +91,7 @@ def heartbeat(r: pb.HeartbeatResponse) -> HeartbeatResult:
 
 
 def match(r: pb.MatchPrefixResponse) -> MatchResult:
-    return MatchResult(r.cached_tokens, unpack_pages(r))
+    return MatchResult(r.cached_tokens, unpack_pages(r), r.tier_tokens)
 
 
 def opened(r: pb.OpenSessionResponse) -> OpenedSession:

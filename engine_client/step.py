@@ -371,7 +371,7 @@ class _ColumnResults:
         if kind == "append":
             return AppendResult(sid, num("epochs", i, "Q"), num("turns", i), num("cached_tokens", i),
                                 num("context_tokens", i), num("capacity_tokens", i), num("page_offsets", i),
-                                self._pages(i), num("num_pages", i), num("prefix_hit_tokens", i))
+                                self._pages(i), num("num_pages", i), num("prefix_hit_tokens", i), self._tier(i))
         if kind == "commit":
             return CommitResult(sid, num("context_tokens", i), num("kv_tokens", i), num("num_pages", i),
                                 bool(self._cols.closed[i]))
@@ -383,7 +383,11 @@ class _ColumnResults:
                 opens = [j for j, k in enumerate(self._kinds) if k == OPEN and j not in failed]
                 self._opened = dict(zip(opens, self._cols.opened_ids, strict=True))
             return OpenedSession(self._opened[i], num("epochs", i, "Q"), num("timeouts", i, "d"), self.instance_id)
-        return MatchResult(num("cached_tokens", i), self._pages(i))
+        return MatchResult(num("cached_tokens", i), self._pages(i), self._tier(i))
+
+    def _tier(self, i: int) -> int:
+        """An op's tier_tokens (the column is empty when the service has no tier)."""
+        return self._num("tier_tokens", i) if self._cols.tier_tokens else 0
 
 
 def _ref(session: SessionRef) -> tuple[str, int, StepSession | None]:

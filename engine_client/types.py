@@ -55,6 +55,8 @@ class HeartbeatResult:
 class MatchResult:
     cached_tokens: int
     page_ids: PageIds
+    tier_tokens: int = 0
+    """Of cached_tokens, how many only the service's tier holds (an append loads them; no page ids yet)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +82,8 @@ class AppendResult:
     page_ids: PageIds
     num_pages: int
     prefix_hit_tokens: int
+    tier_tokens: int = 0
+    """Of cached_tokens, how many the service loaded from its tier for this append."""
 
 
 @dataclass(frozen=True, slots=True)

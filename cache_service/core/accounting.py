@@ -1,7 +1,8 @@
 """Accounting: the `Stats` snapshot and the from-scratch invariant check, read off the page ledger.
 
 Every page is in exactly one ledger state (ledger.py), and the counts always satisfy
-`free + evictable + radix_locked + session_held + in_flight + quarantined == num_pages - 1`.
+`free + evictable + radix_locked + session_held + in_flight + quarantined + loading == num_pages - 1`
+(loading: pages a tier load writes into, see tiering.py).
 `stats()` reads the ledger in O(1); `check_invariants` recounts every state from the structures
 themselves (the allocator's stack and quarantine, the radix nodes, the session slots) and compares.
 """
@@ -20,6 +21,7 @@ from cache_service.core.ledger import (
     EVICTABLE,
     FREE,
     IN_FLIGHT,
+    LOADING,
     QUARANTINED,
     RADIX_LOCKED,
     SESSION_HELD,
@@ -30,6 +32,7 @@ from cache_service.core.pages import PageAllocator
 from cache_service.core.radix import RadixNode, RadixTree
 from cache_service.core.sessions import SessionTable
 from cache_service.core.slot import CLOSING, IN_TURN, SessionSlot, Slots
+from cache_service.core.tiering import TierIndex
 from cache_service.core.types import Stats
 
 
@@ -37,7 +40,8 @@ class Accounting:
     """Reads every structure of one core: `stats()` in O(1), `check_invariants()` from scratch."""
 
     def __init__(self, config: CoreConfig, ledger: PageLedger, pages: PageAllocator, radix: RadixTree,
-                 slots: Slots, sessions: SessionTable, leases: LeaseTable, counters: Counters) -> None:
+                 slots: Slots, sessions: SessionTable, leases: LeaseTable, counters: Counters,
+                 tier: TierIndex | None = None) -> None:
         self._config = config
         self._ledger = ledger
         self._pages = pages
@@ -46,6 +50,7 @@ class Accounting:
         self._sessions = sessions
         self._leases = leases
         self._c = counters
+        self._tier = tier
 
     def stats(self) -> Stats:
         c, sessions, radix, pages, slots = self._c, self._sessions, self._radix, self._ledger.counts, self._slots
@@ -75,6 +80,10 @@ class Accounting:
             sessions_closing=slots.num_closing,
             sessions_demoted=slots.num_demoted,
             engines=len(self._leases),
+            loading_pages=pages[LOADING],
+            offloading_pages=self._tier.offloading_pages if self._tier else 0,
+            tier_stored_pages=self._tier.stored_pages if self._tier else 0,
+            evicted_unstored_pages=self._tier.evicted_unstored_pages if self._tier else 0,
         )
 
     def check_invariants(self) -> Stats:
@@ -88,8 +97,17 @@ class Accounting:
         """
         self._ledger.check()
         self._pages.check()
-        owned: list[bytes] = [self._radix.check()]
+        radix_pages = self._radix.check()
+        owned: list[bytes] = [radix_pages]
         expected_locks: Counter[RadixNode] = Counter()
+        if self._tier is not None:
+            self._tier.check(radix_pages)
+            owned.append(self._tier.loading())
+            for pin in self._tier.pins():
+                up: RadixNode | None = pin
+                while up is not None and up.parent is not None:
+                    expected_locks[up] += 1
+                    up = up.parent
         held = in_flight = tokens = kv = in_turn = closing = demoted = 0
         for sid, s in self._sessions.items():
             self._check_session(sid, s, expected_locks)
@@ -104,7 +122,7 @@ class Accounting:
         for n in self._radix.iter_nodes():
             if n.parent is not None and n.lock_ref != expected_locks.get(n, 0):
                 raise InvariantError(
-                    f"radix node {n.id}: lock_ref {n.lock_ref} != {expected_locks.get(n, 0)} session pins"
+                    f"radix node {n.id}: lock_ref {n.lock_ref} != {expected_locks.get(n, 0)} session and tier pins"
                 )
         self._check_single_owner(np.frombuffer(b"".join(owned), dtype=np.int32))
         c, counts = self._c, self._ledger.counts
@@ -126,11 +144,12 @@ class Accounting:
         st = self.stats()
         total = (
             st.free_pages + st.evictable_pages + st.radix_locked_pages + st.session_held_pages
-            + st.in_flight_pages + st.quarantined_pages
+            + st.in_flight_pages + st.quarantined_pages + st.loading_pages
         )
         if total != st.usable_pages:
             raise InvariantError(
-                f"accounting: free + evictable + radix_locked + session_held + in_flight + quarantined = {total} "
+                f"accounting: free + evictable + radix_locked + session_held + in_flight + quarantined + loading "
+                f"= {total} "
                 f"!= num_pages - 1 = {st.usable_pages}"
             )
         return st

@@ -7,6 +7,7 @@
     sessions.py    the session table: lookup, least-recently-active order, the info view
     capacity.py    the token cap and the relief plan (evict, demote) computed before anything changes
     leases.py      engine leases
+    tiering.py     a tier beyond the pool: page keys, loads (ledger LOADING) and offloads (radix pins)
     ops.py         each call's checks, lookups and lease expiry, handing the work to the owners above
     accounting.py  stats() and check_invariants(), read off the ledger
     events.py      change records and page hashing; the radix and the session calls append plain
@@ -37,6 +38,8 @@ from cache_service.core.pages import PageAllocator
 from cache_service.core.radix import RadixTree
 from cache_service.core.sessions import SessionTable
 from cache_service.core.slot import Slots
+from cache_service.core.tier_keys import Namespace
+from cache_service.core.tiering import TierIndex
 from cache_service.core.types import (
     EMPTY_PAGES,
     AppendResult,
@@ -63,14 +66,19 @@ def _pages(ids: bytes) -> npt.NDArray[np.int32]:
 class KVCacheCore:
     """The cache core. Single-threaded: one caller at a time, no awaits inside a call."""
 
-    def __init__(self, config: CoreConfig, clock: Clock = time.monotonic) -> None:
+    def __init__(self, config: CoreConfig, clock: Clock = time.monotonic, *, tier: Namespace | None = None) -> None:
+        """`tier`: the namespace of a tier beyond the pool (tiering.py); None without one."""
         self.config = config
         self.page_size = config.page_size
         self._clock = clock
         self.ledger = PageLedger(config.usable_pages)
         self.counters = Counters()
         self.pages = PageAllocator(config.num_pages, self.ledger)
-        self.radix = RadixTree(config.page_size, self.ledger, self.pages.give, config.eviction_policy)
+        self.tier = TierIndex(config, tier, self.ledger, self.pages, self.counters, clock) if tier else None
+        self.radix = RadixTree(config.page_size, self.ledger, self.tier.free_evicted if self.tier else self.pages.give,
+                               config.eviction_policy)
+        if self.tier is not None:
+            self.tier.radix = self.radix
         self.slots = Slots(config, self.pages, self.radix, self.ledger, self.counters, victims=lambda s: iter(()))
         self.sessions = SessionTable(self.slots)
         self.slots._victims = self.sessions.demotable
@@ -82,7 +90,7 @@ class KVCacheCore:
         self.ops = Ops(config, clock, self.pages, self.radix, self.slots, self.sessions, self.leases, self.counters,
                        self._changes)
         self.accounting = Accounting(config, self.ledger, self.pages, self.radix, self.slots, self.sessions,
-                                     self.leases, self.counters)
+                                     self.leases, self.counters, self.tier)
 
     # ================================================================== probes
 

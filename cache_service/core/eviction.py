@@ -91,6 +91,12 @@ class LeafHeap(Generic[RadixNode]):
             if ver == node.heap_ver and node in self._leaves:
                 yield node
 
+    def first(self, n: int) -> list[RadixNode]:
+        """Up to `n` evictable leaves, first to evict first, left in place (O(entries · log n)): what a tier
+        offloads ahead of eviction."""
+        live = (e for e in self._heap if e[2] == e[3].heap_ver and e[3] in self._leaves)
+        return [e[3] for e in heapq.nsmallest(n, live)]
+
     @property
     def entries(self) -> int:
         """Heap entries, stale ones included (bounded by 2 x leaves + a constant)."""

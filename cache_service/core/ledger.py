@@ -8,6 +8,8 @@ Every page but the null page is in exactly one state at a time:
     SESSION_HELD  committed KV a session owns privately (outside the radix)
     IN_FLIGHT     handed out for a turn that has not committed yet
     QUARANTINED   released by an expired lease, not yet free (its engine may still write it)
+    LOADING       fresh pages a tier load is writing into (tiering.py): in no radix node and no page
+                  table, so nothing can read them before the load completed
 
 The counters here are the one record of those counts: whoever moves pages from one owner to another
 (the allocator, the radix tree, a session slot) says so with `move(n, src, dst)`, and `Stats` and the
@@ -23,8 +25,8 @@ from __future__ import annotations
 
 from cache_service.core.errors import InvariantError
 
-FREE, EVICTABLE, RADIX_LOCKED, SESSION_HELD, IN_FLIGHT, QUARANTINED = range(6)
-STATE_NAMES = ("free", "evictable", "radix_locked", "session_held", "in_flight", "quarantined")
+FREE, EVICTABLE, RADIX_LOCKED, SESSION_HELD, IN_FLIGHT, QUARANTINED, LOADING = range(7)
+STATE_NAMES = ("free", "evictable", "radix_locked", "session_held", "in_flight", "quarantined", "loading")
 """Index -> name; each is also the `Stats` field `<name>_pages`."""
 
 

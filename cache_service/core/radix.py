@@ -156,6 +156,10 @@ class RadixTree:
         """The salt roots (pageless; their children start each salt's sequences)."""
         return list(self._roots.values())
 
+    def first_to_evict(self, n: int) -> list[RadixNode]:
+        """Up to `n` unlocked leaves in eviction order, without evicting them."""
+        return self._leaves.first(n)
+
     def runs(self) -> Iterator[tuple[str, int | None, bytes, bytes]]:
         """Every node's run as (salt, parent's last page id or None, key, pages), parents before children."""
         for root in self._roots.values():

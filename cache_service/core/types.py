@@ -143,7 +143,7 @@ class ReapResult:
 @dataclass(frozen=True, slots=True)
 class Stats:
     """A snapshot of the pool and cache. Pages by state (free, evictable, radix_locked, session_held,
-    in_flight, quarantined) always sum to `num_pages - 1`."""
+    in_flight, quarantined, loading) always sum to `num_pages - 1`."""
 
     num_pages: int
     page_size: int
@@ -171,6 +171,14 @@ class Stats:
     sessions_closing: int
     sessions_demoted: int
     engines: int
+    loading_pages: int = 0
+    """Pages a tier load is writing into (ledger state LOADING; part of the invariant's sum)."""
+    offloading_pages: int = 0
+    """Radix pages a tier offload is reading (pinned in the radix, so counted as radix_locked too)."""
+    tier_stored_pages: int = 0
+    """Radix pages the tier is known to hold (eviction of these loses nothing)."""
+    evicted_unstored_pages: int = 0
+    """Radix pages evicted before the tier held them (with a tier: lost for good)."""
 
     @property
     def usable_pages(self) -> int:

@@ -137,7 +137,7 @@ class RpcServer:
         self.address = ""
         self.port = 0
         self.removed_stale_socket = ""
-        servicer = KVCacheServicer(core, layout, handle, instance_id=instance_id,
+        self.servicer = servicer = KVCacheServicer(core, layout, handle, instance_id=instance_id,
                                    max_request_tokens=settings.max_request_tokens,
                                    max_step_ops=settings.max_step_ops, metrics=metrics, events=events, clock=clock,
                                    tier=tier)

@@ -30,6 +30,7 @@ from cache_service.rpc.identity import Identity, Role
 from cache_service.rpc.interceptor import CALLER
 from cache_service.rpc.kv_events import EventHub, Visible
 from cache_service.rpc.step_columns import KIND_NAMES, run_columns
+from cache_service.rpc.tier_path import TierPath
 from cache_service.tier import TierService
 from protos.kvcache.v1 import kvcache_pb2 as pb
 from protos.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
@@ -54,6 +55,8 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         self.core = core
         self.tier = tier
         """The tier beyond the pool (--tier), None without one; GetStats reports it."""
+        self.tier_path = TierPath(core, tier) if tier is not None and core.tier is not None else None
+        """Appends and matches through the tier, offloads after mutations (tier_path.py); None without a tier."""
         self.events = events
         self.instance_id = instance_id
         self._max_tokens = max_request_tokens
@@ -218,7 +221,12 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
 
     async def MatchPrefix(self, request: pb.MatchPrefixRequest, context: Context) -> pb.MatchPrefixResponse:
         out = pb.MatchPrefixResponse()
-        self._match(request, out, "", CALLER.get())
+        who = CALLER.get()
+        self._match(request, out, "", who)
+        tp = self.tier_path
+        if tp is not None:
+            _, probes = await tp.run((), [tp.message_match_want(request, who, self._max_tokens)])
+            out.cached_tokens, out.tier_tokens = tp.match_total(probes[0], out.cached_tokens)
         return out
 
     async def OpenSession(self, request: pb.OpenSessionRequest, context: Context) -> pb.OpenSessionResponse:
@@ -229,24 +237,41 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
     async def AppendSession(self, request: pb.AppendSessionRequest, context: Context
                             ) -> pb.AppendSessionResponse:
         out = pb.AppendSessionResponse()
-        self._append(request, out, request.engine_id, _driver("AppendSession"))
+        who = _driver("AppendSession")
+        tp = self.tier_path
+        if tp is None:
+            self._append(request, out, request.engine_id, who)
+            return out
+        loads, _ = await tp.run([tp.message_append_want(request, who, self._max_tokens)])
+        try:
+            self._append(request, out, request.engine_id, who)
+            out.tier_tokens = tp.tier_tokens(loads[0], out.prefix_hit_tokens)
+        finally:
+            tp.release(loads)
+            tp.offload()
         return out
 
     async def ExtendSession(self, request: pb.ExtendSessionRequest, context: Context
                             ) -> pb.ExtendSessionResponse:
         out = pb.ExtendSessionResponse()
         self._extend(request, out, request.engine_id, _driver("ExtendSession"))
+        if self.tier_path is not None:
+            self.tier_path.offload()
         return out
 
     async def CommitSession(self, request: pb.CommitSessionRequest, context: Context
                             ) -> pb.CommitSessionResponse:
         out = pb.CommitSessionResponse()
         self._commit(request, out, request.engine_id, _driver("CommitSession"))
+        if self.tier_path is not None:
+            self.tier_path.offload()
         return out
 
     async def CloseSession(self, request: pb.CloseSessionRequest, context: Context) -> pb.CloseSessionResponse:
         out = pb.CloseSessionResponse()
         self._close(request, out, request.engine_id, _driver("CloseSession"))
+        if self.tier_path is not None:
+            self.tier_path.offload()
         return out
 
     async def ReapSessions(self, request: pb.ReapSessionsRequest, context: Context) -> pb.ReapSessionsResponse:
@@ -311,6 +336,23 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                                    f"{n} ops in one Step exceed --max-step-ops={self._max_step_ops}")
         who = _driver("Step")
         refused: dict[tuple[str, str], int] = {}
+        tp = self.tier_path
+        loads: list[Any] = []
+        probes: list[Any] = []
+        if tp is not None:
+            wants = (tp.column_wants(request.columns, who, self._max_tokens) if columns
+                     else tp.message_wants(request, who, self._max_tokens))
+            if any(wants[0]) or any(wants[1]):
+                loads, probes = await tp.run(*wants)
+        try:
+            return self._step(request, who, columns, n, refused, loads, probes)
+        finally:
+            if tp is not None:
+                tp.release(loads)
+                tp.offload()
+
+    def _step(self, request: pb.StepRequest, who: Identity, columns: bool, n: int,
+              refused: dict[tuple[str, str], int], loads: list[Any], probes: list[Any]) -> pb.StepResponse:
 
         def tally(kind: str, code: str) -> None:
             refused[kind, code] = refused.get((kind, code), 0) + 1
@@ -321,9 +363,13 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                                    self.instance_id, tally)
             failures = [(i, s) for i, s in zip(_failed(response.columns.codes), response.columns.errors,
                                                 strict=True)]
+            if self.tier_path is not None:
+                self.tier_path.fill_columns(response, kinds, loads or [None] * n, probes or [None] * n)
             ok = {name: kinds.count(kind) for kind, name in KIND_NAMES.items()}
         else:
             response, failures = self._step_messages(request, who, tally)
+            if self.tier_path is not None and loads:
+                self.tier_path.fill_messages(response, loads, probes)
             ok = {}
             for op in request.ops:
                 kind = op.WhichOneof("op") or "none"

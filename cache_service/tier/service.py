@@ -363,6 +363,13 @@ class TierService:
     def up(self) -> bool:
         return self._counters.up
 
+    @property
+    def offload_room(self) -> int:
+        """Pages the offload queue takes now (0 while closing)."""
+        c = self._counters
+        with c.lock:
+            return 0 if self._closing else max(0, c.queue_capacity_pages - c.queue_pages)
+
     def offload(self, items: Sequence[tuple[bytes, int]], done: Done | None = None) -> int:
         """Queue (key, page) pairs for storing; returns how many leading pairs were accepted. The rest are
         not offloaded (queue full or closing; counted as dropped). `done(OffloadResult)` runs on the loop once

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from cache_service.core import CoreConfig, KVCacheCore, KVCacheError, Reason
+from cache_service.core.tier_keys import Namespace
 from cache_service.core.types import SessionInfo, Stats
 from tests.fakes import FakeClock
 
@@ -20,13 +21,19 @@ _CHECKED = (
 )
 
 
+_CHECKED_TIER = ("plan", "begin", "finish", "release", "plan_offload", "offload_done")
+
+
 class CheckedCore(KVCacheCore):
     """KVCacheCore that verifies every invariant after each public call, whether it returned or raised."""
 
-    def __init__(self, config: CoreConfig, clock: Callable[[], float]) -> None:
-        super().__init__(config, clock)
+    def __init__(self, config: CoreConfig, clock: Callable[[], float], tier: Namespace | None = None) -> None:
+        super().__init__(config, clock, tier=tier)
         for name in _CHECKED:
             setattr(self, name, self._checked(getattr(self, name)))
+        if self.tier is not None:
+            for name in _CHECKED_TIER:
+                setattr(self.tier, name, self._checked(getattr(self.tier, name)))
 
     def _checked(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)

@@ -11,6 +11,13 @@ engine, resumed after the stall) that goes on writing poison into the turn's pag
 window. Each page it writes must be quarantined at that moment, and the poison must never show up in
 anyone's cached KV.
 
+A tier (a dict standing in for the store) sits behind the radix: offloads pin LRU radix pages and copy their
+KV into the store when they complete (ok or failed); loads take LOADING pages, into which the "store" first
+writes garbage, then the values of the keys it holds (a value made corrupt loads garbage and must be refused
+by the verification the finish is told about), or leaves them tainted (quarantined, and written on by a
+stale writer). No LOADING page may be readable: in no page table, no match and no radix node, and every
+cached position of every append and match must still hold its exact fingerprint.
+
 Two drivers share the simulator: a Hypothesis state machine (shrinks a failure to a short story) and
 long seeded random walks (reach deep states: many turns, demotion, racing duplicate prefixes).
 """
@@ -28,6 +35,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from cache_service.core import CoreConfig, KVCacheError, Reason
 from cache_service.core.events import Removed, Stored
+from cache_service.core.tier_keys import Namespace
+from cache_service.core.tiering import TAINTED_QUARANTINE_SECONDS, Load, Offload
 
 from .conftest import CheckedCore, FakeClock
 
@@ -40,6 +49,8 @@ QUARANTINE = 6.0
 POISON = "stale"
 RESOURCE = {Reason.POOL_EXHAUSTED, Reason.SESSION_BUDGET, Reason.SESSION_TOKEN_LIMIT}
 GONE = {Reason.SESSION_NOT_FOUND, Reason.LEASE_EXPIRED}
+NAMESPACE = Namespace("sim", 1, 1, 1, "float16", PAGE_SIZE)
+LOADING_GARBAGE = "loading"
 
 
 def fingerprint(salt: str, prefix: list[int]) -> int:
@@ -74,9 +85,16 @@ class Simulator:
                 num_pages=NUM_PAGES, page_size=PAGE_SIZE, session_timeout_seconds=20, lease_ttl_seconds=15,
                 session_budget_pages=30, max_session_tokens=48, quarantine_seconds=QUARANTINE,
             ),
-            self.clock,
+            self.clock, tier=NAMESPACE,
         )
         self.kv = np.zeros((NUM_PAGES, PAGE_SIZE), dtype=object)
+        self.store: dict[bytes, tuple[tuple[object, ...], bool]] = {}
+        """The tier: key -> (the page's KV, sound). A value made unsound fails verification at a load."""
+        self.loads: list[Load] = []
+        self.offloads: list[tuple[Offload, list[tuple[object, ...]]]] = []
+        self.offloaded: list[tuple[str, list[int]]] = []
+        """(salt, tokens) of the paths offloads were planned for: what a later prompt may want back."""
+        """Offloads in progress, with the KV their pages held when they were planned (pinned: unchanged)."""
         self.models: dict[str, Model] = {}
         self.seen: Counter[str] = Counter()
         self.stale: list[StaleWriter] = []
@@ -292,10 +310,110 @@ class Simulator:
             page = int(res.page_ids[pos // PAGE_SIZE])
             assert self.kv[page, pos % PAGE_SIZE] == fingerprint(salt, probe[: pos + 1])
 
+    # ------------------------------------------------------------------ the tier
+
+    def offload(self, room: int, force: bool) -> None:
+        tier = self.core.tier
+        assert tier is not None
+        for job in tier.plan_offload(room, force=force):
+            self.offloads.append((job, [tuple(self.kv[p]) for p in job.pages]))
+            parts, n = [], job.node
+            while n is not None and n.parent is not None:
+                parts.append(n.key)
+                n = n.parent
+            self.offloaded.append((job.node.salt or "", np.frombuffer(b"".join(reversed(parts)), "<i4").tolist()))
+            self.seen["tier:offload_planned"] += len(job.pages)
+
+    def offload_done(self, index: int, outcome: str) -> None:
+        """The store finishes an offload: "ok" (all stored), "fail" (none), "partial" (the queue took some)."""
+        if not self.offloads:
+            return
+        job, values = self.offloads.pop(index % len(self.offloads))
+        tier = self.core.tier
+        assert tier is not None
+        for page, before in zip(job.pages, values, strict=True):  # pinned: nobody reused or rewrote it
+            assert self.core.pages.is_allocated(page) and tuple(self.kv[page]) == before, (
+                f"page {page} changed while an offload was reading it")
+        if outcome == "partial" and len(job.pages) > 1:
+            keep = len(job.pages) // 2
+            tier.offload_done(job, None, accepted=keep)
+            values = values[:keep]
+            outcome = "ok"
+        stored = outcome == "ok"
+        if stored:
+            for key, value in zip(job.keys, values, strict=True):
+                self.store[key] = (value, True)
+        tier.offload_done(job, [stored] * len(job.pages))
+        self.seen[f"tier:offload_{outcome}"] += 1
+
+    def corrupt(self, index: int) -> None:
+        if self.store:
+            key = sorted(self.store)[index % len(self.store)]
+            self.store[key] = (self.store[key][0], False)
+            self.seen["tier:corrupt"] += 1
+
+    def load_begin(self, probe: list[int], salt: str) -> None:
+        """A lookup and the start of a load of what the tier holds beyond the radix's match of `probe`."""
+        tier = self.core.tier
+        assert tier is not None
+        plan = tier.plan(salt, np.array(probe[: len(probe) // PAGE_SIZE * PAGE_SIZE], "<i4").tobytes())
+        if plan is None:
+            return
+        found = 0
+        while found < len(plan.keys) and plan.keys[found] in self.store:
+            found += 1
+        load = tier.begin(plan, found)
+        if load is None:
+            return
+        for page in load.page_list:  # the store writes while the load runs
+            self.kv[page, :] = LOADING_GARBAGE
+        self.loads.append(load)
+        self.seen["tier:load_begun"] += 1
+
+    def load_done(self, index: int, outcome: str) -> None:
+        """The store finishes a load: "ok" (verified values), "tainted" (a failed transfer may still write),
+        "late" (the waiter gave up first)."""
+        if not self.loads:
+            return
+        load = self.loads.pop(index % len(self.loads))
+        tier = self.core.tier
+        assert tier is not None
+        loaded = 0
+        tainted: list[int] = []
+        pages = load.page_list
+        if outcome == "tainted":
+            tainted = pages
+            self.stale.append(StaleWriter(self.clock.now + TAINTED_QUARANTINE_SECONDS, pages))
+        else:
+            for key, page in zip(load.keys, pages, strict=True):
+                value, sound = self.store.get(key, (None, False))
+                if not sound or value is None:
+                    break
+                self.kv[page, :] = value
+                loaded += 1
+        if outcome == "late":
+            tier.release(load)
+        tier.finish(load, loaded, tainted)
+        tier.release(load)
+        self.seen[f"tier:load_{outcome}"] += 1
+        self.seen["tier:loaded_pages"] += load.loaded
+
+    def check_loading(self) -> None:
+        """No LOADING page is readable: in no page table, no radix node."""
+        tier = self.core.tier
+        assert tier is not None
+        loading = set(np.frombuffer(tier.loading(), dtype=np.int32).tolist())
+        assert loading == {p for load in self.loads for p in load.page_list}
+        for _, slot in self.core.sessions.items():
+            assert not loading & set(slot.page_ids()), "a page table names a page that is still loading"
+        radix = set(np.frombuffer(self.core.radix.check(), dtype=np.int32).tolist())
+        assert not loading & radix, "a loading page is in the radix"
+
     def check(self) -> None:
         st_ = self.core.check_invariants()
         assert (st_.free_pages + st_.evictable_pages + st_.radix_locked_pages + st_.session_held_pages
-                + st_.in_flight_pages + st_.quarantined_pages) == NUM_PAGES - 1
+                + st_.in_flight_pages + st_.quarantined_pages + st_.loading_pages) == NUM_PAGES - 1
+        self.check_loading()
         self.apply_events()
         infos = {i.session_id: i for i in self.core.list_sessions()}
         assert set(infos) == set(self.models)
@@ -402,6 +520,26 @@ class CoreMachine(RuleBasedStateMachine):
     def stale_write(self) -> None:
         self.sim.stale_write()
 
+    @rule(room=st.integers(1, 16), force=st.booleans())
+    def offload(self, room: int, force: bool) -> None:
+        self.sim.offload(room, force)
+
+    @rule(index=st.integers(0, 5), outcome=st.sampled_from(["ok", "ok", "fail", "partial"]))
+    def offload_done(self, index: int, outcome: str) -> None:
+        self.sim.offload_done(index, outcome)
+
+    @rule(probe=tokens_st, salt=st.sampled_from(SALTS))
+    def load_begin(self, probe: list[int], salt: str) -> None:
+        self.sim.load_begin(probe, salt)
+
+    @rule(index=st.integers(0, 5), outcome=st.sampled_from(["ok", "ok", "tainted", "late"]))
+    def load_done(self, index: int, outcome: str) -> None:
+        self.sim.load_done(index, outcome)
+
+    @rule(index=st.integers(0, 50))
+    def corrupt(self, index: int) -> None:
+        self.sim.corrupt(index)
+
     @invariant()
     def invariants_hold(self) -> None:
         self.sim.check()
@@ -417,7 +555,8 @@ TestCoreStateMachine = CoreMachine.TestCase
 
 _ACTIONS = ["open", "open", "append", "append", "append", "append", "commit", "commit", "commit",
             "commit", "abort", "close", "advance", "register", "heartbeat", "heartbeat", "heartbeat",
-            "unregister", "evict", "match", "extend", "extend", "stale_write"]
+            "unregister", "evict", "match", "extend", "extend", "stale_write", "offload", "offload_done",
+            "load_begin", "load_done", "load_begin", "load_done", "corrupt"]
 
 
 def random_walk(seed: int, steps: int) -> Simulator:
@@ -461,6 +600,20 @@ def random_walk(seed: int, steps: int) -> Simulator:
             sim.match(tokens(), str(rng.choice(SALTS)))
         elif action == "stale_write":
             sim.stale_write()
+        elif action == "offload":
+            sim.offload(int(rng.integers(1, 16)), bool(rng.random() < 0.3))
+        elif action == "offload_done":
+            sim.offload_done(int(rng.integers(0, 5)), str(rng.choice(["ok", "ok", "ok", "fail", "partial"])))
+        elif action == "load_begin":
+            if sim.offloaded and rng.random() < 0.7:
+                salt, probe = sim.offloaded[int(rng.integers(len(sim.offloaded)))]
+                sim.load_begin(probe + tokens(), salt)
+            else:
+                sim.load_begin(tokens(), str(rng.choice(SALTS)))
+        elif action == "load_done":
+            sim.load_done(int(rng.integers(0, 5)), str(rng.choice(["ok", "ok", "ok", "tainted", "late"])))
+        elif action == "corrupt" and rng.random() < 0.2:
+            sim.corrupt(int(rng.integers(0, 50)))
         sim.check()
     st_ = sim.core.stats()
     sim.seen["demoted"] += st_.demoted_sessions
@@ -472,7 +625,7 @@ def random_walk(seed: int, steps: int) -> Simulator:
 
 def test_long_random_walks_reach_deep_states() -> None:
     seen: Counter[str] = Counter()
-    for seed in range(12):
+    for seed in range(14):
         seen += random_walk(seed, 600).seen
     # The walks must exercise what they are here for: each floor is well below what they reach.
     floors = {
@@ -481,7 +634,8 @@ def test_long_random_walks_reach_deep_states() -> None:
         "append:SESSION_BUDGET": 1, "append:SESSION_BUSY": 20, "demoted": 5, "duplicate_pages": 5,
         "evicted_pages": 20, "expired_leases": 5, "extend": 100, "extend:NO_TURN_IN_FLIGHT": 10,
         "extend:POOL_EXHAUSTED": 1, "stale_write": 20, "quarantined": 5, "events:stored": 100,
-        "events:removed": 20,
+        "events:removed": 20, "tier:offload_ok": 20, "tier:offload_fail": 5, "tier:load_ok": 15,
+        "tier:load_tainted": 3, "tier:load_late": 3, "tier:loaded_pages": 15, "tier:corrupt": 3,
     }
     low = {what: seen[what] for what, floor in floors.items() if seen[what] < floor}
     assert not low, f"under-exercised: {low}; all: {dict(seen)}"
@@ -495,6 +649,10 @@ def test_random_walk_then_closing_everything_leaves_free_plus_evictable(seed: in
         sim.close(sid, seed % 2 == 0)
     for sid in list(sim.models):  # deferred closes complete at the turn's end
         sim.abort(sid)
+    while sim.loads:
+        sim.load_done(0, "ok")
+    while sim.offloads:
+        sim.offload_done(0, "ok")
     st_ = sim.core.check_invariants()
     assert st_.sessions == 0
     assert st_.free_pages + st_.evictable_pages == NUM_PAGES - 1

@@ -1,0 +1,239 @@
+"""A multi-turn trace whose working set is 10x the pool, through a real service with no tier, a disk tier and
+Mooncake Store: prefix hit ratio and prefill tokens saved against the infinite-cache bound, the tier's load
+latency per page and offload throughput, and hit ratio against pool size (a plot).
+
+    python -m bench.tier_trace_bench            # 48 conversations x 6 turns, pools of 1/20 .. 1/2 the working set
+    python -m bench.tier_trace_bench --quick    # 24 conversations x 3 turns, two pool sizes (the smoke test)
+
+The trace: every conversation starts with one shared 64-token system prompt; each turn sends the whole
+conversation so far plus 48 new tokens and generates 16 (a chat API's request, as vLLM sends it: a regular
+session per request, whose full pages enter the radix at its commit). Conversations take turns round-robin,
+so a conversation's next turn comes after every other one's: its history is the oldest thing in the pool.
+The infinite-cache bound is the same trace against a radix that never evicts (a set of page prefixes).
+
+Each run is a fresh in-process service (`build_server`, a host_shm pool, gRPC over loopback) and, for the
+tiers, a fresh disk directory or a fresh namespace in one shared local Mooncake Store (`mooncake_master` and a
+standalone `mooncake_client`, loopback TCP). The engine writes no KV (hit ratios do not depend on it); the
+tier moves the pages' bytes all the same. The service's offloads run ahead of eviction in the background and
+the trace does not wait for them, so an offload queue that falls behind shows up as lost hits. Between an
+append and its commit the emulated engine "computes" the uncached tokens (`--prefill-tps`, default 50k
+tokens/s: an asyncio sleep, the service's loop runs meanwhile); `--prefill-tps 0` gives the tier no time. The machine
+is shared: the hit ratios are exact counts, the times are indications.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from bench.common import machine_load
+from cache_service.app import build_server
+from cache_service.config import ServiceConfig
+from cache_service.log import configure_logging
+from protos.kvcache.v1 import kvcache_pb2 as pb
+from protos.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
+
+OUT = Path(__file__).resolve().parent / "out"
+PAGE = 16
+SYSTEM, USER, OUTPUT = 64, 48, 16
+LAYOUT = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 64, "dtype": "float16", "page_size": PAGE}
+"""16 KiB values: big enough that the tier moves real bytes, small enough for many runs."""
+TIERS = ("none", "disk", "mooncake")
+
+
+def trace(conversations: int, turns: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    """(prompt, generated) per request, in arrival order (round-robin over conversations)."""
+    rng = np.random.default_rng(seed)
+    system = rng.integers(0, 30_000, SYSTEM).tolist()
+    history = [list(system) for _ in range(conversations)]
+    out = []
+    for _ in range(turns):
+        for c in range(conversations):
+            prompt = history[c] + rng.integers(0, 30_000, USER).tolist()
+            gen = rng.integers(0, 30_000, OUTPUT).tolist()
+            out.append((prompt, gen))
+            history[c] = prompt + gen
+    return out
+
+
+def infinite(requests: list[tuple[list[int], list[int]]]) -> tuple[int, int]:
+    """(cached tokens, prompt tokens) against a radix that never evicts; also the working set in pages."""
+    seen: set[tuple[int, ...]] = set()
+    cached = total = 0
+    for prompt, gen in requests:
+        n = (len(prompt) - 1) // PAGE
+        hit = 0
+        while hit < n and tuple(prompt[: (hit + 1) * PAGE]) in seen:
+            hit += 1
+        cached += hit * PAGE
+        total += len(prompt)
+        full = prompt + gen
+        for j in range((len(full) - 1) // PAGE):
+            seen.add(tuple(full[: (j + 1) * PAGE]))
+    return cached, total
+
+
+def working_set_pages(requests: list[tuple[list[int], list[int]]]) -> int:
+    seen: set[tuple[int, ...]] = set()
+    for prompt, gen in requests:
+        full = prompt + gen
+        for j in range((len(full) - 1) // PAGE):
+            seen.add(tuple(full[: (j + 1) * PAGE]))
+    return len(seen)
+
+
+@dataclass
+class Run:
+    tier: str
+    pool_pages: int
+    cached: int
+    tier_tokens: int
+    prompt: int
+    load_pages: int
+    load_seconds: float
+    offload_pages: int
+    offload_seconds: float
+    offload_bytes: int
+    dropped: int
+    evicted_unstored: int
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.cached / self.prompt
+
+
+async def run_trace(cfg: ServiceConfig, requests: list[tuple[list[int], list[int]]], tier: str,
+                    prefill_tps: float) -> Run:
+    server, port = await build_server(cfg)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.KVCacheServiceStub(channel)  # type: ignore[no-untyped-call]
+            cached = tier_tokens = prompt_tokens = 0
+            for i, (prompt, gen) in enumerate(requests):
+                sid = f"r{i}"
+                await stub.OpenSession(pb.OpenSessionRequest(session_id=sid))
+                packed = np.asarray(prompt, "<i4").tobytes()
+                res = await stub.AppendSession(pb.AppendSessionRequest(session_id=sid, packed_token_ids=packed,
+                                                                       reserve_tokens=OUTPUT, packed_response=True))
+                cached += res.cached_tokens
+                tier_tokens += res.tier_tokens
+                prompt_tokens += len(prompt)
+                if prefill_tps:  # the engine computes the rest; the service's loop runs meanwhile
+                    await asyncio.sleep((len(prompt) - res.cached_tokens) / prefill_tps)
+                await stub.CommitSession(pb.CommitSessionRequest(
+                    session_id=sid, packed_token_ids=np.asarray(gen, "<i4").tobytes()))
+                await stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+            st = await stub.GetStats(pb.GetStatsRequest(verify=True))
+            t = st.tier
+            return Run(tier, cfg.num_pages - 1, cached, tier_tokens, prompt_tokens, t.load_pages, t.load_seconds,
+                       t.offload_pages, t.offload_seconds, t.offload_bytes, t.offload_dropped_pages,
+                       st.evicted_unstored_pages)
+    finally:
+        await server.stop(grace=0)
+
+
+def config(tier: str, pool_pages: int, tmp: Path, master: str) -> ServiceConfig:
+    extra: dict[str, object] = {}
+    if tier == "disk":
+        extra = {"tier": "disk", "tier_dir": str(tmp / f"disk-{uuid.uuid4().hex[:8]}"), "tier_bytes": 1 << 30}
+    elif tier == "mooncake":
+        extra = {"tier": "mooncake", "mooncake_master": master}
+    return ServiceConfig(listen="127.0.0.1:0", num_pages=pool_pages + 1, backend="host_shm", shm_dir="/dev/shm",
+                         shm_prefix="kvbench-trace", log_level="error", reap_interval=60, tier_timeout=5.0,
+                         model_name=f"trace-{uuid.uuid4().hex[:8]}",  # a fresh namespace: no hits from earlier runs
+                         **LAYOUT, **extra)  # type: ignore[arg-type]
+
+
+def plot(runs: list[Run], bound: float, working_set: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for tier in TIERS:
+        rs = sorted((r for r in runs if r.tier == tier), key=lambda r: r.pool_pages)
+        if rs:
+            ax.plot([r.pool_pages / working_set for r in rs], [r.hit_ratio for r in rs], marker="o",
+                    label=f"tier {tier}")
+    ax.axhline(bound, color="black", linestyle="--", label="infinite cache")
+    ax.set_xscale("log")
+    ax.set_xlabel("pool size / working set")
+    ax.set_ylabel("prefix hit ratio (cached / prompt tokens)")
+    ax.set_ylim(0, 1)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    ax.set_title("multi-turn trace: hit ratio against pool size")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a short trace and two pool sizes (the smoke test)")
+    ap.add_argument("--tiers", default=",".join(TIERS), help="comma-separated: none, disk, mooncake")
+    ap.add_argument("--prefill-tps", type=float, default=50_000.0,
+                    help="the emulated engine's prefill speed, tokens/s: it waits (uncached tokens / this) after "
+                         "each append, as an engine computing them would (0: no wait, the tier's worst case)")
+    ap.add_argument("--plot", default=str(OUT / "tier_hit_ratio.png"), help="PNG path ('' for none)")
+    args = ap.parse_args(argv)
+    conversations, turns = (24, 3) if args.quick else (48, 6)
+    requests = trace(conversations, turns)
+    ws = working_set_pages(requests)
+    fractions = (0.1, 0.5) if args.quick else (0.05, 0.1, 0.2, 0.5)
+    bound_cached, total = infinite(requests)
+    bound = bound_cached / total
+    tiers = [t for t in args.tiers.split(",") if t]
+    runs: list[Run] = []
+    with tempfile.TemporaryDirectory(prefix="kvcache-trace-bench-") as tmp:
+        cluster = None
+        if "mooncake" in tiers:
+            from tests.tier.cluster import MooncakeCluster  # the test suite's loopback store
+
+            cluster = MooncakeCluster(Path(tmp), segment="1GB")
+        try:
+            for fraction in fractions:
+                pool = max(8, int(ws * fraction))
+                for tier in tiers:
+                    print(f"[tier_trace_bench] {tier}: pool {pool} pages ({fraction:g} of the working set), "
+                          f"{len(requests)} requests", file=sys.stderr, flush=True)
+                    cfg = config(tier, pool, Path(tmp), cluster.address if cluster else "")
+                    runs.append(asyncio.run(run_trace(cfg, requests, tier, args.prefill_tps)))
+        finally:
+            if cluster is not None:
+                cluster.stop()
+    value = 2 * LAYOUT["num_layers"] * PAGE * LAYOUT["num_kv_heads"] * LAYOUT["head_dim"] * 2  # type: ignore[operator]
+    print(f"trace: {conversations} conversations x {turns} turns ({len(requests)} requests, {total:,} prompt "
+          f"tokens), working set {ws} pages of {PAGE} tokens ({value // 1024} KiB of KV a page); {machine_load()}")
+    print(f"engine prefill emulated at {args.prefill_tps:,.0f} tokens/s" if args.prefill_tps else
+          "no engine time between requests (the tier's worst case)")
+    print(f"infinite cache: hit ratio {bound:.3f}, {bound_cached:,} prefill tokens saved")
+    print(f"{'tier':<9} {'pool':>5} {'ws/pool':>7} {'hit':>6} {'of inf':>7} {'saved':>8} {'from tier':>9} "
+          f"{'ms/page':>8} {'offl MB/s':>9} {'offl pg':>7} {'dropped':>7} {'lost':>5}")
+    for r in runs:
+        per_page = 1e3 * r.load_seconds / r.load_pages if r.load_pages else 0.0
+        mbps = r.offload_bytes / r.offload_seconds / 1e6 if r.offload_seconds else 0.0
+        print(f"{r.tier:<9} {r.pool_pages:>5} {ws / r.pool_pages:>7.1f} {r.hit_ratio:>6.3f} "
+              f"{r.hit_ratio / bound:>7.3f} {r.cached:>8,} {r.tier_tokens:>9,} {per_page:>8.3f} {mbps:>9.1f} "
+              f"{r.offload_pages:>7} {r.dropped:>7} {r.evicted_unstored:>5}")
+    if args.plot:
+        path = Path(args.plot)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        plot(runs, bound, ws, path)
+        print(f"plot: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    configure_logging("error")  # the services' logs; not in main(): the smoke test runs it in pytest's process
+    sys.exit(main())

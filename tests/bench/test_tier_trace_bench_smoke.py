@@ -1,0 +1,27 @@
+"""The trace benchmark runs a short trace through a service with no tier, a disk tier and Mooncake Store at two
+pool sizes, prints one row each and the plot (hit ratios are counts; nothing is asserted on time)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench import tier_trace_bench
+
+
+def test_tier_trace_bench_quick(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    png = tmp_path / "hit.png"
+    assert tier_trace_bench.main(["--quick", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    bound = float(next(line for line in out if line.startswith("infinite cache:")).split()[4].rstrip(","))
+    head = out.index(next(line for line in out if line.startswith("tier ")))
+    rows = [line.split() for line in out[head + 1: head + 7]]
+    assert [(r[0], r[2]) for r in rows] == [(t, ratio) for ratio in ("10.3", "2.0")
+                                            for t in ("none", "disk", "mooncake")]
+    for r in rows:
+        assert 0 < float(r[3]) <= bound  # no run beats the infinite cache
+        if r[0] == "none":
+            assert r[6] == "0"  # nothing comes from a tier that is not there
+    assert any(r[0] != "none" and r[6] != "0" for r in rows)  # the tiers served hits
+    assert png.stat().st_size > 0

@@ -1,0 +1,263 @@
+"""Issue 19 end to end: real `kvcache-service serve` processes with a disk tier or a real Mooncake Store
+(master + standalone storage client on loopback), engines writing K/V into the services' pools.
+
+An evicted prefix comes back from the disk tier and from the store, across two services ("two nodes" on one
+master) and across a restart, byte-identical; a corrupt value, a master killed mid-run and a full store cost
+only hits. Every server passes GetStats(verify=True) at teardown (the `start_server` fixture)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from protos.kvcache.v1 import kvcache_pb2 as pb
+from tests.integration.conftest import ServerProcess
+from tests.tier.cluster import MooncakeCluster
+from tests.tier.engine import TIER_ARGS, Engine, prompt
+
+
+def _prompt(seed: int) -> list[int]:
+    """4 full pages (16 tokens) and one more token: an append can take 16 tokens from the cache. Each test has
+    its own (the module's store is shared)."""
+    return prompt(seed, 17)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeCluster]:
+    c = MooncakeCluster(tmp_path_factory.mktemp("mooncake"))
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def engines() -> Iterator[list[Engine]]:
+    made: list[Engine] = []
+    yield made
+    for e in made:
+        e.close()
+
+
+def _disk(tmp_path: Path) -> tuple[str, ...]:
+    return ("--tier", "disk", "--tier-dir", str(tmp_path / "tier"), "--tier-bytes", "16Mi")
+
+
+def _mooncake(cluster: MooncakeCluster) -> tuple[str, ...]:
+    return ("--tier", "mooncake", "--mooncake-master", cluster.address)
+
+
+def _write_then_evict(a: Engine, p: list[int]) -> None:
+    """A computes p, then unrelated turns push it out of A's pool (after the tier stored it)."""
+    first = a.turn(p)
+    assert (first.cached_tokens, first.tier_tokens) == (0, 0)
+    a.churn(seed=p[0] + 100_000, turns=6)
+    probe = a.stub.MatchPrefix(pb.MatchPrefixRequest(token_ids=p), timeout=10)
+    assert (probe.cached_tokens, probe.tier_tokens, list(probe.page_ids)) == (16, 16, [])  # only the tier has it
+
+
+def _hit(b: Engine, p: list[int]) -> None:
+    """B appends p: the 4 pages come from the tier, byte-identical to what A's engine wrote."""
+    sid, res = b.append(p)
+    assert (res.cached_tokens, res.prefix_hit_tokens, res.tier_tokens, res.context_tokens) == (16, 16, 16, 17)
+    assert b.cached_pages_match(p, list(res.page_ids), 4)
+    b.stub.CommitSession(pb.CommitSessionRequest(session_id=sid, abort=True), timeout=10)
+    st = b.stats()
+    assert st.tier.hit_pages >= 4 and st.loading_pages == 0
+
+
+@pytest.mark.parametrize("tier", ["disk", "mooncake"])
+def test_an_evicted_prefix_is_served_again_byte_identical(start_server: Callable[..., ServerProcess],
+                                                          engines: list[Engine], tmp_path: Path,
+                                                          cluster: MooncakeCluster, tier: str) -> None:
+    p = _prompt(1 + 100 * (tier == "mooncake"))
+    flags = _disk(tmp_path) if tier == "disk" else _mooncake(cluster)
+    a = Engine(start_server(*TIER_ARGS, *flags).target)
+    engines.append(a)
+    _write_then_evict(a, p)
+    st = a.stats()
+    assert st.evicted_pages > 0 and st.tier.offload_pages >= 4
+    _hit(a, p)
+
+
+def test_two_services_on_one_master_share_a_prefix(start_server: Callable[..., ServerProcess],
+                                                   engines: list[Engine], cluster: MooncakeCluster) -> None:
+    """Node B's engine reads byte-identical K/V for a prefix node A's engine wrote and A evicted."""
+    p = _prompt(2)
+    a = Engine(start_server(*TIER_ARGS, *_mooncake(cluster)).target)
+    b = Engine(start_server(*TIER_ARGS, *_mooncake(cluster)).target)
+    engines += [a, b]
+    _write_then_evict(a, p)
+    probe = b.stub.MatchPrefix(pb.MatchPrefixRequest(token_ids=p), timeout=10)
+    assert (probe.cached_tokens, probe.tier_tokens) == (16, 16)
+    assert b.stats().loading_pages == 0  # a probe loads nothing
+    _hit(b, p)
+    again = b.stub.MatchPrefix(pb.MatchPrefixRequest(token_ids=p), timeout=10)
+    assert (again.cached_tokens, again.tier_tokens, len(again.page_ids)) == (16, 0, 4)  # now in B's pool
+
+
+@pytest.mark.parametrize("tier", ["disk", "mooncake"])
+def test_a_restarted_service_hits_what_it_offloaded(start_server: Callable[..., ServerProcess],
+                                                    engines: list[Engine], tmp_path: Path,
+                                                    cluster: MooncakeCluster, tier: str) -> None:
+    """Nothing is evicted: the stop offloads what is resident, and the next instance (new instance id) finds it."""
+    p = _prompt(3 + 100 * (tier == "mooncake"))
+    flags = _disk(tmp_path) if tier == "disk" else _mooncake(cluster)
+    first = start_server(*TIER_ARGS, *flags)
+    a = Engine(first.target)
+    a.turn(p)
+    a.close()
+    code, _ = first.terminate()
+    assert code == 0
+    second = start_server(*TIER_ARGS, *flags)
+    assert second.instance_id != first.instance_id
+    b = Engine(second.target)
+    engines.append(b)
+    _hit(b, p)
+
+
+def test_step_ops_load_from_the_tier_in_both_encodings(start_server: Callable[..., ServerProcess],
+                                                       engines: list[Engine], tmp_path: Path) -> None:
+    from engine_client import KVCacheClient, StepBatch
+
+    p = _prompt(4)
+    a = Engine(start_server(*TIER_ARGS, *_disk(tmp_path)).target)
+    engines.append(a)
+    _write_then_evict(a, p)
+    with KVCacheClient(a.target) as client:
+        for columns in (False, True):
+            probe = StepBatch(columns=columns)
+            match = probe.match(p)
+            client.step(probe)
+            assert (match.value.cached_tokens, match.value.tier_tokens, len(match.value.page_ids)) == (16, 16, 0)
+            assert a.stats().loading_pages == 0
+            batch = StepBatch(columns=columns)  # the loads of a Step's appends land before its ops run
+            opened = batch.open(f"step-{columns}", streaming=False)
+            appended = batch.append(f"step-{columns}", p)
+            after = batch.match(p)
+            client.step(batch)
+            assert (after.value.cached_tokens, after.value.tier_tokens, len(after.value.page_ids)) == (16, 0, 4)
+            assert opened.ok
+            res = appended.value
+            assert (res.cached_tokens, res.tier_tokens, res.prefix_hit_tokens) == (16, 16, 16)
+            assert a.cached_pages_match(p, res.page_ids.tolist(), 4)
+            done = StepBatch(columns=columns)
+            done.abort(f"step-{columns}")
+            done.close(f"step-{columns}")
+            client.step(done)
+            a.churn(seed=200 + columns, turns=6)  # out of the pool again for the next encoding
+
+
+def test_a_corrupt_value_costs_only_the_hit(start_server: Callable[..., ServerProcess], engines: list[Engine],
+                                            tmp_path: Path) -> None:
+    p = _prompt(5)
+    a = Engine(start_server(*TIER_ARGS, *_disk(tmp_path)).target)
+    engines.append(a)
+    _write_then_evict(a, p)
+    for f in (tmp_path / "tier").rglob("*.kv"):  # flip one payload byte of every value (sizes unchanged)
+        data = bytearray(f.read_bytes())
+        data[100] ^= 0xFF
+        f.write_bytes(bytes(data))
+    res = a.turn(p)
+    assert (res.cached_tokens, res.tier_tokens) == (0, 0)
+    st = a.settle()
+    assert any(e.operation == "get" and e.reason == "bad_checksum" for e in st.tier.errors), st.tier
+    assert st.loading_pages == 0 and st.quarantined_pages == 0
+
+
+def test_a_master_killed_mid_run_costs_only_hits(start_server: Callable[..., ServerProcess], engines: list[Engine],
+                                                 tmp_path: Path) -> None:
+    p = _prompt(6)
+    own = MooncakeCluster(tmp_path)
+    try:
+        a = Engine(start_server(*TIER_ARGS, *_mooncake(own)).target)
+        engines.append(a)
+        _write_then_evict(a, p)
+        own.kill_master()
+        res = a.turn(p)  # the store is gone: computed again, no error
+        assert (res.cached_tokens, res.tier_tokens) == (0, 0)
+        a.churn(seed=300, turns=3)
+        again = a.turn(p)  # the pool serves on: whatever it still holds (no tier hit)
+        assert again.tier_tokens == 0
+        st = a.stats()
+        assert st.verified and st.loading_pages == 0
+    finally:
+        own.stop()
+
+
+BIG = ("--num-pages", "17", "--page-size", "32", "--num-layers", "2", "--num-kv-heads", "8", "--head-dim", "128",
+       "--dtype", "float16", "--tier-timeout", "5", "--model-name", "tier-e2e-big")
+"""256 KiB values: 63 of them overfill the store's smallest segment (16 MB)."""
+
+
+def test_a_full_store_costs_only_hits(start_server: Callable[..., ServerProcess], engines: list[Engine],
+                                      tmp_path: Path) -> None:
+    own = MooncakeCluster(tmp_path, segment="16MB")
+    try:
+        a = Engine(start_server(*BIG, *_mooncake(own)).target)
+        engines.append(a)
+        prompts = [prompt(400 + i, 129) for i in range(20)]  # 80 pages offered to a store that holds < 63
+        for p in prompts:
+            a.turn(p)
+            a.settle()
+        st = a.stats()
+        assert any(e.operation == "put" and e.reason == "full" for e in st.tier.errors), st.tier
+        hits = misses = 0
+        for p in prompts[:12]:  # evicted from the pool long ago: each is a hit (byte-identical) or a miss
+            sid, res = a.append(p)
+            if res.tier_tokens:
+                assert (res.cached_tokens, res.tier_tokens) == (128, 128)
+                assert a.cached_pages_match(p, list(res.page_ids), 4)
+                hits += 1
+            else:
+                assert res.cached_tokens == 0
+                misses += 1
+            a.stub.CommitSession(pb.CommitSessionRequest(session_id=sid, abort=True), timeout=10)
+            a.stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
+        assert hits and misses, (hits, misses)
+    finally:
+        own.stop()
+
+
+def test_bad_inputs_keep_their_reasons_with_a_tier(start_server: Callable[..., ServerProcess],
+                                                  engines: list[Engine], tmp_path: Path) -> None:
+    """The tier's lookups come before the ops; refusals stay exactly those of the ops alone, and a refused op
+    loads nothing."""
+    import grpc
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    p = _prompt(8)
+    a = Engine(start_server(*TIER_ARGS, *_disk(tmp_path)).target)
+    engines.append(a)
+    _write_then_evict(a, p)
+    before = a.stats().tier
+
+    def reason(call: Callable[[], object]) -> tuple[grpc.StatusCode, str]:
+        with pytest.raises(grpc.RpcError) as info:
+            call()
+        status = rpc_status.from_call(info.value)
+        assert status is not None
+        detail = error_details_pb2.ErrorInfo()
+        assert status.details[0].Unpack(detail)
+        return info.value.code(), detail.reason
+
+    stub = a.stub
+    assert reason(lambda: stub.AppendSession(pb.AppendSessionRequest(session_id="nobody", token_ids=p), timeout=10)
+                  ) == (grpc.StatusCode.NOT_FOUND, "SESSION_NOT_FOUND")
+    stub.OpenSession(pb.OpenSessionRequest(session_id="bad"), timeout=10)
+    assert reason(lambda: stub.AppendSession(pb.AppendSessionRequest(session_id="bad", token_ids=[*p[:-1], -1]),
+                                             timeout=10)) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_TOKENS")
+    assert reason(lambda: stub.AppendSession(pb.AppendSessionRequest(session_id="bad", packed_token_ids=b"\x01\x02"),
+                                             timeout=10)) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_TOKENS")
+    assert reason(lambda: stub.Step(pb.StepRequest(columns=pb.StepColumns(kinds=bytes([2]), session_ids=["bad"],
+                                                                          token_counts=b"\x01")), timeout=10)
+                  ) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT")
+    step = stub.Step(pb.StepRequest(ops=[pb.StepOp(append=pb.AppendSessionRequest(session_id="nobody", token_ids=p))]),
+                     timeout=10)
+    assert step.results[0].status.code == grpc.StatusCode.NOT_FOUND.value[0]
+    after = a.stats()
+    assert (after.tier.lookup_pages, after.tier.load_pages, after.loading_pages) == (
+        before.lookup_pages, before.load_pages, 0)
+    probe = stub.MatchPrefix(pb.MatchPrefixRequest(token_ids=p), timeout=10)
+    assert (probe.cached_tokens, probe.tier_tokens) == (16, 16)  # still only in the tier: nothing was loaded
