@@ -330,12 +330,19 @@ class RadixTree:
             child = node.children.get(key[pos : pos + pb])
             if child is None:
                 break
-            clen = len(child.key)
-            span = min(clen, n - pos)
-            if key[pos : pos + span] == child.key[:span]:
+            ckey = child.key
+            clen = len(ckey)
+            # Compared in place (memcmp, no copy of either side): the whole child, or the query's rest.
+            if clen <= n - pos:
+                span = clen
+                same = key.startswith(ckey, pos)
+            else:
+                span = n - pos
+                same = ckey.startswith(memoryview(key)[pos:])
+            if same:
                 common = span
             else:
-                common = self._common_pages(key, pos, child.key, span) * pb
+                common = self._common_pages(key, pos, ckey, span) * pb
             node = child
             into = common // pb
             pos += common
