@@ -396,6 +396,20 @@ class _ColumnResults:
         return MatchResult(num("cached_tokens", i), self._pages(i))
 
 
+def opened_instance_ids(outcomes: list[StepOutcome[Any]]) -> list[str]:
+    """The distinct `value.instance_id`s of the successful opens, in order, without building the values of
+    a columns answer (its opens all carry the answer's one instance id)."""
+    ids: list[str] = []
+    for outcome in outcomes:
+        if outcome.kind == "open" and outcome.ok:
+            results = outcome._results
+            iid = results.instance_id if results is not None and outcome._value is _PENDING else \
+                outcome.value.instance_id
+            if iid not in ids:
+                ids.append(iid)
+    return ids
+
+
 def _ref(session: SessionRef) -> tuple[str, int, StepSession | None]:
     if isinstance(session, str):
         return session, 0, None

@@ -339,10 +339,7 @@ class RadixTree:
             else:
                 span = n - pos
                 same = ckey.startswith(memoryview(key)[pos:])
-            if same:
-                common = span
-            else:
-                common = self._common_pages(key, pos, ckey, span) * pb
+            common = span if same else self._common_pages(key, pos, ckey, span) * pb
             node = child
             into = common // pb
             pos += common
