@@ -186,6 +186,14 @@ class RadixTree:
         self.lock(node)
         return RadixMatch(matched, pages, node)
 
+    def matched_pages(self, salt: str, key: bytes) -> int:
+        """How many leading whole pages of `key` are cached under `salt`: `match(salt, key, touch=False)`'s
+        `num_pages` without gathering the pages (a read-only probe)."""
+        root = self._roots.get(salt)
+        if root is None or not key:
+            return 0
+        return self._walk(root, key, touch=False)[1]
+
     def insert(self, salt: str, key: bytes, pages: bytes, *, below: RadixNode | None = None,
                src: int = EVICTABLE) -> RadixInsert:
         """Cache `pages` (int32 LE page ids) under `key` (len(key) == num pages * page_bytes).
@@ -236,8 +244,10 @@ class RadixTree:
         leaf.salt = node.salt
         node.children[new_key[: self.page_bytes]] = leaf
         self._ledger.move(num_pages - matched, src, EVICTABLE)
-        self._update_leaf(node)
-        self._update_leaf(leaf)
+        # What `_update_leaf` decides for both, known here: `node` has a child now, so it is no evictable
+        # leaf; the new leaf is one (unlocked, childless, below a node).
+        self._leaves.discard(node)
+        self._leaves.add(leaf)
         if self.changes is not None:
             self.changes.append((STORED, leaf.salt or "", _last_page(node), new_key, new_pages))
         return RadixInsert(matched, existing + new_pages if matched else new_pages, leaf)

@@ -351,7 +351,7 @@ class Slots:
         """Leading tokens of `s`'s context that the radix holds (a read-only probe)."""
         ps = self._ps
         n = (len(s.tokens) >> 2) // ps * ps
-        return self._radix.match(s.cache_salt, _span(s.tokens, 0, n * 4), touch=False).num_pages * ps
+        return self._radix.matched_pages(s.cache_salt, _span(s.tokens, 0, n * 4)) * ps
 
     # ------------------------------------------------------------------ pages
 
