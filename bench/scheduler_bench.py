@@ -3,6 +3,8 @@
     python -m bench.scheduler_bench                 # the table (real server process, TCP loopback)
     python -m bench.scheduler_bench --profile       # and a cProfile of the handler, top functions
     python -m bench.scheduler_bench --quick         # small counts (used by the smoke test)
+    python -m bench.scheduler_bench --against 892c43c   # the server table of that commit and of this tree,
+                                                        # side by side, rounds interleaved
 
 The trace: page 16; 8 system prompts of 2,048 tokens; each request is a regular session whose prompt is one
 system prompt + 256 unique tokens (2,304 tokens), with 64 tokens generated over 4 steps: the engine reserves
@@ -24,6 +26,10 @@ Rows, each the median over the measured steps (interleaved, so all see the same 
   (unknown sessions: SESSION_NOT_FOUND; opens of open ids: SESSION_EXISTS).
 The second table is the handler in this process, without a transport (decode, interceptor + handler,
 encode), per op kind: the same steps split into one Step per kind, in the order that keeps them valid.
+
+With `--against REV` the server table is measured for the service and client of commit REV (exported with
+`git archive` into a temporary directory, with this harness copied in) and for this tree, in alternating
+rounds of fresh processes, so both see the same machine; each row is the median over all rounds' steps.
 """
 
 from __future__ import annotations
@@ -33,10 +39,14 @@ import asyncio
 import cProfile
 import gc
 import io
+import json
+import os
 import pstats
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -428,14 +438,78 @@ def report(phases: dict[str, Phase], inproc: dict[str, list[float]]) -> Iterator
            f"{_median(inproc['empty']):>7.0f} | " + " ".join(f"{_median(inproc[k]):>7.1f}" for k in KINDS))
 
 
+# ----------------------------------------------------------------------------------- against a commit
+
+
+def _phases_json(phases: dict[str, Phase]) -> str:
+    return json.dumps({name: vars(p) for name, p in phases.items()})
+
+
+def _merge(into: dict[str, Phase], data: dict[str, dict[str, Any]]) -> None:
+    for name, fields in data.items():
+        p = into.setdefault(name, Phase())
+        for key, value in fields.items():
+            if isinstance(value, list):
+                getattr(p, key).extend(value)
+            else:
+                setattr(p, key, getattr(p, key) + value)
+
+
+def against(rev: str, steps: int, rounds: int) -> int:
+    """The server table of commit `rev` and of this tree, from alternating rounds of fresh processes."""
+    tmp = tempfile.mkdtemp(prefix="kvcache-bench-")
+    try:
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", rev], capture_output=True, check=False)
+        if archive.returncode:
+            print(f"scheduler_bench: cannot export {rev}: {archive.stderr.decode().strip()}", file=sys.stderr)
+            return 2
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
+        for name in ("__init__.py", "common.py", "scheduler_bench.py"):  # this harness, that code
+            shutil.copy(REPO / "bench" / name, os.path.join(tmp, "bench", name))
+        trees = {f"before ({rev})": tmp, "this tree": str(REPO)}
+        merged: dict[str, dict[str, Phase]] = {label: {} for label in trees}
+        loads: list[float] = []
+        for r in range(rounds):
+            for label, cwd in trees.items():
+                loads.append(os.getloadavg()[0])
+                done = subprocess.run([sys.executable, "-m", "bench.scheduler_bench", "--only", "server", "--steps",
+                                       str(steps), "--json"], cwd=cwd, capture_output=True, text=True, check=False)
+                if done.returncode:
+                    print(f"scheduler_bench: {label} failed: {done.stderr.strip()[-500:]}", file=sys.stderr)
+                    return 1
+                _merge(merged[label], json.loads(done.stdout.splitlines()[-1]))
+                print(f"  ... round {r + 1}/{rounds}: {label}", file=sys.stderr, flush=True)
+        print(f"§9 scheduler trace, server table: {rounds} alternating rounds of {steps} steps each, medians of "
+              f"all, microseconds (load average {min(loads):.2f}..{max(loads):.2f} on {os.cpu_count()} cores)")
+        for label, phases in merged.items():
+            print(f"\n{label}")
+            for line in report(phases, {}):
+                if line.startswith("In this process"):
+                    break
+                if line:
+                    print(line)
+        print("target: the §9 Step's client wall at most 1,300 us (moonshot 1,000 us); a refusal Step no dearer")
+        return 0
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small counts, for smoke tests")
     ap.add_argument("--steps", type=int, default=300, help="measured steps per phase")
     ap.add_argument("--profile", action="store_true", help="print a cProfile of the handler (in this process)")
     ap.add_argument("--only", choices=["server", "in-process"])
+    ap.add_argument("--against", metavar="REV", help="compare with commit REV (server table, alternating rounds)")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds per tree with --against")
+    ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # --against's child processes
     args = ap.parse_args(argv)
     steps, warmup = (8, 6) if args.quick else (args.steps, 20)
+    if args.against:
+        return against(args.against, steps, args.rounds)
+    if args.json:
+        print(_phases_json(server_table(steps, warmup)))
+        return 0
     print(f"§9 scheduler trace: {PER_STEP} admissions of {SYSTEM_TOKENS + UNIQUE_TOKENS}-token prompts + "
           f"{PER_STEP} finishes a step, 224 ops a Step, page {PAGE}; medians of {steps} steps, microseconds "
           f"({machine_load()})")

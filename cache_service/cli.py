@@ -23,6 +23,7 @@ from cache_service.config import ConfigError, ServiceConfig, add_serve_arguments
 from cache_service.log import configure_logging
 from cache_service.memory import PoolError
 from cache_service.memory.base import format_bytes
+from kvcache_common.heap import keep_heap
 from protos.kvcache.v1 import kvcache_pb2 as pb
 
 if TYPE_CHECKING:  # the on-call tools import grpc when they run (see main)
@@ -105,6 +106,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     configure_logging(config.log_level, config.log_format)
+    keep_heap()  # large Step messages reuse freed heap instead of faulting it in again each call
     return asyncio.run(_serve(config))
 
 

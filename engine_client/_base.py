@@ -6,6 +6,7 @@ import os
 
 from engine_client.errors import restarted
 from engine_client.options import ClientOptions
+from kvcache_common.heap import keep_heap
 
 INSTANCE_HEADER = "x-kvcache-instance-id"
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -33,6 +34,7 @@ class ClientBase:
         token = self.options.auth_token
         self._base_md: Metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._md: Metadata = self._base_md
+        keep_heap()  # once per process: large Step messages reuse freed heap (kvcache_common/heap.py)
 
     def _metadata(self, pinned: bool) -> Metadata:
         return self._md if pinned else self._base_md

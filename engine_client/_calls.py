@@ -18,7 +18,7 @@ from engine_client import _codec as codec
 from engine_client import _requests as requests
 from engine_client._base import ClientBase
 from engine_client._codec import TokensLike
-from engine_client.step import StepBatch, StepOutcome
+from engine_client.step import StepBatch, StepOutcome, opened_instance_ids
 from engine_client.types import (
     AppendResult,
     CloseResult,
@@ -156,9 +156,8 @@ def step(client: ClientBase, batch: StepBatch) -> Call[pb.StepResponse, list[Ste
 
 
 def _learn_from_opens(client: ClientBase, outcomes: list[StepOutcome[Any]]) -> None:
-    for outcome in outcomes:
-        if outcome.kind == "open" and outcome.ok:
-            client._learn(outcome.value.instance_id)
+    for instance_id in opened_instance_ids(outcomes):
+        client._learn(instance_id)
 
 
 def reap_sessions() -> Call[pb.ReapSessionsResponse, ReapResult]:

@@ -333,7 +333,8 @@ class StepBatch:
 class _ColumnResults:
     """A StepColumnResults answer, read op by op when an outcome's value is first asked for."""
 
-    __slots__ = ("_arrays", "_cols", "_kinds", "_opened", "_page_ends", "_sids", "failed", "instance_id")
+    __slots__ = ("_arrays", "_closed", "_cols", "_kinds", "_opened", "_page_ends", "_page_ids", "_sids", "failed",
+                 "instance_id")
 
     def __init__(self, cols: pb.StepColumnResults, sids: list[str], kinds: bytearray) -> None:
         self._cols = cols
@@ -344,6 +345,9 @@ class _ColumnResults:
         if len(self.failed) != len(cols.errors):
             raise RuntimeError(f"the service answered {len(cols.errors)} errors for {len(self.failed)} failed ops")
         self._page_ends: list[int] | None = None
+        self._page_ids: bytes | None = None
+        """`cols.page_ids`, read once (each read of a bytes field makes a new copy of all of it)."""
+        self._closed: bytes | None = None
         self._opened: dict[int, str] | None = None
         self._arrays: dict[str, array[Any]] = {}
         self.instance_id = cols.instance_id
@@ -355,12 +359,19 @@ class _ColumnResults:
         return col[i]
 
     def _pages(self, i: int) -> PageIds:
-        if self._page_ends is None:
-            self._page_ends = list(accumulate(array("I", self._cols.page_counts)))
-        end = self._page_ends[i]
-        start = self._page_ends[i - 1] if i else 0
-        pages: PageIds = np.frombuffer(self._cols.page_ids, "<i4", end - start, 4 * start).astype(np.int32)
+        ends, data = self._page_ends, self._page_ids
+        if ends is None or data is None:
+            ends = self._page_ends = list(accumulate(array("I", self._cols.page_counts)))
+            data = self._page_ids = self._cols.page_ids
+        end = ends[i]
+        start = ends[i - 1] if i else 0
+        pages: PageIds = np.frombuffer(data, "<i4", end - start, 4 * start).astype(np.int32)
         return pages
+
+    def _closed_at(self, i: int) -> bool:
+        if self._closed is None:
+            self._closed = self._cols.closed
+        return bool(self._closed[i])
 
     def result(self, kind: str, i: int) -> Any:
         num = self._num
@@ -374,9 +385,9 @@ class _ColumnResults:
                                 self._pages(i), num("num_pages", i), num("prefix_hit_tokens", i), self._tier(i))
         if kind == "commit":
             return CommitResult(sid, num("context_tokens", i), num("kv_tokens", i), num("num_pages", i),
-                                bool(self._cols.closed[i]))
+                                self._closed_at(i))
         if kind == "close":
-            return CloseResult(sid, bool(self._cols.closed[i]), num("cached_tokens", i))
+            return CloseResult(sid, self._closed_at(i), num("cached_tokens", i))
         if kind == "open":
             if self._opened is None:
                 failed = set(self.failed)
@@ -388,6 +399,20 @@ class _ColumnResults:
     def _tier(self, i: int) -> int:
         """An op's tier_tokens (the column is empty when the service has no tier)."""
         return self._num("tier_tokens", i) if self._cols.tier_tokens else 0
+
+
+def opened_instance_ids(outcomes: list[StepOutcome[Any]]) -> list[str]:
+    """The distinct `value.instance_id`s of the successful opens, in order, without building the values of
+    a columns answer (its opens all carry the answer's one instance id)."""
+    ids: list[str] = []
+    for outcome in outcomes:
+        if outcome.kind == "open" and outcome.ok:
+            results = outcome._results
+            iid = results.instance_id if results is not None and outcome._value is _PENDING else \
+                outcome.value.instance_id
+            if iid not in ids:
+                ids.append(iid)
+    return ids
 
 
 def _ref(session: SessionRef) -> tuple[str, int, StepSession | None]:

@@ -21,6 +21,7 @@ passes `until`.
 from __future__ import annotations
 
 import contextlib
+from array import array
 from collections import deque
 from collections.abc import Iterator
 
@@ -43,7 +44,8 @@ __all__ = ["NULL_PAGE", "OWNED", "QUARANTINED_BYTE", "PageAllocator"]
 
 
 class PageAllocator:
-    __slots__ = ("_ledger", "_num_pages", "_quarantine_until", "_stack", "_state", "_view", "ledger", "quarantine")
+    __slots__ = ("_ids", "_ledger", "_num_pages", "_quarantine_until", "_stack", "_state", "_view", "ledger",
+                 "quarantine")
 
     def __init__(self, num_pages: int, ledger: PageLedger | None = None) -> None:
         if num_pages < 2:
@@ -51,7 +53,9 @@ class PageAllocator:
         self._num_pages = num_pages
         self.ledger = self._ledger = ledger if ledger is not None else PageLedger(num_pages - 1)
         # Top of the stack is the end of the array: a fresh pool hands out 1, 2, 3, ...
-        self._stack = np.arange(num_pages - 1, 0, -1, dtype=np.int32)
+        self._ids = array("i", np.arange(num_pages - 1, 0, -1, dtype=np.int32).tobytes())
+        """The stack as Python ints (runs of a few pages pop and push here without numpy's per-call cost)."""
+        self._stack: npt.NDArray[np.int32] = np.frombuffer(self._ids, dtype=np.int32)  # a view of _ids
         self._state = bytearray(num_pages)
         self._view: npt.NDArray[np.uint8] = np.frombuffer(self._state, dtype=np.uint8)  # a view, not a copy
         self.quarantine: deque[tuple[float, bytes]] = deque()
@@ -85,15 +89,21 @@ class PageAllocator:
             return None
         if n < 0:
             raise ValueError(f"alloc of a negative page count: {n}")
-        chunk = self._stack[top - n : top][::-1]
         counts[FREE] = top - n
         counts[to] += n
+        if n == 1:  # a decode extension: the common case
+            p = self._ids[top - 1]
+            self._state[p] = OWNED_BYTE
+            return p.to_bytes(4, "little")
         if n <= _SMALL:
+            run = self._ids[top - n : top]
+            run.reverse()
             state = self._state
-            for p in chunk.tolist():
+            for p in run:
                 state[p] = OWNED_BYTE
-        else:
-            self._view[chunk] = OWNED_BYTE
+            return run.tobytes()
+        chunk = self._stack[top - n : top][::-1]
+        self._view[chunk] = OWNED_BYTE
         return chunk.tobytes()
 
     def give(self, pages: bytes, src: int) -> None:
@@ -104,16 +114,17 @@ class PageAllocator:
             return
         quarantine = self._quarantine_until is not None
         to = QUARANTINED_BYTE if quarantine else FREE_BYTE
-        arr = np.frombuffer(pages, dtype=np.int32)
         if n <= _SMALL:
             state = self._state
-            ids = arr.tolist()
-            for p in ids:
+            run = array("i")
+            run.frombytes(pages)
+            for p in run:
                 if state[p] != OWNED_BYTE:
                     raise InvariantError(f"double free of page {p}: it is not owned")
-            for p in ids:
+            for p in run:
                 state[p] = to
         else:
+            arr = np.frombuffer(pages, dtype=np.int32)
             owned = self._view[arr] == OWNED_BYTE
             if not owned.all():
                 bad = int(arr[np.flatnonzero(~owned)[0]])
@@ -127,7 +138,10 @@ class PageAllocator:
             counts[QUARANTINED] += n
             return
         top = counts[FREE]
-        self._stack[top : top + n] = arr
+        if n <= _SMALL:
+            self._ids[top : top + n] = run
+        else:
+            self._stack[top : top + n] = arr
         counts[FREE] = top + n
 
     # ------------------------------------------------------------------ the same on numpy arrays

@@ -190,6 +190,14 @@ class RadixTree:
         self.lock(node)
         return RadixMatch(matched, pages, node)
 
+    def matched_pages(self, salt: str, key: bytes) -> int:
+        """How many leading whole pages of `key` are cached under `salt`: `match(salt, key, touch=False)`'s
+        `num_pages` without gathering the pages (a read-only probe)."""
+        root = self._roots.get(salt)
+        if root is None or not key:
+            return 0
+        return self._walk(root, key, touch=False)[1]
+
     def insert(self, salt: str, key: bytes, pages: bytes, *, below: RadixNode | None = None,
                src: int = EVICTABLE) -> RadixInsert:
         """Cache `pages` (int32 LE page ids) under `key` (len(key) == num pages * page_bytes).
@@ -240,8 +248,10 @@ class RadixTree:
         leaf.salt = node.salt
         node.children[new_key[: self.page_bytes]] = leaf
         self._ledger.move(num_pages - matched, src, EVICTABLE)
-        self._update_leaf(node)
-        self._update_leaf(leaf)
+        # What `_update_leaf` decides for both, known here: `node` has a child now, so it is no evictable
+        # leaf; the new leaf is one (unlocked, childless, below a node).
+        self._leaves.discard(node)
+        self._leaves.add(leaf)
         if self.changes is not None:
             self.changes.append((STORED, leaf.salt or "", _last_page(node), new_key, new_pages))
         return RadixInsert(matched, existing + new_pages if matched else new_pages, leaf)
@@ -334,12 +344,16 @@ class RadixTree:
             child = node.children.get(key[pos : pos + pb])
             if child is None:
                 break
-            clen = len(child.key)
-            span = min(clen, n - pos)
-            if key[pos : pos + span] == child.key[:span]:
-                common = span
+            ckey = child.key
+            clen = len(ckey)
+            # Compared in place (memcmp, no copy of either side): the whole child, or the query's rest.
+            if clen <= n - pos:
+                span = clen
+                same = key.startswith(ckey, pos)
             else:
-                common = self._common_pages(key, pos, child.key, span) * pb
+                span = n - pos
+                same = ckey.startswith(memoryview(key)[pos:])
+            common = span if same else self._common_pages(key, pos, ckey, span) * pb
             node = child
             into = common // pb
             pos += common

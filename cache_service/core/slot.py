@@ -206,7 +206,7 @@ class Slots:
             if s.lock_node is not None or s.pages:
                 raise InvariantError("a radix turn starts with no pages")
             n = (context - 1) // ps * ps
-            match = self._radix.match(s.cache_salt, bytes(s.tokens[: n * 4]), lock=True)
+            match = self._radix.match(s.cache_salt, _span(s.tokens, 0, n * 4), lock=True)
             lock_node, matched = match.node, match.pages
             base_pages = match.num_pages
             cached = radix_hit = base_pages * ps
@@ -351,7 +351,7 @@ class Slots:
         """Leading tokens of `s`'s context that the radix holds (a read-only probe)."""
         ps = self._ps
         n = (len(s.tokens) >> 2) // ps * ps
-        return self._radix.match(s.cache_salt, bytes(s.tokens[: n * 4]), touch=False).num_pages * ps
+        return self._radix.matched_pages(s.cache_salt, _span(s.tokens, 0, n * 4)) * ps
 
     # ------------------------------------------------------------------ pages
 
@@ -397,7 +397,7 @@ class Slots:
         ps = self._ps
         pinned = s.radix_pages
         pages = s.pages
-        key = bytes(s.tokens[pinned * ps * 4 : num_pages * ps * 4])
+        key = _span(s.tokens, pinned * ps * 4, num_pages * ps * 4)
         if len(key) != (num_pages - pinned) * ps * 4:
             raise InvariantError(f"session {s.id!r} has fewer than {num_pages} pages of tokens")
         ins = self._radix.insert(s.cache_salt, key, bytes(pages[pinned * 4 : num_pages * 4]), below=s.lock_node,
@@ -424,6 +424,12 @@ class Slots:
             s.radix_pages = 0
         if old is not None:
             self._radix.unlock(old)
+
+
+def _span(buf: bytearray, start: int, end: int) -> bytes:
+    """`bytes(buf[start:end])` with one copy instead of two (the temporary view is gone when this returns, so
+    `buf` can be resized again)."""
+    return bytes(memoryview(buf)[start:end])
 
 
 def change(kind: str, s: SessionSlot) -> SessionChange:

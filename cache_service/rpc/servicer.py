@@ -19,7 +19,7 @@ from google.rpc import code_pb2
 
 from cache_service import __version__
 from cache_service.core import KVCacheCore, KVCacheError, Reason
-from cache_service.core.errors import invalid_argument
+from cache_service.core.errors import InvariantError, invalid_argument
 from cache_service.core.events import Record, SessionChange
 from cache_service.log import get_logger
 from cache_service.memory import PoolHandle, PoolLayout
@@ -361,13 +361,20 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             kinds = request.columns.kinds
             response = run_columns(self.core, request.columns, request.engine_id, who, self._max_tokens,
                                    self.instance_id, tally)
-            failures = [(i, s) for i, s in zip(_failed(response.columns.codes), response.columns.errors,
-                                                strict=True)]
+            failed = _failed(response.columns.codes)
+            errors = response.columns.errors
+            if len(errors) != len(failed):
+                raise InvariantError(f"Step columns: {len(errors)} statuses for {len(failed)} refused ops")
+            # Only the first refusal is logged: no Python wrapper is made for the others' statuses.
+            first_failure = (failed[0], errors[0]) if failed else None
+            num_failed = len(failed)
             if self.tier_path is not None:
                 self.tier_path.fill_columns(response, kinds, loads or [None] * n, probes or [None] * n)
             ok = {name: kinds.count(kind) for kind, name in KIND_NAMES.items()}
         else:
             response, failures = self._step_messages(request, who, tally)
+            first_failure = failures[0] if failures else None
+            num_failed = len(failures)
             if self.tier_path is not None and loads:
                 self.tier_path.fill_messages(response, loads, probes)
             ok = {}
@@ -376,9 +383,9 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                 ok[kind] = ok.get(kind, 0) + 1
         for kind, code in refused:
             ok[kind] = ok.get(kind, 0) - refused[kind, code]
-        if failures:
-            first, status = failures[0]
-            self._log.warning("step_refused", ops=len(failures), of=n, by_kind_code={f"{k}.{c}": v for (k, c), v in
+        if first_failure is not None:
+            first, status = first_failure
+            self._log.warning("step_refused", ops=num_failed, of=n, by_kind_code={f"{k}.{c}": v for (k, c), v in
                               refused.items()}, first_op=first, first_message=status.message)
         if self._metrics is not None:
             outcomes = {(kind, "OK"): count for kind, count in ok.items() if count}

@@ -19,7 +19,7 @@ from cache_service.core import KVCacheCore, KVCacheError, Reason
 from cache_service.core.errors import invalid_argument
 from cache_service.core.validate import negative_token
 from cache_service.log import get_logger
-from cache_service.rpc.errors import add_status
+from cache_service.rpc.errors import CODE_NAMES, add_status
 from cache_service.rpc.identity import Identity
 from protos.kvcache.v1 import kvcache_pb2 as pb
 
@@ -162,8 +162,8 @@ def run_columns(core: KVCacheCore, cols: pb.StepColumns, default_engine: str, wh
                 raise KVCacheError(Reason.INVALID_ARGUMENT, f"ops[{i}] names no operation (set one of "
                                    f"{', '.join(KIND_NAMES.values())})", field="ops", index=i)
         except KVCacheError as e:
-            codes[i] = add_status(errors, e)
-            tally(KIND_NAMES.get(k, "none"), e.code.value)
+            code = codes[i] = add_status(errors, e)
+            tally(KIND_NAMES.get(k, "none"), CODE_NAMES[code])
         except Exception:
             kind = KIND_NAMES.get(k, "none")
             _log.exception("rpc_internal_error", method=f"Step.{kind}", op=i, session_id=sid)

@@ -29,3 +29,17 @@ def test_the_trace_is_224_ops_a_step_in_steady_state() -> None:
     assert {k: sum(1 for o in ops if o[0] == k) for k in scheduler_bench.KINDS} == {
         "commit": 32, "close": 32, "extend": 96, "open": 32, "append": 32}
     assert all(o[2].size == 2304 for o in ops if o[0] == "append")
+
+
+def test_against_a_commit_prints_both_server_tables(capsys: pytest.CaptureFixture[str]) -> None:
+    """--against exports a commit (here HEAD) and measures it and this tree in alternating rounds."""
+    assert scheduler_bench.main(["--against", "HEAD", "--quick", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    labels = [line for line in out.splitlines() if line in ("before (HEAD)", "this tree")]
+    assert labels == ["before (HEAD)", "this tree"]
+    assert sum(line.startswith("§9 Step") for line in out.splitlines()) == 2
+
+
+def test_against_an_unknown_commit_says_why(capsys: pytest.CaptureFixture[str]) -> None:
+    assert scheduler_bench.main(["--against", "no-such-rev-xyz", "--quick"]) == 2
+    assert "cannot export no-such-rev-xyz" in capsys.readouterr().err

@@ -49,6 +49,21 @@ def test_status_carries_code_message_and_error_info() -> None:
                                                                {"field": "reserve_tokens"})
 
 
+@pytest.mark.parametrize("metadata", [
+    {}, {"session_id": "gone1"}, {"field": "token_ids", "index": 3}, {"session_id": "s" * 200}, {"k": "é" * 60},
+    {"empty": ""}, {"a" * 61: "b" * 61},
+])
+def test_error_info_parses_to_what_protobuf_would_build(metadata: dict[str, object]) -> None:
+    """ErrorInfo bytes are the reason's head plus map entries written by hand when short: they must parse
+    to the message protobuf builds from the same fields, whatever the lengths (one-byte varints or not)."""
+    err = KVCacheError(Reason.SESSION_NOT_FOUND, "m", **metadata)
+    status = status_pb2.Status.FromString(status_for(err).trailing_metadata[0][1])
+    info = error_details_pb2.ErrorInfo()
+    assert status.details[0].Unpack(info)
+    assert info == error_details_pb2.ErrorInfo(reason="SESSION_NOT_FOUND", domain="kvcache.v1",
+                                               metadata={k: str(v) for k, v in metadata.items()})
+
+
 @pytest.mark.parametrize("reason", list(Reason))
 def test_every_reason_maps_to_its_grpc_code(reason: Reason) -> None:
     status = status_for(KVCacheError(reason, "x"))
