@@ -26,12 +26,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["FAMILIES", "connector_config", "main", "save_model"]
+__all__ = ["FAMILIES", "DriverError", "EngineProcess", "connector_config", "main", "save_model"]
 
 FAMILIES = ("llama", "qwen2")
 
@@ -66,6 +69,90 @@ def save_model(family: str, out: str | Path, *, layers: int = 2, hidden: int = 1
     return out
 
 
+class DriverError(RuntimeError):
+    """The engine process failed to start, exited, answered an error or did not answer in time."""
+
+
+class EngineProcess:
+    """The other end of the pipe: starts `python -m engine_client.vllm.driver` with `python` (a vLLM venv's)
+    and waits for it to be ready. `generate`, `metrics`, `close`."""
+
+    def __init__(self, python: str | Path, model: str | Path, log: str | Path, *, kvcache: str = "",
+                 extra: dict[str, Any] | None = None, args: tuple[str, ...] = (), cwd: str | Path | None = None,
+                 env: dict[str, str] | None = None, start_timeout: float = 300.0) -> None:
+        cmd = [str(python), "-m", "engine_client.vllm.driver", "--model", str(model), *args]
+        if kvcache:
+            cmd += ["--kvcache", kvcache, "--kvcache-extra", json.dumps(extra or {})]
+        self.log_path = Path(log)
+        self._log = open(self.log_path, "wb")  # noqa: SIM115
+        libiomp = Path(python).resolve().parent.parent / "lib" / "libiomp5.so"
+        full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                    "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"), **(env or {})}
+        if libiomp.exists():
+            full_env["LD_PRELOAD"] = str(libiomp)
+        self.proc = subprocess.Popen(cmd, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+                                     text=True, env=full_env)
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.ready = self._answer(start_timeout, "start")
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def _answer(self, timeout: float, what: str) -> dict[str, Any]:
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise DriverError(f"vLLM engine: no answer to {what} within {timeout} s; log:\n{self.log_tail()}"
+                              ) from None
+        if line is None:
+            raise DriverError(f"vLLM engine exited during {what}; log:\n{self.log_tail()}")
+        answer: dict[str, Any] = json.loads(line)
+        if "error" in answer:
+            raise DriverError(f"vLLM engine: {answer['error']}; log:\n{self.log_tail()}")
+        return answer
+
+    def command(self, cmd: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._answer(timeout, str(cmd.get("cmd")))
+
+    def generate(self, requests: list[dict[str, Any]], timeout: float = 600.0) -> list[dict[str, Any]]:
+        outputs: list[dict[str, Any]] = self.command({"cmd": "generate", "requests": requests}, timeout)["outputs"]
+        return outputs
+
+    def metrics(self) -> dict[str, float]:
+        metrics: dict[str, float] = self.command({"cmd": "metrics"})["metrics"]
+        return metrics
+
+    def log_text(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self, n: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-n:])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                EngineProcess.command(self, {"cmd": "exit"}, timeout=60)
+                self.proc.wait(timeout=60)
+            except (DriverError, BrokenPipeError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(timeout=60)
+        self._log.close()
+
+    def __enter__(self) -> EngineProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m engine_client.vllm.driver", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="a checkpoint directory (see save-model)")
@@ -79,6 +166,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--no-prefix-caching", action="store_true", help="turn vLLM's own prefix cache off")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip the one 8-token request run before 'ready' (a new engine's first forward is slow)")
     return p.parse_args(argv)
 
 
@@ -179,6 +268,8 @@ _METRICS = ("kvcache_", "vllm:prompt_tokens", "vllm:prefix_cache", "vllm:externa
 def serve(args: argparse.Namespace, proto: TextIO) -> int:
     start = time.perf_counter()
     engine = Engine(args)
+    if not args.no_warmup:
+        engine.generate([{"prompt": list(range(1, 9)), "max_tokens": 2}])
 
     def say(obj: dict[str, Any]) -> None:
         proto.write(json.dumps(obj) + "\n")

@@ -11,12 +11,7 @@ in flight and no regular session left open (finished and aborted requests commit
 
 from __future__ import annotations
 
-import json
-import os
-import queue
 import socket
-import subprocess
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,11 +20,10 @@ from typing import Any
 import pytest
 
 from engine_client import KVCacheClient
-from engine_client.vllm.driver import save_model
+from engine_client.vllm.driver import DriverError, EngineProcess, save_model
 from tests.integration.conftest import REPO, ServerProcess, verify_stats
 
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
-LIBIOMP = REPO / ".venv-vllm" / "lib" / "libiomp5.so"
 PAGE = 16
 BLOCK = 32
 LAYOUT = ("--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "64", "--dtype", "float32")
@@ -52,78 +46,23 @@ def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 20.0) 
         time.sleep(0.05)
 
 
-class VllmEngine:
-    """One `engine_client.vllm.driver` process: a vLLM LLM on token prompts, greedy, float32."""
+class VllmEngine(EngineProcess):
+    """A driver process in .venv-vllm; a failure to start or answer is a test failure with the engine's log."""
 
     def __init__(self, model: Path, log: Path, *, kvcache: str = "", args: tuple[str, ...] = ENGINE_ARGS,
-                 extra: dict[str, Any] | None = None, start_timeout: float = 240.0) -> None:
+                 extra: dict[str, Any] | None = None) -> None:
         if not VLLM_PYTHON.exists():
             raise AssertionError(f"{VLLM_PYTHON} is missing: `make vllm-setup` makes the vLLM venv")
-        cmd = [str(VLLM_PYTHON), "-m", "engine_client.vllm.driver", "--model", str(model), *args]
-        if kvcache:
-            cmd += ["--kvcache", kvcache, "--kvcache-extra", json.dumps(extra or {})]
-        self.log_path = log
-        self._log = open(log, "wb")  # noqa: SIM115
-        env = {**os.environ, "LD_PRELOAD": str(LIBIOMP), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._log, text=True, env=env)
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-        ready = self._answer(start_timeout, "start")
-        assert ready.get("ready"), ready
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._lines.put(line)
-        self._lines.put(None)
-
-    def _answer(self, timeout: float, what: str) -> dict[str, Any]:
         try:
-            line = self._lines.get(timeout=timeout)
-        except queue.Empty:
-            raise AssertionError(f"vLLM engine: no answer to {what} within {timeout} s; log:\n{self.log_tail()}"
-                                 ) from None
-        if line is None:
-            raise AssertionError(f"vLLM engine exited during {what}; log:\n{self.log_tail()}")
-        answer: dict[str, Any] = json.loads(line)
-        if "error" in answer:
-            raise AssertionError(f"vLLM engine: {answer['error']}; log:\n{self.log_tail()}")
-        return answer
+            super().__init__(VLLM_PYTHON, model, log, kvcache=kvcache, extra=extra, args=args, cwd=REPO)
+        except DriverError as e:
+            raise AssertionError(str(e)) from None
 
     def command(self, cmd: dict[str, Any], timeout: float = 180.0) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self._answer(timeout, str(cmd.get("cmd")))
-
-    def generate(self, requests: list[dict[str, Any]], timeout: float = 180.0) -> list[dict[str, Any]]:
-        outputs: list[dict[str, Any]] = self.command({"cmd": "generate", "requests": requests}, timeout)["outputs"]
-        return outputs
-
-    def metrics(self) -> dict[str, float]:
-        metrics: dict[str, float] = self.command({"cmd": "metrics"})["metrics"]
-        return metrics
-
-    def log_tail(self, n: int = 40) -> str:
-        self._log.flush()
-        lines = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join(lines[-n:])
-
-    def log_text(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.command({"cmd": "exit"}, timeout=30)
-                self.proc.wait(timeout=30)
-            except (AssertionError, BrokenPipeError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait(timeout=30)
-        self._log.close()
+        try:
+            return super().command(cmd, timeout)
+        except DriverError as e:
+            raise AssertionError(str(e)) from None
 
 
 def request(prompt: list[int], max_tokens: int = 8, **more: Any) -> dict[str, Any]:
