@@ -1,0 +1,196 @@
+"""vLLM alone against vLLM on kvcache (`KVCacheConnector`), same model, same run.
+
+    .venv/bin/python -m bench.vllm_bench            # 8 layers x 1024 hidden (prefill dominates on a CPU)
+    .venv/bin/python -m bench.vllm_bench --quick    # the tiny test model, no vLLM-alone baseline (the smoke test)
+
+The engines are real vLLM processes (`.venv-vllm`, `make vllm-setup`) driven through
+`engine_client.vllm.driver`, two at a time (engine A and engine B, like two replicas behind a router), on a
+random-initialised Llama, greedy. Workloads:
+
+- shared prefix: A answers one question on each of 4 documents, then B answers other questions on the same
+  documents. Reported for B: prompt tokens it computed and its median time to first token.
+- multi-turn chat: 4 chats of 3 turns, turns alternating A, B, A (no session affinity: each turn's prompt is
+  the whole conversation, kvcache finds it through its radix). Reported for turns 2 and 3.
+- scheduler-side cost: bursts of 32 new requests admitted in one scheduler step on kvcache; the time the
+  connector's scheduler hooks take on vLLM's scheduler thread, per request (the Step itself runs in the
+  connector's sender thread, reported beside it).
+- worker-side copy cost per page (all layers): from the engines' counters, and an in-process measure of
+  the same copy code on the bench model's layout (median of rounds).
+
+Tokens with kvcache must equal vLLM alone. The machine is shared: times are medians, read them as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bench.common import REPO, machine_load
+from engine_client.vllm.demo import KVCacheService, computed, tokens
+from engine_client.vllm.driver import EngineProcess, save_model
+from engine_client.vllm.transfer import LayerKV, TransferIndex, Transfers, load_layer, save_layer
+
+FULL: dict[str, Any] = {"layers": 8, "hidden": 1024, "heads": 16, "kv_heads": 4, "head_dim": 64, "intermediate": 2816}
+QUICK: dict[str, Any] = {"layers": 2, "hidden": 128, "heads": 2, "kv_heads": 2, "head_dim": 64, "intermediate": 256}
+PAGE, BLOCK = 16, 32
+
+
+def engines(python: Path, model: Path, work: Path, tag: str, target: str) -> tuple[EngineProcess, EngineProcess]:
+    args = ("--max-model-len", "4096", "--kv-cache-mib", "512", "--max-num-seqs", "64",
+            "--max-num-batched-tokens", "8192")
+    a = EngineProcess(python, model, work / f"{tag}-a.log", kvcache=target, args=args, cwd=REPO)
+    b = EngineProcess(python, model, work / f"{tag}-b.log", kvcache=target, args=args, cwd=REPO)
+    return a, b
+
+
+def run_workloads(a: EngineProcess, b: EngineProcess, doc_tokens: int, chats: int) -> dict[str, Any]:
+    docs = [tokens(i, doc_tokens) for i in range(4)]
+    first = [{"prompt": d + tokens(100 + i, 32), "max_tokens": 8} for i, d in enumerate(docs)]
+    second = [{"prompt": d + tokens(200 + i, 32), "max_tokens": 8} for i, d in enumerate(docs)]
+    a.generate(first)
+    out = b.generate(second)
+    shared = {"computed": computed(out, second), "ttft": statistics.median(o["ttft"] for o in out),
+              "tokens": [o["tokens"] for o in out]}
+    histories: list[list[int]] = [[] for _ in range(chats)]
+    chat_computed, chat_ttft, chat_tokens = 0, [], []
+    for turn in range(3):
+        engine = a if turn % 2 == 0 else b
+        reqs = [{"prompt": histories[c] + tokens(1000 + 10 * c + turn, 48), "max_tokens": 16} for c in range(chats)]
+        outs = engine.generate(reqs)
+        for c, (r, o) in enumerate(zip(reqs, outs, strict=True)):
+            histories[c] = r["prompt"] + o["tokens"]
+            chat_tokens.append(o["tokens"])
+        if turn:
+            chat_computed += computed(outs, reqs)
+            chat_ttft += [o["ttft"] for o in outs]
+    return {"shared": shared, "chat": {"computed": chat_computed, "ttft": statistics.median(chat_ttft),
+                                        "tokens": chat_tokens}}
+
+
+def scheduler_cost(engine: EngineProcess, bursts: int, size: int) -> dict[str, float]:
+    """Median over bursts of `size` new requests admitted together: connector scheduler-thread us a request."""
+    per_request, step_ms = [], []
+    for i in range(bursts):
+        before = engine.metrics()
+        engine.generate([{"prompt": tokens(5000 + i * size + j, 64), "max_tokens": 1} for j in range(size)])
+        time.sleep(0.3)  # let the finishes' Step come back and be counted
+        engine.generate([{"prompt": [1, 2, 3], "max_tokens": 1}])  # a step that reports the counters
+        after = engine.metrics()
+        d = {k: after.get(f"kvcache_connector_{k}_total", 0.0) - before.get(f"kvcache_connector_{k}_total", 0.0)
+             for k in ("scheduler_seconds", "step_seconds", "steps")}
+        per_request.append(d["scheduler_seconds"] / (size + 1) * 1e6)
+        step_ms.append(d["step_seconds"] / max(d["steps"], 1) * 1e3)
+    return {"us_per_request": statistics.median(per_request), "step_ms": statistics.median(step_ms)}
+
+
+def copy_cost(shape: dict[str, int], pages: int, rounds: int) -> dict[str, float]:
+    """The connector's copy code on the bench model's layout: us per page (all layers) to load and save."""
+    layers, heads, dim = shape["layers"], shape["kv_heads"], shape["head_dim"]
+    num_blocks = pages * PAGE // BLOCK + 8
+    pool = torch.randn(layers, 2, pages + 8, PAGE, heads, dim)
+    vllm = [torch.zeros(num_blocks, heads, BLOCK, 2 * dim) for _ in range(layers)]
+    from engine_client.vllm.transfer import layer_kv
+
+    views: list[LayerKV] = [layer_kv(t, "CPU_ATTN", block_size=BLOCK, num_heads=heads, head_dim=dim, variant="vec")
+                            for t in vllm]
+    rng = np.random.default_rng(0)
+    page_ids = rng.permutation(np.arange(1, pages + 8, dtype=np.int32))[:pages]
+    block_ids = rng.permutation(np.arange(num_blocks, dtype=np.int32))[: pages * PAGE // BLOCK]
+    t = Transfers.build([(0, pages * PAGE, page_ids, block_ids)])
+    index = TransferIndex.build(t, page_size=PAGE, block_size=BLOCK)
+    load, save = [], []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for layer in range(layers):
+            load_layer(pool[layer], views[layer], index)
+        load.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        for layer in range(layers):
+            save_layer(views[layer], pool[layer], index)
+        save.append(time.perf_counter() - start)
+    page_bytes = layers * 2 * PAGE * heads * dim * 4
+    return {"load_us": statistics.median(load) / pages * 1e6, "save_us": statistics.median(save) / pages * 1e6,
+            "page_kib": page_bytes / 1024}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.vllm_bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny model, small workloads, no vLLM-alone baseline")
+    p.add_argument("--vllm-python", default=str(REPO / ".venv-vllm" / "bin" / "python"))
+    args = p.parse_args(argv)
+    python = Path(args.vllm_python)
+    if not python.exists():
+        print(f"[vllm_bench] {python} is missing: run `make vllm-setup`")
+        return 1
+    shape = QUICK if args.quick else FULL
+    doc_tokens, chats = (64, 2) if args.quick else (1024, 4)
+    bursts, burst = (2, 8) if args.quick else (5, 32)
+    work = Path(tempfile.mkdtemp(prefix="kvcache-vllm-bench-"))
+    print(f"[vllm_bench] machine load {machine_load()}; model: random Llama {shape['layers']} layers x "
+          f"{shape['hidden']} hidden, {shape['kv_heads']} KV heads of {shape['head_dim']}, float32; logs in {work}")
+    model = save_model("llama", work / "model", **shape)
+    service = KVCacheService(work / "kvcache.log", layers=shape["layers"], kv_heads=shape["kv_heads"],
+                             head_dim=shape["head_dim"], num_pages=8192)
+    results: dict[str, Any] = {}
+    try:
+        for tag, target in ([("kvcache", service.target)] if args.quick else
+                            [("alone", ""), ("kvcache", service.target)]):
+            print(f"[vllm_bench] starting engines A and B ({'vLLM alone' if not target else 'on kvcache'})")
+            a, b = engines(python, model, work, tag, target)
+            try:
+                results[tag] = run_workloads(a, b, doc_tokens, chats)
+                if target:
+                    results["scheduler"] = scheduler_cost(a, bursts, burst)
+                    m = [e.metrics() for e in (a, b)]
+                    total = {k: sum(x.get(f"kvcache_connector_{k}_total", 0.0) for x in m)
+                             for k in ("load_seconds", "load_pages", "save_seconds", "save_pages")}
+                    results["engine_copy"] = {
+                        "load_us": total["load_seconds"] / max(total["load_pages"], 1) * 1e6,
+                        "save_us": total["save_seconds"] / max(total["save_pages"], 1) * 1e6}
+            finally:
+                a.close()
+                b.close()
+    finally:
+        service.close()
+    results["copy"] = copy_cost(shape, pages=64 if args.quick else 256, rounds=5 if args.quick else 20)
+    print_table(results, shape, doc_tokens, chats, burst)
+    if "alone" in results:
+        same = all(results["alone"][w]["tokens"] == results["kvcache"][w]["tokens"] for w in ("shared", "chat"))
+        print(f"[vllm_bench] tokens equal to vLLM alone: {'yes' if same else 'NO'}")
+        return 0 if same else 1
+    return 0
+
+
+def print_table(r: dict[str, Any], shape: dict[str, int], doc_tokens: int, chats: int, burst: int) -> None:
+    def cell(tag: str, workload: str) -> str:
+        if tag not in r:
+            return f"{'-':>9} {'-':>11}"
+        w = r[tag][workload]
+        return f"{w['computed']:>9} {w['ttft'] * 1000:>8.1f} ms"
+
+    print()
+    print(f"{'workload (engine B / turns 2-3)':<44} {'vLLM alone':>21}   {'vLLM on kvcache':>21}")
+    print(f"{'':<44} {'computed':>9} {'TTFT p50':>11}   {'computed':>9} {'TTFT p50':>11}")
+    print(f"{f'shared prefix: 4 docs x {doc_tokens} tok, new engine':<44} {cell('alone', 'shared')}   "
+          f"{cell('kvcache', 'shared')}")
+    print(f"{f'chat: {chats} chats x 3 turns, engines A,B,A':<44} {cell('alone', 'chat')}   {cell('kvcache', 'chat')}")
+    print()
+    s, c, e = r["scheduler"], r["copy"], r["engine_copy"]
+    print(f"scheduler side, {burst} new requests a step: {s['us_per_request']:.1f} us a request on vLLM's scheduler "
+          f"thread (target < 100); the step's Step: {s['step_ms']:.2f} ms in the sender thread")
+    print(f"worker side, one page = {c['page_kib']:.0f} KiB ({shape['layers']} layers, K+V): load "
+          f"{c['load_us']:.2f} us, save {c['save_us']:.2f} us a page (the copy code, full pages, median); in the "
+          f"engines: load {e['load_us']:.2f} us, save {e['save_us']:.2f} us a page touched (decode saves one token "
+          "a step)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

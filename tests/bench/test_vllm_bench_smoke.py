@@ -1,0 +1,22 @@
+"""bench/vllm_bench.py runs end to end with the real vLLM on the tiny model (no timing is asserted)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import vllm_bench
+
+pytestmark = pytest.mark.xdist_group("vllm")
+
+
+def test_vllm_bench_quick_prints_its_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert vllm_bench.main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    rows = {line[:44].strip(): line[44:].split() for line in out.splitlines()
+            if line.startswith(("shared prefix", "chat:"))}
+    assert list(rows) == ["shared prefix: 4 docs x 64 tok, new engine", "chat: 2 chats x 3 turns, engines A,B,A"]
+    shared = rows["shared prefix: 4 docs x 64 tok, new engine"]
+    assert shared[:2] == ["-", "-"]  # --quick runs no vLLM-alone baseline
+    assert int(shared[2]) == 4 * (64 + 32) - 4 * 48  # engine B computes each prompt but the documents' 3 full pages
+    assert "new requests a step:" in out and " us a request on vLLM's scheduler thread" in out
+    assert "worker side, one page = 32 KiB (2 layers, K+V)" in out
