@@ -13,8 +13,8 @@ from engine_client.vllm.counters import COUNTER_HELP, Counters
 from engine_client.vllm.scheduler import WorkerReport
 from engine_client.vllm.transfer import (
     KVLayoutError,
-    Transfers,
     TransferIndex,
+    Transfers,
     layer_kv,
     load_layer,
     save_layer,
@@ -59,7 +59,7 @@ def test_a_transfer_index_maps_positions_to_pool_slots_and_vllm_blocks() -> None
                          (64, 66, np.array([9], np.int32), np.array([1], np.int32))])
     assert (len(t), t.num_tokens, t.num_pages(PS)) == (2, 22, 3)
     index = TransferIndex.build(t, page_size=PS, block_size=BS)
-    pos = list(range(20, 40)) + [64, 65]
+    pos = [*list(range(20, 40)), 64, 65]
     want_slots = [(7 if p < 32 else 3) * PS + p % PS for p in pos[:20]] + [9 * PS, 9 * PS + 1]
     want_blocks = [5 if p < 32 else 2 for p in pos[:20]] + [1, 1]
     assert index.pool_slots.tolist() == want_slots
