@@ -29,7 +29,7 @@ from .conftest import (
     wait_until,
 )
 
-pytestmark = pytest.mark.xdist_group("vllm")
+pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.timeout(900)]  # real vLLM engines start in ~20-60 s
 
 VOCAB = 512
 
