@@ -17,6 +17,6 @@ def test_vllm_bench_quick_prints_its_table(capsys: pytest.CaptureFixture[str]) -
     assert list(rows) == ["shared prefix: 4 docs x 64 tok, new engine", "chat: 2 chats x 3 turns, engines A,B,A"]
     shared = rows["shared prefix: 4 docs x 64 tok, new engine"]
     assert shared[:2] == ["-", "-"]  # --quick runs no vLLM-alone baseline
-    assert int(shared[2]) == 4 * (64 + 32) - 4 * 48  # engine B computes each prompt but the documents' 3 full pages
+    assert int(shared[2]) == 4 * 32  # engine B computes each question; the documents (4 full pages) come from kvcache
     assert "new requests a step:" in out and " us a request on vLLM's scheduler thread" in out
     assert "worker side, one page = 32 KiB (2 layers, K+V)" in out
