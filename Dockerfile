@@ -10,12 +10,16 @@
 # the second. Torch is not installed: only engines need it. The `cuda` extra brings cupy-cuda12x, which
 # cuda_ipc needs (it loads the CUDA 12 runtime libraries of the base image), and cuda-python 12, whose
 # driver bindings cuda_vmm calls (libcuda comes from the GPU driver). Leave it out
-# (`--build-arg EXTRAS=`) on a CPU base.
+# (`--build-arg EXTRAS=`) on a CPU base. Add `mooncake` (`EXTRAS=cuda,mooncake`, or `EXTRAS=mooncake` on
+# python:3.11-slim) for --tier mooncake: mooncake-transfer-engine-non-cuda, whose native library needs
+# libibverbs1 (installed in the runtime stage when the extra is in). Its wheels are per CPython version
+# (cp311 was used here); Ubuntu 22.04's Python 3.10 may have none, so prefer a python:3.11 base for it.
 
 ARG BASE_IMAGE=nvidia/cuda:12.4.1-runtime-ubuntu22.04
+ARG EXTRAS=cuda
 
 FROM ${BASE_IMAGE} AS build
-ARG EXTRAS=cuda
+ARG EXTRAS
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 # CUDA images ship no Python (Ubuntu 22.04's python3 is 3.10, which kvcache supports); python images do.
 RUN if ! command -v python3 >/dev/null 2>&1 || ! python3 -c 'import ensurepip' >/dev/null 2>&1; then \
@@ -30,9 +34,13 @@ RUN /opt/kvcache/bin/pip install --upgrade pip \
     && /opt/kvcache/bin/kvcache-service --help >/dev/null
 
 FROM ${BASE_IMAGE}
+ARG EXTRAS
 ENV DEBIAN_FRONTEND=noninteractive
-RUN if ! command -v python3 >/dev/null 2>&1; then \
-        apt-get update && apt-get install -y --no-install-recommends python3 \
+RUN packages=""; \
+    command -v python3 >/dev/null 2>&1 || packages="python3"; \
+    case ",${EXTRAS}," in *,mooncake,*) packages="$packages libibverbs1";; esac; \
+    if [ -n "$packages" ]; then \
+        apt-get update && apt-get install -y --no-install-recommends $packages \
         && rm -rf /var/lib/apt/lists/*; \
     fi \
     && groupadd --system --gid 10001 kvcache \

@@ -17,9 +17,9 @@ BUF := $(TOOLS)/node_modules/.bin/buf
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
 
-setup: $(STAMP) ## create .venv and install kvcache[dev] (torch 2.13.0 CPU unless a torch is importable)
+setup: $(STAMP) ## create .venv and install kvcache[dev,mooncake] (torch 2.13.0 CPU unless a torch is importable; libibverbs1)
 
-$(STAMP): pyproject.toml scripts/setup.sh
+$(STAMP): pyproject.toml scripts/setup.sh scripts/ensure_libibverbs.sh
 	@bash scripts/setup.sh "$(PYTHON)" "$(VENV)"
 	@touch $@
 

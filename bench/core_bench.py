@@ -20,6 +20,7 @@ import tracemalloc
 import numpy as np
 
 from cache_service.core import CoreConfig, KVCacheCore
+from cache_service.core.ledger import PageLedger
 from cache_service.core.radix import RadixTree, token_key
 
 NUM_SESSIONS = 4
@@ -184,9 +185,9 @@ def radix_table(repeats: int) -> None:
             n_pages = ctx // page_size
             ins_t, match_t = [], []
             for _ in range(repeats):
-                tree = RadixTree(page_size, lambda p: None)
+                tree = RadixTree(page_size, PageLedger(1 << 20), lambda p, src: None)
                 keys = [token_key(s, page_size) for s in seqs]
-                pages = np.arange(1, n_pages + 1, dtype=np.int32)
+                pages = np.arange(1, n_pages + 1, dtype=np.int32).tobytes()
                 t0 = time.perf_counter()
                 for k in keys:
                     tree.insert("", k, pages)
@@ -202,7 +203,7 @@ def radix_table(repeats: int) -> None:
 def _token_bytes(core: KVCacheCore) -> int:
     """Bytes of token ids the core stores: session token buffers plus radix node keys."""
     keys = sum(len(n.key) for n in core.radix.iter_nodes())
-    buffers = sum(s.tokens.nbytes for s in core.sessions)
+    buffers = sum(len(s.tokens) for s in core.sessions)
     return keys + buffers
 
 

@@ -43,7 +43,7 @@ def core_lifecycle_us(record: bool, requests: int) -> float:
 
     core = KVCacheCore(CoreConfig(num_pages=8192, page_size=PAGE, session_budget_pages=0))
     if record:
-        core.events.start(core.radix)
+        core.start_events()
     rng = np.random.default_rng(0)
     system = rng.integers(0, 32000, 256).astype(np.int32)
     commit = np.arange(8, dtype=np.int32)
@@ -59,7 +59,7 @@ def core_lifecycle_us(record: bool, requests: int) -> float:
         core.close(sid, cache=True)
         ops += 9
         if record:
-            wire_batch(0.0, core.events.drain(), "CPU", PAGE)
+            wire_batch(0.0, core.take_events(), "CPU", PAGE)
     return (time.perf_counter() - t0) / ops * 1e6
 
 

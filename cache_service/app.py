@@ -31,16 +31,27 @@ from cache_service.rpc.identity import Identities, load_tenants
 from cache_service.rpc.kv_events import EventHub, ZmqPublisher, default_topic
 from cache_service.rpc.pool_socket import PoolSocketServer, parse_uids
 from cache_service.rpc.server import RpcServer, RpcSettings, ServerTls
+from cache_service.tier import TierConfigError, TierService, create_backend, page_memory
+from cache_service.tier.memory import TierMemoryError
+
+TIER_CONNECT_WAIT_SECONDS = 3.0
+"""Most start-up waits for the tier's first connection attempt (Mooncake's port check gives up after 2 s)."""
 
 
-def core_config(config: ServiceConfig) -> CoreConfig:
+def core_config(config: ServiceConfig, num_pages: int) -> CoreConfig:
+    """The core's settings for a pool of `num_pages` pages (page 0 included), each with one meaning: the
+    session budget in pages (0: none; a fraction of 0 or 1 asks for none) and the per-session cap in tokens
+    (--max-session-tokens, at most what the pool holds)."""
+    usable = num_pages - 1
+    fraction = config.session_budget_fraction
+    pool_tokens = usable * config.page_size
     return CoreConfig(
-        num_pages=config.resolved_num_pages,
+        num_pages=num_pages,
         page_size=config.page_size,
         session_timeout_seconds=config.session_timeout,
         lease_ttl_seconds=config.lease_ttl,
-        session_budget_pages=config.session_budget_pages,
-        max_session_tokens=config.session_token_cap,
+        session_budget_pages=0 if fraction in (0, 1) else max(1, int(usable * fraction)),
+        max_session_tokens=min(config.max_session_tokens, pool_tokens) if config.max_session_tokens else pool_tokens,
         max_sessions=config.max_sessions,
         max_lease_ttl_seconds=config.max_lease_ttl,
         quarantine_seconds=config.quarantine_seconds,
@@ -130,7 +141,8 @@ class KVCacheServer:
         self._pool_factory = pool_factory
         self.pool: PoolBackend | None = None
         self.pool_why = ""
-        self.core = KVCacheCore(core_config(config), clock)
+        self._core: KVCacheCore | None = None
+        """Made at start, for the pool the backend allocated (--gpu-memory-fraction sizes it only then)."""
         self._rpc: RpcServer | None = None
         self._reaper: asyncio.Task[None] | None = None
         self._metrics_server: asyncio.Server | None = None
@@ -141,6 +153,13 @@ class KVCacheServer:
         self._stopped = False
         self.events: EventHub | None = None
         self.pool_socket: PoolSocketServer | None = None
+        self.tier: TierService | None = None
+        """The tier beyond the pool (--tier), None with --tier none."""
+
+    @property
+    def core(self) -> KVCacheCore:
+        assert self._core is not None, "start() first"
+        return self._core
 
     @property
     def security(self) -> str:
@@ -156,19 +175,24 @@ class KVCacheServer:
         cfg = self.config
         choice = self._pool_factory(cfg, self.instance_id)
         self.pool, self.pool_why = choice.pool, choice.why
+        self._core = KVCacheCore(core_config(cfg, self.pool.layout.num_pages), self._clock)
         for path in choice.removed_stale:
             self._log.warning("removed_stale_pool_file", path=path)
         try:
+            self.tier = self._start_tier()
+            await self._await_tier()
             await self._start_serving()
         except BaseException:
             if self.events is not None:
                 self.events.close()
             if self.pool_socket is not None:
                 self.pool_socket.close()
+            if self.tier is not None:
+                await asyncio.to_thread(self.tier.close, 0.0)
             self.pool.close()
             raise
         self._log.info("serving", address=self.address, instance_id=self.instance_id, backend=self.pool.name,
-                       usable_pages=cfg.resolved_num_pages - 1, metrics_port=self.metrics_port,
+                       usable_pages=self.pool.layout.num_pages - 1, metrics_port=self.metrics_port,
                        security=self.security, identities=list(self.identities.names))
         if self.identities.open and not _local(self.address):
             self._log.warning("no_auth", address=self.address,
@@ -182,13 +206,15 @@ class KVCacheServer:
                                             "version": __version__})
         self.events = self._event_hub()
         metrics.add_events(self.events)
+        if self.tier is not None:
+            metrics.add_tier(self.tier)
         handle = self.pool.handle()
         if exports_fd(self.pool):
             self.pool_socket = self._pool_socket(handle)
             handle = dataclasses.replace(handle, pool_socket=self.pool_socket.address)
         rpc = RpcServer(self.core, self.pool.layout, handle,
                         rpc_settings(cfg, self.identities, self.tls), instance_id=self.instance_id, metrics=metrics,
-                        events=self.events, clock=self._clock)
+                        events=self.events, clock=self._clock, tier=self.tier)
         self.address = rpc.bind()
         if rpc.removed_stale_socket:
             self._log.warning("removed_stale_socket", path=rpc.removed_stale_socket)
@@ -205,6 +231,38 @@ class KVCacheServer:
         await rpc.start()
         self._rpc = rpc
         self._reaper = asyncio.create_task(self._reap_forever(), name="kvcache-reaper")
+
+    def _start_tier(self) -> TierService | None:
+        """The tier --tier names, started on this loop (its store connects in the background); None for
+        --tier none. A bad flag, a missing client or memory the store refuses is a ConfigError."""
+        cfg = self.config
+        if cfg.tier == "none":
+            return None
+        assert self.pool is not None
+        try:
+            memory = page_memory(self.pool)
+        except (TierConfigError, TierMemoryError) as e:
+            raise ConfigError(str(e)) from None
+        try:
+            backend = create_backend(cfg, self.pool)
+        except TierConfigError as e:
+            memory.close()
+            raise ConfigError(str(e)) from None
+        tier = TierService(backend, memory, timeout_seconds=cfg.tier_timeout, queue_pages=cfg.tier_queue_pages)
+        try:
+            tier.start(asyncio.get_running_loop())
+        except TierConfigError as e:
+            tier.close(0.0)
+            raise ConfigError(str(e)) from None
+        self._log.info("tier", backend=backend.name, description=backend.describe(),
+                       timeout_seconds=cfg.tier_timeout, queue_pages=cfg.tier_queue_pages)
+        return tier
+
+    async def _await_tier(self) -> None:
+        """Give the tier's first connection a moment (bounded: a master that is down costs hits, never the
+        start), so that the banner says whether the store answered."""
+        if self.tier is not None:
+            await asyncio.to_thread(self.tier.wait_first_connection, TIER_CONNECT_WAIT_SECONDS)
 
     def _pool_socket(self, handle: PoolHandle) -> PoolSocketServer:
         """Serve the fd-backed pool on --pool-socket (default: @kvcache-<instance id>)."""
@@ -239,6 +297,9 @@ class KVCacheServer:
             except Exception:
                 self._log.exception("reaper_failed")
                 continue
+            finally:
+                if self.events is not None:
+                    self.events.poke()
             if res.session_ids or res.engine_ids:
                 self._log.info("reaped", sessions=list(res.session_ids), expired_engines=list(res.engine_ids))
 
@@ -263,16 +324,19 @@ class KVCacheServer:
             await self._metrics_server.wait_closed()
         # Every session open now is released: engines' leases end (their sessions close, KV cached) and
         # the rest go with the pool.
-        st = self.core.stats()
-        for engine in self.core.list_engines():
-            self.core.unregister_engine(engine.engine_id, identity=None)
+        st = self._core.stats() if self._core is not None else None
+        if self._core is not None:
+            for engine in self._core.list_engines():
+                self._core.unregister_engine(engine.engine_id, identity=None)
         if self.events is not None:
             self.events.close()
         if self.pool_socket is not None:
             self.pool_socket.close()
+        if self.tier is not None:  # queued offloads finish first (a restart finds them), then the mapping goes
+            await asyncio.to_thread(self.tier.close, grace)
         if self.pool is not None:
             self.pool.close()
-        self._log.info("stopped", released_sessions=st.sessions, released_engines=st.engines,
+        self._log.info("stopped", released_sessions=st.sessions if st else 0, released_engines=st.engines if st else 0,
                        instance_id=self.instance_id)
 
 

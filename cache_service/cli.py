@@ -146,11 +146,13 @@ def _banner(server: Any) -> str:
     lines = [
         f"{PROG} {__version__} listening on {server.address} (instance {server.instance_id})",
         f"  backend  {server.pool.name}: {where} ({server.pool_why})",
+        *_model_lines(cfg),
         f"  pool     {layout.num_pages - 1:,} pages x {layout.page_size} tokens = {layout.usable_tokens:,} tokens, "
         f"{format_bytes(layout.size_bytes)} ({layout.describe()})",
         f"  metrics  {metrics}",
         f"  auth     {_auth_line(server)}",
         *_events_lines(server),
+        *_tier_lines(server),
     ]
     if server.security == "mtls":
         lines.append(f"  tls      mtls: certificate {cfg.tls_cert}; clients must present a certificate signed by "
@@ -159,6 +161,15 @@ def _banner(server: Any) -> str:
         lines.append(f"  tls      tls: certificate {cfg.tls_cert}; no client certificates asked")
     lines.append(f"  try      {_grpcurl_line(server.address, server.security, cfg.tls_cert)}")
     return "\n".join(lines)
+
+
+def _model_lines(cfg: ServiceConfig) -> list[str]:
+    """What --model read, when it is set: the pool's layout came from it."""
+    model = cfg.model_layout
+    if model is None:
+        return []
+    dtype = "" if model.dtype == cfg.dtype else f"; KV dtype {cfg.dtype} (--dtype)"
+    return [f"  model    {cfg.model}: {model.architecture}, {model.describe()}{dtype}"]
 
 
 # grpcurl checks the certificate against the host it dials: a wildcard bind address is no certificate's name.
@@ -195,6 +206,15 @@ def _events_lines(server: Any) -> list[str]:
     pub = hub.publisher
     replay = f", replay {pub.replay_endpoint}" if pub.replay_endpoint else ""
     return [f"  events   {pub.endpoint}{replay}, topic {pub.topic.decode()!r}, first seq {hub.last_seq}"]
+
+
+def _tier_lines(server: Any) -> list[str]:
+    """The tier line, when --tier is set."""
+    tier = server.tier
+    if tier is None:
+        return []
+    state = "up" if tier.up else "DOWN (misses until the store answers; the service reconnects)"
+    return [f"  tier     {tier.backend.describe()}; {state}; loads wait at most {server.config.tier_timeout:g} s"]
 
 
 def _auth_line(server: Any) -> str:
@@ -317,10 +337,36 @@ def format_stats(st: pb.GetStatsResponse) -> str:
         ("events", f"{st.evicted_pages:,} pages evicted, {st.duplicate_pages:,} duplicate, "
                    f"{st.demoted_sessions} demotions, {st.reaped_sessions} reaped, {st.expired_leases} leases expired"),
     ]
+    if st.HasField("tier"):
+        rows += tier_rows(st.tier)
     if st.verified:
         rows.append(("invariant check", "passed"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def tier_rows(t: pb.TierStats) -> list[tuple[str, str]]:
+    """The tier's part of `stats`: state, hits, loads, offloads, errors and what it holds."""
+
+    def per_page(seconds: float, pages: int) -> str:
+        return f", {1000 * seconds / pages:.2f} ms/page" if pages else ""
+
+    errors = ", ".join(f"{e.operation}:{e.reason} {e.count:,}" for e in t.errors) or "none"
+    rows = [
+        ("tier", f"{t.backend}, {'up' if t.up else 'DOWN'}" + (f", {t.outages} outage(s)" if t.outages else "")),
+        ("  hits", f"{t.hit_pages:,} pages hit, {t.miss_pages:,} missed ({t.lookup_pages:,} looked up)"),
+        ("  loads", f"{t.load_pages:,} pages, {format_bytes(t.load_bytes)} in {t.load_seconds:.3f} s"
+                    f"{per_page(t.load_seconds, t.load_pages)}; {t.load_timeouts:,} timed out; "
+                    f"{t.load_queue_pages:,} pages loading"),
+        ("  offloads", f"{t.offload_pages:,} pages, {format_bytes(t.offload_bytes)} in {t.offload_seconds:.3f} s"
+                       f"{per_page(t.offload_seconds, t.offload_pages)}; {t.offload_dropped_pages:,} dropped; "
+                       f"queue {t.queue_pages:,}/{t.queue_capacity_pages:,} pages"),
+        ("  errors", errors),
+    ]
+    if t.HasField("stored_values"):
+        rows.append(("  stored", f"{t.stored_values:,} values, {format_bytes(t.stored_bytes)} of "
+                                 f"{format_bytes(t.capacity_bytes)}"))
+    return rows
 
 
 def _cmd_sessions(args: argparse.Namespace) -> int:

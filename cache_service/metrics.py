@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from cache_service.core import Stats
+from cache_service.tier.stats import TierStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 800e-6, 1.6e-3, 3.2e-3, 6.4e-3, 12.8e-3, 25.6e-3,
@@ -132,6 +133,53 @@ class _EventCollector(Collector):
         yield GaugeMetricFamily("kvcache_event_watchers", "Open WatchEvents streams.", value=hub.watchers)
 
 
+class TierSource(Protocol):
+    """What the tier exposes to metrics."""
+
+    def stats(self) -> TierStats: ...
+
+
+class _TierCollector(Collector):
+    """The tier's counters (`kvcache_tier_*`), read from `TierService.stats()` at scrape time."""
+
+    def __init__(self, tier: TierSource) -> None:
+        self._tier = tier
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        t = self._tier.stats()
+        yield GaugeMetricFamily("kvcache_tier_up", "1 while the tier's store answers, 0 during an outage.",
+                                value=int(t.up))
+        for name, doc, value in (
+            ("kvcache_tier_hit_pages", "Pages loaded from the tier and handed to a request in time.", t.hit_pages),
+            ("kvcache_tier_miss_pages", "Pages looked up in the tier that it could not hand over in time.",
+             t.miss_pages),
+            ("kvcache_tier_load_pages", "Pages loaded from the tier (verified in place).", t.load_pages),
+            ("kvcache_tier_load_bytes", "Value bytes loaded from the tier.", t.load_bytes),
+            ("kvcache_tier_load_seconds", "Seconds the tier's loads took, summed.", t.load_seconds),
+            ("kvcache_tier_load_timeouts", "Loads a request stopped waiting for (--tier-timeout).", t.load_timeouts),
+            ("kvcache_tier_offload_pages", "Pages stored in the tier.", t.offload_pages),
+            ("kvcache_tier_offload_bytes", "Value bytes stored in the tier.", t.offload_bytes),
+            ("kvcache_tier_offload_seconds", "Seconds the tier's offloads took, summed.", t.offload_seconds),
+            ("kvcache_tier_offload_dropped_pages", "Pages not offloaded: the queue was full (eviction never waits).",
+             t.offload_dropped_pages),
+            ("kvcache_tier_outages", "Times the tier's store became unreachable.", t.outages),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+        errors = CounterMetricFamily("kvcache_tier_errors", "Tier failures by operation (exists, put, get) and "
+                                     "reason.", labels=["operation", "reason"])
+        for (operation, reason), n in sorted(t.errors.items()):
+            errors.add_metric([operation, reason], n)
+        yield errors
+        queue = GaugeMetricFamily("kvcache_tier_queue_pages", "Pages waiting for the tier now, by direction.",
+                                  labels=["direction"])
+        queue.add_metric(["offload"], t.queue_pages)
+        queue.add_metric(["load"], t.load_queue_pages)
+        yield queue
+        if t.stored_bytes is not None:
+            yield GaugeMetricFamily("kvcache_tier_stored_bytes", "Value bytes the tier holds (disk).",
+                                    value=t.stored_bytes)
+
+
 class Metrics:
     """The service's registry. `observe_rpc` (a bisect and two additions) is the only per-call cost."""
 
@@ -144,6 +192,10 @@ class Metrics:
     def add_events(self, hub: EventCounts) -> None:
         """Export the KV event hub's counters (batches, events by type, ZMQ drops, watchers)."""
         self.registry.register(_EventCollector(hub))
+
+    def add_tier(self, tier: TierSource) -> None:
+        """Export the tier's counters (`kvcache_tier_*`)."""
+        self.registry.register(_TierCollector(tier))
 
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
         counts = self._calls.latency.get((method, code))

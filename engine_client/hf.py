@@ -35,7 +35,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and
 from engine_client.layout import check_layout
 from engine_client.mapping import MappedPool, map_pool
 from engine_client.session import Session
-from protos.kvcache.v1.layout import PoolLayout
+from kvcache_common.layout import PoolLayout
 
 __all__ = ["ChatTurn", "DynamicChat", "SessionCache", "SessionChat", "UnsupportedModel", "check_model",
            "dense_reference", "model_layout"]

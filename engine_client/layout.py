@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from protos.kvcache.v1.layout import DTYPE_NAMES, PoolLayout
+from kvcache_common.layout import DTYPE_NAMES, PoolLayout
 
 __all__ = ["LayoutMismatch", "check_layout", "dtype_name"]
 

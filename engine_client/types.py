@@ -1,6 +1,6 @@
 """Typed results of the kvcache RPCs. Page ids are numpy int32 arrays owned by the record.
 
-`PoolLayout`, `DTYPE_BYTES` and `DTYPE_NAMES` are the service's own definitions (`protos.kvcache.v1.layout`),
+`PoolLayout`, `DTYPE_BYTES` and `DTYPE_NAMES` are the service's own definitions (`kvcache_common.layout`),
 re-exported here: client and service cannot disagree about the pool's arithmetic.
 """
 
@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from protos.kvcache.v1.layout import DTYPE_BYTES as DTYPE_BYTES
-from protos.kvcache.v1.layout import DTYPE_NAMES as DTYPE_NAMES
-from protos.kvcache.v1.layout import PoolLayout as PoolLayout
+from kvcache_common.layout import DTYPE_BYTES as DTYPE_BYTES
+from kvcache_common.layout import DTYPE_NAMES as DTYPE_NAMES
+from kvcache_common.layout import PoolLayout as PoolLayout
 
 PageIds = npt.NDArray[np.int32]
 

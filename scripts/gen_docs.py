@@ -19,6 +19,14 @@ from cache_service.core import CoreConfig, KVCacheCore  # noqa: E402
 from cache_service.core.reasons import Reason  # noqa: E402
 from cache_service.metrics import Metrics  # noqa: E402
 from cache_service.rpc.kv_events import EventHub  # noqa: E402
+from cache_service.tier.stats import TierStats  # noqa: E402
+
+
+class _DocTier:
+    """A tier for the table: one error sample, so the labels show; stored bytes, so the disk gauge does."""
+
+    def stats(self) -> TierStats:
+        return TierStats(backend="disk", up=True, errors={("put", "full"): 1}, stored_bytes=0)
 
 
 def flags_table() -> str:
@@ -40,6 +48,7 @@ def metrics_table() -> str:
     metrics = Metrics(core.stats, {"instance_id": "x", "backend": "host_shm", "version": "v"})
     metrics.observe_rpc("GetStats", "OK", 0.001)
     metrics.add_events(EventHub(core, instance_id="x", medium="CPU", buffer=1))
+    metrics.add_tier(_DocTier())
     rows = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
     for family in metrics.registry.collect():
         labels = sorted({k for s in family.samples for k in s.labels if k not in ("le",)})

@@ -24,6 +24,8 @@ if ! "$venv/bin/python" -c 'import torch' >/dev/null 2>&1; then
   step "installing $torch_spec"
   "${pip[@]}" "$torch_spec"
 fi
-step "installing kvcache[dev] (editable)"
-"${pip[@]}" -e '.[dev]'
-step "ready: $("$venv/bin/python" -c 'import torch, grpc; print(f"torch {torch.__version__}, grpcio {grpc.__version__}")')"
+# Mooncake's native client links libibverbs.so.1 (Debian's libibverbs1) even for TCP transfers.
+bash "$(dirname "$0")/ensure_libibverbs.sh"
+step "installing kvcache[dev,mooncake] (editable)"
+"${pip[@]}" -e '.[dev,mooncake]'
+step "ready: $("$venv/bin/python" -c 'import torch, grpc, importlib.metadata as m; import mooncake.store; v = m.version("mooncake-transfer-engine-non-cuda"); print(f"torch {torch.__version__}, grpcio {grpc.__version__}, mooncake {v}")')"

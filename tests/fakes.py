@@ -62,6 +62,8 @@ class FakeDriver:
 GRANULARITY = 2 << 20
 HANDLE = 0x5EED
 VA = 0x7F0000000000
+FREE_BYTES = 80 << 30
+"""What the fake and scripted drivers report free on their GPU: 80 GiB."""
 
 
 class FakeVmmDriver:
@@ -131,6 +133,10 @@ class FakeVmmDriver:
     def release(self, index: int, handle: int) -> None:
         self._call("release", index, handle)
 
+    def free_memory(self, index: int) -> int:
+        self._call("free_memory", index)
+        return FREE_BYTES
+
     def close(self) -> None:
         self._call("close")
 
@@ -162,7 +168,7 @@ class ScriptedCuda:
                  "cuMemGetAllocationGranularity", "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease",
                  "cuCtxPushCurrent", "cuCtxPopCurrent", "cuMemCreate", "cuMemExportToShareableHandle",
                  "cuMemImportFromShareableHandle", "cuMemAddressReserve", "cuMemMap", "cuMemSetAccess", "cuMemsetD8",
-                 "cuCtxSynchronize", "cuMemUnmap", "cuMemAddressFree", "cuMemRelease")
+                 "cuCtxSynchronize", "cuMemUnmap", "cuMemAddressFree", "cuMemRelease", "cuMemGetInfo")
 
     def __init__(self, cu: Any, uuid: bytes = bytes.fromhex("abcdef01222233334444555555555555"),
                  fail: str = "") -> None:
@@ -184,6 +190,7 @@ class ScriptedCuda:
             "cuMemExportToShareableHandle": lambda handle, kind, flags: (ok, self._fd()),
             "cuMemImportFromShareableHandle": lambda fd, kind: (ok, cu.CUmemGenericAllocationHandle(HANDLE + 1)),
             "cuMemAddressReserve": lambda size, alignment, addr, flags: (ok, cu.CUdeviceptr(VA)),
+            "cuMemGetInfo": lambda: (ok, FREE_BYTES, 2 * FREE_BYTES),
         }
 
     def _fd(self) -> int:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
+from cache_service.app import core_config
 from cache_service.config import FLAGS, ConfigError, ServiceConfig, add_serve_arguments, config_from, parse_bytes
 
 
@@ -33,7 +35,7 @@ def test_defaults_are_the_embedded_quick_start() -> None:
     cfg = parse([])
     assert (cfg.listen, cfg.backend, cfg.resolved_num_pages) == ("127.0.0.1:50051", "auto", 1024)
     assert cfg.layout().size_bytes == 32 * 2**20
-    assert cfg.session_budget_pages == 818  # 0.8 of 1023 usable pages
+    assert core_config(cfg, cfg.resolved_num_pages).session_budget_pages == 818  # 0.8 of 1023 usable pages
 
 
 def test_command_line_beats_environment_beats_default() -> None:
@@ -48,8 +50,9 @@ def test_pool_bytes_sizes_the_pool_in_whole_pages() -> None:
 
 
 def test_a_budget_of_zero_or_one_means_none() -> None:
-    assert parse(["--session-budget-fraction", "0"]).session_budget_pages == 0
-    assert parse(["--session-budget-fraction", "1"]).session_budget_pages == 0
+    for fraction in ("0", "1"):
+        cfg = parse(["--session-budget-fraction", fraction])
+        assert core_config(cfg, cfg.resolved_num_pages).session_budget_pages == 0
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -59,7 +62,7 @@ def test_a_budget_of_zero_or_one_means_none() -> None:
     ({"metrics_port": 70000}, "--metrics-port: not a port: 70000"),
     ({"listen": "unix:relative.sock"}, "--listen: 'unix:relative.sock' is not host:port or unix:/absolute/path"),
     ({"shm_prefix": "a/b"}, "--shm-prefix: must be a plain file name part"),
-    ({"max_message_bytes": 10}, "--max-message-bytes: must be at least 4096 bytes"),
+    ({"max_message_bytes": 10}, "--max-message-bytes: must be >= 4096 bytes, got 10"),
     ({"pool_bytes": 1000}, "--pool-bytes: 1000 B holds fewer than 2 pages of 32.0 KiB"),
     ({"tls_cert": "/tls/server.pem"}, "--tls-cert: needs --tls-key (the certificate's private key)"),
     ({"tls_key": "/tls/server.key"}, "--tls-key: needs --tls-cert (the certificate it belongs to)"),
@@ -67,6 +70,26 @@ def test_a_budget_of_zero_or_one_means_none() -> None:
      "--tls-client-ca: needs --tls-cert and --tls-key: mutual TLS is TLS with client certificates"),
     ({"tls_client_ca": "/tls/ca.pem", "tls_key": "/tls/server.key"},
      "--tls-key: needs --tls-cert (the certificate it belongs to)"),
+    ({"tier": "s3"}, "--tier: 's3' is not one of none, disk, mooncake"),
+    ({"tier": "disk"}, "--tier-dir: --tier disk needs a directory"),
+    ({"tier_dir": "/t"}, "--tier-dir: needs --tier disk (the tier is none)"),
+    ({"tier": "mooncake", "mooncake_master": "m:1", "tier_dir": "/t"},
+     "--tier-dir: needs --tier disk (the tier is mooncake)"),
+    ({"tier_bytes": 1 << 30}, "--tier-bytes: needs --tier disk (the tier is none)"),
+    ({"tier": "disk", "tier_dir": "/t", "tier_bytes": -1}, "--tier-bytes: must be >= 0 bytes, got -1"),
+    ({"tier_timeout": 0.0}, "--tier-timeout: must be > 0 seconds, got 0.0"),
+    ({"tier_timeout": float("nan")}, "--tier-timeout: must be > 0 seconds, got nan"),
+    ({"tier_queue_pages": 0}, "--tier-queue-pages: must be >= 1, got 0"),
+    ({"tier": "mooncake"}, "--mooncake-master: --tier mooncake needs the master's host:port"),
+    ({"mooncake_master": "m:1"}, "--mooncake-master: needs --tier mooncake (the tier is none)"),
+    ({"tier": "mooncake", "mooncake_master": "m"}, "--mooncake-master: 'm' is not host:port"),
+    ({"tier": "mooncake", "mooncake_master": "m:0"}, "--mooncake-master: 'm:0' is not host:port"),
+    ({"mooncake_metadata": "etcd"},
+     "--mooncake-metadata: 'etcd' is not P2PHANDSHAKE or a URL such as http://host:8080/metadata"),
+    ({"mooncake_protocol": "t c p"}, "--mooncake-protocol: 't c p' is not a protocol name such as tcp or rdma"),
+    ({"mooncake_segment_bytes": 8 << 20},
+     "--mooncake-segment-bytes: 0 or at least 16Mi (Mooncake refuses smaller segments), got 8388608"),
+    ({"mooncake_local_hostname": ""}, "--mooncake-local-hostname: '' is not a host name or address"),
 ])
 def test_validation_names_the_flag(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -76,10 +99,31 @@ def test_validation_names_the_flag(kwargs: dict[str, object], message: str) -> N
 
 def test_every_flag_is_a_config_field_with_a_kvcache_env_var() -> None:
     fields = set(ServiceConfig.__dataclass_fields__)
-    assert {f.dest for f in FLAGS} == fields
+    assert {f.dest for f in FLAGS} == fields - {"model_layout"}  # what --model read, not a setting
     assert all(f.env == "KVCACHE_" + f.dest.upper() for f in FLAGS)
     defaults = ServiceConfig()
     assert all(getattr(defaults, f.dest) == f.default for f in FLAGS)
+
+
+def test_tier_flags_parse_from_the_command_line_and_the_environment() -> None:
+    cfg = parse(["--tier", "disk", "--tier-dir", "/var/lib/kv", "--tier-bytes", "50Gi"],
+                {"KVCACHE_TIER_TIMEOUT": "0.25", "KVCACHE_TIER_QUEUE_PAGES": "64"})
+    assert (cfg.tier, cfg.tier_dir, cfg.tier_bytes, cfg.tier_timeout, cfg.tier_queue_pages) == (
+        "disk", "/var/lib/kv", 50 * 2**30, 0.25, 64)
+    cfg = parse(["--tier", "mooncake", "--mooncake-master", "10.0.0.2:50051", "--mooncake-segment-bytes", "1Gi"],
+                {"KVCACHE_MOONCAKE_LOCAL_HOSTNAME": "10.0.0.9", "KVCACHE_MOONCAKE_PROTOCOL": "rdma"})
+    assert (cfg.mooncake_master, cfg.mooncake_segment_bytes, cfg.mooncake_local_hostname, cfg.mooncake_protocol,
+            cfg.mooncake_metadata) == ("10.0.0.2:50051", 2**30, "10.0.0.9", "rdma", "P2PHANDSHAKE")
+    with pytest.raises(ConfigError, match=r"KVCACHE_TIER='tape': must be one of none, disk, mooncake"):
+        parse([], {"KVCACHE_TIER": "tape"})
+
+
+def test_the_tier_choices_are_the_tier_registry() -> None:
+    from cache_service.config import TIER_CHOICES
+    from cache_service.tier import BACKENDS
+    from cache_service.tier import TIER_CHOICES as REGISTRY_CHOICES
+
+    assert TIER_CHOICES == REGISTRY_CHOICES == ("none", *BACKENDS)
 
 
 def test_tls_flags_name_files_that_start_up_reads() -> None:
@@ -88,3 +132,73 @@ def test_tls_flags_name_files_that_start_up_reads() -> None:
                 {"KVCACHE_TLS_CLIENT_CA": "/nonexistent/ca.pem"})
     assert (cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) == (
         "/nonexistent/server.pem", "/nonexistent/server.key", "/nonexistent/ca.pem")
+
+
+# ------------------------------------------------------------------------------------------ --model
+
+MODELS = Path(__file__).resolve().parent / "models"
+
+
+@pytest.mark.parametrize(("name", "layout"), [
+    ("llama-3.1-8b", (32, 8, 128, "bfloat16")),
+    ("qwen2-7b", (28, 4, 128, "bfloat16")),
+    ("mistral-7b-v0.3", (32, 8, 128, "bfloat16")),
+])
+def test_model_sets_the_layout(name: str, layout: tuple[int, int, int, str]) -> None:
+    cfg = parse(["--model", str(MODELS / f"{name}.json"), "--pool-bytes", "1Gi"])
+    assert (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype) == layout
+    layers, heads, dim, _ = layout
+    assert cfg.model_layout is not None and cfg.layout().bytes_per_page == layers * heads * dim * 2 * 2 * 16
+
+
+def test_model_from_the_environment_and_an_explicit_kv_dtype() -> None:
+    cfg = parse(["--dtype", "float16"], {"KVCACHE_MODEL": str(MODELS / "llama-3.1-8b.json")})
+    assert (cfg.num_layers, cfg.dtype) == (32, "float16")  # the KV element type may differ from the weights'
+
+
+@pytest.mark.parametrize(("argv", "env", "message"), [
+    (["--num-layers", "2"], {}, "--num-layers: 2 disagrees with --model {m} (num-layers 32); leave it out and the "
+                                "model's is used"),
+    ([], {"KVCACHE_HEAD_DIM": "64"}, "--head-dim: 64 disagrees with --model {m} (head-dim 128); leave it out and the "
+                                     "model's is used"),
+])
+def test_a_layout_flag_that_disagrees_with_the_model_is_refused(argv: list[str], env: dict[str, str],
+                                                                 message: str) -> None:
+    model = str(MODELS / "llama-3.1-8b.json")
+    with pytest.raises(ConfigError) as err:
+        parse(["--model", model, *argv], env)
+    assert str(err.value) == message.format(m=model)
+
+
+def test_an_agreeing_layout_flag_is_fine_and_a_direct_config_reads_the_model_too() -> None:
+    model = str(MODELS / "llama-3.1-8b.json")
+    assert parse(["--model", model, "--num-layers", "32"]).num_layers == 32
+    direct = ServiceConfig(model=model, pool_bytes=1 << 30)
+    assert (direct.num_layers, direct.num_kv_heads, direct.head_dim, direct.dtype) == (32, 8, 128, "bfloat16")
+    with pytest.raises(ConfigError, match=r"^--num-kv-heads: 2 disagrees"):
+        ServiceConfig(model=model, num_kv_heads=2)  # a field other than its default was asked for
+
+
+@pytest.mark.parametrize(("name", "start"), [
+    ("deepseek-v3", "--model: DeepseekV3ForCausalLM uses multi-head latent attention"),
+    ("gemma-3-4b-text", "--model: Gemma3ForCausalLM has sliding_attention layers"),
+    ("missing", "--model: {m} does not exist"),
+])
+def test_a_model_the_pool_cannot_hold_is_refused(name: str, start: str) -> None:
+    model = str(MODELS / f"{name}.json")
+    with pytest.raises(ConfigError) as err:
+        parse(["--model", model])
+    assert str(err.value).startswith(start.format(m=model))
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--gpu-memory-fraction", "0.5", "--num-pages", "64"],
+     "--gpu-memory-fraction: set one of --num-pages, --pool-bytes and --gpu-memory-fraction"),
+    (["--gpu-memory-fraction", "0.5", "--backend", "host_shm"],
+     "--gpu-memory-fraction: sizes a GPU pool (cuda_ipc, cuda_vmm), not --backend host_shm; use --pool-bytes"),
+    (["--gpu-memory-fraction", "1.5"], "--gpu-memory-fraction: must be in [0, 1], got 1.5"),
+])
+def test_gpu_memory_fraction_refusals(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse(argv)
+    assert str(err.value) == message

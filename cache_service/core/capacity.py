@@ -1,36 +1,60 @@
-"""Capacity: decide how to make room for `n` new pages before anything changes.
+"""Capacity: the per-session token cap, and how to make room for `n` new pages before anything changes.
 
-`plan_relief` reads the pool, the radix and the session table and returns a `ReliefPlan`: which idle
-sessions to demote for the session budget, which to demote for the pool, and that eviction then covers
-the rest; or it raises the RESOURCE_EXHAUSTED reason when no relief can suffice, so a hopeless request
-changes nothing. It never moves a page: `turns.Turns` carries the plan out. The pool is checked first
+`check_token_cap` is the one check of --max-session-tokens (appends, extensions and commits all call it).
+`plan_relief` reads the page ledger and the idle sessions it is offered and returns a `ReliefPlan`:
+which idle sessions to demote for the session budget, which to demote for the pool, and that eviction
+then covers the rest; or it raises the RESOURCE_EXHAUSTED reason when no relief can suffice, so a hopeless
+request changes nothing. It never moves a page: the slots carry the plan out. The pool is checked first
 (it is the absolute limit), then the session budget.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
 
-from cache_service.core.accounting import Counters
 from cache_service.core.config import CoreConfig
 from cache_service.core.errors import KVCacheError, Reason
-from cache_service.core.pages import PageAllocator
-from cache_service.core.radix import RadixNode, RadixTree
-from cache_service.core.sessions import Session, SessionTable
+from cache_service.core.ledger import EVICTABLE, FREE, IN_FLIGHT, RADIX_LOCKED, SESSION_HELD, PageLedger
+from cache_service.core.radix import RadixNode
+
+
+class Holder(Protocol):
+    """What relief reads of a session: its id, its private pages and its radix pin."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def private_pages(self) -> int: ...
+
+    @property
+    def lock_node(self) -> RadixNode | None: ...
+
+
+def check_token_cap(cap: int, session_id: str, total: int, what: str) -> None:
+    """SESSION_TOKEN_LIMIT when `total` tokens (`what` says how they add up) exceed the per-session cap
+    `cap` (0: no cap)."""
+    if cap and total > cap:
+        raise KVCacheError(
+            Reason.SESSION_TOKEN_LIMIT, f"session {session_id!r} would reach {total} tokens ({what}), above the "
+            f"per-session cap of {cap}", session_id=session_id, limit=cap, requested=total,
+        )
+
+
+H = TypeVar("H", bound=Holder)
 
 
 @dataclass(slots=True)
-class ReliefPlan:
+class ReliefPlan(Generic[H]):
     """Demote `budget_victims`; then evict what the pool lacks, demoting `pool_victims` one at a time
     while evictions fall short. Demoting every pool victim makes `free + evictable >= n`, so afterwards
     `n` pages are free. Victims are idle sessions, least recently active first."""
 
-    budget_victims: list[Session] = field(default_factory=list)
-    pool_victims: list[Session] = field(default_factory=list)
-
-
-NO_RELIEF = ReliefPlan()
+    budget_victims: list[H] = field(default_factory=list)
+    pool_victims: list[H] = field(default_factory=list)
 
 
 class _Reclaim:
@@ -43,7 +67,7 @@ class _Reclaim:
         self._pins: Counter[RadixNode] = Counter()
         self.pages = 0
 
-    def add(self, v: Session) -> None:
+    def add(self, v: Holder) -> None:
         self.pages += v.private_pages
         n = v.lock_node
         while n is not None and n.parent is not None:
@@ -53,25 +77,23 @@ class _Reclaim:
             n = n.parent
 
 
-def plan_relief(
-    n: int, requester: Session, *, config: CoreConfig, pages: PageAllocator, radix: RadixTree,
-    sessions: SessionTable, counters: Counters,
-) -> ReliefPlan:
-    """How to free room for `n` pages for `requester`'s turn. Raises POOL_EXHAUSTED (checked first) or
-    SESSION_BUDGET when even demoting every idle session cannot make room.
+def plan_relief(n: int, requester: Holder, *, config: CoreConfig, ledger: PageLedger,
+                victims: Iterator[H]) -> ReliefPlan[H]:
+    """How to free room for `n` pages for `requester`'s turn, demoting from `victims` (idle sessions
+    holding KV, least recently active first) only while they are needed. Raises POOL_EXHAUSTED (checked
+    first) or SESSION_BUDGET when even demoting every idle session cannot make room.
 
-    Idle sessions are visited least recently active first and only while they are needed, so when
-    eviction alone covers the pool (the steady state of a full cache) no session is looked at.
+    When eviction alone covers the pool (the steady state of a full cache) no session is looked at.
     """
-    free = pages.num_free
-    potential = free + radix.evictable_pages
+    counts = ledger.counts
+    potential = counts[FREE] + counts[EVICTABLE]
     budget = config.session_budget_pages
-    over = counters.session_held_pages + counters.in_flight_pages + n - budget if budget else 0
+    sessions_hold = counts[SESSION_HELD] + counts[IN_FLIGHT]
+    over = sessions_hold + n - budget if budget else 0
+    plan: ReliefPlan[H] = ReliefPlan()
     if over <= 0 and n <= potential:
-        return NO_RELIEF
-    plan = ReliefPlan()
+        return plan
     reclaim = _Reclaim()
-    victims = sessions.demotable(requester) if config.demote_idle_sessions else iter(())
     for v in victims:
         if over > 0:
             plan.budget_victims.append(v)
@@ -82,23 +104,17 @@ def plan_relief(
             break
         reclaim.add(v)
     if n > potential + reclaim.pages:  # every idle session would not do
-        raise _pool_exhausted(requester, n, pages, radix, counters)
+        raise KVCacheError(
+            Reason.POOL_EXHAUSTED,
+            f"session {requester.id!r} needs {n} pages; {counts[FREE]} free, {counts[EVICTABLE]} evictable, "
+            f"{counts[RADIX_LOCKED]} pinned, {counts[SESSION_HELD]} held by sessions, {counts[IN_FLIGHT]} in flight",
+            session_id=requester.id, requested_pages=n, free_pages=counts[FREE],
+        )
     if over > 0:
         raise KVCacheError(
             Reason.SESSION_BUDGET,
-            f"session {requester.id!r} needs {n} pages; sessions hold "
-            f"{counters.session_held_pages + counters.in_flight_pages} of a {budget}-page session budget and "
-            f"idle sessions cannot give {over + sum(v.private_pages for v in plan.budget_victims)}",
+            f"session {requester.id!r} needs {n} pages; sessions hold {sessions_hold} of a {budget}-page session "
+            f"budget and idle sessions cannot give {over + sum(v.private_pages for v in plan.budget_victims)}",
             session_id=requester.id, requested_pages=n, budget_pages=budget,
         )
     return plan
-
-
-def _pool_exhausted(s: Session, n: int, pages: PageAllocator, radix: RadixTree, counters: Counters) -> KVCacheError:
-    return KVCacheError(
-        Reason.POOL_EXHAUSTED,
-        f"session {s.id!r} needs {n} pages; {pages.num_free} free, {radix.evictable_pages} evictable, "
-        f"{radix.locked_pages} pinned, {counters.session_held_pages} held by sessions, "
-        f"{counters.in_flight_pages} in flight",
-        session_id=s.id, requested_pages=n, free_pages=pages.num_free,
-    )

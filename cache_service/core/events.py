@@ -1,33 +1,29 @@
-"""The change feed: every page that enters or leaves the radix, and sessions opening, closing and being
-demoted, recorded as they happen for whoever publishes them (the ZMQ publisher, WatchEvents).
+"""Change records and page hashing: what a router learns of the radix and of sessions.
+
+Records: `Stored` (pages entered the radix: one node's run, parents before children), `Removed` (pages
+left it), `Cleared` (everything announced before is gone) and `SessionChange` (a session opened, closed,
+or was demoted). They are plain tuples of Python values and numpy arrays: the core never imports a
+transport.
 
 Page hashes are u64, chained: a page's hash covers its parent's hash and its own token ids, and the
 first page of a tree chains from a hash of its cache salt, so equal tokens under different salts never
 share a hash. They depend on nothing but (salt, token ids, page size), so they are the same across
-restarts and instances. A record names the pages of one radix node run: its hashes in order, the hash of
-the page before the first (None at the start of a tree) and their token ids.
-
-The feed costs nothing until something listens: `start()` turns recording on and hashes what the tree
-already holds (so a consumer that arrives late gets a complete `snapshot()`); from then on every change
-is recorded until `drain()` takes the records. `on_record`, when set, is called at the first record after
-a drain: the publisher uses it to schedule one flush per event-loop iteration. The core never imports a
-transport: records are plain tuples of Python values and numpy arrays.
+restarts and instances. `PageHashes` keeps the hash of every page the radix holds and turns the radix's
+plain change records (radix.STORED / radix.REMOVED tuples, in the order they happened) into records.
+Nothing here records anything: the radix appends to the facade's queue, and the facade resolves what it
+drains (`KVCacheCore.take_events`).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
-from cache_service.core.types import PageArray, TokenArray
-
-if TYPE_CHECKING:
-    from cache_service.core.radix import RadixNode, RadixTree
-    from cache_service.core.sessions import Session
+from cache_service.core.types import TokenArray
 
 HASH_PERSON = b"kvcache-page-v1"
 """Domain separation of the page hash (BLAKE2b personalisation, at most 16 bytes)."""
@@ -99,93 +95,61 @@ def chain_hashes(start: bytes, key: bytes, page_bytes: int) -> list[int]:
     return out
 
 
-class EventFeed:
-    """Records radix and session changes while `recording` (see the module doc)."""
+class PageHashes:
+    """The hash of every page the radix holds, kept as the radix's change records are resolved in order
+    (a page id is reused only after its removal was resolved, so the table always matches the tree as of
+    the last record resolved)."""
 
-    __slots__ = ("_hashes", "_records", "on_record", "page_bytes", "page_size", "recording")
+    __slots__ = ("_hashes", "page_bytes", "page_size")
 
     def __init__(self, num_pages: int, page_size: int) -> None:
         self.page_size = page_size
         self.page_bytes = page_size * 4
-        self.recording = False
         self._hashes: npt.NDArray[np.uint64] = np.zeros(num_pages, dtype=np.uint64)
-        """The hash of each page the radix holds (valid while recording)."""
-        self._records: list[Record] = []
-        self.on_record: Callable[[], None] | None = None
 
-    # ------------------------------------------------------------------ lifecycle
-
-    def start(self, radix: RadixTree) -> None:
-        """Record from now on; hash every page the tree holds already. Idempotent."""
-        if self.recording:
-            return
-        for node in _nodes(radix):
-            self._hashes[node.pages] = chain_hashes(self._chain_start(node)[1], node.key, self.page_bytes)
-        self.recording = True
-
-    def drain(self) -> list[Record]:
-        """The records since the last drain, oldest first."""
-        records, self._records = self._records, []
-        return records
-
-    @property
-    def pending(self) -> int:
-        return len(self._records)
-
-    def snapshot(self, radix: RadixTree) -> list[Stored]:
-        """The whole tree as Stored records, parents before children (the feed must be recording)."""
-        assert self.recording, "start() the feed first"
-        return [Stored(node.salt or "", self._chain_start(node)[0], self._hashes[node.pages].tolist(),
-                       np.frombuffer(node.key, dtype="<i4").astype(np.int32)) for node in _nodes(radix)]
-
-    # ------------------------------------------------------------------ recording (called by the core)
-
-    def stored(self, node: RadixNode) -> None:
-        """`node` (a new leaf) entered the tree with all its pages."""
-        parent_hash, start = self._chain_start(node)
-        hashes = chain_hashes(start, node.key, self.page_bytes)
-        self._hashes[node.pages] = hashes
-        self._add(Stored(node.salt or "", parent_hash, hashes,
-                         np.frombuffer(node.key, dtype="<i4")))  # a view of immutable bytes
-
-    def removed(self, cache_salt: str, pages: PageArray) -> None:
-        """`pages` left the tree. Consecutive removals under one salt share a record (an append that
-        evicts a page at a time would otherwise make one record per page)."""
-        last = self._records[-1] if self._records else None
-        if type(last) is Removed and last.cache_salt == cache_salt:
-            last.hashes.extend(self._hashes[pages].tolist())
-        else:
-            self._add(Removed(cache_salt, self._hashes[pages].tolist()))
-
-    def cleared(self) -> None:
-        self._add(Cleared())
-
-    def session(self, kind: str, s: Session) -> None:
-        self._add(SessionChange(kind, s.id, s.epoch, s.cache_salt, s.streaming, s.owner, s.identity))
-
-    def _add(self, record: Record) -> None:
-        if not self._records and self.on_record is not None:
-            self.on_record()
-        self._records.append(record)
-
-    # ------------------------------------------------------------------ helpers
-
-    def _chain_start(self, node: RadixNode) -> tuple[int | None, bytes]:
-        """(the published parent hash, the 8-byte chain start) of `node`'s first page; its parent's pages
-        must be hashed already."""
-        parent = node.parent
-        assert parent is not None
-        if parent.parent is None:
-            return None, salt_hash(node.salt or "")
-        parent_hash = int(self._hashes[parent.pages[-1]])
+    def _chain_start(self, salt: str, parent_page: int | None) -> tuple[int | None, bytes]:
+        """(the published parent hash, the 8-byte chain start) of a run after `parent_page`."""
+        if parent_page is None:
+            return None, salt_hash(salt)
+        parent_hash = int(self._hashes[parent_page])
         return parent_hash, parent_hash.to_bytes(8, "big")
 
+    def stored(self, salt: str, parent_page: int | None, key: bytes, pages: bytes) -> Stored:
+        """A run entered the tree (its parent's pages are hashed already)."""
+        parent_hash, start = self._chain_start(salt, parent_page)
+        hashes = chain_hashes(start, key, self.page_bytes)
+        self._hashes[np.frombuffer(pages, dtype=np.int32)] = hashes
+        return Stored(salt, parent_hash, hashes, np.frombuffer(key, dtype="<i4"))  # a view of immutable bytes
 
-def _nodes(radix: RadixTree) -> Iterator[RadixNode]:
-    """Every node with pages, parents before children."""
-    for root in radix.roots():
-        stack = list(root.children.values())
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())
+    def removed(self, pages: bytes) -> list[int]:
+        """The hashes of pages that left the tree."""
+        hashes: list[int] = self._hashes[np.frombuffer(pages, dtype=np.int32)].tolist()
+        return hashes
+
+    def hash_tree(self, runs: Iterable[tuple[str, int | None, bytes, bytes]]) -> None:
+        """Hash every run of a tree (parents before children): what it held before anyone listened."""
+        for salt, parent_page, key, pages in runs:
+            self.stored(salt, parent_page, key, pages)
+
+    def snapshot(self, runs: Iterable[tuple[str, int | None, bytes, bytes]]) -> list[Stored]:
+        """A hashed tree's runs as Stored records, parents before children."""
+        return [Stored(salt, self._chain_start(salt, parent_page)[0],
+                       self._hashes[np.frombuffer(pages, dtype=np.int32)].tolist(),
+                       np.frombuffer(key, dtype="<i4").astype(np.int32)) for salt, parent_page, key, pages in runs]
+
+    def resolve(self, changes: list[Any], out: list[Record]) -> None:
+        """Append to `out` the records of `changes` (radix change tuples and session records, in order).
+        Consecutive removals under one salt share a record (an append that evicts a page at a time would
+        otherwise make one record per page)."""
+        for change in changes:
+            kind = change[0] if type(change) is tuple else None
+            if kind == "stored":
+                out.append(self.stored(change[1], change[2], change[3], change[4]))
+            elif kind == "removed":
+                last = out[-1] if out else None
+                if type(last) is Removed and last.cache_salt == change[1]:
+                    last.hashes.extend(self.removed(change[2]))
+                else:
+                    out.append(Removed(change[1], self.removed(change[2])))
+            else:
+                out.append(change)

@@ -10,38 +10,47 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Protocol
-
-if TYPE_CHECKING:  # the node type only; eviction never walks the tree
-    from cache_service.core.radix import RadixNode
+from typing import Generic, Protocol, TypeVar
 
 _HEAP_SLACK = 1024
+
+
+class Leaf(Protocol):
+    """What eviction reads of a radix node (it never walks the tree, and imports none of it)."""
+
+    id: int
+    tick: int
+    hits: int
+    heap_ver: int
+
+
+RadixNode = TypeVar("RadixNode", bound=Leaf)
 
 
 class EvictionPolicy(Protocol):
     """Orders unlocked leaves for eviction: the smallest key goes first."""
 
-    def key(self, node: RadixNode) -> tuple[int, ...]: ...
+    def key(self, node: Leaf) -> tuple[int, ...]: ...
 
 
 class LRUPolicy:
     """Least recently used first (ticks are a logical clock, so order is deterministic)."""
 
-    def key(self, node: RadixNode) -> tuple[int, ...]:
+    def key(self, node: Leaf) -> tuple[int, ...]:
         return (node.tick,)
 
 
 class LFUPolicy:
     """Fewest hits first, then least recently used."""
 
-    def key(self, node: RadixNode) -> tuple[int, ...]:
+    def key(self, node: Leaf) -> tuple[int, ...]:
         return (node.hits, node.tick)
 
 
 EVICTION_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRUPolicy, "lfu": LFUPolicy}
 
 
-class LeafHeap:
+class LeafHeap(Generic[RadixNode]):
     """The set of evictable leaves, ordered by a policy."""
 
     __slots__ = ("_heap", "_leaves", "_policy")

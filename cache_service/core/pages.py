@@ -1,12 +1,17 @@
 """The page allocator: page ids 1..num_pages-1, each free, owned by exactly one holder, or quarantined.
 
-Free pages live on an int32 stack; `alloc(n)` pops n ids and `free` pushes them back, so both cost
-O(pages asked) whatever the pool size. Ids come out in ascending order on a fresh pool and freed ids are
-reused last-in first-out, which makes page ids in tests exact and predictable. A page has one owner at a
-time (the radix tree, a session, a turn in flight), so one state byte per page is all the state: a second
-free of a page is a bug and raises before anything changes. The bytes live in a bytearray with a numpy
-view: runs of a few pages (one page per decode extension) are marked element by element, which is
-several times cheaper than numpy fancy indexing at that size.
+Free pages live on an int32 stack; `take(n)` pops n ids and `give` pushes them back, so both cost
+O(pages asked) whatever the pool size. Page ids travel as int32 little-endian bytes (what a page table and
+a response hold), so the hot path makes no numpy array per call; `alloc`/`free` are the same calls on
+numpy arrays. Every call names the ledger state the pages come from or go to, and moves the ledger's
+counts: the allocator keeps no page count of its own (the stack's top is the ledger's FREE count).
+
+Ids come out in ascending order on a fresh pool and freed ids are reused last-in first-out, which makes
+page ids in tests exact and predictable. A page has one owner at a time (the radix tree, a session, a
+turn in flight), so one state byte per page is all the state: a second free of a page is a bug and
+raises before anything changes. The bytes live in a bytearray with a numpy view: runs of a few pages
+(one page per decode extension) are marked element by element, which is several times cheaper than
+numpy fancy indexing at that size.
 
 Quarantine: pages freed inside `quarantining(until)` (what an expired lease released: a stalled engine
 may still write them) do not go back to the stack but wait, in the order they came, until `release_due`
@@ -23,31 +28,33 @@ import numpy as np
 import numpy.typing as npt
 
 from cache_service.core.errors import InvariantError
+from cache_service.core.ledger import FREE, IN_FLIGHT, QUARANTINED, PageLedger
 from cache_service.core.types import PageArray
 
 NULL_PAGE = 0
 """Page 0 is the padding / null page: never handed out."""
-FREE, OWNED, QUARANTINED = 0, 1, 2
+FREE_BYTE, OWNED_BYTE, QUARANTINED_BYTE = 0, 1, 2
 """A page's state byte."""
+OWNED = OWNED_BYTE
 _SMALL = 32
 """Up to this many pages, the state bytes are updated per element rather than through numpy."""
 
+__all__ = ["NULL_PAGE", "OWNED", "QUARANTINED_BYTE", "PageAllocator"]
+
 
 class PageAllocator:
-    __slots__ = ("_num_free", "_num_pages", "_num_quarantined", "_quarantine", "_quarantine_until", "_stack",
-                 "_state", "_view")
+    __slots__ = ("_ledger", "_num_pages", "_quarantine_until", "_stack", "_state", "_view", "ledger", "quarantine")
 
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int, ledger: PageLedger | None = None) -> None:
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {num_pages}")
         self._num_pages = num_pages
+        self.ledger = self._ledger = ledger if ledger is not None else PageLedger(num_pages - 1)
         # Top of the stack is the end of the array: a fresh pool hands out 1, 2, 3, ...
         self._stack = np.arange(num_pages - 1, 0, -1, dtype=np.int32)
-        self._num_free = num_pages - 1
         self._state = bytearray(num_pages)
         self._view: npt.NDArray[np.uint8] = np.frombuffer(self._state, dtype=np.uint8)  # a view, not a copy
-        self._quarantine: deque[tuple[float, PageArray]] = deque()
-        self._num_quarantined = 0
+        self.quarantine: deque[tuple[float, bytes]] = deque()
         self._quarantine_until: float | None = None
 
     @property
@@ -56,65 +63,85 @@ class PageAllocator:
 
     @property
     def num_free(self) -> int:
-        return self._num_free
+        return self._ledger.counts[FREE]
 
     @property
     def num_quarantined(self) -> int:
-        return self._num_quarantined
+        return self._ledger.counts[QUARANTINED]
 
     @property
     def num_used(self) -> int:
         """Owned pages (neither free nor quarantined)."""
-        return self._num_pages - 1 - self._num_free - self._num_quarantined
+        return self._num_pages - 1 - self.num_free - self.num_quarantined
 
-    def alloc(self, n: int) -> PageArray | None:
-        """Take `n` free pages; None when fewer than `n` are free. Never partial."""
+    # ------------------------------------------------------------------ the hot path: page ids as bytes
+
+    def take(self, n: int, to: int) -> bytes | None:
+        """Take `n` free pages for an owner in ledger state `to`, as int32 LE bytes; None when fewer than
+        `n` are free. Never partial."""
+        counts = self._ledger.counts
+        top = counts[FREE]
+        if n > top:
+            return None
         if n < 0:
             raise ValueError(f"alloc of a negative page count: {n}")
-        if n > self._num_free:
-            return None
-        top = self._num_free
-        pages: PageArray = self._stack[top - n : top][::-1].copy()
-        self._num_free = top - n
+        chunk = self._stack[top - n : top][::-1]
+        counts[FREE] = top - n
+        counts[to] += n
         if n <= _SMALL:
             state = self._state
-            for p in pages.tolist():
-                state[p] = OWNED
+            for p in chunk.tolist():
+                state[p] = OWNED_BYTE
         else:
-            self._view[pages] = OWNED
-        return pages
+            self._view[chunk] = OWNED_BYTE
+        return chunk.tobytes()
 
-    def free(self, pages: PageArray) -> None:
-        """Give back `pages` (distinct ids, each owned): to the free stack, or to quarantine inside
-        `quarantining`."""
-        n = pages.size
+    def give(self, pages: bytes, src: int) -> None:
+        """Give back `pages` (int32 LE bytes of distinct owned ids) that an owner in ledger state `src`
+        held: to the free stack, or to quarantine inside `quarantining`."""
+        n = len(pages) >> 2
         if n == 0:
             return
-        to = QUARANTINED if self._quarantine_until is not None else FREE
+        quarantine = self._quarantine_until is not None
+        to = QUARANTINED_BYTE if quarantine else FREE_BYTE
+        arr = np.frombuffer(pages, dtype=np.int32)
         if n <= _SMALL:
             state = self._state
-            ids = pages.tolist()
+            ids = arr.tolist()
             for p in ids:
-                if state[p] != OWNED:
+                if state[p] != OWNED_BYTE:
                     raise InvariantError(f"double free of page {p}: it is not owned")
             for p in ids:
                 state[p] = to
         else:
-            owned = self._view[pages] == OWNED
+            owned = self._view[arr] == OWNED_BYTE
             if not owned.all():
-                bad = int(pages[np.flatnonzero(~owned)[0]])
+                bad = int(arr[np.flatnonzero(~owned)[0]])
                 raise InvariantError(f"double free of page {bad}: it is not owned")
-            self._view[pages] = to
-        if self._quarantine_until is not None:
-            self._quarantine.append((self._quarantine_until, pages.copy()))
-            self._num_quarantined += n
+            self._view[arr] = to
+        counts = self._ledger.counts
+        counts[src] -= n
+        if quarantine:
+            assert self._quarantine_until is not None
+            self.quarantine.append((self._quarantine_until, bytes(pages)))
+            counts[QUARANTINED] += n
             return
-        self._push(pages)
+        top = counts[FREE]
+        self._stack[top : top + n] = arr
+        counts[FREE] = top + n
 
-    def _push(self, pages: PageArray) -> None:
-        top = self._num_free
-        self._stack[top : top + pages.size] = pages
-        self._num_free = top + pages.size
+    # ------------------------------------------------------------------ the same on numpy arrays
+
+    def alloc(self, n: int, to: int = IN_FLIGHT) -> PageArray | None:
+        """`take` as a fresh int32 array."""
+        pages = self.take(n, to)
+        return None if pages is None else np.frombuffer(pages, dtype=np.int32).copy()
+
+    def free(self, pages: PageArray, src: int = IN_FLIGHT) -> None:
+        """`give` of an int32 array."""
+        self.give(np.ascontiguousarray(pages, dtype=np.int32).tobytes(), src)
+
+    # ------------------------------------------------------------------ quarantine
 
     @contextlib.contextmanager
     def quarantining(self, until: float) -> Iterator[None]:
@@ -128,44 +155,54 @@ class PageAllocator:
     def release_due(self, now: float) -> int:
         """Free the quarantined pages whose time has come; returns how many."""
         released = 0
-        q = self._quarantine
+        q = self.quarantine
+        counts = self._ledger.counts
         while q and q[0][0] <= now:
             _, pages = q.popleft()
-            self._view[pages] = FREE
-            self._push(pages)
-            released += pages.size
-        self._num_quarantined -= released
+            arr = np.frombuffer(pages, dtype=np.int32)
+            self._view[arr] = FREE_BYTE
+            top = counts[FREE]
+            self._stack[top : top + arr.size] = arr
+            counts[FREE] = top + arr.size
+            counts[QUARANTINED] -= arr.size
+            released += arr.size
         return released
 
     def next_release(self) -> float | None:
         """When the next quarantined pages come free (None: none are quarantined)."""
-        return self._quarantine[0][0] if self._quarantine else None
+        return self.quarantine[0][0] if self.quarantine else None
+
+    # ------------------------------------------------------------------ inspection
 
     def is_allocated(self, page: int) -> bool:
-        return self._state[page] == OWNED
+        return self._state[page] == OWNED_BYTE
+
+    def is_quarantined(self, page: int) -> bool:
+        return self._state[page] == QUARANTINED_BYTE
 
     def allocated_mask(self) -> npt.NDArray[np.bool_]:
         """Boolean mask over page ids: True where owned (O(num_pages); for invariant checks)."""
-        mask: npt.NDArray[np.bool_] = self._view == OWNED
+        mask: npt.NDArray[np.bool_] = self._view == OWNED_BYTE
         return mask
 
     def check(self) -> None:
-        """Verify the stack, the quarantine and the state bytes agree: O(num_pages), for tests and
-        GetStats(verify)."""
-        free = self._stack[: self._num_free]
-        if self._view[NULL_PAGE] != FREE or (free == NULL_PAGE).any():
+        """Verify the stack, the quarantine, the state bytes and the ledger's FREE and QUARANTINED counts
+        agree: O(num_pages), for tests and GetStats(verify)."""
+        free = self._stack[: self.num_free]
+        if self._view[NULL_PAGE] != FREE_BYTE or (free == NULL_PAGE).any():
             raise InvariantError("null page 0 must never be allocated or on the free stack")
         if np.unique(free).size != free.size:
             raise InvariantError("free stack holds a page twice")
-        if (self._view[free] != FREE).any():
+        if (self._view[free] != FREE_BYTE).any():
             raise InvariantError("a page on the free stack is not in the free state")
-        held = np.concatenate([p for _, p in self._quarantine]) if self._quarantine else free[:0]
-        if held.size != self._num_quarantined or (self._view[held] != QUARANTINED).any():
+        if int(np.count_nonzero(self._view == FREE_BYTE)) - 1 != free.size:  # the null page is FREE too
+            raise InvariantError("pages in the free state != the ledger's free count")
+        held = (np.frombuffer(b"".join(p for _, p in self.quarantine), dtype=np.int32) if self.quarantine
+                else free[:0])
+        if held.size != self.num_quarantined or (self._view[held] != QUARANTINED_BYTE).any():
             raise InvariantError("quarantined pages and their count or state disagree")
-        if int(np.count_nonzero(self._view == QUARANTINED)) != self._num_quarantined:
-            raise InvariantError("pages in the quarantined state != the quarantine's count")
-        if int(np.count_nonzero(self._view == OWNED)) != self.num_used:
-            raise InvariantError("owned pages != num_pages - 1 - free - quarantined")
+        if int(np.count_nonzero(self._view == QUARANTINED_BYTE)) != self.num_quarantined:
+            raise InvariantError("pages in the quarantined state != the ledger's quarantined count")
 
     def metadata_bytes(self) -> int:
         """Bytes of per-page bookkeeping held by the allocator."""

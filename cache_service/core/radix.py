@@ -1,7 +1,8 @@
 """Radix prefix cache at page granularity, namespaced by cache salt.
 
 Keys are token ids as little-endian int32 bytes, cut to whole pages: only full pages are cached. A node
-owns a run of pages (`pages`, one id per page) and the tokens that produced them (`key`). Comparisons are
+owns a run of pages (`pages`: int32 little-endian page ids, 4 bytes a page) and the tokens that produced
+them (`key`). Comparisons are
 bytes slices compared by memcmp; a walk copies each node's span of the query once, never the remaining
 key per node.
 
@@ -12,23 +13,32 @@ as the lower half, so a lock handle (a node) stays valid whatever splits happen 
 Eviction frees unlocked leaves in policy order (LRU by default; see `eviction.py`): O(log n) per leaf
 touched, no rebuild per call. `evict(n)` frees exactly n pages when it can, trimming a leaf from its
 tail (the remaining pages are still a valid prefix).
+
+The tree knows nothing of sessions, nor of who listens to its changes: it moves its pages' counts in the
+page ledger (pages it takes from their owner's state, EVICTABLE <-> RADIX_LOCKED as pins come and go,
+EVICTABLE -> FREE through the allocator's `give` when it evicts), and while `changes` is a list it
+appends a plain record of every page run that enters (`STORED`) or leaves (`REMOVED`) the tree, which
+the facade drains and hashes (events.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import NamedTuple
-
-import numpy as np
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 from cache_service.core.errors import InvariantError
-from cache_service.core.events import EventFeed
 from cache_service.core.eviction import EVICTION_POLICIES, LeafHeap
-from cache_service.core.types import EMPTY_PAGES, PageArray, TokenArray
+from cache_service.core.ledger import EVICTABLE, RADIX_LOCKED, PageLedger
+from cache_service.core.types import TokenArray
 
-__all__ = ["EVICTION_POLICIES", "RadixInsert", "RadixMatch", "RadixNode", "RadixTree", "token_key"]
+__all__ = ["EVICTION_POLICIES", "REMOVED", "STORED", "RadixInsert", "RadixMatch", "RadixNode", "RadixTree",
+           "token_key"]
 
 TOKEN_BYTES = 4
+PAGE_ID_BYTES = 4
+STORED, REMOVED = "stored", "removed"
+"""Change record kinds: (STORED, salt, parent's last page id or None, key, pages) for a new leaf's run;
+(REMOVED, salt, pages) for pages evicted."""
 
 
 class RadixNode:
@@ -47,7 +57,7 @@ class RadixNode:
         "tick",
     )
 
-    def __init__(self, node_id: int, key: bytes, pages: PageArray, parent: RadixNode | None) -> None:
+    def __init__(self, node_id: int, key: bytes, pages: bytes, parent: RadixNode | None) -> None:
         self.id = node_id
         self.key = key
         self.pages = pages
@@ -61,15 +71,19 @@ class RadixNode:
 
     @property
     def num_pages(self) -> int:
-        return int(self.pages.size)
+        return len(self.pages) >> 2
+
+    def page_ids(self) -> list[int]:
+        return memoryview(self.pages).cast("i").tolist()
 
     def __repr__(self) -> str:
-        return f"RadixNode(id={self.id}, pages={self.pages.tolist()}, lock_ref={self.lock_ref})"
+        return f"RadixNode(id={self.id}, pages={self.page_ids()}, lock_ref={self.lock_ref})"
 
 
 class RadixMatch(NamedTuple):
     num_pages: int
-    pages: PageArray
+    pages: bytes
+    """int32 LE page ids."""
     node: RadixNode | None
     """The locked node covering exactly the matched pages (only when matched with lock=True and
     num_pages > 0)."""
@@ -78,44 +92,56 @@ class RadixMatch(NamedTuple):
 class RadixInsert(NamedTuple):
     num_existing_pages: int
     """Leading pages that were already cached: the caller's copies of them are duplicates."""
-    pages: PageArray
-    """The tree's pages for the whole key after the insert (existing ones first)."""
+    pages: bytes
+    """The tree's pages for the whole key after the insert (existing ones first), int32 LE."""
     node: RadixNode | None
     """The node ending exactly at the end of the key (None for an empty key)."""
 
 
-def token_key(tokens: TokenArray, page_size: int, max_tokens: int | None = None) -> bytes:
-    """The radix key of `tokens[:max_tokens]`, cut to whole pages."""
+def token_key(tokens: TokenArray | bytes | bytearray, page_size: int, max_tokens: int | None = None) -> bytes:
+    """The radix key of `tokens[:max_tokens]` (an int32 array, or int32 LE bytes), cut to whole pages."""
+    if isinstance(tokens, bytes | bytearray):
+        size = len(tokens) >> 2
+        n = size if max_tokens is None else min(size, max_tokens)
+        n -= n % page_size
+        return bytes(tokens[: n * 4]) if n * 4 != len(tokens) or type(tokens) is not bytes else tokens
     n = tokens.size if max_tokens is None else min(tokens.size, max_tokens)
     n -= n % page_size
     return tokens[:n].astype("<i4", copy=False).tobytes()
 
 
 class RadixTree:
-    """Page-granular radix tree. Owns one allocator reference per page it holds (released via `free`)."""
+    """Page-granular radix tree. It owns the pages it holds; eviction hands them to `free_pages`."""
 
-    def __init__(
-        self, page_size: int, free_pages: Callable[[PageArray], None], policy: str = "lru",
-        feed: EventFeed | None = None,
-    ) -> None:
-        self.feed = feed
-        """Told of every page that enters or leaves the tree, while it records."""
-        self._leaves = LeafHeap(policy)
+    def __init__(self, page_size: int, ledger: PageLedger, free_pages: Callable[[bytes, int], None],
+                 policy: str = "lru") -> None:
+        self._leaves: LeafHeap[RadixNode] = LeafHeap(policy)
         self.page_size = page_size
         self.page_bytes = page_size * TOKEN_BYTES
+        self._ledger = ledger
+        self._counts = ledger.counts
         self._free_pages = free_pages
+        """The allocator's `give(pages, src_state)`."""
         self._roots: dict[str, RadixNode] = {}
         self._next_id = 1
         self._tick = 0
-        self.evictable_pages = 0
-        self.locked_pages = 0
         self.evicted_pages_total = 0
+        self.changes: list[Any] | None = None
+        """Where change records go while someone listens (the facade's queue); None: nobody does."""
 
     # ------------------------------------------------------------------ queries
 
     @property
+    def evictable_pages(self) -> int:
+        return self._counts[EVICTABLE]
+
+    @property
+    def locked_pages(self) -> int:
+        return self._counts[RADIX_LOCKED]
+
+    @property
     def cached_pages(self) -> int:
-        return self.evictable_pages + self.locked_pages
+        return self._counts[EVICTABLE] + self._counts[RADIX_LOCKED]
 
     @property
     def heap_entries(self) -> int:
@@ -130,6 +156,15 @@ class RadixTree:
         """The salt roots (pageless; their children start each salt's sequences)."""
         return list(self._roots.values())
 
+    def runs(self) -> Iterator[tuple[str, int | None, bytes, bytes]]:
+        """Every node's run as (salt, parent's last page id or None, key, pages), parents before children."""
+        for root in self._roots.values():
+            stack = list(root.children.values())
+            while stack:
+                node = stack.pop()
+                yield node.salt or "", _last_page(node.parent), node.key, node.pages
+                stack.extend(node.children.values())
+
     def match(self, salt: str, key: bytes, *, lock: bool = False, touch: bool = True) -> RadixMatch:
         """Longest cached prefix of `key` (whole pages) under `salt`.
 
@@ -139,10 +174,10 @@ class RadixTree:
         """
         root = self._roots.get(salt)
         if root is None or not key:
-            return RadixMatch(0, EMPTY_PAGES, None)
+            return RadixMatch(0, b"", None)
         node, matched, into = self._walk(root, key, touch=touch)
         if matched == 0:
-            return RadixMatch(0, EMPTY_PAGES, None)
+            return RadixMatch(0, b"", None)
         pages = self._matched_pages(node, into, matched)
         if not lock:
             return RadixMatch(matched, pages, None)
@@ -151,28 +186,30 @@ class RadixTree:
         self.lock(node)
         return RadixMatch(matched, pages, node)
 
-    def insert(self, salt: str, key: bytes, pages: PageArray, *, below: RadixNode | None = None) -> RadixInsert:
-        """Cache `pages` under `key` (len(key) == len(pages) * page_bytes).
+    def insert(self, salt: str, key: bytes, pages: bytes, *, below: RadixNode | None = None,
+               src: int = EVICTABLE) -> RadixInsert:
+        """Cache `pages` (int32 LE page ids) under `key` (len(key) == num pages * page_bytes).
 
         Pages the tree already holds for a leading part of the key are left alone: the result says how
         many, and the caller frees its own copies of them. The new tail pages become tree-owned (the tree
-        takes over the caller's allocator reference). The returned node ends exactly at the key's end.
+        takes them over from their owner, whose ledger state is `src`). The returned node ends exactly at
+        the key's end.
 
         `below`, a node the caller holds locked, says where `key` starts: the sequence is the path to
         `below` followed by `key` (the path is touched as a walk from the root would touch it, but not
         compared again). Without it the key starts at the salt's root.
         """
         num_pages = len(key) // self.page_bytes
-        if len(key) != num_pages * self.page_bytes or pages.size != num_pages:
+        if len(key) != num_pages * self.page_bytes or len(pages) != num_pages * PAGE_ID_BYTES:
             raise InvariantError(
-                f"radix insert needs whole pages: key has {len(key)} bytes, {pages.size} pages given"
+                f"radix insert needs whole pages: key has {len(key)} bytes, {len(pages) >> 2} pages given"
             )
         if num_pages == 0:
-            return RadixInsert(0, EMPTY_PAGES, below)
+            return RadixInsert(0, b"", below)
         if below is None:
             root = self._roots.get(salt)
             if root is None:
-                root = RadixNode(0, b"", EMPTY_PAGES, None)
+                root = RadixNode(0, b"", b"", None)
                 root.salt = salt
                 root.lock_ref = 1  # roots are never evicted
                 self._roots[salt] = root
@@ -189,32 +226,33 @@ class RadixTree:
             if into < node.num_pages:
                 node = self._split(node, into)
         else:
-            existing = EMPTY_PAGES
+            existing = b""
         if matched == num_pages:
             return RadixInsert(matched, existing, node)
         new_key = key[matched * self.page_bytes :]
-        new_pages = np.array(pages[matched:], dtype=np.int32)
+        new_pages = bytes(pages[matched * PAGE_ID_BYTES :])
         leaf = RadixNode(self._new_id(), new_key, new_pages, node)
         leaf.tick = self._tick
         leaf.salt = node.salt
         node.children[new_key[: self.page_bytes]] = leaf
-        self.evictable_pages += leaf.num_pages
+        self._ledger.move(num_pages - matched, src, EVICTABLE)
         self._update_leaf(node)
         self._update_leaf(leaf)
-        if self.feed is not None and self.feed.recording:
-            self.feed.stored(leaf)
-        all_pages = np.concatenate((existing, new_pages)) if matched else new_pages.copy()
-        return RadixInsert(matched, all_pages, leaf)
+        if self.changes is not None:
+            self.changes.append((STORED, leaf.salt or "", _last_page(node), new_key, new_pages))
+        return RadixInsert(matched, existing + new_pages if matched else new_pages, leaf)
 
     # ------------------------------------------------------------------ locks
 
     def lock(self, node: RadixNode) -> None:
         """Pin `node` and its ancestors: their pages move from evictable to locked."""
         n: RadixNode | None = node
+        counts = self._counts
         while n is not None and n.parent is not None:
             if n.lock_ref == 0:
-                self.evictable_pages -= n.num_pages
-                self.locked_pages += n.num_pages
+                k = len(n.pages) >> 2
+                counts[EVICTABLE] -= k
+                counts[RADIX_LOCKED] += k
                 self._leaves.discard(n)
             n.lock_ref += 1
             n = n.parent
@@ -229,11 +267,13 @@ class RadixTree:
                 )
             n = n.parent
         n = node
+        counts = self._counts
         while n is not None and n.parent is not None:
             n.lock_ref -= 1
             if n.lock_ref == 0:
-                self.locked_pages -= n.num_pages
-                self.evictable_pages += n.num_pages
+                k = len(n.pages) >> 2
+                counts[RADIX_LOCKED] -= k
+                counts[EVICTABLE] += k
                 self._update_leaf(n)
             n = n.parent
 
@@ -244,22 +284,23 @@ class RadixTree:
         freed = 0
         if num_pages <= 0:
             return 0
-        feed = self.feed if self.feed is not None and self.feed.recording else None
+        changes = self.changes
         for node in self._leaves.pop_order():
-            take = min(num_pages - freed, node.num_pages)
-            if take == node.num_pages:
-                if feed is not None:
-                    feed.removed(node.salt or "", node.pages)
-                self._free_pages(node.pages)
+            has = len(node.pages) >> 2
+            take = min(num_pages - freed, has)
+            if take == has:
+                if changes is not None:
+                    changes.append((REMOVED, node.salt or "", node.pages))
+                self._free_pages(node.pages, EVICTABLE)
                 self._remove_leaf(node)
             else:
-                keep = node.num_pages - take
-                if feed is not None:
-                    feed.removed(node.salt or "", node.pages[keep:])
-                self._free_pages(node.pages[keep:])
-                node.pages = node.pages[:keep].copy()
+                keep = has - take
+                gone = node.pages[keep * PAGE_ID_BYTES :]
+                if changes is not None:
+                    changes.append((REMOVED, node.salt or "", gone))
+                node.pages = node.pages[: keep * PAGE_ID_BYTES]
                 node.key = node.key[: keep * self.page_bytes]
-                self.evictable_pages -= take
+                self._free_pages(gone, EVICTABLE)
                 self._leaves.push(node)
             freed += take
             if freed >= num_pages:
@@ -320,21 +361,23 @@ class RadixTree:
                 hi = mid - 1
         return lo
 
-    def path_pages(self, node: RadixNode, into: int | None = None, above: RadixNode | None = None) -> PageArray:
-        """The pages from the root (or from the end of `above`, an ancestor) down to `node`, taking only
-        its first `into` pages (all by default)."""
-        parts = [node.pages if into is None else node.pages[:into]]
+    def path_pages(self, node: RadixNode, into: int | None = None, above: RadixNode | None = None) -> bytes:
+        """The pages (int32 LE) from the root (or from the end of `above`, an ancestor) down to `node`,
+        taking only its first `into` pages (all by default)."""
+        parts = [node.pages if into is None else node.pages[: into * PAGE_ID_BYTES]]
         n = node.parent
         while n is not None and n.parent is not None and n is not above:
             parts.append(n.pages)
             n = n.parent
+        if len(parts) == 1:
+            return parts[0]
         parts.reverse()
-        return np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
+        return b"".join(parts)
 
-    def _matched_pages(self, node: RadixNode, into: int, matched: int, above: RadixNode | None = None) -> PageArray:
+    def _matched_pages(self, node: RadixNode, into: int, matched: int, above: RadixNode | None = None) -> bytes:
         pages = self.path_pages(node, into, above)
-        if pages.size != matched:
-            raise InvariantError(f"radix path holds {pages.size} pages, walk matched {matched}")
+        if len(pages) != matched * PAGE_ID_BYTES:
+            raise InvariantError(f"radix path holds {len(pages) >> 2} pages, walk matched {matched}")
         return pages
 
     def _split(self, node: RadixNode, at: int) -> RadixNode:
@@ -343,14 +386,14 @@ class RadixTree:
         parent = node.parent
         assert parent is not None, "the root is never split"
         cut = at * self.page_bytes
-        upper = RadixNode(self._new_id(), node.key[:cut], node.pages[:at].copy(), parent)
+        upper = RadixNode(self._new_id(), node.key[:cut], node.pages[: at * PAGE_ID_BYTES], parent)
         upper.lock_ref = node.lock_ref
         upper.salt = node.salt
         upper.tick = node.tick
         upper.hits = node.hits
         parent.children[upper.key[: self.page_bytes]] = upper
         node.key = node.key[cut:]
-        node.pages = node.pages[at:].copy()
+        node.pages = node.pages[at * PAGE_ID_BYTES :]
         node.parent = upper
         upper.children[node.key[: self.page_bytes]] = node
         return upper
@@ -359,7 +402,6 @@ class RadixTree:
         parent = node.parent
         assert parent is not None and not node.children and node.lock_ref == 0
         del parent.children[node.key[: self.page_bytes]]
-        self.evictable_pages -= node.num_pages
         self._leaves.discard(node)
         node.parent = None
         if parent.parent is None:
@@ -389,14 +431,14 @@ class RadixTree:
             stack.extend(n.children.values())
         return out
 
-    def check(self) -> PageArray:
-        """Recount everything from the nodes; return every page the tree owns. O(tree size)."""
+    def check(self) -> bytes:
+        """Recount everything from the nodes; return every page the tree owns (int32 LE). O(tree size)."""
         evictable = locked = 0
-        owned: list[PageArray] = []
+        owned: list[bytes] = []
         leaves: set[RadixNode] = set()
         for n in self.iter_nodes():
             if n.parent is None:
-                if n.lock_ref != 1 or n.pages.size or not n.children:
+                if n.lock_ref != 1 or n.pages or not n.children:
                     raise InvariantError(f"salt root {n.salt!r} must be locked, pageless and non-empty")
                 continue
             if n.lock_ref < 0:
@@ -423,4 +465,11 @@ class RadixTree:
             raise InvariantError("evictable leaf set differs from the unlocked leaves of the tree")
         if not leaves <= self._leaves.live_entries():
             raise InvariantError("an evictable leaf has no live heap entry")
-        return np.concatenate(owned) if owned else EMPTY_PAGES
+        return b"".join(owned)
+
+
+def _last_page(node: RadixNode | None) -> int | None:
+    """The last page id of `node`'s run (None for a salt root: a run under it starts its tree)."""
+    if node is None or node.parent is None:
+        return None
+    return int.from_bytes(node.pages[-PAGE_ID_BYTES:], "little", signed=True)

@@ -1,14 +1,9 @@
-"""Sessions: the record of one conversation's slot, and the table that owns every open one.
+"""The session table: every open session's slot, found by id.
 
-A session's page table (`pages`) is always a prefix chain of its context:
-
-    [0, radix_pages)                  tree pages pinned by `lock_node`   (counted as radix_locked)
-    [radix_pages, committed_pages)    private committed KV               (counted as session_held)
-    [committed_pages, len(pages))     pages of the turn in flight        (counted as in_flight)
-
-`SessionTable` finds sessions (by id, checking the epoch and the owner), creates and removes them, keeps
-them in least-recently-active order, counts them by state and renders the client's view (`SessionInfo`).
-It never moves pages: what happens to a session's KV is `turns.Turns`' business.
+`SessionTable` finds sessions (by id, checking the epoch and the owner; finding changes nothing), creates
+and removes them, keeps them in least-recently-active order and renders the client's view
+(`SessionInfo`). Slots of closed sessions are kept for reuse (their buffers keep their memory). It never
+moves pages nor changes a state: that is `slot.Slots`' business.
 """
 
 from __future__ import annotations
@@ -17,113 +12,26 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
-from cache_service.core.buffers import IntBuffer
 from cache_service.core.errors import KVCacheError, Reason
-from cache_service.core.radix import RadixNode
-from cache_service.core.types import SessionInfo, SessionState
+from cache_service.core.slot import IDLE, SessionSlot, Slots
+from cache_service.core.types import SessionInfo
 
-
-class Session:
-    __slots__ = (
-        "cache_salt",
-        "close_cache",
-        "close_pending",
-        "committed_pages",
-        "committed_tokens",
-        "demoted",
-        "epoch",
-        "id",
-        "identity",
-        "kv_tokens",
-        "last_active",
-        "lock_node",
-        "owner",
-        "pages",
-        "radix_pages",
-        "radix_turn",
-        "state",
-        "streaming",
-        "synced_pages",
-        "timeout_seconds",
-        "tokens",
-        "turn_cached_tokens",
-        "turn_context_tokens",
-        "turns",
-    )
-
-    def __init__(
-        self,
-        session_id: str,
-        epoch: int,
-        *,
-        streaming: bool,
-        cache_salt: str,
-        owner: str,
-        identity: str,
-        timeout_seconds: float,
-        now: float,
-    ) -> None:
-        self.id = session_id
-        self.epoch = epoch
-        self.streaming = streaming
-        self.cache_salt = cache_salt
-        self.owner = owner
-        """The engine whose lease the session lives under ("" for none)."""
-        self.identity = identity
-        """Who opened it: only they (or an operator) may use or see it."""
-        self.timeout_seconds = timeout_seconds
-        self.last_active = now
-        self.state = SessionState.IDLE
-        self.close_pending = False
-        self.close_cache = False
-        self.demoted = False
-        self.tokens = IntBuffer()
-        """Committed context, plus the in-flight turn's new tokens during a turn."""
-        self.committed_tokens = 0
-        self.kv_tokens = 0
-        """Leading committed tokens whose KV is valid."""
-        self.pages = IntBuffer()
-        self.radix_pages = 0
-        self.committed_pages = 0
-        """End of the committed part of the page table (radix-pinned pages included)."""
-        self.lock_node: RadixNode | None = None
-        self.synced_pages = 0
-        """How much of the page table the engine has seen (the next delta starts here)."""
-        self.turns = 0
-        self.radix_turn = False
-        """The turn in flight matched the radix (regular sessions; streaming first turns)."""
-        self.turn_cached_tokens = 0
-        self.turn_context_tokens = 0
-
-    @property
-    def private_pages(self) -> int:
-        """Committed pages the session owns outside the radix."""
-        return self.committed_pages - self.radix_pages
-
-    @property
-    def in_flight_pages(self) -> int:
-        return len(self.pages) - self.committed_pages
-
-    @property
-    def in_turn(self) -> bool:
-        return self.state is not SessionState.IDLE
-
-    def timed_out(self, now: float) -> bool:
-        return self.timeout_seconds > 0 and now - self.last_active > self.timeout_seconds
+Session = SessionSlot
+POOLED_SLOTS = 1024
+"""Closed sessions' slots kept for reuse."""
 
 
 class SessionTable:
     """Every open session, least recently active first, with counts by state."""
 
-    def __init__(self) -> None:
+    def __init__(self, slots: Slots) -> None:
+        self._slots = slots
         self._by_id: OrderedDict[str, Session] = OrderedDict()
         self._opened: dict[str, Session] = {}
         """The same sessions in the order they were opened (by epoch), for stable paging."""
         self._per_identity: dict[str, int] = {}
         self._next_epoch = 1
-        self.num_in_turn = 0
-        self.num_closing = 0
-        self.num_demoted = 0
+        self._spare: list[Session] = []
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -137,7 +45,7 @@ class SessionTable:
 
     @property
     def num_idle(self) -> int:
-        return len(self._by_id) - self.num_in_turn - self.num_closing
+        return len(self._by_id) - self._slots.num_in_turn - self._slots.num_closing
 
     # ------------------------------------------------------------------ lookup
 
@@ -195,17 +103,18 @@ class SessionTable:
         """Open a session (an empty id gets a generated one) with the next epoch."""
         session_id = session_id or uuid.uuid4().hex
         self.check_new(session_id)
-        s = Session(session_id, self._next_epoch, streaming=streaming, cache_salt=cache_salt, owner=owner,
-                    identity=identity, timeout_seconds=timeout_seconds, now=now)
+        s = self._spare.pop() if self._spare else SessionSlot()
+        s.reset(session_id, self._next_epoch, streaming=streaming, cache_salt=cache_salt, owner=owner,
+                identity=identity, timeout_seconds=timeout_seconds, now=now)
         self._next_epoch += 1
         self._by_id[session_id] = self._opened[session_id] = s
         self._per_identity[identity] = self._per_identity.get(identity, 0) + 1
         return s
 
     def remove(self, s: Session) -> None:
-        """Forget `s` (its KV must already be released)."""
-        self.set_state(s, SessionState.IDLE)
-        self.set_demoted(s, False)
+        """Forget `s` (its KV must already be released). Its slot object may be reused by a later
+        `create`, so nothing may keep it."""
+        self._slots.release(s)
         del self._by_id[s.id]
         del self._opened[s.id]
         left = self._per_identity[s.identity] - 1
@@ -213,25 +122,8 @@ class SessionTable:
             self._per_identity[s.identity] = left
         else:
             del self._per_identity[s.identity]
-
-    def set_state(self, s: Session, state: SessionState) -> None:
-        old = s.state
-        if old is state:
-            return
-        if old is SessionState.IN_TURN:
-            self.num_in_turn -= 1
-        elif old is SessionState.CLOSING:
-            self.num_closing -= 1
-        if state is SessionState.IN_TURN:
-            self.num_in_turn += 1
-        elif state is SessionState.CLOSING:
-            self.num_closing += 1
-        s.state = state
-
-    def set_demoted(self, s: Session, demoted: bool) -> None:
-        if s.demoted != demoted:
-            self.num_demoted += 1 if demoted else -1
-            s.demoted = demoted
+        if len(self._spare) < POOLED_SLOTS:
+            self._spare.append(s)
 
     def touch(self, s: Session, now: float) -> None:
         """Activity: restart the sliding timeout and move `s` to the most recently active end."""
@@ -244,7 +136,7 @@ class SessionTable:
         """Idle sessions holding KV, least recently active first (never `exclude`); lazily, so a caller that
         needs a few looks at a few. Do not demote while iterating a generator made before."""
         for v in self._by_id.values():
-            if v is not exclude and v.state is SessionState.IDLE and v.committed_pages > 0:
+            if v is not exclude and v.state is IDLE and v.committed_pages > 0:
                 yield v
 
     def page(self, after_epoch: int, size: int, keep: Callable[[Session], bool]) -> tuple[list[Session], int, bool]:
@@ -279,10 +171,10 @@ class SessionTable:
             streaming=s.streaming,
             cache_salt=s.cache_salt,
             engine_id=s.owner,
-            context_tokens=len(s.tokens),
+            context_tokens=len(s.tokens) >> 2,
             kv_tokens=s.kv_tokens,
             turns=s.turns,
-            num_pages=len(s.pages),
+            num_pages=len(s.pages) >> 2,
             radix_pages=s.radix_pages,
             held_pages=s.private_pages,
             in_flight_pages=s.in_flight_pages,

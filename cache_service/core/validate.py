@@ -65,3 +65,20 @@ def check_count(value: int, field: str) -> None:
     """A token or page count a client sent: >= 0."""
     if value < 0:
         raise invalid_argument(field, f"must be >= 0, got {value}")
+
+
+def token_bytes(values: npt.ArrayLike, field: str = "token_ids") -> bytes:
+    """`as_tokens`, as int32 little-endian bytes (what the core keeps)."""
+    return as_tokens(values, field).astype("<i4", copy=False).tobytes()
+
+
+def negative_token(tokens: bytes, field: str = "token_ids") -> KVCacheError | None:
+    """The INVALID_TOKENS error `as_tokens` gives int32 LE `tokens` holding a negative id, else None."""
+    arr = np.frombuffer(tokens, dtype="<i4")
+    if not arr.size:
+        return None
+    lo = int(arr.min())
+    if lo >= 0:
+        return None
+    index = int(np.flatnonzero(arr < 0)[0])
+    return KVCacheError(Reason.INVALID_TOKENS, f"{field}[{index}] = {lo} is negative", field=field, index=index)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from protos.kvcache.v1.layout import PoolLayout
+from kvcache_common.layout import PoolLayout
 
 
 def format_bytes(n: float) -> str:

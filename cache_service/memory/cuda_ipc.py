@@ -5,7 +5,7 @@ tensors. Devices are named by UUID, never by ordinal: ordinals differ between pr
 CUDA_VISIBLE_DEVICES. MIG instances are refused (CUDA IPC does not work across them). The allocation
 is freed only by `close()`, which the server calls after every lease is released.
 
-The CUDA runtime calls sit behind `CudaDriver` (cupy in production), so everything but the calls
+The CUDA runtime calls sit behind `IpcRuntime` (cupy in production), so everything but the calls
 themselves is tested without a GPU.
 """
 
@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from cache_service.memory.base import PoolError, PoolHandle
-from protos.kvcache.v1.layout import PoolLayout
+from kvcache_common.cuda_driver import format_uuid as uuid_of_bytes
+from kvcache_common.layout import PoolLayout
 
 IPC_HANDLE_BYTES = 64
 
@@ -24,10 +25,10 @@ def format_uuid(raw: bytes | str) -> str:
     """A device UUID as nvidia-smi prints it: 'GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx' (or 'MIG-...')."""
     if isinstance(raw, str):
         return raw if raw[:4].upper() in ("GPU-", "MIG-") else f"GPU-{raw}"
-    if len(raw) != 16:
-        raise PoolError(f"a CUDA device UUID has 16 bytes, got {len(raw)}")
-    h = raw.hex()
-    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+    try:
+        return uuid_of_bytes(raw)
+    except ValueError as e:
+        raise PoolError(str(e)) from None
 
 
 def resolve_device(spec: str, uuids: Sequence[str], *, mig_ok: bool = False) -> int:
@@ -52,7 +53,7 @@ def resolve_device(spec: str, uuids: Sequence[str], *, mig_ok: bool = False) -> 
     return matches[0]
 
 
-class CudaDriver(Protocol):
+class IpcRuntime(Protocol):
     """The CUDA runtime calls the backend makes."""
 
     def device_count(self) -> int: ...
@@ -67,9 +68,13 @@ class CudaDriver(Protocol):
 
     def free(self, index: int, ptr: int) -> None: ...
 
+    def free_memory(self, index: int) -> int:
+        """Bytes of device `index`'s memory free right now."""
+        ...
+
 
 class CupyDriver:
-    """CudaDriver over cupy's runtime bindings (plain cudaMalloc, not cupy's memory pool: an IPC handle
+    """IpcRuntime over cupy's runtime bindings (plain cudaMalloc, not cupy's memory pool: an IPC handle
     must name the allocation's base)."""
 
     def __init__(self) -> None:
@@ -104,6 +109,11 @@ class CupyDriver:
         with self._cupy.cuda.Device(index):
             self._rt.free(ptr)
 
+    def free_memory(self, index: int) -> int:
+        with self._cupy.cuda.Device(index):
+            free, _total = self._rt.memGetInfo()
+            return int(free)
+
 
 def _one_line(e: BaseException) -> str:
     lines = str(e).strip().splitlines()
@@ -115,9 +125,9 @@ class CudaIpcPool:
 
     name = "cuda_ipc"
 
-    def __init__(self, layout: PoolLayout, *, device: str, driver: CudaDriver | None = None) -> None:
+    def __init__(self, layout: PoolLayout, *, device: str, driver: IpcRuntime | None = None) -> None:
         self.layout = layout
-        self._driver: CudaDriver = driver if driver is not None else CupyDriver()
+        self._driver: IpcRuntime = driver if driver is not None else CupyDriver()
         d = self._driver
         try:
             uuids = [d.device_uuid(i) for i in range(d.device_count())]
@@ -150,6 +160,12 @@ class CudaIpcPool:
     def handle(self) -> PoolHandle:
         return PoolHandle(backend=self.name, size_bytes=self.layout.size_bytes, cuda_ipc_handle=self._handle,
                           device_uuid=self.device_uuid, offset_bytes=0)
+
+    def device_address(self) -> int:
+        """The pool's device address in this process (the tier copies pages through it)."""
+        if self._ptr is None:
+            raise PoolError("the pool is closed")
+        return self._ptr
 
     @property
     def closed(self) -> bool:

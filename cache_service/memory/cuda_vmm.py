@@ -2,7 +2,7 @@
 
 The allocation is made with the CUDA driver's virtual memory management API and the POSIX-fd handle type,
 so `cuMemExportToShareableHandle` turns it into an fd that the pool socket hands to engines (SCM_RIGHTS,
-`protos.kvcache.v1.pool_socket`); engines import, reserve, map and set access themselves. Unlike
+`kvcache_common.pool_socket`); engines import, reserve, map and set access themselves. Unlike
 cuda_ipc this needs no shared IPC namespace (no hostIPC in Kubernetes), only the socket.
 
 Sizes are rounded up to the allocation granularity (2 MiB on current GPUs), so `handle().size_bytes` can
@@ -10,26 +10,25 @@ exceed the layout's size; the layout starts at offset 0. The service maps the al
 then unmaps: it never touches KV bytes. `close()` releases the service's handle and fd; the memory lives
 on while engines hold their imports, and goes back to the GPU when the last one releases it.
 
-The driver calls sit behind `VmmDriver` (cuda-python in production), so everything but the calls
-themselves is tested without a GPU.
+The driver calls sit behind `VmmDriver` (`kvcache_common.cuda_driver.CudaDriver`, over cuda-python, in
+production), so everything but the calls themselves is tested without a GPU.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Protocol
 
 from cache_service.memory.base import PoolError, PoolHandle, format_bytes
-from cache_service.memory.cuda_ipc import format_uuid, resolve_device
-from protos.kvcache.v1.layout import PoolLayout
+from cache_service.memory.cuda_ipc import resolve_device
+from kvcache_common.cuda_driver import ACCESS_READWRITE, CudaDriver
+from kvcache_common.layout import PoolLayout
 
 ATTR_VMM = "VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED"
 ATTR_POSIX_FD = "HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED"
-ACCESS_READWRITE = 3
-"""CU_MEM_ACCESS_FLAGS_PROT_READWRITE."""
 
 
 class VmmDriver(Protocol):
@@ -73,129 +72,13 @@ class VmmDriver(Protocol):
 
     def release(self, index: int, handle: int) -> None: ...
 
+    def free_memory(self, index: int) -> int:
+        """Bytes of device `index`'s memory free right now."""
+        ...
+
     def close(self) -> None:
         """Drop what the driver object holds (contexts); after every other call."""
         ...
-
-
-class CudaError(RuntimeError):
-    """A CUDA driver call failed; the message names the call and the CUresult."""
-
-
-class CudaPythonDriver:
-    """VmmDriver over cuda-python's driver bindings. Each call runs in the device's primary context (the
-    one the CUDA runtime, cupy and torch use), retained once per device and released by `close()`.
-
-    Raises ImportError without cuda-python and CudaError when the driver cannot be initialised."""
-
-    def __init__(self) -> None:
-        from cuda.bindings import driver  # optional dependency (kvcache[cuda])
-
-        self._cu: Any = driver
-        self._contexts: dict[int, Any] = {}
-        (err,) = driver.cuInit(0)
-        self._no_device = err == driver.CUresult.CUDA_ERROR_NO_DEVICE
-        if not self._no_device:
-            self._check("cuInit", (err,))
-
-    def _check(self, call: str, result: tuple[Any, ...]) -> Any:
-        err, *values = result
-        if err != self._cu.CUresult.CUDA_SUCCESS:
-            raise CudaError(f"{call}: {getattr(err, 'name', err)}")
-        return values[0] if len(values) == 1 else None
-
-    def _device(self, index: int) -> Any:
-        return self._check("cuDeviceGet", self._cu.cuDeviceGet(index))
-
-    @contextlib.contextmanager
-    def _context(self, index: int) -> Iterator[None]:
-        cu = self._cu
-        if index not in self._contexts:
-            self._contexts[index] = self._check("cuDevicePrimaryCtxRetain",
-                                                cu.cuDevicePrimaryCtxRetain(self._device(index)))
-        self._check("cuCtxPushCurrent", cu.cuCtxPushCurrent(self._contexts[index]))
-        try:
-            yield
-        finally:
-            self._check("cuCtxPopCurrent", cu.cuCtxPopCurrent())
-
-    def _prop(self, index: int) -> Any:
-        cu = self._cu
-        prop = cu.CUmemAllocationProp()
-        prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        prop.location.id = index
-        prop.requestedHandleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-        return prop
-
-    def device_count(self) -> int:
-        return 0 if self._no_device else int(self._check("cuDeviceGetCount", self._cu.cuDeviceGetCount()))
-
-    def device_uuid(self, index: int) -> str:
-        uuid = self._check("cuDeviceGetUuid", self._cu.cuDeviceGetUuid(self._device(index)))
-        return format_uuid(bytes(uuid.bytes))
-
-    def attribute(self, index: int, name: str) -> int:
-        attr = getattr(self._cu.CUdevice_attribute, f"CU_DEVICE_ATTRIBUTE_{name}")
-        return int(self._check("cuDeviceGetAttribute", self._cu.cuDeviceGetAttribute(attr, self._device(index))))
-
-    def granularity(self, index: int) -> int:
-        flag = self._cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
-        return int(self._check("cuMemGetAllocationGranularity",
-                               self._cu.cuMemGetAllocationGranularity(self._prop(index), flag)))
-
-    def create(self, index: int, nbytes: int) -> int:
-        with self._context(index):
-            return int(self._check("cuMemCreate", self._cu.cuMemCreate(nbytes, self._prop(index), 0)))
-
-    def export_fd(self, index: int, handle: int) -> int:
-        cu = self._cu
-        with self._context(index):
-            return int(self._check("cuMemExportToShareableHandle", cu.cuMemExportToShareableHandle(
-                cu.CUmemGenericAllocationHandle(handle),
-                cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)))
-
-    def reserve(self, index: int, nbytes: int, alignment: int) -> int:
-        with self._context(index):
-            return int(self._check("cuMemAddressReserve", self._cu.cuMemAddressReserve(nbytes, alignment, 0, 0)))
-
-    def map(self, index: int, va: int, nbytes: int, handle: int) -> None:
-        cu = self._cu
-        with self._context(index):
-            self._check("cuMemMap", cu.cuMemMap(cu.CUdeviceptr(va), nbytes, 0,
-                                                cu.CUmemGenericAllocationHandle(handle), 0))
-
-    def set_access(self, index: int, va: int, nbytes: int, flags: int) -> None:
-        cu = self._cu
-        desc = cu.CUmemAccessDesc()
-        desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        desc.location.id = index
-        desc.flags = cu.CUmemAccess_flags(flags)
-        with self._context(index):
-            self._check("cuMemSetAccess", cu.cuMemSetAccess(cu.CUdeviceptr(va), nbytes, [desc], 1))
-
-    def memset(self, index: int, va: int, value: int, nbytes: int) -> None:
-        cu = self._cu
-        with self._context(index):
-            self._check("cuMemsetD8", cu.cuMemsetD8(cu.CUdeviceptr(va), value, nbytes))
-            self._check("cuCtxSynchronize", cu.cuCtxSynchronize())
-
-    def unmap(self, index: int, va: int, nbytes: int) -> None:
-        with self._context(index):
-            self._check("cuMemUnmap", self._cu.cuMemUnmap(self._cu.CUdeviceptr(va), nbytes))
-
-    def free_address(self, index: int, va: int, nbytes: int) -> None:
-        with self._context(index):
-            self._check("cuMemAddressFree", self._cu.cuMemAddressFree(self._cu.CUdeviceptr(va), nbytes))
-
-    def release(self, index: int, handle: int) -> None:
-        with self._context(index):
-            self._check("cuMemRelease", self._cu.cuMemRelease(self._cu.CUmemGenericAllocationHandle(handle)))
-
-    def close(self) -> None:
-        contexts, self._contexts = self._contexts, {}
-        for index in contexts:
-            self._check("cuDevicePrimaryCtxRelease", self._cu.cuDevicePrimaryCtxRelease(self._device(index)))
 
 
 def fd_export_problem(driver: VmmDriver, index: int) -> str:
@@ -219,7 +102,7 @@ def _one_line(e: BaseException) -> str:
 def open_driver(factory: Callable[[], VmmDriver] | None = None) -> VmmDriver:
     """A driver, or a one-line PoolError saying what is missing."""
     try:
-        return factory() if factory is not None else CudaPythonDriver()
+        return factory() if factory is not None else CudaDriver()
     except ImportError:
         raise PoolError("cuda_vmm needs cuda-python in the service (pip install 'kvcache[cuda]'); use --backend "
                         "cuda_ipc or host_shm") from None
@@ -303,6 +186,24 @@ class CudaVmmPool:
         d.memset(index, self._va, 0, size)
         self._unmap()
 
+    def device_address(self) -> int:
+        """Map the pool into this process (once; unmapped by `close()`) and return its device address: the
+        tier copies pages through it. Without a tier the service never maps the pool after zeroing it."""
+        if self._closed or self._handle is None:
+            raise PoolError("the pool is closed")
+        if not self._mapped:
+            d, index, size = self._driver, self.device_index, self.size_bytes
+            self._va = d.reserve(index, size, self.granularity)
+            try:
+                d.map(index, self._va, size, self._handle)
+                self._mapped = True
+                d.set_access(index, self._va, size, ACCESS_READWRITE)
+            except Exception as e:
+                self._unmap()
+                raise PoolError(f"cannot map the cuda_vmm pool for the tier: {_one_line(e)}") from None
+        assert self._va is not None, "a mapping has an address"
+        return self._va
+
     def _unmap(self) -> None:
         d, index = self._driver, self.device_index
         if self._mapped:
@@ -328,8 +229,8 @@ class CudaVmmPool:
         return self._closed
 
     def close(self) -> None:
-        """Unmap (only while zeroing), free the address range, release the allocation handle, close the
-        fd, then the driver. Every step runs even when one fails; failures are raised together after."""
+        """Unmap (while zeroing, or the tier's mapping), free the address range, release the allocation handle,
+        close the fd, then the driver. Every step runs even when one fails; failures are raised together after."""
         if self._closed:
             return
         self._closed = True

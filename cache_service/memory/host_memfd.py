@@ -1,5 +1,5 @@
 """The `host_memfd` backend: the pool is an anonymous memory file (memfd_create), handed to engines as a
-file descriptor over the pool socket (see `protos.kvcache.v1.pool_socket`).
+file descriptor over the pool socket (see `kvcache_common.pool_socket`).
 
 Nothing is ever visible in /dev/shm or any directory: the memory lives as long as some process holds the
 fd or a mapping, so a SIGKILLed service leaves nothing behind, and engines keep what they mapped until
@@ -16,7 +16,7 @@ import os
 from types import TracebackType
 
 from cache_service.memory.base import PoolError, PoolHandle, format_bytes
-from protos.kvcache.v1.layout import PoolLayout
+from kvcache_common.layout import PoolLayout
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 

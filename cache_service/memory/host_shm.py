@@ -17,7 +17,7 @@ from pathlib import Path
 from types import TracebackType
 
 from cache_service.memory.base import PoolError, PoolHandle, format_bytes
-from protos.kvcache.v1.layout import PoolLayout
+from kvcache_common.layout import PoolLayout
 
 SUFFIX = ".pool"
 

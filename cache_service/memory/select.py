@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from cache_service.memory.base import PoolBackend, PoolError, format_bytes
 from cache_service.memory.host_shm import HostShmPool, remove_stale_pools
-from protos.kvcache.v1.layout import PoolLayout
+from kvcache_common.layout import PoolLayout
 
 if TYPE_CHECKING:
     from cache_service.memory.cuda_vmm import VmmDriver
@@ -38,6 +38,10 @@ class PoolSettings(Protocol):
     @property
     def pool_bytes(self) -> int:
         """The --pool-bytes asked for (0: the pool was sized by --num-pages)."""
+
+    @property
+    def gpu_memory_fraction(self) -> float:
+        """Share of the GPU's free memory a GPU pool takes (0: sized by the layout's num_pages)."""
 
     def layout(self) -> PoolLayout: ...
 
@@ -79,10 +83,11 @@ def probe_cuda() -> CudaProbe:
 def probe_cuda_vmm(device: str = "0", driver: Callable[[], VmmDriver] | None = None) -> VmmProbe:
     """Can cuda_vmm run on `device` (an ordinal or a UUID, as --device)? Asks the driver only."""
     from cache_service.memory.cuda_ipc import resolve_device
-    from cache_service.memory.cuda_vmm import CudaPythonDriver, fd_export_problem
+    from cache_service.memory.cuda_vmm import fd_export_problem
+    from kvcache_common.cuda_driver import CudaDriver
 
     try:
-        d = driver() if driver is not None else CudaPythonDriver()
+        d = driver() if driver is not None else CudaDriver()
     except ImportError:
         return VmmProbe(False, "cuda-python is not installed (pip install 'kvcache[cuda]')")
     except Exception as e:  # the driver library is missing, or cuInit failed
@@ -124,38 +129,74 @@ class PoolChoice:
     removed_stale: tuple[str, ...] = ()
 
 
-def _host_shm(config: PoolSettings, instance_id: str) -> PoolBackend:
-    size_flag = f"--pool-bytes (asked: {format_bytes(config.pool_bytes)})" if config.pool_bytes else "--num-pages"
-    return HostShmPool(config.layout(), shm_dir=config.shm_dir, prefix=config.shm_prefix, instance_id=instance_id,
-                       size_flag=size_flag)
+def _size_flag(config: PoolSettings) -> str:
+    """The flag that sized the pool, for a refusal's "lower ..." advice."""
+    if config.gpu_memory_fraction:
+        return f"--gpu-memory-fraction (asked: {config.gpu_memory_fraction})"
+    return f"--pool-bytes (asked: {format_bytes(config.pool_bytes)})" if config.pool_bytes else "--num-pages"
 
 
-def _host_memfd(config: PoolSettings, instance_id: str) -> PoolBackend:
+def _host_shm(config: PoolSettings, layout: PoolLayout, instance_id: str) -> PoolBackend:
+    return HostShmPool(layout, shm_dir=config.shm_dir, prefix=config.shm_prefix, instance_id=instance_id,
+                       size_flag=_size_flag(config))
+
+
+def _host_memfd(config: PoolSettings, layout: PoolLayout, instance_id: str) -> PoolBackend:
     from cache_service.memory.host_memfd import HostMemfdPool
 
-    size_flag = f"--pool-bytes (asked: {format_bytes(config.pool_bytes)})" if config.pool_bytes else "--num-pages"
-    return HostMemfdPool(config.layout(), size_flag=size_flag)
+    return HostMemfdPool(layout, size_flag=_size_flag(config))
 
 
-def _cuda_vmm(config: PoolSettings, instance_id: str) -> PoolBackend:
+def _cuda_vmm(config: PoolSettings, layout: PoolLayout, instance_id: str) -> PoolBackend:
     from cache_service.memory.cuda_vmm import CudaVmmPool
 
-    size_flag = f"--pool-bytes (asked: {format_bytes(config.pool_bytes)})" if config.pool_bytes else "--num-pages"
-    return CudaVmmPool(config.layout(), device=config.device, size_flag=size_flag)
+    return CudaVmmPool(layout, device=config.device, size_flag=_size_flag(config))
 
 
-def _cuda_ipc(config: PoolSettings, instance_id: str) -> PoolBackend:
+def _cuda_ipc(config: PoolSettings, layout: PoolLayout, instance_id: str) -> PoolBackend:
     from cache_service.memory.cuda_ipc import CudaIpcPool
 
-    return CudaIpcPool(config.layout(), device=config.device)
+    return CudaIpcPool(layout, device=config.device)
 
 
-BACKENDS: dict[str, Callable[[PoolSettings, str], PoolBackend]] = {
+BACKENDS: dict[str, Callable[[PoolSettings, PoolLayout, str], PoolBackend]] = {
     "host_shm": _host_shm,
     "host_memfd": _host_memfd,
     "cuda_ipc": _cuda_ipc,
     "cuda_vmm": _cuda_vmm,
 }
+
+
+def gpu_free_bytes(backend: str, device: str) -> int:
+    """Free memory of --device right now, asked the way `backend` talks to the GPU (PoolError when it cannot)."""
+    from cache_service.memory.cuda_ipc import CupyDriver, resolve_device
+    from cache_service.memory.cuda_vmm import open_driver
+
+    try:
+        if backend == "cuda_vmm":
+            d = open_driver()
+            try:
+                index = resolve_device(device, [d.device_uuid(i) for i in range(d.device_count())], mig_ok=True)
+                return d.free_memory(index)
+            finally:
+                d.close()
+        rt = CupyDriver()
+        return rt.free_memory(resolve_device(device, [rt.device_uuid(i) for i in range(rt.device_count())]))
+    except PoolError:
+        raise
+    except Exception as e:  # the driver's own error types
+        raise PoolError(f"--gpu-memory-fraction: cannot read the free memory of --device {device} "
+                        f"({_one_line(e)}); use --pool-bytes") from None
+
+
+def fraction_layout(config: PoolSettings, free_bytes: int) -> PoolLayout:
+    """The layout with as many whole pages as --gpu-memory-fraction of `free_bytes` holds."""
+    layout = config.layout()
+    pages = int(free_bytes * config.gpu_memory_fraction) // layout.bytes_per_page
+    if pages < 2:
+        raise PoolError(f"--gpu-memory-fraction {config.gpu_memory_fraction} of {format_bytes(free_bytes)} free "
+                        f"holds {pages} page(s) of {format_bytes(layout.bytes_per_page)}; a pool needs 2")
+    return replace(layout, num_pages=pages)
 
 
 def choose_auto(cuda: CudaProbe) -> tuple[str, str]:
@@ -178,10 +219,11 @@ GPU_MISSING: dict[str, Callable[[CudaProbe], str]] = {
 """The GPU backends: why this process has no GPU for them ("" when it has one)."""
 
 
-def create_pool(config: PoolSettings, instance_id: str,
-                probe: Callable[[], CudaProbe] | None = None) -> PoolChoice:
+def create_pool(config: PoolSettings, instance_id: str, probe: Callable[[], CudaProbe] | None = None,
+                free_bytes: Callable[[str, str], int] = gpu_free_bytes) -> PoolChoice:
     """Create the configured pool (`choose_auto` decides `auto`); the returned `why` says which and why (it
-    goes in the start line). `probe` defaults to `probe_gpu` on --device."""
+    goes in the start line). `probe` defaults to `probe_gpu` on --device; `free_bytes(backend, device)`
+    sizes a pool by --gpu-memory-fraction."""
     backend = config.backend
     if probe is None:
         probe = functools.partial(probe_gpu, config.device)
@@ -192,7 +234,15 @@ def create_pool(config: PoolSettings, instance_id: str,
         missing = GPU_MISSING.get(backend)
         if missing is not None and (reason := missing(probe())):
             raise PoolError(f"--backend {backend} needs a GPU: {reason}; use --backend host_shm")
+    layout = config.layout()
+    if config.gpu_memory_fraction:
+        if backend not in GPU_MISSING:
+            raise PoolError(f"--gpu-memory-fraction sizes a GPU pool, and the pool is {backend} ({why}); use "
+                            "--pool-bytes")
+        free = free_bytes(backend, config.device)
+        layout = fraction_layout(config, free)
+        why += f"; {config.gpu_memory_fraction:g} of {format_bytes(free)} free"
     removed: tuple[str, ...] = ()
     if backend == "host_shm":
         removed = tuple(str(p) for p in remove_stale_pools(config.shm_dir, config.shm_prefix))
-    return PoolChoice(BACKENDS[backend](config, instance_id), why, removed)
+    return PoolChoice(BACKENDS[backend](config, layout, instance_id), why, removed)

@@ -10,6 +10,7 @@ import numpy as np
 from cache_service.core import KVCacheError, Reason, SessionInfo, SessionState, Stats
 from cache_service.core.errors import invalid_argument
 from cache_service.core.types import PageArray, TokenArray
+from cache_service.tier.stats import TierStats
 from protos.kvcache.v1 import kvcache_pb2 as pb
 
 _STATES = {
@@ -60,10 +61,25 @@ def session_info(info: SessionInfo) -> pb.SessionInfo:
     return pb.SessionInfo(**values)
 
 
-SERVICE_STATS_FIELDS = ("instance_id", "uptime_seconds", "physical_usage", "verified")
+SERVICE_STATS_FIELDS = ("instance_id", "uptime_seconds", "physical_usage", "verified", "tier")
 """GetStatsResponse fields the service adds to the core's `Stats`."""
 
 
-def stats(st: Stats, *, instance_id: str, uptime_seconds: float, verified: bool) -> pb.GetStatsResponse:
-    return pb.GetStatsResponse(**_fields(st), instance_id=instance_id, uptime_seconds=uptime_seconds,
-                               physical_usage=1 - st.free_pages / st.usable_pages, verified=verified)
+def stats(st: Stats, *, instance_id: str, uptime_seconds: float, verified: bool,
+          tier: TierStats | None = None) -> pb.GetStatsResponse:
+    res = pb.GetStatsResponse(**_fields(st), instance_id=instance_id, uptime_seconds=uptime_seconds,
+                              physical_usage=1 - st.free_pages / st.usable_pages, verified=verified)
+    if tier is not None:
+        res.tier.CopyFrom(tier_stats(tier))
+    return res
+
+
+def tier_stats(t: TierStats) -> pb.TierStats:
+    """The tier's counters as the proto's TierStats (errors sorted by operation and reason)."""
+    values = _fields(t)
+    errors = values.pop("errors")
+    for name in ("stored_values", "stored_bytes", "capacity_bytes"):
+        if values[name] is None:
+            del values[name]
+    return pb.TierStats(**values, errors=[pb.TierErrorCount(operation=op, reason=reason, count=n)
+                                          for (op, reason), n in sorted(errors.items())])

@@ -66,9 +66,16 @@ def _decoder(message_cls: type[Message]) -> Callable[[bytes], Message | Malforme
     return decode
 
 
+def _nothing() -> None:
+    return None
+
+
 class ServiceInterceptor:
-    def __init__(self, metrics: Metrics, *, instance_id: str, identities: Identities | None = None) -> None:
+    def __init__(self, metrics: Metrics, *, instance_id: str, identities: Identities | None = None,
+                 after: Callable[[], None] | None = None) -> None:
         self._metrics = metrics
+        self._after = after or _nothing
+        """Called after every call (the KV event hub's `poke`: the call may have changed the cache)."""
         self._instance_id = instance_id
         self._identities = identities or Identities()
         self._log = get_logger("kvcache.rpc")
@@ -131,12 +138,16 @@ class ServiceInterceptor:
             else:
                 log.debug("rpc", method=name, code=code, ms=round(elapsed * 1e3, 3))
 
+        after = self._after
+
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
             start = time.perf_counter()
             try:
                 self._check_request(name, request, context)
                 response = await behavior(request, context)
+                after()
             except KVCacheError as e:
+                after()
                 record(e.code.value, start, request)
                 log.warning("rpc_error", method=name, code=e.code.value, reason=e.reason.value, message=e.message,
                             **e.metadata)
@@ -144,6 +155,7 @@ class ServiceInterceptor:
             except grpc.aio.AbortError:
                 raise  # a handler that aborted on its own has already sent its status
             except Exception:
+                after()
                 record("INTERNAL", start, request)
                 log.exception("rpc_internal_error", method=name)
                 await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}; see the service log")
@@ -157,6 +169,7 @@ class ServiceInterceptor:
         ended (CANCELLED: the client went away, the usual end of a HoldLease)."""
         log = self._log
         observe = self._metrics.observe_rpc
+        after = self._after
 
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             start = time.perf_counter()
@@ -183,6 +196,7 @@ class ServiceInterceptor:
                 observe(name, code, time.perf_counter() - start)
                 await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}; see the service log")
             finally:
+                after()
                 if code in ("OK", "CANCELLED"):
                     observe(name, code, time.perf_counter() - start)
                     log.debug("rpc", method=name, code=code, ms=round((time.perf_counter() - start) * 1e3, 3))

@@ -1,7 +1,8 @@
 """KV events for routers: the core's change feed, numbered, buffered, and published two ways.
 
-`EventHub` drains the feed once per event-loop iteration (the feed calls back at its first record after a
-drain; the hub schedules one `flush`), numbers each batch (`seq`, upward across restarts: the first is
+`EventHub` drains the core's change records (`KVCacheCore.take_events`) once per event-loop iteration (the
+interceptor and the reaper `poke` it after each call; when records are waiting it schedules one `flush`),
+numbers each batch (`seq`, upward across restarts: the first is
 the clock in microseconds), keeps the last --kv-events-buffer batches, and hands each to:
 
 - `ZmqPublisher`, in vLLM's wire format (what Dynamo's and llm-d's indexers read): frames
@@ -154,7 +155,6 @@ class EventHub:
     def __init__(self, core: KVCacheCore, *, instance_id: str, medium: str, buffer: int,
                  publisher: ZmqPublisher | None = None, clock: Callable[[], float] = time.time) -> None:
         self.core = core
-        self.feed = core.events
         self.instance_id = instance_id
         self.medium = medium
         self.page_size = core.page_size
@@ -179,10 +179,9 @@ class EventHub:
         router forgets what an earlier instance at this address announced), and keep idle subscribers
         informed with heartbeats."""
         self._loop = loop
-        self.feed.on_record = self._schedule
         if self.publisher is not None:
-            self.feed.start(self.core.radix)
-            self.feed.cleared()
+            self.core.start_events()
+            self.core.record_cleared()
             self.flush()
             self._heartbeat = loop.create_task(self._beat(), name="kvcache-kv-heartbeat")
 
@@ -194,14 +193,14 @@ class EventHub:
 
     def ensure_recording(self) -> None:
         """A watcher arrived: record from now on (hashing what the tree holds already)."""
-        self.feed.start(self.core.radix)
+        self.core.start_events()
 
     def close(self) -> None:
         if self._heartbeat is not None:
             self._heartbeat.cancel()
             self._heartbeat = None
         self.flush()
-        self.feed.on_record = None
+        self._loop = None
         if self.publisher is not None:
             self.publisher.close()
 
@@ -221,8 +220,10 @@ class EventHub:
         """Batches the ZMQ publisher could not send."""
         return self.publisher.dropped if self.publisher is not None else 0
 
-    def _schedule(self) -> None:
-        if not self._scheduled and self._loop is not None:
+    def poke(self) -> None:
+        """A call may have changed the cache: when records are waiting, flush them once this event-loop
+        iteration is done (one batch for all the calls it served)."""
+        if not self._scheduled and self._loop is not None and self.core.pending_events():
             self._scheduled = True
             self._loop.call_soon(self.flush)
 
@@ -230,7 +231,7 @@ class EventHub:
         """Publish what the feed recorded since the last flush as one batch (a `heartbeat` goes out even
         when empty, to ZMQ only)."""
         self._scheduled = False
-        records = self.feed.drain()
+        records = self.core.take_events()
         if not records and not heartbeat:
             return
         seq = self._next_seq
@@ -273,7 +274,7 @@ class EventHub:
         """The current tree and open sessions as snapshot messages at `last_seq`: `cleared`, the stored
         pages (parents before children), the opened sessions. Call right after `flush` so the live
         batches that follow continue from it."""
-        records: list[Record] = [Cleared(), *self.feed.snapshot(self.core.radix)]
+        records: list[Record] = [Cleared(), *self.core.event_snapshot()]
         for info in self.core.list_sessions():
             records.append(SessionChange("opened", info.session_id, info.epoch, info.cache_salt, info.streaming,
                                          info.engine_id, info.identity))

@@ -1,6 +1,6 @@
 """The pool socket: hands an fd-backed pool (`host_memfd`, `cuda_vmm`) to engines over a unix socket.
 
-One short exchange per connection (`protos.kvcache.v1.pool_socket` has the protocol). Before anything is
+One short exchange per connection (`kvcache_common.pool_socket` has the protocol). Before anything is
 sent, the peer's credentials (SO_PEERCRED) must name an allowed uid (--pool-socket-uids; by default the
 service's own) and its bearer token must resolve to an identity that may drive engines (engine or admin),
 exactly as the RPCs decide; a refusal carries the same reasons (BAD_TOKEN, ROLE_REQUIRED) and no fd.
@@ -25,7 +25,7 @@ from cache_service.core import KVCacheError
 from cache_service.log import get_logger
 from cache_service.rpc.identity import Identities, Role
 from cache_service.rpc.server import claim_unix_path
-from protos.kvcache.v1 import pool_socket as wire
+from kvcache_common import pool_socket as wire
 
 EXCHANGE_SECONDS = 5.0
 _UCRED = struct.Struct("3i")

@@ -27,6 +27,7 @@ from cache_service.rpc.identity import Identities
 from cache_service.rpc.interceptor import ServiceInterceptor
 from cache_service.rpc.kv_events import EventHub
 from cache_service.rpc.servicer import KVCacheServicer
+from cache_service.tier import TierService
 from protos.kvcache.v1 import kvcache_pb2 as pb
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCacheService"].full_name
@@ -112,13 +113,15 @@ class ServerTls:
 
 @dataclass(frozen=True)
 class RpcSettings:
+    """The transport's settings, taken from `ServiceConfig` (where their defaults live) by `app.rpc_settings`."""
+
     listen: str
     """host:port (port 0 picks a free one) or unix:/path."""
+    max_request_tokens: int
+    max_step_ops: int
+    max_message_bytes: int
     identities: Identities = field(default_factory=Identities)
     """Who may call (no tokens: everyone, as the anonymous admin)."""
-    max_request_tokens: int = 1 << 20
-    max_step_ops: int = 4096
-    max_message_bytes: int = 64 << 20
     tls: ServerTls | None = None
     """None: plaintext (`add_insecure_port`)."""
 
@@ -128,7 +131,7 @@ class RpcServer:
 
     def __init__(self, core: KVCacheCore, layout: PoolLayout, handle: PoolHandle, settings: RpcSettings, *,
                  instance_id: str, metrics: Metrics, events: EventHub,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, tier: TierService | None = None) -> None:
         self.settings = settings
         self.health = HealthServicer()
         self.address = ""
@@ -136,8 +139,10 @@ class RpcServer:
         self.removed_stale_socket = ""
         servicer = KVCacheServicer(core, layout, handle, instance_id=instance_id,
                                    max_request_tokens=settings.max_request_tokens,
-                                   max_step_ops=settings.max_step_ops, metrics=metrics, events=events, clock=clock)
-        interceptor = ServiceInterceptor(metrics, instance_id=instance_id, identities=settings.identities)
+                                   max_step_ops=settings.max_step_ops, metrics=metrics, events=events, clock=clock,
+                                   tier=tier)
+        interceptor = ServiceInterceptor(metrics, instance_id=instance_id, identities=settings.identities,
+                                         after=events.poke)
         self._server = grpc.aio.server(options=[
             *SERVER_OPTIONS,
             ("grpc.max_receive_message_length", settings.max_message_bytes),

@@ -29,6 +29,8 @@ from cache_service.rpc.errors import status_proto
 from cache_service.rpc.identity import Identity, Role
 from cache_service.rpc.interceptor import CALLER
 from cache_service.rpc.kv_events import EventHub, Visible
+from cache_service.rpc.step_columns import KIND_NAMES, run_columns
+from cache_service.tier import TierService
 from protos.kvcache.v1 import kvcache_pb2 as pb
 from protos.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 
@@ -47,8 +49,11 @@ STEP_OPS = tuple(f.name for f in pb.StepOp.DESCRIPTOR.oneofs_by_name["op"].field
 class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
     def __init__(self, core: KVCacheCore, layout: PoolLayout, handle: PoolHandle, *, instance_id: str,
                  max_request_tokens: int, events: EventHub, max_step_ops: int = 4096,
-                 metrics: Metrics | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 metrics: Metrics | None = None, clock: Callable[[], float] = time.monotonic,
+                 tier: TierService | None = None) -> None:
         self.core = core
+        self.tier = tier
+        """The tier beyond the pool (--tier), None without one; GetStats reports it."""
         self.events = events
         self.instance_id = instance_id
         self._max_tokens = max_request_tokens
@@ -289,23 +294,60 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             CALLER.get().need(Role.ADMIN, what="GetStats with verify")
         st = self.core.check_invariants() if request.verify else self.core.stats()
         return convert.stats(st, instance_id=self.instance_id, uptime_seconds=self._clock() - self._started,
-                             verified=request.verify)
+                             verified=request.verify, tier=self.tier.stats() if self.tier is not None else None)
 
     # ------------------------------------------------------------------ Step
 
     async def Step(self, request: pb.StepRequest, context: Context) -> pb.StepResponse:
         """Apply the ops in order, each on its own; one result per op. Only a request-level problem (too
-        many ops, a reader's call; auth and instance checks happen in the interceptor) fails the whole call."""
-        ops = request.ops
-        if len(ops) > self._max_step_ops:
-            raise invalid_argument("ops", f"{len(ops)} ops in one Step exceed --max-step-ops={self._max_step_ops}")
+        many ops, a reader's call, malformed columns; auth and instance checks happen in the interceptor)
+        fails the whole call. Refused ops are counted per (kind, code) and logged in one line per Step."""
+        columns = request.HasField("columns")
+        if columns and len(request.ops):
+            raise invalid_argument("columns", "set ops or columns, not both")
+        n = len(request.columns.kinds) if columns else len(request.ops)
+        if n > self._max_step_ops:
+            raise invalid_argument("columns" if columns else "ops",
+                                   f"{n} ops in one Step exceed --max-step-ops={self._max_step_ops}")
         who = _driver("Step")
+        refused: dict[tuple[str, str], int] = {}
+
+        def tally(kind: str, code: str) -> None:
+            refused[kind, code] = refused.get((kind, code), 0) + 1
+
+        if columns:
+            kinds = request.columns.kinds
+            response = run_columns(self.core, request.columns, request.engine_id, who, self._max_tokens,
+                                   self.instance_id, tally)
+            failures = [(i, s) for i, s in zip(_failed(response.columns.codes), response.columns.errors,
+                                                strict=True)]
+            ok = {name: kinds.count(kind) for kind, name in KIND_NAMES.items()}
+        else:
+            response, failures = self._step_messages(request, who, tally)
+            ok = {}
+            for op in request.ops:
+                kind = op.WhichOneof("op") or "none"
+                ok[kind] = ok.get(kind, 0) + 1
+        for kind, code in refused:
+            ok[kind] = ok.get(kind, 0) - refused[kind, code]
+        if failures:
+            first, status = failures[0]
+            self._log.warning("step_refused", ops=len(failures), of=n, by_kind_code={f"{k}.{c}": v for (k, c), v in
+                              refused.items()}, first_op=first, first_message=status.message)
+        if self._metrics is not None:
+            outcomes = {(kind, "OK"): count for kind, count in ok.items() if count}
+            outcomes.update(refused)
+            self._metrics.observe_step_ops(outcomes)
+        return response
+
+    def _step_messages(self, request: pb.StepRequest, who: Identity, tally: Callable[[str, str], None]
+                       ) -> tuple[pb.StepResponse, list[tuple[int, Any]]]:
         response = pb.StepResponse()
         results = response.results
         default_engine = request.engine_id
         fills = self._fills
-        outcomes: dict[tuple[str, str], int] = {}
-        for i, op in enumerate(ops):
+        failures: list[tuple[int, Any]] = []
+        for i, op in enumerate(request.ops):
             result = results.add()
             kind = op.WhichOneof("op")
             if kind is None:
@@ -313,29 +355,30 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                                    f"ops[{i}] names no operation (set one of {', '.join(STEP_OPS)})",
                                    field="ops", index=i)
                 result.status.CopyFrom(status_proto(err))
-                outcomes["none", err.code.value] = outcomes.get(("none", err.code.value), 0) + 1
+                tally("none", err.code.value)
+                failures.append((i, result.status))
                 continue
             req = getattr(op, kind)
             engine_id = default_engine if kind == "match" else (req.engine_id or default_engine)
             try:
                 fills[kind](req, getattr(result, kind), engine_id, who)
             except KVCacheError as e:
+                result.ClearField(kind)
                 result.status.CopyFrom(status_proto(e))
-                outcomes[kind, e.code.value] = outcomes.get((kind, e.code.value), 0) + 1
-                self._log.warning("rpc_error", method=f"Step.{kind}", op=i, code=e.code.value, reason=e.reason.value,
-                                  message=e.message, **_subject(req))
+                tally(kind, e.code.value)
+                failures.append((i, result.status))
             except Exception:
                 self._log.exception("rpc_internal_error", method=f"Step.{kind}", op=i, **_subject(req))
                 result.ClearField(kind)
                 result.status.code = code_pb2.INTERNAL
                 result.status.message = f"internal error in Step op {i} ({kind}); see the service log"
-                outcomes[kind, "INTERNAL"] = outcomes.get((kind, "INTERNAL"), 0) + 1
-            else:
-                key = (kind, "OK")
-                outcomes[key] = outcomes.get(key, 0) + 1
-        if self._metrics is not None:
-            self._metrics.observe_step_ops(outcomes)
-        return response
+                tally(kind, "INTERNAL")
+        return response, failures
+
+
+def _failed(codes: bytes) -> list[int]:
+    """Indices of the nonzero int32 codes."""
+    return [i for i, c in enumerate(memoryview(codes).cast("i")) if c]
 
 
 def _driver(what: str) -> Identity:

@@ -14,10 +14,8 @@ is tested without a GPU.
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -26,9 +24,7 @@ from engine_client.mapping.base import TORCH_DTYPES, Device, MappedPool, PoolImp
 from engine_client.mapping.cuda_ipc import find_device, normalize_uuid
 from engine_client.mapping.fd import receive_pool_fd
 from engine_client.types import PoolInfo
-
-ACCESS_READWRITE = 3
-"""CU_MEM_ACCESS_FLAGS_PROT_READWRITE."""
+from kvcache_common.cuda_driver import ACCESS_READWRITE, CudaDriver
 
 
 class VmmImporter(Protocol):
@@ -76,85 +72,15 @@ class _CudaRange:
                                          "strides": None, "version": 3}
 
 
-class CudaPythonImporter:
-    """VmmImporter over cuda-python's driver bindings, each call in the device's primary context (the one
-    torch uses), retained once per device and released by `close()`."""
+class CudaPythonImporter(CudaDriver):
+    """VmmImporter over the shared cuda-python driver wrapper, plus the one torch call (`wrap`)."""
 
     def __init__(self) -> None:
         try:
-            from cuda.bindings import driver
+            super().__init__()
         except ImportError:
             raise PoolMappingError("mapping a cuda_vmm pool needs cuda-python in the engine process "
                                    "(pip install 'kvcache[cuda]')") from None
-        self._cu: Any = driver
-        self._contexts: dict[int, Any] = {}
-        self._check("cuInit", driver.cuInit(0))
-
-    def _check(self, call: str, result: tuple[Any, ...]) -> Any:
-        err, *values = result
-        if err != self._cu.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"{call}: {getattr(err, 'name', err)}")
-        return values[0] if len(values) == 1 else None
-
-    def _device(self, index: int) -> Any:
-        return self._check("cuDeviceGet", self._cu.cuDeviceGet(index))
-
-    @contextlib.contextmanager
-    def _context(self, index: int) -> Iterator[None]:
-        cu = self._cu
-        if index not in self._contexts:
-            self._contexts[index] = self._check("cuDevicePrimaryCtxRetain",
-                                                cu.cuDevicePrimaryCtxRetain(self._device(index)))
-        self._check("cuCtxPushCurrent", cu.cuCtxPushCurrent(self._contexts[index]))
-        try:
-            yield
-        finally:
-            self._check("cuCtxPopCurrent", cu.cuCtxPopCurrent())
-
-    def device_uuids(self) -> list[str]:
-        count = self._check("cuDeviceGetCount", self._cu.cuDeviceGetCount())
-        uuids = []
-        for i in range(int(count)):
-            raw = bytes(self._check("cuDeviceGetUuid", self._cu.cuDeviceGetUuid(self._device(i))).bytes)
-            h = raw.hex()
-            uuids.append(f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}")
-        return uuids
-
-    def granularity(self, index: int) -> int:
-        cu = self._cu
-        prop = cu.CUmemAllocationProp()
-        prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        prop.location.id = index
-        prop.requestedHandleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-        flag = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
-        return int(self._check("cuMemGetAllocationGranularity", cu.cuMemGetAllocationGranularity(prop, flag)))
-
-    def import_fd(self, index: int, fd: int) -> int:
-        cu = self._cu
-        with self._context(index):
-            # For the POSIX-fd handle type the "OS handle" is the fd's number itself.
-            return int(self._check("cuMemImportFromShareableHandle", cu.cuMemImportFromShareableHandle(
-                fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)))
-
-    def reserve(self, index: int, nbytes: int, alignment: int) -> int:
-        with self._context(index):
-            return int(self._check("cuMemAddressReserve", self._cu.cuMemAddressReserve(nbytes, alignment, 0, 0)))
-
-    def map(self, index: int, va: int, nbytes: int, handle: int) -> None:
-        cu = self._cu
-        with self._context(index):
-            self._check("cuMemMap", cu.cuMemMap(cu.CUdeviceptr(va), nbytes, 0,
-                                                cu.CUmemGenericAllocationHandle(handle), 0))
-
-    def set_access(self, index: int, va: int, nbytes: int, flags: int) -> None:
-        cu = self._cu
-        desc = cu.CUmemAccessDesc()
-        desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        desc.location.id = index
-        desc.flags = cu.CUmemAccess_flags(flags)
-        with self._context(index):
-            self._check("cuMemSetAccess", cu.cuMemSetAccess(cu.CUdeviceptr(va), nbytes, [desc], 1))
 
     def wrap(self, index: int, va: int, nbytes: int) -> torch.Tensor:
         device = torch.device("cuda", index)
@@ -163,23 +89,6 @@ class CudaPythonImporter:
             raise RuntimeError(f"torch wrapped the mapped range as {tensor.device} at {tensor.data_ptr():#x}, "
                                f"not {device} at {va:#x}")
         return tensor
-
-    def unmap(self, index: int, va: int, nbytes: int) -> None:
-        with self._context(index):
-            self._check("cuMemUnmap", self._cu.cuMemUnmap(self._cu.CUdeviceptr(va), nbytes))
-
-    def free_address(self, index: int, va: int, nbytes: int) -> None:
-        with self._context(index):
-            self._check("cuMemAddressFree", self._cu.cuMemAddressFree(self._cu.CUdeviceptr(va), nbytes))
-
-    def release(self, index: int, handle: int) -> None:
-        with self._context(index):
-            self._check("cuMemRelease", self._cu.cuMemRelease(self._cu.CUmemGenericAllocationHandle(handle)))
-
-    def close(self) -> None:
-        contexts, self._contexts = self._contexts, {}
-        for index in contexts:
-            self._check("cuDevicePrimaryCtxRelease", self._cu.cuDevicePrimaryCtxRelease(self._device(index)))
 
 
 class _Mapping:

@@ -1,6 +1,6 @@
 """Receive an fd-backed pool (host_memfd, cuda_vmm) from the service's pool socket.
 
-One exchange (`protos.kvcache.v1.pool_socket`): send the bearer token and the instance id GetPoolInfo
+One exchange (`kvcache_common.pool_socket`): send the bearer token and the instance id GetPoolInfo
 gave, get the pool's file descriptor (SCM_RIGHTS) and a header, or a refusal with the service's reason,
 raised as the same typed error an RPC would raise (BadToken, RoleRequired, ServiceRestarted).
 """
@@ -14,7 +14,7 @@ import grpc
 
 from engine_client.errors import REASON_ERRORS, KVCacheClientError, PoolMappingError, ServiceRestarted
 from engine_client.types import PoolInfo
-from protos.kvcache.v1 import pool_socket as wire
+from kvcache_common import pool_socket as wire
 
 TIMEOUT_SECONDS = 10.0
 

@@ -41,17 +41,17 @@ def test_nothing_is_recorded_until_started(make_core) -> None:
     core.append("s", toks(range(1, 10)), 0)
     core.commit("s", toks(9))
     core.close("s", cache=True)
-    assert core.events.pending == 0 and core.events.drain() == []
+    assert not core.pending_events() and core.take_events() == []
 
 
 def test_a_cached_session_announces_its_full_pages_and_eviction_removes_them(make_core) -> None:
     core = make_core(num_pages=16, page_size=4)
-    core.events.start(core.radix)
+    core.start_events()
     core.open_session("s", streaming=False, identity="alice", cache_salt="")
     core.append("s", toks(1, 2, 3, 4, 5, 6, 7, 8, 9), 0, identity="alice")
     core.commit("s", toks(10), identity="alice")  # a regular session: its 2 full pages join the radix
     core.close("s", identity="alice")
-    records = as_tuples(core.events.drain())
+    records = as_tuples(core.take_events())
     assert records == [
         SessionChange("opened", "s", 1, "", False, "", "alice"),
         Stored("", None, [H1, H2], [1, 2, 3, 4, 5, 6, 7, 8]),
@@ -61,37 +61,37 @@ def test_a_cached_session_announces_its_full_pages_and_eviction_removes_them(mak
     core.open_session("t")
     core.append("t", toks(1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 14, 15), 0)
     core.commit("t", toks(16))
-    [opened, stored] = as_tuples(core.events.drain())
+    [opened, stored] = as_tuples(core.take_events())
     assert opened.kind == "opened"
     assert stored == Stored("", H2, chain_hashes(H2.to_bytes(8, "big"), key(11, 12, 13, 14), 16),
                             [11, 12, 13, 14])
     assert core.evict(1) == 1  # the tail page of the longest sequence
-    assert as_tuples(core.events.drain()) == [Removed("", stored.hashes)]
+    assert as_tuples(core.take_events()) == [Removed("", stored.hashes)]
     assert core.evict(5) == 2
-    assert as_tuples(core.events.drain()) == [Removed("", [H1, H2])]
+    assert as_tuples(core.take_events()) == [Removed("", [H1, H2])]
 
 
 def test_salted_trees_chain_from_their_salt(make_core) -> None:
     core = make_core(num_pages=16, page_size=4)
-    core.events.start(core.radix)
+    core.start_events()
     for salt in ("", "t"):
         core.open_session(salt or "plain", streaming=False, cache_salt=salt)
         core.append(salt or "plain", toks(1, 2, 3, 4, 5), 0)
         core.commit(salt or "plain", toks(6))
-    stored = [r for r in core.events.drain() if isinstance(r, Stored)]
+    stored = [r for r in core.take_events() if isinstance(r, Stored)]
     assert [(r.cache_salt, r.hashes) for r in stored] == [("", [H1]), ("t", [0x27A30044AFB371E8])]
 
 
 def test_demotion_announces_the_pages_and_the_session(make_core) -> None:
     core = make_core(num_pages=9, page_size=4, session_budget_pages=0)
-    core.events.start(core.radix)
+    core.start_events()
     core.open_session("idle", streaming=True)
     core.append("idle", toks(range(1, 25)), 0)  # 6 pages
     core.commit("idle", toks(99))  # the prompt's pages join the radix, pinned
-    core.events.drain()
+    core.take_events()
     core.open_session("big")
     core.append("big", toks(range(100, 120)), 0)  # 5 pages: only 2 free, so "idle" is demoted
-    kinds = [r.kind if isinstance(r, SessionChange) else type(r).__name__ for r in core.events.drain()]
+    kinds = [r.kind if isinstance(r, SessionChange) else type(r).__name__ for r in core.take_events()]
     assert kinds[:1] == ["opened"] and "demoted" in kinds and "Removed" in kinds
     assert core.get_session("idle").demoted
 
@@ -104,13 +104,13 @@ def test_a_late_start_hashes_the_tree_and_its_snapshot_matches_live_recording(ma
             core.commit(f"s{i}", toks(7))
 
     live = make_core(num_pages=32, page_size=4)
-    live.events.start(live.radix)
+    live.start_events()
     build(live)
-    recorded = {(r.cache_salt, h) for r in live.events.drain() if isinstance(r, Stored) for h in r.hashes}
+    recorded = {(r.cache_salt, h) for r in live.take_events() if isinstance(r, Stored) for h in r.hashes}
     late = make_core(num_pages=32, page_size=4)
     build(late)
-    late.events.start(late.radix)
-    snapshot = late.events.snapshot(late.radix)
+    late.start_events()
+    snapshot = late.event_snapshot()
     assert {(r.cache_salt, h) for r in snapshot for h in r.hashes} == recorded
     seen: set[int] = set()
     for r in snapshot:  # parents before children

@@ -4,26 +4,41 @@ import numpy as np
 import pytest
 
 from cache_service.core import InvariantError
+from cache_service.core.ledger import FREE, PageLedger
 from cache_service.core.radix import RadixTree, token_key
 
 
+def ids(pages: bytes) -> list[int]:
+    return np.frombuffer(pages, dtype=np.int32).tolist()
+
+
+def pages_of(values: list[int] | np.ndarray) -> bytes:
+    return np.asarray(values, dtype=np.int32).tobytes()
+
+
 class Tree:
-    """A RadixTree on tokens (not bytes) that records every page it frees."""
+    """A RadixTree on tokens (not bytes) that records every page it frees (its ledger starts with the
+    pages it is given counted as evictable, since nothing allocates them)."""
 
     def __init__(self, page_size: int = 1, policy: str = "lru") -> None:
         self.freed: list[list[int]] = []
-        self.tree = RadixTree(page_size, lambda p: self.freed.append(p.tolist()), policy)
+        self.ledger = PageLedger(1 << 20)
+        self.tree = RadixTree(page_size, self.ledger, self._free, policy)
         self.ps = page_size
+
+    def _free(self, pages: bytes, src: int) -> None:
+        self.freed.append(ids(pages))
+        self.ledger.move(len(pages) >> 2, src, FREE)
 
     def key(self, tokens: list[int]) -> bytes:
         return token_key(np.array(tokens, dtype=np.int32), self.ps)
 
     def insert(self, tokens: list[int], pages: list[int], salt: str = "") -> int:
-        res = self.tree.insert(salt, self.key(tokens), np.array(pages, dtype=np.int32))
+        res = self.tree.insert(salt, self.key(tokens), pages_of(pages), src=FREE)
         return res.num_existing_pages
 
     def match(self, tokens: list[int], salt: str = "") -> list[int]:
-        return self.tree.match(salt, self.key(tokens)).pages.tolist()
+        return ids(self.tree.match(salt, self.key(tokens)).pages)
 
     def counts(self) -> tuple[int, int]:
         self.tree.check()
@@ -42,9 +57,9 @@ def test_insert_then_match_returns_the_pages_of_the_longest_prefix() -> None:
 def test_insert_reports_existing_pages_and_keeps_the_trees_copies() -> None:
     t = Tree()
     t.insert([1, 2, 3], [10, 20, 30])
-    res = t.tree.insert("", t.key([1, 2, 3, 4, 5]), np.array([91, 92, 93, 94, 95], dtype=np.int32))
+    res = t.tree.insert("", t.key([1, 2, 3, 4, 5]), pages_of([91, 92, 93, 94, 95]), src=FREE)
     assert res.num_existing_pages == 3
-    assert res.pages.tolist() == [10, 20, 30, 94, 95]
+    assert ids(res.pages) == [10, 20, 30, 94, 95]
     assert t.match([1, 2, 3, 4, 5]) == [10, 20, 30, 94, 95]
     assert t.counts() == (5, 0)
 
@@ -88,7 +103,7 @@ def test_only_whole_pages_are_cached_and_matched(
     t = Tree(page_size)
     key = t.key(list(range(inserted)))
     pages = np.arange(100, 100 + len(key) // (4 * page_size), dtype=np.int32)
-    t.tree.insert("", key, pages)
+    t.tree.insert("", key, pages.tobytes(), src=FREE)
     assert t.match(list(range(query))) == expected
 
 
@@ -103,7 +118,7 @@ def test_page_granular_split_inside_a_multi_token_page_run() -> None:
 def test_insert_needs_whole_pages() -> None:
     t = Tree(page_size=2)
     with pytest.raises(InvariantError, match="whole pages"):
-        t.tree.insert("", t.key([1, 2, 3, 4]), np.array([1], dtype=np.int32))
+        t.tree.insert("", t.key([1, 2, 3, 4]), pages_of([1]), src=FREE)
 
 
 def test_lru_evicts_least_recently_used_leaf_first() -> None:
@@ -160,7 +175,7 @@ def test_lock_pins_ancestors_and_a_partial_match_lock_splits_the_node() -> None:
     t = Tree()
     t.insert([1, 2, 3, 4], [11, 12, 13, 14])
     m = t.tree.match("", t.key([1, 2, 7]), lock=True)
-    assert (m.num_pages, m.pages.tolist()) == (2, [11, 12])
+    assert (m.num_pages, ids(m.pages)) == (2, [11, 12])
     assert t.counts() == (2, 2)  # [1,2] pinned, [3,4] evictable
     assert t.tree.evict(10) == 2
     assert t.freed == [[13, 14]]
@@ -216,7 +231,7 @@ def test_lfu_policy_evicts_the_least_hit_leaf_first() -> None:
 
 def test_unknown_policy_is_rejected() -> None:
     with pytest.raises(ValueError, match="unknown eviction policy 'mru'"):
-        RadixTree(1, lambda p: None, "mru")
+        RadixTree(1, PageLedger(8), lambda p, src: None, "mru")
 
 
 def test_heap_stays_bounded_under_repeated_touches() -> None:

@@ -28,7 +28,6 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from cache_service.core import CoreConfig, KVCacheError, Reason
 from cache_service.core.events import Removed, Stored
-from cache_service.core.pages import QUARANTINED
 
 from .conftest import CheckedCore, FakeClock
 
@@ -81,7 +80,7 @@ class Simulator:
         self.models: dict[str, Model] = {}
         self.seen: Counter[str] = Counter()
         self.stale: list[StaleWriter] = []
-        self.core.events.start(self.core.radix)
+        self.core.start_events()
         self.mirror: dict[int, tuple[str, int | None, tuple[int, ...]]] = {}
         """What a router that applied every event holds: page hash -> (salt, parent hash, tokens)."""
 
@@ -105,7 +104,7 @@ class Simulator:
         self.stale = [w for w in self.stale if now < w.until]
         for w in self.stale:
             for page in w.pages:
-                assert self.core.pages._state[page] == QUARANTINED, (
+                assert self.core.pages.is_quarantined(page), (
                     f"a stalled engine writes page {page}, which is no longer quarantined"
                 )
                 self.kv[page, :] = POISON
@@ -310,7 +309,7 @@ class Simulator:
         """Apply the feed's records like a router would, then compare with the tree itself: a stored
         page's parent was announced before it, a removed page was announced, and the result is exactly the
         tree's pages (with their salts and tokens)."""
-        for r in self.core.events.drain():
+        for r in self.core.take_events():
             if isinstance(r, Stored):
                 assert r.parent_hash is None or r.parent_hash in self.mirror, "a parent was never announced"
                 parent = r.parent_hash
@@ -325,7 +324,7 @@ class Simulator:
                     del self.mirror[h]
                 self.seen["events:removed"] += len(r.hashes)
         tree = {}
-        for r in self.core.events.snapshot(self.core.radix):
+        for r in self.core.event_snapshot():
             parent = r.parent_hash
             for i, h in enumerate(r.hashes):
                 tree[h] = (r.cache_salt, parent, tuple(r.token_ids[i * PAGE_SIZE : (i + 1) * PAGE_SIZE]))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from cache_service.core import CoreConfig, Reason
-from cache_service.core.pages import QUARANTINED
 
 from .conftest import FakeClock, raises_reason, snapshot, toks
 
@@ -34,7 +33,7 @@ def test_an_expired_lease_quarantines_what_its_turn_was_writing(make_core, clock
     # which the stalled engine may still be writing, are quarantined.
     assert by_state(core) == {"free": 25, "evictable": 2, "radix_locked": 0, "session_held": 0, "in_flight": 0,
                               "quarantined": 4}
-    assert [p for p in range(32) if core.pages._state[p] == QUARANTINED] == [3, 4, 5, 6]
+    assert [p for p in range(32) if core.pages.is_quarantined(p)] == [3, 4, 5, 6]
     # Another session never gets them while they are quarantined, even when it drains the pool (27 pages:
     # every free one, and the radix's two by eviction).
     core.open_session("b")

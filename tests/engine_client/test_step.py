@@ -13,7 +13,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from engine_client import AsyncKVCacheClient, ClientOptions, KVCacheClient, PoolExhausted, SessionBusy
 from engine_client.step import StepBatch
-from engine_client.types import AppendResult, ExtendResult
+from engine_client.types import AppendResult, CloseResult, CommitResult, ExtendResult, OpenedSession
 from protos.kvcache.v1 import kvcache_pb2 as pb
 
 TOKENS = b"\x01\x00\x00\x00\x02\x00\x00\x00"
@@ -37,8 +37,43 @@ class FakeSession:
         self.applied.append((kind, result))
 
 
-def test_a_batch_becomes_one_step_request_in_order() -> None:
+def fill_every_kind(batch: StepBatch) -> FakeSession:
+    s = FakeSession("s", 7)
+    batch.open("new", streaming=False, timeout_seconds=0.0, cache_salt="t")
+    batch.append(s, [1, 2], reserve_tokens=4)
+    batch.extend("other", 8)
+    batch.commit(s, np.array([1, 2], dtype=np.int64), kv_tokens=3, turn=2)
+    batch.abort("other")
+    batch.close(s, cache=True)
+    batch.match([1, 2], "t")
+    return s
+
+
+def test_a_batch_becomes_one_step_request_of_columns_in_order() -> None:
     batch = StepBatch()
+    s = fill_every_kind(batch)
+    request = batch.request("eng-1")
+    assert request.engine_id == "eng-1" and not request.ops
+
+    def u32(*values: int) -> bytes:
+        return np.array(values, dtype="<u4").tobytes()
+
+    assert request.columns == pb.StepColumns(
+        kinds=bytes([1, 2, 3, 4, 4, 5, 6]), session_ids=["new", "s", "other", "s", "other", "s", ""],
+        epochs=np.array([0, 7, 0, 7, 0, 7, 0], dtype="<u8").tobytes(),
+        counts=np.array([0, 4, 8, 3, 0, 0, 0], dtype="<i4").tobytes(),
+        flags=bytes([pb.STEP_FLAG_TIMEOUT, 0, 0, pb.STEP_FLAG_KV_TOKENS, pb.STEP_FLAG_SET, pb.STEP_FLAG_SET, 0]),
+        token_counts=u32(0, 2, 0, 2, 0, 0, 2), token_ids=TOKENS * 3, turns=u32(0, 0, 0, 2, 0, 0, 0),
+        timeouts=np.zeros(7, dtype="<f8").tobytes(), cache_salts=["t", "", "", "", "", "", "t"],
+    )
+    with pytest.raises(RuntimeError, match="sent already"):
+        batch.request("eng-1")
+    with pytest.raises(RuntimeError, match="sent already"):
+        batch.append(s, [1])
+
+
+def test_a_batch_becomes_one_step_request_in_order() -> None:
+    batch = StepBatch(columns=False)  # one StepOp message per op
     s = FakeSession("s", 7)
     batch.open("new", streaming=False, timeout_seconds=0.0, cache_salt="t")
     batch.append(s, [1, 2], reserve_tokens=4)
@@ -70,7 +105,7 @@ def test_an_open_without_an_id_draws_one_so_later_ops_can_name_it() -> None:
     batch = StepBatch(engine_id="")
     batch.open()
     request = batch.request("ignored")  # the batch's own engine id ("": no owner) wins over the client's
-    assert len(request.ops[0].open.session_id) == 32 and request.engine_id == ""
+    assert len(request.columns.session_ids[0]) == 32 and request.engine_id == ""
 
 
 def test_outcomes_fill_from_the_response_and_failures_stay_typed_values() -> None:
@@ -162,9 +197,59 @@ def test_both_clients_send_the_batch_as_one_step(run: Callable[[StepBatch], tupl
     extended = batch.extend("s", 4)
     outcomes, sent, instance_id = run(batch)
     [(request, metadata)] = sent
-    assert request.engine_id == "eng-1" and [o.WhichOneof("op") for o in request.ops] == ["open", "extend"]
+    assert request.engine_id == "eng-1" and request.columns.kinds == bytes([1, 3])  # open, extend
     assert metadata == (("authorization", "Bearer k"),)  # no instance known yet: nothing pinned
     assert outcomes == [opened, extended]
     assert opened.value.epoch == 1 and instance_id == "i9"  # the open taught the client the instance
     assert extended.value == ExtendResult("s", 1, 1, 12, 2, extended.value.page_ids, 3)
     assert extended.value.page_ids.tolist() == [5]
+
+
+def test_outcomes_fill_from_column_results_and_failures_stay_typed_values() -> None:
+    batch = StepBatch()
+    s = FakeSession("s", 7)
+    opened = batch.open("s")
+    appended = batch.append(s, [1, 2], 4)
+    extended = batch.extend(s, 4)
+    busy = batch.append("t", [3])
+    committed = batch.commit(s, [9])
+    closed = batch.close(s, cache=True)
+    matched = batch.match([1, 2, 3, 4])
+    batch.request("e")
+
+    def col(*values: int, dtype: str = "<u4") -> bytes:
+        return np.array(values, dtype=dtype).tobytes()
+
+    response = pb.StepResponse(columns=pb.StepColumnResults(
+        codes=col(0, 0, 0, code_pb2.FAILED_PRECONDITION, 0, 0, 0, dtype="<i4"),
+        errors=[error_status(code_pb2.FAILED_PRECONDITION, "SESSION_BUSY", "busy")],
+        epochs=col(7, 7, 7, 0, 0, 0, 0, dtype="<u8"), turns=col(0, 1, 1, 0, 0, 0, 0),
+        cached_tokens=col(0, 0, 0, 0, 0, 4, 4), context_tokens=col(0, 2, 0, 0, 3, 0, 0),
+        capacity_tokens=col(0, 8, 12, 0, 0, 0, 0), page_offsets=col(0, 0, 2, 0, 0, 0, 0),
+        num_pages=col(0, 2, 3, 0, 1, 0, 0), prefix_hit_tokens=col(0, 0, 0, 0, 0, 0, 0),
+        kv_tokens=col(0, 0, 0, 0, 2, 0, 0), closed=bytes([0, 0, 0, 0, 0, 1, 0]),
+        page_counts=col(0, 2, 1, 0, 0, 0, 1), page_ids=col(3, 4, 5, 3, dtype="<i4"), opened_ids=["s"],
+        timeouts=np.array([600.0, 0, 0, 0, 0, 0, 0], dtype="<f8").tobytes(), instance_id="i9"))
+    outcomes = batch.apply(response)
+    assert outcomes == [opened, appended, extended, busy, committed, closed, matched]
+    assert opened.value == OpenedSession("s", 7, 600.0, "i9")
+    assert appended.value == AppendResult("s", 7, 1, 0, 2, 8, 0, appended.value.page_ids, 2, 0)
+    assert appended.value.page_ids.tolist() == [3, 4] and extended.value.page_ids.tolist() == [5]
+    assert (extended.value.capacity_tokens, extended.value.page_offset, extended.value.num_pages) == (12, 2, 3)
+    assert not busy.ok and busy.done and isinstance(busy.error, SessionBusy)
+    assert (busy.error.reason, busy.error.message, busy.error.metadata) == ("SESSION_BUSY", "busy", {"session_id": "s"})
+    with pytest.raises(SessionBusy):
+        _ = busy.value
+    assert committed.value == CommitResult("s", 3, 2, 1, False)
+    assert closed.value == CloseResult("s", True, 4)
+    assert matched.value.cached_tokens == 4 and matched.value.page_ids.tolist() == [3]
+    # The session objects got their results in order, as the unary calls would have handed them.
+    assert [kind for kind, _ in s.applied] == ["append", "extend", "commit", "close"]
+
+
+def test_column_results_of_the_wrong_size_are_refused() -> None:
+    batch = StepBatch()
+    batch.close("s")
+    batch.request("e")
+    with pytest.raises(RuntimeError, match="answered 0 results for 1 ops"):
+        batch.apply(pb.StepResponse(columns=pb.StepColumnResults(instance_id="i")))

@@ -16,6 +16,8 @@ from typing import Any
 import helm_python as helm
 import yaml
 
+from cache_service.config import ServiceConfig, config_from
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RENDER_SCRIPT = REPO_ROOT / "helm" / "render.py"
 
@@ -106,6 +108,19 @@ def env_of(container: Obj) -> dict[str, Obj]:
 def env_values(container: Obj) -> dict[str, str]:
     """Plain env values by name (entries with valueFrom are left out)."""
     return {name: e["value"] for name, e in env_of(container).items() if "value" in e}
+
+
+MODELS = Path(__file__).resolve().parent.parent / "models"
+MOUNTED_MODEL = "/etc/kvcache/model/config.json"
+"""Where the chart mounts `modelConfig.configMap`; the examples' ConfigMap holds Llama-3.1-8B's config."""
+
+
+def service_config(env: dict[str, str]) -> ServiceConfig:
+    """What the service makes of a container's env, as if it ran there: the model config the chart mounts
+    is read from tests/models (what the example's ConfigMap holds)."""
+    if env.get("KVCACHE_MODEL") == MOUNTED_MODEL:
+        env = {**env, "KVCACHE_MODEL": str(MODELS / "llama-3.1-8b.json")}
+    return config_from({}, env)
 
 
 def helm_test_pod(objects: list[Obj]) -> Obj:

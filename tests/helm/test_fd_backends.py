@@ -8,8 +8,16 @@ from typing import Any
 import helm_python as helm
 import pytest
 
-from cache_service.config import config_from
-from tests.helm.support import env_of, env_values, pod_spec, render, render_tool, service_container, workload
+from tests.helm.support import (
+    env_of,
+    env_values,
+    pod_spec,
+    render,
+    render_tool,
+    service_config,
+    service_container,
+    workload,
+)
 
 ENGINE = {"name": "engine", "image": "registry.example.com/engine:1"}
 SOCKET_DIR, SOCKET = "/run/kvcache", "/run/kvcache/pool.sock"
@@ -41,7 +49,7 @@ def test_daemonset_cuda_vmm_serves_the_pool_socket_from_a_node_directory(chart: 
         "cuda_vmm", SOCKET, "")
     assert container["resources"]["requests"]["nvidia.com/gpu"] == 1
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
-    configured = config_from({}, env)  # the service accepts what the chart sets
+    configured = service_config(env)  # the service accepts what the chart sets
     assert (configured.backend, configured.pool_socket, configured.pool_socket_uids) == ("cuda_vmm", SOCKET, "")
     notes = _notes(chart, values)
     assert "WARNING: hostIPC" not in notes

@@ -153,14 +153,16 @@ def test_lint_reports_schema_violations() -> None:
     assert "- at '/config/numPages': minimum: got -1, want 0\n" in report["errors"]
 
 
-def test_examples_are_the_three_modes_and_vllm_in_two() -> None:
-    assert sorted(EXAMPLES) == ["cpu", "gpu-daemonset", "sidecar", "vllm-daemonset", "vllm-sidecar"]
+def test_examples_are_the_three_modes_the_two_tiers_and_vllm_in_two() -> None:
+    assert sorted(EXAMPLES) == ["cpu", "disk-tier", "gpu-daemonset", "mooncake-tier", "sidecar", "vllm-daemonset",
+                                "vllm-sidecar"]
     rendered = sorted(p.name for p in render_tool.RENDERED_DIR.glob("*.yaml"))
     assert rendered == sorted(p.name for p in EXAMPLES.values()), "a rendered example has no values file"
 
 
 @pytest.mark.parametrize(
     ("name", "mode"), [("cpu", "deployment"), ("gpu-daemonset", "daemonset"), ("sidecar", "sidecar"),
+                       ("disk-tier", "deployment"), ("mooncake-tier", "daemonset"),
                        ("vllm-daemonset", "daemonset"), ("vllm-sidecar", "sidecar")]
 )
 def test_each_example_runs_its_mode(chart: helm.Chart, name: str, mode: str) -> None:

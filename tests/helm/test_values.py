@@ -10,8 +10,18 @@ from typing import Any
 import helm_python as helm
 import pytest
 
-from cache_service.config import FLAGS, ServiceConfig, config_from
-from tests.helm.support import FULLNAME, env_of, env_values, render, render_tool, service_container
+from cache_service.config import FLAGS, ServiceConfig
+from tests.helm.support import (
+    FULLNAME,
+    MODELS,
+    env_of,
+    env_values,
+    pod_spec,
+    render,
+    render_tool,
+    service_config,
+    service_container,
+)
 
 ENGINE = {"name": "engine", "image": "registry.example.com/engine:1"}
 
@@ -250,6 +260,8 @@ FLAG_CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "listen": ({"grpc": {"host": "::", "port": 6000}}, {"value": "[::]:6000"}),
     "backend": ({"config": {"backend": "auto"}}, {"value": "auto"}),
     "device": ({"config": {"device": "GPU-5f2c7d3e-1b2a"}}, {"value": "GPU-5f2c7d3e-1b2a"}),
+    "model": ({"config": {"model": str(MODELS / "llama-3.1-8b.json"), "poolBytes": "1Gi"}},
+              {"value": str(MODELS / "llama-3.1-8b.json")}),
     "num-layers": ({"config": {"numLayers": 32}}, {"value": "32"}),
     "num-kv-heads": ({"config": {"numKvHeads": 8}}, {"value": "8"}),
     "head-dim": ({"config": {"headDim": 128}}, {"value": "128"}),
@@ -257,6 +269,8 @@ FLAG_CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "page-size": ({"config": {"pageSize": 32}}, {"value": "32"}),
     "num-pages": ({"config": {"numPages": 4096}}, {"value": "4096"}),
     "pool-bytes": ({"config": {"poolBytes": "512Mi"}}, {"value": "512Mi"}),
+    "gpu-memory-fraction": ({"config": {"backend": "cuda_vmm", "gpuMemoryFraction": 0.9}, "gpu": {"count": 1}},
+                            {"value": "0.9"}),
     "shm-dir": ({"config": {"shmDir": "/dev/shm/kv"}}, {"value": "/dev/shm/kv"}),
     "shm-prefix": ({"config": {"shmPrefix": "tenant-a"}}, {"value": "tenant-a"}),
     "pool-socket": ({"config": {"poolSocket": "@kv-pool"}}, {"value": "@kv-pool"}),
@@ -275,6 +289,19 @@ FLAG_CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "max-message-bytes": ({"config": {"maxMessageBytes": 134217728}}, {"value": "134217728"}),
     "eviction-policy": ({"config": {"evictionPolicy": "lfu"}}, {"value": "lfu"}),
     "demote-idle-sessions": ({"config": {"demoteIdleSessions": False}}, {"value": "false"}),
+    "tier": ({"config": {"tier": "mooncake", "mooncakeMaster": "mc:50051"}}, {"value": "mooncake"}),
+    "tier-dir": ({"config": {"tier": "disk", "tierDir": "/var/lib/kv", "tierBytes": "1Gi"}},
+                 {"value": "/var/lib/kv"}),
+    "tier-bytes": ({"config": {"tier": "disk", "tierDir": "/t", "tierBytes": "5Gi"}}, {"value": "5Gi"}),
+    "tier-timeout": ({"config": {"tierTimeout": 0.25}}, {"value": "0.25"}),
+    "tier-queue-pages": ({"config": {"tierQueuePages": 1024}}, {"value": "1024"}),
+    "mooncake-master": ({"config": {"tier": "mooncake", "mooncakeMaster": "mc.kv.svc:50051"}},
+                        {"value": "mc.kv.svc:50051"}),
+    "mooncake-metadata": ({"config": {"mooncakeMetadata": "http://meta:8080/metadata"}},
+                          {"value": "http://meta:8080/metadata"}),
+    "mooncake-protocol": ({"config": {"mooncakeProtocol": "rdma"}}, {"value": "rdma"}),
+    "mooncake-segment-bytes": ({"config": {"mooncakeSegmentBytes": "1Gi"}}, {"value": "1Gi"}),
+    "mooncake-local-hostname": ({"config": {"mooncakeLocalHostname": "10.0.0.7"}}, {"value": "10.0.0.7"}),
     "metrics-port": ({"metrics": {"port": 9500}}, {"value": "9500"}),
     "metrics-host": ({"metrics": {"host": "::"}}, {"value": "::"}),
     "auth-token": (
@@ -357,7 +384,7 @@ def test_serve_flag_reaches_the_container_env(chart: helm.Chart, flag_name: str)
     if "value" in entry:
         # The service parses it, with the env rendered beside it (the TLS flags come in pairs): config_from
         # raises ConfigError on a value it would refuse at start.
-        parsed = config_from({}, env_values(container))
+        parsed = service_config(env_values(container))
         assert getattr(parsed, flag.dest) == flag.type(entry["value"])
 
 
@@ -386,7 +413,7 @@ def test_rendered_env_names_are_serve_flags(chart: helm.Chart) -> None:
 
 def test_chart_defaults_are_the_service_defaults_but_for_deliberate_overrides(chart: helm.Chart) -> None:
     env = env_values(service_container(render(chart)))
-    configured = config_from({}, env)
+    configured = service_config(env)
     service_defaults = ServiceConfig()
     differences = {
         f.name: getattr(configured, f.name)
@@ -400,7 +427,7 @@ def test_chart_defaults_are_the_service_defaults_but_for_deliberate_overrides(ch
 def test_examples_configure_a_service_that_starts(chart: helm.Chart, example: Any) -> None:
     """The service's own config checks (layout, pool of >= 2 pages, ...) accept each example's env."""
     env = env_values(service_container(render(chart, render_tool.load_values(example))))
-    configured = config_from({}, env)
+    configured = service_config(env)
     assert configured.listen == "0.0.0.0:50051"
     assert configured.resolved_num_pages >= 2
 
@@ -508,3 +535,37 @@ def test_full_name_is_the_release_name_when_it_contains_the_chart_name(chart: he
     assert FULLNAME == render_tool.RELEASE_NAME
     other = render_tool.render_manifests(chart, None, release_name="prod")
     assert "name: prod-kvcache-service\n" in other["kvcache-service/templates/service.yaml"]
+
+
+# ------------------------------------------------------------------------------------------ model config
+
+MODEL_CONFIGMAP: dict[str, Any] = {"modelConfig": {"configMap": "llama-config"}, "config": {"poolBytes": "512Mi"}}
+
+
+def test_a_model_configmap_is_mounted_and_sets_model_instead_of_the_layout(chart: helm.Chart) -> None:
+    objects = render(chart, MODEL_CONFIGMAP)
+    container = service_container(objects)
+    env = env_values(container)
+    assert env["KVCACHE_MODEL"] == "/etc/kvcache/model/config.json"
+    assert not {"KVCACHE_NUM_LAYERS", "KVCACHE_NUM_KV_HEADS", "KVCACHE_HEAD_DIM", "KVCACHE_DTYPE"} & set(env)
+    assert {"name": "model-config", "mountPath": "/etc/kvcache/model", "readOnly": True} in container["volumeMounts"]
+    volume = next(v for v in pod_spec(objects)["volumes"] if v["name"] == "model-config")
+    assert volume == {"name": "model-config",
+                      "configMap": {"name": "llama-config", "items": [{"key": "config.json", "path": "config.json"}]}}
+    configured = service_config(env)  # the service, reading what the ConfigMap would hold (Llama-3.1-8B's)
+    assert (configured.num_layers, configured.num_kv_heads, configured.head_dim, configured.dtype) == (
+        32, 8, 128, "bfloat16")
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({**MODEL_CONFIGMAP, "config": {"model": "/models/llama", "poolBytes": "1Gi"}},
+     "config.model=/models/llama and modelConfig.configMap=llama-config are both set"),
+    ({"modelConfig": {"configMap": "llama-config"}},
+     "a model config (config.model or modelConfig.configMap) with backend=host_shm needs config.poolBytes"),
+    ({"config": {"gpuMemoryFraction": 0.5, "numPages": 4096, "backend": "cuda_vmm"}, "gpu": {"count": 1}},
+     "config.gpuMemoryFraction sizes the pool: leave config.numPages and config.poolBytes at 0"),
+    ({"config": {"gpuMemoryFraction": 0.5}}, "config.gpuMemoryFraction sizes a GPU pool, not backend=host_shm"),
+], ids=["model-twice", "host-pool-unsized", "fraction-and-pages", "fraction-on-host"])
+def test_model_and_fraction_refusals(chart: helm.Chart, values: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm.HelmRenderError, match=re.escape(message)):
+        render(chart, values)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -40,6 +42,32 @@ def test_the_start_line_says_where_what_and_how_to_try_it(start_server: Callable
     assert re.fullmatch(rf"  try      \S*grpcurl -plaintext {server.address} list", try_line)
     assert run_try_line(try_line).split() == ["grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
                                               "kvcache.v1.KVCacheService"]
+
+
+def test_serve_model_takes_the_layout_from_a_model_directory(start_server: Callable[..., ServerProcess],
+                                                             tmp_path: os.PathLike[str]) -> None:
+    """`serve --model DIR` (a directory with a Hugging Face config.json) fits the model with one flag, and the
+    start line says what it read; GetPoolInfo serves that layout to engines."""
+    model = Path(tmp_path) / "Qwen2-7B"
+    model.mkdir()
+    shutil.copy(Path(REPO) / "tests" / "models" / "qwen2-7b.json", model / "config.json")
+    server = start_server("--model", str(model), "--pool-bytes", "64Mi")
+    assert server.banner[2] == f"  model    {model}: Qwen2ForCausalLM, 28 layers, 4 kv heads x 128, bfloat16\n"
+    assert server.banner[3] == ("  pool     72 pages x 16 tokens = 1,152 tokens, 63.9 MiB "
+                                "(28 layers, 4 kv heads x 128, bfloat16, 16 tokens/page)\n")
+    with KVCacheClient(server.target) as client:
+        layout = client.get_pool_info().layout
+    assert (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype, layout.num_pages) == (
+        28, 4, 128, "bfloat16", 73)
+
+
+def test_serve_model_refuses_a_sliding_window_model_in_one_line() -> None:
+    proc = run_cli("serve", "--model", str(Path(REPO) / "tests" / "models" / "mistral-7b-v0.1.json"))
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == ("kvcache-service: error: --model: MistralForCausalLM uses sliding-window attention "
+                           "(sliding_window=4096, context 32768): a kvcache session keeps per-head K and V for every "
+                           "position, beyond the window too; serve a variant without a window (sliding_window: null)"
+                           "\n")
 
 
 def run_try_line(line: str) -> str:

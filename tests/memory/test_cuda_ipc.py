@@ -84,10 +84,10 @@ class _Recorder:
         self.made: list[str] = []
 
     def __call__(self, name: str) -> Any:
-        def make(config: ServiceConfig, instance_id: str) -> Any:
+        def make(config: ServiceConfig, layout: PoolLayout, instance_id: str) -> Any:
             self.made.append(name)
-            return CudaIpcPool(config.layout(), device=config.device, driver=FakeDriver()) if name == "cuda_ipc" \
-                else select_mod.BACKENDS_REAL[name](config, instance_id)
+            return CudaIpcPool(layout, device=config.device, driver=FakeDriver()) if name == "cuda_ipc" \
+                else select_mod.BACKENDS_REAL[name](config, layout, instance_id)
         return make
 
 

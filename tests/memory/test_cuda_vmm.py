@@ -13,8 +13,15 @@ from cache_service.config import ServiceConfig
 from cache_service.memory import PoolError, PoolLayout
 from cache_service.memory import select as select_mod
 from cache_service.memory.cuda_vmm import ACCESS_READWRITE, ATTR_POSIX_FD, ATTR_VMM, CudaVmmPool, round_up
-from cache_service.memory.select import CudaProbe, VmmProbe, choose_auto, create_pool, probe_cuda_vmm
-from tests.fakes import GRANULARITY, HANDLE, UUIDS, VA, FakeVmmDriver, ScriptedCuda, plain_arg
+from cache_service.memory.select import (
+    CudaProbe,
+    VmmProbe,
+    choose_auto,
+    create_pool,
+    gpu_free_bytes,
+    probe_cuda_vmm,
+)
+from tests.fakes import FREE_BYTES, GRANULARITY, HANDLE, UUIDS, VA, FakeVmmDriver, ScriptedCuda, plain_arg
 
 LAYOUT = PoolLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16", page_size=4, num_pages=10)
 G = GRANULARITY  # the 5120-byte layout rounds up to one granule
@@ -233,15 +240,17 @@ class _Recorder:
 
     def __init__(self, vmm_driver: FakeVmmDriver) -> None:
         self.made: list[str] = []
+        self.layouts: list[PoolLayout] = []
         self.vmm_driver = vmm_driver
         self.real = dict(select_mod.BACKENDS)
 
     def __call__(self, name: str) -> Any:
-        def make(config: ServiceConfig, instance_id: str) -> Any:
+        def make(config: ServiceConfig, layout: PoolLayout, instance_id: str) -> Any:
             self.made.append(name)
+            self.layouts.append(layout)
             if name == "cuda_vmm":
-                return CudaVmmPool(config.layout(), device=config.device, driver=self.vmm_driver)
-            return self.real[name](config, instance_id)
+                return CudaVmmPool(layout, device=config.device, driver=self.vmm_driver)
+            return self.real[name](config, layout, instance_id)
         return make
 
 
@@ -294,7 +303,7 @@ def test_the_default_probe_asks_about_the_configured_device(monkeypatch: pytest.
 
 
 def test_the_cuda_python_driver_makes_these_calls(monkeypatch: pytest.MonkeyPatch) -> None:
-    """CudaPythonDriver over cuda-python's real types with scripted functions: the arguments it builds."""
+    """CudaDriver over cuda-python's real types with scripted functions: the arguments it builds."""
     cu = pytest.importorskip("cuda.bindings.driver", reason="cuda-python is not installed")
     script = ScriptedCuda(cu).install(monkeypatch)
     pool = CudaVmmPool(LAYOUT, device="0")
@@ -345,3 +354,52 @@ def test_no_device_from_cu_init_is_no_device_visible(monkeypatch: pytest.MonkeyP
     script = ScriptedCuda(cu).install(monkeypatch)
     script.results["cuInit"] = lambda flags: (cu.CUresult.CUDA_ERROR_NO_DEVICE,)  # CUDA_VISIBLE_DEVICES=""
     assert probe_cuda_vmm("0") == VmmProbe(False, "no CUDA device is visible")
+
+
+# ----------------------------------------------------------------- --gpu-memory-fraction
+
+LLAMA_8B = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": "bfloat16", "page_size": 16}
+"""2 MiB a page."""
+
+
+def test_a_fraction_of_the_free_memory_sizes_a_gpu_pool(backends: _Recorder) -> None:
+    asked: list[tuple[str, str]] = []
+
+    def free(backend: str, device: str) -> int:
+        asked.append((backend, device))
+        return 10 * 2**30 + 12345
+
+    config = ServiceConfig(backend="cuda_vmm", gpu_memory_fraction=0.5, **LLAMA_8B)  # type: ignore[arg-type]
+    choice = create_pool(config, "x", probe=lambda: CudaProbe(True, IPC.reason, VMM), free_bytes=free)
+    assert asked == [("cuda_vmm", "0")]
+    assert backends.layouts[0].num_pages == 2560  # 0.5 of 10 GiB (and a few bytes) in whole 2 MiB pages
+    assert choice.why == "--backend cuda_vmm; 0.5 of 10.0 GiB free"
+    choice.pool.close()
+
+
+def test_a_fraction_of_a_host_pool_is_refused(backends: _Recorder) -> None:
+    config = ServiceConfig(backend="auto", gpu_memory_fraction=0.5)
+    with pytest.raises(PoolError) as err:
+        create_pool(config, "x", probe=lambda: CudaProbe(False, "cupy is not installed", NO_CUDA_PYTHON),
+                    free_bytes=lambda backend, device: FREE_BYTES)
+    assert str(err.value) == ("--gpu-memory-fraction sizes a GPU pool, and the pool is host_shm (auto: cupy is not "
+                              "installed); use --pool-bytes")
+    assert backends.made == []
+
+
+def test_a_fraction_too_small_for_two_pages_is_refused(backends: _Recorder) -> None:
+    config = ServiceConfig(backend="cuda_vmm", gpu_memory_fraction=0.001, **LLAMA_8B)  # type: ignore[arg-type]
+    with pytest.raises(PoolError) as err:
+        create_pool(config, "x", probe=lambda: CudaProbe(True, IPC.reason, VMM),
+                    free_bytes=lambda backend, device: 2 * 2**30)
+    assert str(err.value) == ("--gpu-memory-fraction 0.001 of 2.0 GiB free holds 1 page(s) of 2.0 MiB; a pool "
+                              "needs 2")
+    assert backends.made == []
+
+
+def test_the_free_memory_comes_from_cu_mem_get_info(monkeypatch: pytest.MonkeyPatch) -> None:
+    cu = pytest.importorskip("cuda.bindings.driver", reason="cuda-python is not installed")
+    script = ScriptedCuda(cu).install(monkeypatch)
+    assert gpu_free_bytes("cuda_vmm", "0") == FREE_BYTES
+    assert [c for c in script.names() if c.startswith("cuMem")] == ["cuMemGetInfo"]
+    assert script.names()[-1] == "cuDevicePrimaryCtxRelease"

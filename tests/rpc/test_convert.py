@@ -11,8 +11,9 @@ from google.rpc import error_details_pb2, status_pb2
 
 from cache_service.core import CoreConfig, KVCacheCore, KVCacheError, Reason, SessionInfo, Stats
 from cache_service.core.errors import invalid_argument
-from cache_service.rpc.convert import SERVICE_STATS_FIELDS, request_tokens, session_info, stats
+from cache_service.rpc.convert import SERVICE_STATS_FIELDS, request_tokens, session_info, stats, tier_stats
 from cache_service.rpc.errors import status_for
+from cache_service.tier.stats import TierStats
 from protos.kvcache.v1 import kvcache_pb2 as pb
 
 
@@ -61,11 +62,35 @@ def _proto_fields(message: type) -> set[str]:
 @pytest.mark.parametrize(("record", "message", "service_only"), [
     (Stats, pb.GetStatsResponse, set(SERVICE_STATS_FIELDS)),
     (SessionInfo, pb.SessionInfo, set()),
+    (TierStats, pb.TierStats, set()),
 ])
 def test_core_records_and_proto_messages_have_the_same_fields(record: type, message: type,
                                                               service_only: set[str]) -> None:
     core = {f.name for f in dataclasses.fields(record)}
     assert core == _proto_fields(message) - service_only, "a field exists on one side only: add it to both"
+
+
+def test_tier_stats_convert_every_field_by_name() -> None:
+    t = TierStats(backend="disk", up=True, hit_pages=1, miss_pages=2, lookup_pages=3, load_pages=4, load_bytes=5,
+                  load_seconds=0.5, load_timeouts=6, offload_pages=7, offload_bytes=8, offload_seconds=0.25,
+                  offload_dropped_pages=9, queue_pages=10, queue_capacity_pages=11, load_queue_pages=12,
+                  tainted_pages=13, errors={("put", "full"): 14, ("get", "bad_checksum"): 15}, outages=16,
+                  stored_values=17, stored_bytes=18, capacity_bytes=19)
+    msg = tier_stats(t)
+    for f in dataclasses.fields(t):
+        if f.name != "errors":
+            assert getattr(msg, f.name) == getattr(t, f.name), f.name
+    assert [(e.operation, e.reason, e.count) for e in msg.errors] == [("get", "bad_checksum", 15),
+                                                                       ("put", "full", 14)]
+    unknown = tier_stats(TierStats(backend="mooncake"))  # Mooncake does not say what it holds
+    assert not unknown.HasField("stored_values") and not unknown.HasField("capacity_bytes")
+
+
+def test_stats_carry_the_tier_only_when_there_is_one(make_core_for_convert: KVCacheCore) -> None:
+    st = make_core_for_convert.stats()
+    assert not stats(st, instance_id="i", uptime_seconds=1.0, verified=False).HasField("tier")
+    with_tier = stats(st, instance_id="i", uptime_seconds=1.0, verified=False, tier=TierStats(backend="disk"))
+    assert with_tier.tier.backend == "disk"
 
 
 def test_stats_and_session_info_convert_every_field_by_name(make_core_for_convert: KVCacheCore) -> None:

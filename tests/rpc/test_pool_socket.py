@@ -17,8 +17,8 @@ from cache_service.rpc.pool_socket import PoolSocketServer, parse_uids
 from engine_client import BadToken, KVCacheClient, PoolMappingError, RoleRequired, ServiceRestarted, map_pool
 from engine_client._codec import pool_info
 from engine_client.mapping.fd import receive_pool_fd
+from kvcache_common import pool_socket as wire
 from protos.kvcache.v1 import kvcache_pb2 as pb
-from protos.kvcache.v1 import pool_socket as wire
 
 from .conftest import ThreadServer
 

@@ -42,8 +42,126 @@ def unary(server: ThreadServer, kind: str, request: Any) -> tuple[Any, status_pb
         return None, status
 
 
+ENCODING = "messages"
+
+
+@pytest.fixture(autouse=True, params=["messages", "columns"])
+def encoding(request: pytest.FixtureRequest) -> str:
+    """Every test here runs twice: ops sent as StepOp messages, and the same ops as StepColumns (read back
+    into StepResult messages, so each assertion holds for both)."""
+    global ENCODING
+    ENCODING = request.param
+    return ENCODING
+
+
 def step(server: ThreadServer, ops: list[pb.StepOp], engine_id: str = "") -> list[pb.StepResult]:
-    return list(server.stub.Step(pb.StepRequest(ops=ops, engine_id=engine_id), timeout=10).results)
+    if ENCODING == "messages":
+        return list(server.stub.Step(pb.StepRequest(ops=ops, engine_id=engine_id), timeout=10).results)
+    response = server.stub.Step(pb.StepRequest(columns=to_columns(ops), engine_id=engine_id), timeout=10)
+    assert not response.results
+    return from_columns(ops, response.columns)
+
+
+KINDS = {"open": 1, "append": 2, "extend": 3, "commit": 4, "close": 5, "match": 6}
+
+
+def _tokens(req: Any) -> bytes:
+    return req.packed_token_ids or np.array(list(req.token_ids), dtype="<i4").tobytes()
+
+
+def to_columns(ops: list[pb.StepOp]) -> pb.StepColumns:
+    """The same ops as columns."""
+    cols = pb.StepColumns()
+    kinds, epochs, counts, flags, ntoks, turns, timeouts, tokens = bytearray(), [], [], bytearray(), [], [], [], []
+    for o in ops:
+        kind = o.WhichOneof("op")
+        req = getattr(o, kind) if kind else None
+        kinds.append(KINDS.get(kind or "", 0))
+        cols.session_ids.append(getattr(req, "session_id", ""))
+        cols.engine_ids.append(getattr(req, "engine_id", ""))
+        cols.cache_salts.append(getattr(req, "cache_salt", ""))
+        epochs.append(getattr(req, "epoch", 0))
+        turns.append(getattr(req, "turn", 0))
+        count, flag, timeout, toks = getattr(req, "reserve_tokens", 0), 0, 0.0, b""
+        if kind == "open":
+            flag = pb.STEP_FLAG_SET if req.streaming else 0
+            if req.HasField("timeout_seconds"):
+                flag, timeout = flag | pb.STEP_FLAG_TIMEOUT, req.timeout_seconds
+        elif kind == "commit":
+            flag = pb.STEP_FLAG_SET if req.abort else 0
+            if req.HasField("kv_tokens"):
+                flag, count = flag | pb.STEP_FLAG_KV_TOKENS, req.kv_tokens
+        elif kind == "close":
+            flag = pb.STEP_FLAG_SET if req.cache else 0
+        if kind in ("append", "commit", "match"):
+            toks = _tokens(req)
+        counts.append(count)
+        flags.append(flag)
+        timeouts.append(timeout)
+        ntoks.append(len(toks) // 4)
+        tokens.append(toks)
+    cols.kinds = bytes(kinds)
+    cols.epochs = np.array(epochs, dtype="<u8").tobytes()
+    cols.counts = np.array(counts, dtype="<i4").tobytes()
+    cols.flags = bytes(flags)
+    cols.token_counts = np.array(ntoks, dtype="<u4").tobytes()
+    cols.token_ids = b"".join(tokens)
+    cols.turns = np.array(turns, dtype="<u4").tobytes()
+    cols.timeouts = np.array(timeouts, dtype="<f8").tobytes()
+    return cols
+
+
+def from_columns(ops: list[pb.StepOp], cols: pb.StepColumnResults) -> list[pb.StepResult]:
+    """Column results as the StepResult messages of the same ops (pages in page_ids, or packed when asked)."""
+
+    def col(name: str, dtype: str = "<u4") -> list[Any]:
+        values = np.frombuffer(getattr(cols, name), dtype=dtype).tolist()
+        assert len(values) == len(ops), name
+        return values
+
+    codes, epochs, turns, cached, context = col("codes", "<i4"), col("epochs", "<u8"), col("turns"), \
+        col("cached_tokens"), col("context_tokens")
+    capacity, offsets, num_pages, hits, kv = col("capacity_tokens"), col("page_offsets"), col("num_pages"), \
+        col("prefix_hit_tokens"), col("kv_tokens")
+    page_counts, timeouts, closed = col("page_counts"), col("timeouts", "<f8"), list(cols.closed)
+    pages = np.frombuffer(cols.page_ids, dtype="<i4").tolist()
+    errors, opened = iter(cols.errors), iter(cols.opened_ids)
+    out, at = [], 0
+    for i, o in enumerate(ops):
+        kind = o.WhichOneof("op")
+        req = getattr(o, kind) if kind else None
+        mine = pages[at : at + page_counts[i]]
+        at += page_counts[i]
+        if codes[i]:
+            status = next(errors)
+            assert status.code == codes[i]
+            out.append(pb.StepResult(status=status))
+            continue
+        assert kind is not None and req is not None
+        sid = req.session_id if kind != "match" else ""
+        paged = {"packed_page_ids": np.array(mine, dtype="<i4").tobytes()} if getattr(req, "packed_response", False) \
+            else {"page_ids": mine}
+        if kind == "open":
+            res: Any = pb.OpenSessionResponse(session_id=next(opened), epoch=epochs[i], timeout_seconds=timeouts[i],
+                                              instance_id=cols.instance_id)
+        elif kind == "append":
+            res = pb.AppendSessionResponse(session_id=sid, epoch=epochs[i], turn=turns[i], cached_tokens=cached[i],
+                                           context_tokens=context[i], capacity_tokens=capacity[i],
+                                           page_offset=offsets[i], num_pages=num_pages[i], prefix_hit_tokens=hits[i],
+                                           **paged)
+        elif kind == "extend":
+            res = pb.ExtendSessionResponse(session_id=sid, epoch=epochs[i], turn=turns[i], capacity_tokens=capacity[i],
+                                           page_offset=offsets[i], num_pages=num_pages[i], **paged)
+        elif kind == "commit":
+            res = pb.CommitSessionResponse(session_id=sid, context_tokens=context[i], kv_tokens=kv[i],
+                                           num_pages=num_pages[i], closed=bool(closed[i]))
+        elif kind == "close":
+            res = pb.CloseSessionResponse(session_id=sid, closed=bool(closed[i]), cached_tokens=cached[i])
+        else:
+            res = pb.MatchPrefixResponse(cached_tokens=cached[i], **paged)
+        out.append(pb.StepResult(**{kind: res}))
+    assert next(errors, None) is None and next(opened, None) is None
+    return out
 
 
 def test_a_mixed_step_runs_every_kind_of_op_in_order(start_thread_server: Callable[..., ThreadServer]) -> None:
@@ -315,3 +433,33 @@ def test_random_sequences_give_the_same_results_and_state_as_unary_calls(
         for info in s.stub.ListSessions(pb.ListSessionsRequest(), timeout=10).sessions:
             if info.state != pb.SESSION_STATE_IDLE:
                 s.stub.CommitSession(pb.CommitSessionRequest(session_id=info.session_id, abort=True), timeout=10)
+
+
+@pytest.mark.parametrize(("columns", "field", "message"), [
+    (pb.StepColumns(kinds=b"\x03\x03", session_ids=["a"]), "columns.session_ids", "has 1 entries for 2 ops"),
+    (pb.StepColumns(kinds=b"\x03", session_ids=["a"], counts=b"\x01\x00"), "columns.counts",
+     "holds 2 bytes, not 1 ops of 4 bytes"),
+    (pb.StepColumns(kinds=b"\x02", session_ids=["a"], token_counts=b"\x02\x00\x00\x00", token_ids=b"\x01\x00\x00\x00"),
+     "columns.token_ids", "holds 4 bytes; token_counts add up to 2 int32 ids"),
+    (pb.StepColumns(kinds=b"\x03", session_ids=["a"], flags=b"\x00\x00"), "columns.flags", "holds 2 bytes for 1 ops"),
+])
+def test_malformed_columns_fail_the_whole_call_naming_the_column(
+        start_thread_server: Callable[..., ThreadServer], columns: pb.StepColumns, field: str, message: str) -> None:
+    server = start_thread_server()
+    server.stub.OpenSession(pb.OpenSessionRequest(session_id="a"), timeout=10)
+    with pytest.raises(grpc.RpcError) as err:
+        server.stub.Step(pb.StepRequest(columns=columns), timeout=10)
+    status = rpc_status.from_call(err.value)  # type: ignore[arg-type]
+    assert status is not None and status.code == code_pb2.INVALID_ARGUMENT and reason(status) == "INVALID_ARGUMENT"
+    info = error_details_pb2.ErrorInfo()
+    assert status.details[0].Unpack(info) and info.metadata["field"] == field
+    assert message in status.message
+
+
+def test_ops_and_columns_together_fail_the_whole_call(start_thread_server: Callable[..., ThreadServer]) -> None:
+    server = start_thread_server()
+    request = pb.StepRequest(ops=[op("open", session_id="s")], columns=pb.StepColumns(kinds=b"\x01", session_ids=["t"]))
+    with pytest.raises(grpc.RpcError) as err:
+        server.stub.Step(request, timeout=10)
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert server.stub.GetStats(pb.GetStatsRequest(), timeout=10).sessions_idle == 0  # nothing applied

@@ -213,10 +213,15 @@ same way.
 {{- mul (int64 $c.numLayers) 2 (int64 $c.pageSize) (int64 $c.numKvHeads) (int64 $c.headDim) $dtypeBytes -}}
 {{- end -}}
 
-{{/* Bytes of the pool: numPages pages, else as many whole pages as poolBytes holds, else 1024 pages. */}}
+{{/* Bytes of the pool: numPages pages, else as many whole pages as poolBytes holds (with a model config, whose
+page size the chart cannot read: poolBytes, an upper bound), else 1024 pages. */}}
 {{- define "kvcache.poolBytes" -}}
 {{- $pageBytes := include "kvcache.pageBytes" . | int64 -}}
 {{- $poolBytes := include "kvcache.bytes" .Values.config.poolBytes | int64 -}}
+{{- if and (or .Values.config.model .Values.modelConfig.configMap) (gt $poolBytes 0) -}}
+{{- /* the model's page size is unknown here: the pool is whole pages within poolBytes, at most that */ -}}
+{{- $pageBytes = 1 -}}
+{{- end -}}
 {{- $numPages := int64 1024 -}}
 {{- if gt (int64 .Values.config.numPages) 0 -}}
 {{- $numPages = int64 .Values.config.numPages -}}
@@ -303,6 +308,20 @@ and the fix.
 {{- fail (printf "backend=%s in mode=daemonset needs poolSocket.hostPath, with config.poolSocket in it (e.g. /run/kvcache and /run/kvcache/pool.sock): engines in other pods receive the pool over that socket, which otherwise stays inside the service's pod" $backendLabel) -}}
 {{- end -}}
 {{- end -}}
+{{- $model := or $v.config.model $v.modelConfig.configMap -}}
+{{- if and $v.config.model $v.modelConfig.configMap -}}
+{{- fail (printf "config.model=%s and modelConfig.configMap=%s are both set: the ConfigMap sets --model; keep one" $v.config.model $v.modelConfig.configMap) -}}
+{{- end -}}
+{{- if and (gt (float64 $v.config.gpuMemoryFraction) 0.0) (or (gt (int64 $v.config.numPages) 0) $poolBytesSet) -}}
+{{- fail "config.gpuMemoryFraction sizes the pool: leave config.numPages and config.poolBytes at 0" -}}
+{{- end -}}
+{{- if and (gt (float64 $v.config.gpuMemoryFraction) 0.0) (not (has $backend (list "cuda_vmm" "cuda_ipc"))) -}}
+{{- fail (printf "config.gpuMemoryFraction sizes a GPU pool, not backend=%s: use config.poolBytes" $backendLabel) -}}
+{{- end -}}
+{{- if and $model (has $backend (list "host_shm" "host_memfd")) (not $poolBytesSet) -}}
+{{- fail (printf "a model config (config.model or modelConfig.configMap) with backend=%s needs config.poolBytes: the chart cannot read the model's layout to size the pool's memory" $backendLabel) -}}
+{{- end -}}
+{{- include "kvcache.validateTier" . -}}
 {{- if and (eq $backend "host_shm") (not $v.shm.hostPath) -}}
 {{- $poolBytes := include "kvcache.poolBytes" . | int64 -}}
 {{- $limitBytes := include "kvcache.bytes" $v.shm.sizeLimit | int64 -}}
@@ -312,13 +331,64 @@ and the fix.
 {{- end -}}
 {{- end -}}
 
+{{/* The tier's cross-value checks (config.tier, its flags and tierVolume). */}}
+{{- define "kvcache.validateTier" -}}
+{{- $v := .Values -}}
+{{- $c := $v.config -}}
+{{- $t := $v.tierVolume -}}
+{{- if eq $c.tier "disk" -}}
+{{- if not $c.tierDir -}}
+{{- fail "config.tier=disk needs config.tierDir, the directory the chart mounts tierVolume at (e.g. /var/lib/kvcache/tier)" -}}
+{{- end -}}
+{{- if and $t.existingClaim $t.hostPath -}}
+{{- fail (printf "tierVolume.existingClaim=%s and tierVolume.hostPath=%s are both set: keep one" $t.existingClaim $t.hostPath) -}}
+{{- end -}}
+{{- if and (eq $v.mode "daemonset") $t.existingClaim -}}
+{{- fail (printf "tierVolume.existingClaim=%s in mode=daemonset: one claim cannot serve a pod on every node; use tierVolume.hostPath" $t.existingClaim) -}}
+{{- end -}}
+{{- if and (gt (int $v.replicaCount) 1) (or $t.existingClaim $t.hostPath) (ne $v.mode "daemonset") -}}
+{{- fail (printf "replicaCount=%d with a shared tierVolume: each service needs its own tier directory (one service per directory); use one replica, or the emptyDir" (int $v.replicaCount)) -}}
+{{- end -}}
+{{- if not (or $t.existingClaim $t.hostPath) -}}
+{{- $tierBytes := include "kvcache.bytes" $c.tierBytes | int64 -}}
+{{- $limitBytes := include "kvcache.bytes" $t.sizeLimit | int64 -}}
+{{- if or (eq $tierBytes 0) (gt $tierBytes $limitBytes) -}}
+{{- fail (printf "config.tierBytes=%v must be set within tierVolume.sizeLimit=%v with the emptyDir (the default of half the free space is the node's disk, not the limit)" $c.tierBytes $t.sizeLimit) -}}
+{{- end -}}
+{{- end -}}
+{{- else -}}
+{{- if $c.tierDir -}}
+{{- fail (printf "config.tierDir=%s is set but config.tier=%s: the disk tier needs config.tier=disk" $c.tierDir $c.tier) -}}
+{{- end -}}
+{{- if gt (include "kvcache.bytes" $c.tierBytes | int64) 0 -}}
+{{- fail (printf "config.tierBytes=%v is set but config.tier=%s: it sizes the disk tier" $c.tierBytes $c.tier) -}}
+{{- end -}}
+{{- if or $t.existingClaim $t.hostPath -}}
+{{- fail (printf "tierVolume is set but config.tier=%s: it holds the disk tier (config.tier=disk)" $c.tier) -}}
+{{- end -}}
+{{- end -}}
+{{- if and (eq $c.tier "mooncake") (not $c.mooncakeMaster) -}}
+{{- fail "config.tier=mooncake needs config.mooncakeMaster, the Mooncake master's host:port" -}}
+{{- end -}}
+{{- if and $c.mooncakeMaster (ne $c.tier "mooncake") -}}
+{{- fail (printf "config.mooncakeMaster=%s is set but config.tier=%s: set config.tier=mooncake" $c.mooncakeMaster $c.tier) -}}
+{{- end -}}
+{{- $segment := include "kvcache.bytes" $c.mooncakeSegmentBytes | int64 -}}
+{{- if and (gt $segment 0) (lt $segment 16777216) -}}
+{{- fail (printf "config.mooncakeSegmentBytes=%v: 0 or at least 16Mi (Mooncake refuses smaller segments)" $c.mooncakeSegmentBytes) -}}
+{{- end -}}
+{{- end -}}
+
 {{/*
-Serve flags as env vars: config.<camelCase> -> KVCACHE_<SNAKE_CASE>, then the flags other values own.
+Serve flags as env vars: config.<camelCase> -> KVCACHE_<SNAKE_CASE>, then the flags other values own. With a
+model config (config.model or modelConfig.configMap) the layout values stay out: --model sets them.
 Whole numbers render as integers (Helm holds every number as a float64, and "1.048576e+06" is no
 --max-request-tokens).
 */}}
 {{- define "kvcache.env" -}}
-{{- range $key, $value := .Values.config }}
+{{- $model := or .Values.config.model .Values.modelConfig.configMap -}}
+{{- range $key, $value := omit .Values.config "mooncakeLocalHostname" }}
+{{- if not (or (and (eq $key "model") $.Values.modelConfig.configMap) (and $model (has $key (list "numLayers" "numKvHeads" "headDim" "dtype")))) }}
 - name: {{ printf "KVCACHE_%s" ($key | snakecase | upper) }}
   {{- if and (kindIs "float64" $value) (eq $value (floor $value)) }}
   value: {{ int64 $value | quote }}
@@ -326,6 +396,20 @@ Whole numbers render as integers (Helm holds every number as a float64, and "1.0
   value: {{ toString $value | quote }}
   {{- end }}
 {{- end }}
+{{- end }}
+{{- with .Values.modelConfig.configMap }}
+- name: KVCACHE_MODEL
+  value: {{ printf "%s/%s" ($.Values.modelConfig.mountPath | trimSuffix "/") $.Values.modelConfig.key | quote }}
+{{- end }}
+- name: KVCACHE_MOONCAKE_LOCAL_HOSTNAME
+  {{- with .Values.config.mooncakeLocalHostname }}
+  value: {{ . | quote }}
+  {{- else }}
+  {{- /* The address Mooncake's transfer engine announces: the pod's own, which the storage nodes reach. */}}
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+  {{- end }}
 - name: KVCACHE_LISTEN
   value: {{ include "kvcache.listen" . | quote }}
 - name: KVCACHE_METRICS_PORT
@@ -462,8 +546,17 @@ volumeMounts:
   - name: pool-socket
     mountPath: {{ dir .Values.config.poolSocket }}
   {{- end }}
+  {{- if eq .Values.config.tier "disk" }}
+  - name: tier
+    mountPath: {{ .Values.config.tierDir }}
+  {{- end }}
   {{- if .Values.tls.enabled }}
   {{- include "kvcache.tlsMount" . | nindent 2 }}
+  {{- end }}
+  {{- if .Values.modelConfig.configMap }}
+  - name: model-config
+    mountPath: {{ .Values.modelConfig.mountPath | trimSuffix "/" }}
+    readOnly: true
   {{- end }}
   {{- if .Values.auth.tenantsSecret }}
   - name: tenants
@@ -608,8 +701,30 @@ spec:
         path: {{ . }}
         type: DirectoryOrCreate
     {{- end }}
+    {{- if eq .Values.config.tier "disk" }}
+    - name: tier
+      {{- if .Values.tierVolume.existingClaim }}
+      persistentVolumeClaim:
+        claimName: {{ .Values.tierVolume.existingClaim }}
+      {{- else if .Values.tierVolume.hostPath }}
+      hostPath:
+        path: {{ .Values.tierVolume.hostPath }}
+        type: DirectoryOrCreate
+      {{- else }}
+      emptyDir:
+        sizeLimit: {{ .Values.tierVolume.sizeLimit }}
+      {{- end }}
+    {{- end }}
     {{- if .Values.tls.enabled }}
     {{- include "kvcache.tlsVolume" (list . true) | nindent 4 }}
+    {{- end }}
+    {{- with .Values.modelConfig.configMap }}
+    - name: model-config
+      configMap:
+        name: {{ . }}
+        items:
+          - key: {{ $.Values.modelConfig.key }}
+            path: {{ $.Values.modelConfig.key }}
     {{- end }}
     {{- with .Values.auth.tenantsSecret }}
     - name: tenants

@@ -31,6 +31,13 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROLE_REQUIRED: _ClassVar[ErrorReason]
     SESSION_LIMIT: _ClassVar[ErrorReason]
 
+class StepFlag(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STEP_FLAG_UNSPECIFIED: _ClassVar[StepFlag]
+    STEP_FLAG_SET: _ClassVar[StepFlag]
+    STEP_FLAG_KV_TOKENS: _ClassVar[StepFlag]
+    STEP_FLAG_TIMEOUT: _ClassVar[StepFlag]
+
 class SessionState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     SESSION_STATE_UNSPECIFIED: _ClassVar[SessionState]
@@ -56,6 +63,10 @@ BAD_TOKEN: ErrorReason
 SALT_NOT_ALLOWED: ErrorReason
 ROLE_REQUIRED: ErrorReason
 SESSION_LIMIT: ErrorReason
+STEP_FLAG_UNSPECIFIED: StepFlag
+STEP_FLAG_SET: StepFlag
+STEP_FLAG_KV_TOKENS: StepFlag
+STEP_FLAG_TIMEOUT: StepFlag
 SESSION_STATE_UNSPECIFIED: SessionState
 SESSION_STATE_IDLE: SessionState
 SESSION_STATE_IN_TURN: SessionState
@@ -192,14 +203,16 @@ class MatchPrefixRequest(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., packed_token_ids: _Optional[bytes] = ..., cache_salt: _Optional[str] = ..., packed_response: _Optional[bool] = ...) -> None: ...
 
 class MatchPrefixResponse(_message.Message):
-    __slots__ = ("cached_tokens", "page_ids", "packed_page_ids")
+    __slots__ = ("cached_tokens", "page_ids", "packed_page_ids", "tier_tokens")
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     PACKED_PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    TIER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     cached_tokens: int
     page_ids: _containers.RepeatedScalarFieldContainer[int]
     packed_page_ids: bytes
-    def __init__(self, cached_tokens: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., packed_page_ids: _Optional[bytes] = ...) -> None: ...
+    tier_tokens: int
+    def __init__(self, cached_tokens: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., packed_page_ids: _Optional[bytes] = ..., tier_tokens: _Optional[int] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("session_id", "streaming", "timeout_seconds", "cache_salt", "engine_id")
@@ -246,7 +259,7 @@ class AppendSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., packed_token_ids: _Optional[bytes] = ..., reserve_tokens: _Optional[int] = ..., epoch: _Optional[int] = ..., engine_id: _Optional[str] = ..., packed_response: _Optional[bool] = ...) -> None: ...
 
 class AppendSessionResponse(_message.Message):
-    __slots__ = ("session_id", "epoch", "turn", "cached_tokens", "context_tokens", "capacity_tokens", "page_offset", "page_ids", "packed_page_ids", "num_pages", "prefix_hit_tokens")
+    __slots__ = ("session_id", "epoch", "turn", "cached_tokens", "context_tokens", "capacity_tokens", "page_offset", "page_ids", "packed_page_ids", "num_pages", "prefix_hit_tokens", "tier_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TURN_FIELD_NUMBER: _ClassVar[int]
@@ -258,6 +271,7 @@ class AppendSessionResponse(_message.Message):
     PACKED_PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     turn: int
@@ -269,7 +283,8 @@ class AppendSessionResponse(_message.Message):
     packed_page_ids: bytes
     num_pages: int
     prefix_hit_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., turn: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., context_tokens: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., page_offset: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., packed_page_ids: _Optional[bytes] = ..., num_pages: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ...) -> None: ...
+    tier_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., turn: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., context_tokens: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., page_offset: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., packed_page_ids: _Optional[bytes] = ..., num_pages: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., tier_tokens: _Optional[int] = ...) -> None: ...
 
 class CommitSessionRequest(_message.Message):
     __slots__ = ("session_id", "token_ids", "packed_token_ids", "kv_tokens", "abort", "turn", "epoch", "engine_id")
@@ -390,12 +405,40 @@ class StepOp(_message.Message):
     def __init__(self, open: _Optional[_Union[OpenSessionRequest, _Mapping]] = ..., append: _Optional[_Union[AppendSessionRequest, _Mapping]] = ..., extend: _Optional[_Union[ExtendSessionRequest, _Mapping]] = ..., commit: _Optional[_Union[CommitSessionRequest, _Mapping]] = ..., close: _Optional[_Union[CloseSessionRequest, _Mapping]] = ..., match: _Optional[_Union[MatchPrefixRequest, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("ops", "engine_id")
+    __slots__ = ("ops", "engine_id", "columns")
     OPS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     ops: _containers.RepeatedCompositeFieldContainer[StepOp]
     engine_id: str
-    def __init__(self, ops: _Optional[_Iterable[_Union[StepOp, _Mapping]]] = ..., engine_id: _Optional[str] = ...) -> None: ...
+    columns: StepColumns
+    def __init__(self, ops: _Optional[_Iterable[_Union[StepOp, _Mapping]]] = ..., engine_id: _Optional[str] = ..., columns: _Optional[_Union[StepColumns, _Mapping]] = ...) -> None: ...
+
+class StepColumns(_message.Message):
+    __slots__ = ("kinds", "session_ids", "epochs", "counts", "flags", "token_counts", "token_ids", "turns", "timeouts", "engine_ids", "cache_salts")
+    KINDS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    FLAGS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TURNS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUTS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALTS_FIELD_NUMBER: _ClassVar[int]
+    kinds: bytes
+    session_ids: _containers.RepeatedScalarFieldContainer[str]
+    epochs: bytes
+    counts: bytes
+    flags: bytes
+    token_counts: bytes
+    token_ids: bytes
+    turns: bytes
+    timeouts: bytes
+    engine_ids: _containers.RepeatedScalarFieldContainer[str]
+    cache_salts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, kinds: _Optional[bytes] = ..., session_ids: _Optional[_Iterable[str]] = ..., epochs: _Optional[bytes] = ..., counts: _Optional[bytes] = ..., flags: _Optional[bytes] = ..., token_counts: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., turns: _Optional[bytes] = ..., timeouts: _Optional[bytes] = ..., engine_ids: _Optional[_Iterable[str]] = ..., cache_salts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("status", "open", "append", "extend", "commit", "close", "match")
@@ -416,10 +459,50 @@ class StepResult(_message.Message):
     def __init__(self, status: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., open: _Optional[_Union[OpenSessionResponse, _Mapping]] = ..., append: _Optional[_Union[AppendSessionResponse, _Mapping]] = ..., extend: _Optional[_Union[ExtendSessionResponse, _Mapping]] = ..., commit: _Optional[_Union[CommitSessionResponse, _Mapping]] = ..., close: _Optional[_Union[CloseSessionResponse, _Mapping]] = ..., match: _Optional[_Union[MatchPrefixResponse, _Mapping]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("results",)
+    __slots__ = ("results", "columns")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[StepResult]
-    def __init__(self, results: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ...) -> None: ...
+    columns: StepColumnResults
+    def __init__(self, results: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., columns: _Optional[_Union[StepColumnResults, _Mapping]] = ...) -> None: ...
+
+class StepColumnResults(_message.Message):
+    __slots__ = ("codes", "errors", "epochs", "turns", "cached_tokens", "context_tokens", "capacity_tokens", "page_offsets", "num_pages", "prefix_hit_tokens", "kv_tokens", "closed", "page_counts", "page_ids", "opened_ids", "timeouts", "instance_id")
+    CODES_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    TURNS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    PAGE_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    OPENED_IDS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUTS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    codes: bytes
+    errors: _containers.RepeatedCompositeFieldContainer[_status_pb2.Status]
+    epochs: bytes
+    turns: bytes
+    cached_tokens: bytes
+    context_tokens: bytes
+    capacity_tokens: bytes
+    page_offsets: bytes
+    num_pages: bytes
+    prefix_hit_tokens: bytes
+    kv_tokens: bytes
+    closed: bytes
+    page_counts: bytes
+    page_ids: bytes
+    opened_ids: _containers.RepeatedScalarFieldContainer[str]
+    timeouts: bytes
+    instance_id: str
+    def __init__(self, codes: _Optional[bytes] = ..., errors: _Optional[_Iterable[_Union[_status_pb2.Status, _Mapping]]] = ..., epochs: _Optional[bytes] = ..., turns: _Optional[bytes] = ..., cached_tokens: _Optional[bytes] = ..., context_tokens: _Optional[bytes] = ..., capacity_tokens: _Optional[bytes] = ..., page_offsets: _Optional[bytes] = ..., num_pages: _Optional[bytes] = ..., prefix_hit_tokens: _Optional[bytes] = ..., kv_tokens: _Optional[bytes] = ..., closed: _Optional[bytes] = ..., page_counts: _Optional[bytes] = ..., page_ids: _Optional[bytes] = ..., opened_ids: _Optional[_Iterable[str]] = ..., timeouts: _Optional[bytes] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
     __slots__ = ("session_id", "epoch", "state", "streaming", "cache_salt", "engine_id", "context_tokens", "kv_tokens", "turns", "num_pages", "radix_pages", "held_pages", "in_flight_pages", "idle_seconds", "timeout_seconds", "demoted", "close_pending", "identity")
@@ -508,7 +591,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, verify: _Optional[bool] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("num_pages", "page_size", "free_pages", "evictable_pages", "radix_locked_pages", "session_held_pages", "in_flight_pages", "session_budget_pages", "radix_tokens", "session_tokens", "session_kv_tokens", "prefix_hit_tokens", "session_hit_tokens", "miss_tokens", "evicted_pages", "duplicate_pages", "demoted_sessions", "reaped_sessions", "expired_leases", "sessions_idle", "sessions_in_turn", "sessions_closing", "sessions_demoted", "engines", "instance_id", "uptime_seconds", "physical_usage", "verified", "quarantined_pages")
+    __slots__ = ("num_pages", "page_size", "free_pages", "evictable_pages", "radix_locked_pages", "session_held_pages", "in_flight_pages", "session_budget_pages", "radix_tokens", "session_tokens", "session_kv_tokens", "prefix_hit_tokens", "session_hit_tokens", "miss_tokens", "evicted_pages", "duplicate_pages", "demoted_sessions", "reaped_sessions", "expired_leases", "sessions_idle", "sessions_in_turn", "sessions_closing", "sessions_demoted", "engines", "instance_id", "uptime_seconds", "physical_usage", "verified", "quarantined_pages", "tier")
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -538,6 +621,7 @@ class GetStatsResponse(_message.Message):
     PHYSICAL_USAGE_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     num_pages: int
     page_size: int
     free_pages: int
@@ -567,7 +651,66 @@ class GetStatsResponse(_message.Message):
     physical_usage: float
     verified: bool
     quarantined_pages: int
-    def __init__(self, num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., free_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ..., radix_locked_pages: _Optional[int] = ..., session_held_pages: _Optional[int] = ..., in_flight_pages: _Optional[int] = ..., session_budget_pages: _Optional[int] = ..., radix_tokens: _Optional[int] = ..., session_tokens: _Optional[int] = ..., session_kv_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., session_hit_tokens: _Optional[int] = ..., miss_tokens: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., duplicate_pages: _Optional[int] = ..., demoted_sessions: _Optional[int] = ..., reaped_sessions: _Optional[int] = ..., expired_leases: _Optional[int] = ..., sessions_idle: _Optional[int] = ..., sessions_in_turn: _Optional[int] = ..., sessions_closing: _Optional[int] = ..., sessions_demoted: _Optional[int] = ..., engines: _Optional[int] = ..., instance_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., physical_usage: _Optional[float] = ..., verified: _Optional[bool] = ..., quarantined_pages: _Optional[int] = ...) -> None: ...
+    tier: TierStats
+    def __init__(self, num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., free_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ..., radix_locked_pages: _Optional[int] = ..., session_held_pages: _Optional[int] = ..., in_flight_pages: _Optional[int] = ..., session_budget_pages: _Optional[int] = ..., radix_tokens: _Optional[int] = ..., session_tokens: _Optional[int] = ..., session_kv_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., session_hit_tokens: _Optional[int] = ..., miss_tokens: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., duplicate_pages: _Optional[int] = ..., demoted_sessions: _Optional[int] = ..., reaped_sessions: _Optional[int] = ..., expired_leases: _Optional[int] = ..., sessions_idle: _Optional[int] = ..., sessions_in_turn: _Optional[int] = ..., sessions_closing: _Optional[int] = ..., sessions_demoted: _Optional[int] = ..., engines: _Optional[int] = ..., instance_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., physical_usage: _Optional[float] = ..., verified: _Optional[bool] = ..., quarantined_pages: _Optional[int] = ..., tier: _Optional[_Union[TierStats, _Mapping]] = ...) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("backend", "up", "hit_pages", "miss_pages", "lookup_pages", "load_pages", "load_bytes", "load_seconds", "load_timeouts", "offload_pages", "offload_bytes", "offload_seconds", "offload_dropped_pages", "queue_pages", "queue_capacity_pages", "load_queue_pages", "tainted_pages", "errors", "outages", "stored_values", "stored_bytes", "capacity_bytes")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    UP_FIELD_NUMBER: _ClassVar[int]
+    HIT_PAGES_FIELD_NUMBER: _ClassVar[int]
+    MISS_PAGES_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_PAGES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_PAGES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_TIMEOUTS_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_PAGES_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_DROPPED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_CAPACITY_PAGES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_QUEUE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    TAINTED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    OUTAGES_FIELD_NUMBER: _ClassVar[int]
+    STORED_VALUES_FIELD_NUMBER: _ClassVar[int]
+    STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    up: bool
+    hit_pages: int
+    miss_pages: int
+    lookup_pages: int
+    load_pages: int
+    load_bytes: int
+    load_seconds: float
+    load_timeouts: int
+    offload_pages: int
+    offload_bytes: int
+    offload_seconds: float
+    offload_dropped_pages: int
+    queue_pages: int
+    queue_capacity_pages: int
+    load_queue_pages: int
+    tainted_pages: int
+    errors: _containers.RepeatedCompositeFieldContainer[TierErrorCount]
+    outages: int
+    stored_values: int
+    stored_bytes: int
+    capacity_bytes: int
+    def __init__(self, backend: _Optional[str] = ..., up: _Optional[bool] = ..., hit_pages: _Optional[int] = ..., miss_pages: _Optional[int] = ..., lookup_pages: _Optional[int] = ..., load_pages: _Optional[int] = ..., load_bytes: _Optional[int] = ..., load_seconds: _Optional[float] = ..., load_timeouts: _Optional[int] = ..., offload_pages: _Optional[int] = ..., offload_bytes: _Optional[int] = ..., offload_seconds: _Optional[float] = ..., offload_dropped_pages: _Optional[int] = ..., queue_pages: _Optional[int] = ..., queue_capacity_pages: _Optional[int] = ..., load_queue_pages: _Optional[int] = ..., tainted_pages: _Optional[int] = ..., errors: _Optional[_Iterable[_Union[TierErrorCount, _Mapping]]] = ..., outages: _Optional[int] = ..., stored_values: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...
+
+class TierErrorCount(_message.Message):
+    __slots__ = ("operation", "reason", "count")
+    OPERATION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    operation: str
+    reason: str
+    count: int
+    def __init__(self, operation: _Optional[str] = ..., reason: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
     __slots__ = ("from_seq",)

@@ -1,4 +1,4 @@
-"""protos.kvcache.v1.layout: the one PoolLayout the service and the engine client share."""
+"""kvcache_common.layout: the one PoolLayout the service and the engine client share."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import cache_service.memory
 import engine_client
 import engine_client.types
-from protos.kvcache.v1.layout import DTYPE_BYTES, DTYPE_NAMES, PoolLayout
+from kvcache_common.layout import DTYPE_BYTES, DTYPE_NAMES, PoolLayout
 
 LAYOUT = PoolLayout(num_layers=3, num_kv_heads=4, head_dim=16, dtype="bfloat16", page_size=8, num_pages=5)
 

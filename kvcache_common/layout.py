@@ -1,8 +1,7 @@
 """The KV pool's layout: the one definition the service and the engine client share.
 
-Hand-written, not generated (scripts/gen_protos.py owns only the `*_pb2*` files beside it). It lives with
-the protos because both sides may import them and the engine client may never import `cache_service`.
-Pure Python: no protobuf, numpy or torch, so importing it costs nothing.
+It lives in `kvcache_common` because both sides import it and the engine client may never import
+`cache_service`. Pure Python: no protobuf, numpy or torch, so importing it costs nothing.
 
 The pool is laid out `[num_layers][2 (K, V)][num_pages][page_size][num_kv_heads][head_dim]`, contiguous;
 page 0 is reserved (the null page) and never handed out.

@@ -1,0 +1,455 @@
+"""The scheduler path (docs/design.md §9): one engine scheduler step's cache work as one `Step`.
+
+    python -m bench.scheduler_bench                 # the table (real server process, TCP loopback)
+    python -m bench.scheduler_bench --profile       # and a cProfile of the handler, top functions
+    python -m bench.scheduler_bench --quick         # small counts (used by the smoke test)
+
+The trace: page 16; 8 system prompts of 2,048 tokens; each request is a regular session whose prompt is one
+system prompt + 256 unique tokens (2,304 tokens), with 64 tokens generated over 4 steps: the engine reserves
+one page at admission and extends by a page at each page crossing (3 extends). Every step 32 requests are
+admitted (open, append) and 32 finish (commit of their 64 tokens, close with cache=true): 32 + 32 + 96 +
+32 + 32 = 224 ops in one `Step`, built with `engine_client.StepBatch` and sent by `KVCacheClient.step`.
+The pool is large enough that nothing is evicted while measuring (the radix work SGLang's in-process
+RadixCache does per step: match + lock at admission, insert + unlock at finish).
+
+Rows, each the median over the measured steps (interleaved, so all see the same machine):
+- client wall: `client.step(batch)`, from the call to every outcome filled (what a scheduler waits for);
+- handler: the service's own time per Step (its RPC latency metric: decode to encode excluded, the
+  interceptor and the handler included; a mean over the phase);
+- client build: filling the `StepBatch` (224 op calls); client read: `StepBatch.apply` (inside the call)
+  plus reading every outcome as a scheduler does (`ok` of each, the typed `value` of appends and extends:
+  their page-table deltas); client encode/decode: `StepRequest.SerializeToString` /
+  `StepResponse.FromString` of the same messages;
+- empty Step: the gRPC floor on this transport; refusal Step: the §9 shape where every op is refused
+  (unknown sessions: SESSION_NOT_FOUND; opens of open ids: SESSION_EXISTS).
+The second table is the handler in this process, without a transport (decode, interceptor + handler,
+encode), per op kind: the same steps split into one Step per kind, in the order that keeps them valid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import gc
+import io
+import pstats
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from bench.common import REPO, machine_load
+
+PAGE = 16
+SYSTEM_PROMPTS = 8
+SYSTEM_TOKENS = 2048
+UNIQUE_TOKENS = 256
+GENERATED = 64
+DECODE_STEPS = 4
+PER_STEP = 32
+KINDS = ("commit", "close", "extend", "open", "append")
+"""One step's ops in this order: finishes, growth, admissions."""
+NUM_PAGES = 1 << 18
+"""The server's pool: nothing is evicted in its warm-up and measured steps (608 pages enter the radix a step)."""
+INPROC_PAGES = 1 << 20
+"""The in-process core's (metadata only): no eviction through all its phases either."""
+
+
+class Trace:
+    """The §9 steady state: what each scheduler step asks of the cache, as (kind, session id, argument)."""
+
+    def __init__(self, seed: int = 9, prefix: str = "r") -> None:
+        rng = np.random.default_rng(seed)
+        self._rng = rng
+        self._prefix = prefix
+        self.systems = [rng.integers(0, 32000, SYSTEM_TOKENS, dtype=np.int32) for _ in range(SYSTEM_PROMPTS)]
+        self.generated = rng.integers(0, 32000, GENERATED, dtype=np.int32)
+        self._admitted: list[list[str]] = []
+        self._next = 0
+
+    def step(self) -> list[tuple[str, str, Any]]:
+        """The next step's ops (prompts made here, before any timing starts)."""
+        s = len(self._admitted)
+        ops: list[tuple[str, str, Any]] = []
+        if s >= DECODE_STEPS + 1:
+            for sid in self._admitted[s - DECODE_STEPS - 1]:
+                ops.append(("commit", sid, self.generated))
+            for sid in self._admitted[s - DECODE_STEPS - 1]:
+                ops.append(("close", sid, None))
+        for age in range(2, DECODE_STEPS + 1):  # the first decode step fits the reserved page
+            if s - age >= 0:
+                ops.extend(("extend", sid, PAGE) for sid in self._admitted[s - age])
+        new = [f"{self._prefix}{self._next + i}" for i in range(PER_STEP)]
+        self._next += PER_STEP
+        for sid in new:
+            ops.append(("open", sid, None))
+        for i, sid in enumerate(new):
+            prompt = np.concatenate([self.systems[(self._next + i) % SYSTEM_PROMPTS],
+                                     self._rng.integers(0, 32000, UNIQUE_TOKENS, dtype=np.int32)])
+            ops.append(("append", sid, prompt))
+        self._admitted.append(new)
+        return ops
+
+
+def fill(batch: Any, ops: list[tuple[str, str, Any]]) -> None:
+    """Queue `ops` on a StepBatch as a scheduler would."""
+    for kind, sid, arg in ops:
+        if kind == "open":
+            batch.open(sid, streaming=False)
+        elif kind == "append":
+            batch.append(sid, arg, reserve_tokens=PAGE)
+        elif kind == "extend":
+            batch.extend(sid, arg)
+        elif kind == "commit":
+            batch.commit(sid, arg)
+        else:
+            batch.close(sid, cache=True)
+
+
+def refusals(live: list[str]) -> list[tuple[str, str, Any]]:
+    """The §9 shape with every op refused: unknown sessions, and opens of ids that are open."""
+    ops: list[tuple[str, str, Any]] = []
+    gen = np.zeros(GENERATED, dtype=np.int32)
+    prompt = np.zeros(SYSTEM_TOKENS + UNIQUE_TOKENS, dtype=np.int32)
+    ops += [("commit", f"gone{i}", gen) for i in range(PER_STEP)]
+    ops += [("close", f"gone{i}", None) for i in range(PER_STEP)]
+    ops += [("extend", f"gone{i}", PAGE) for i in range(3 * PER_STEP)]
+    ops += [("open", live[i % len(live)], None) for i in range(PER_STEP)]
+    ops += [("append", f"gone{i}", prompt) for i in range(PER_STEP)]
+    return ops
+
+
+# ----------------------------------------------------------------------------------- the real server
+
+
+def start_server(*extra: str) -> tuple[subprocess.Popen[str], str, int]:
+    """A service process on TCP loopback with its metrics port; its log (warnings) goes to /dev/null."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cache_service", "serve", "--listen", "127.0.0.1:0", "--num-pages", str(NUM_PAGES),
+         "--page-size", str(PAGE), "--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "8",
+         "--session-budget-fraction", "0", "--log-level", "warning", "--shm-prefix", "kvbench",
+         "--metrics-port", "0", "--reap-interval", "3600", *extra],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    m = re.search(r"listening on (\S+)", first)
+    port = None
+    for _ in range(10):
+        line = proc.stdout.readline()
+        pm = re.search(r"metrics\s+http://\S+:(\d+)/metrics", line)
+        if pm:
+            port = int(pm.group(1))
+            break
+    if not m or port is None:
+        proc.kill()
+        raise SystemExit(f"server did not start: {first!r}")
+    return proc, m.group(1), port
+
+
+def step_handler_seconds(metrics_port: int) -> tuple[float, float]:
+    """(sum of seconds, count) of the service's Step latency metric (code OK)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    total = count = 0.0
+    for line in text.splitlines():
+        if line.startswith("kvcache_rpc_duration_seconds_") and 'method="Step"' in line and 'code="OK"' in line:
+            value = float(line.rsplit(" ", 1)[1])
+            if line.startswith("kvcache_rpc_duration_seconds_sum"):
+                total = value
+            elif line.startswith("kvcache_rpc_duration_seconds_count"):
+                count = value
+    return total, count
+
+
+class Phase:
+    """Per-step samples of one kind of Step, in microseconds, and the server's handler mean."""
+
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.build: list[float] = []
+        self.read: list[float] = []
+        self.encode: list[float] = []
+        self.decode: list[float] = []
+        self.handler_sum = 0.0
+        self.handler_count = 0.0
+
+    @property
+    def handler(self) -> float:
+        return self.handler_sum / self.handler_count * 1e6 if self.handler_count else float("nan")
+
+
+def server_table(steps: int, warmup: int) -> dict[str, Phase]:
+    from engine_client import KVCacheClient, StepBatch
+    from protos.kvcache.v1 import kvcache_pb2 as pb
+
+    class TimedBatch(StepBatch):
+        """A StepBatch that times its own result reading and keeps its request and the response (for the
+        codec columns)."""
+
+        read_us = 0.0
+        response: Any = None
+        built: Any = None
+
+        def request(self, default_engine_id: str) -> Any:
+            self.built = super().request(default_engine_id)
+            return self.built
+
+        def apply(self, response: Any) -> Any:
+            t0 = time.perf_counter()
+            out = super().apply(response)
+            self.read_us = (time.perf_counter() - t0) * 1e6
+            self.response = response
+            return out
+
+    def read(outcomes: list[Any]) -> int:
+        """What a scheduler reads: whether each op went through, and the page-table deltas."""
+        ok = 0
+        for o in outcomes:
+            if o.ok:
+                ok += 1
+                if o.kind in ("append", "extend"):
+                    delta = o.value.page_ids
+                    assert delta.size or o.kind == "append"
+        return ok
+
+    proc, target, metrics_port = start_server()
+    phases = {name: Phase() for name in ("§9 Step", "empty Step", "refusal Step")}
+    try:
+        client = KVCacheClient(target)
+        client.register_engine("bench-engine", ttl_seconds=600.0, hold=False)
+        trace = Trace()
+        live = [f"idle{i}" for i in range(PER_STEP)]  # open all along: opening them again is refused
+        for sid in live:
+            client.open_session(sid, streaming=False)
+        for _ in range(warmup):
+            batch = StepBatch()
+            fill(batch, trace.step())
+            outcomes = client.step(batch)
+            assert all(o.ok for o in outcomes), [o.error for o in outcomes if not o.ok][:3]
+        plans = [trace.step() for _ in range(steps)]
+        refused = refusals(live)
+        gc.collect()
+        gc.freeze()
+
+        def run(name: str, ops: list[tuple[str, str, Any]], expect_ok: bool) -> None:
+            phase = phases[name]
+            before = step_handler_seconds(metrics_port)
+            t0 = time.perf_counter()
+            batch = TimedBatch()
+            fill(batch, ops)
+            t1 = time.perf_counter()
+            outcomes = client.step(batch)
+            t2 = time.perf_counter()
+            ok = read(outcomes)
+            t3 = time.perf_counter()
+            after = step_handler_seconds(metrics_port)
+            assert ok == (len(outcomes) if expect_ok else 0), [o.error for o in outcomes if not o.ok][:3]
+            phase.build.append((t1 - t0) * 1e6)
+            phase.wall.append((t2 - t1) * 1e6)
+            phase.read.append(batch.read_us + (t3 - t2) * 1e6)
+            t0 = time.perf_counter()
+            data = batch.built.SerializeToString()
+            t1 = time.perf_counter()
+            answer = batch.response.SerializeToString()
+            t2 = time.perf_counter()
+            pb.StepResponse.FromString(answer)
+            t3 = time.perf_counter()
+            del data
+            phase.encode.append((t1 - t0) * 1e6)
+            phase.decode.append((t3 - t2) * 1e6)
+            phase.handler_sum += after[0] - before[0]
+            phase.handler_count += after[1] - before[1]
+
+        for i, ops in enumerate(plans):
+            run("§9 Step", ops, True)
+            run("empty Step", [], True)
+            run("refusal Step", refused, False)
+            if (i + 1) % max(1, steps // 10) == 0:
+                print(f"  ... {i + 1}/{steps} steps", file=sys.stderr, flush=True)
+        gc.unfreeze()
+        client.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    return phases
+
+
+# ----------------------------------------------------------------------------------- in this process
+
+
+class _Context:
+    """What the interceptor asks of a grpc.aio context on a call that succeeds."""
+
+    def invocation_metadata(self) -> tuple[()]:
+        return ()
+
+    async def abort_with_status(self, status: Any) -> None:
+        raise RuntimeError(f"aborted: {status}")
+
+    async def abort(self, code: Any, message: str) -> None:
+        raise RuntimeError(f"aborted: {code} {message}")
+
+
+def in_process_handler() -> tuple[Callable[[bytes], Any], Callable[[Any], Any], Callable[[Any], bytes], str]:
+    """(decode, handle, encode, engine id) of the Step method of a servicer in this process, behind the
+    service's interceptor, on a core like the server's."""
+    from cache_service.core import CoreConfig, KVCacheCore
+    from cache_service.memory import PoolHandle, PoolLayout
+    from cache_service.metrics import Metrics
+    from cache_service.rpc.interceptor import ServiceInterceptor
+    from cache_service.rpc.kv_events import EventHub
+    from cache_service.rpc.servicer import KVCacheServicer
+
+    class Details:
+        method = "/kvcache.v1.KVCacheService/Step"
+        invocation_metadata = ()
+
+    core = KVCacheCore(CoreConfig(num_pages=INPROC_PAGES, page_size=PAGE, session_budget_pages=0))
+    layout = PoolLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="bfloat16", page_size=PAGE,
+                        num_pages=INPROC_PAGES)
+    handle = PoolHandle(backend="host_shm", size_bytes=layout.size_bytes)
+    metrics = Metrics(core.stats, {})
+    events = EventHub(core, instance_id="bench", medium="CPU", buffer=16)
+    servicer = KVCacheServicer(core, layout, handle, instance_id="bench", max_request_tokens=1 << 20,
+                               events=events, metrics=metrics)
+    generic = ServiceInterceptor(metrics, instance_id="bench").service_handler(servicer)
+    method = generic.service(Details())
+    core.register_engine("bench-engine", 600.0)
+    ctx = _Context()
+    loop = asyncio.new_event_loop()
+
+    def handle_one(request: Any) -> Any:
+        return loop.run_until_complete(method.unary_unary(request, ctx))
+
+    return method.request_deserializer, handle_one, method.response_serializer, "bench-engine"
+
+
+def step_bytes(ops: list[tuple[str, str, Any]], engine_id: str) -> bytes:
+    from engine_client import StepBatch
+
+    batch = StepBatch()
+    fill(batch, ops)
+    return bytes(batch.request(engine_id).SerializeToString())
+
+
+def in_process_table(steps: int, warmup: int, profile: bool) -> tuple[dict[str, list[float]], str]:
+    """Microseconds per step (decode, handle, encode) and per op kind (handle only), median of steps. Logs go
+    to /dev/null at the service's level (warning) meanwhile; the process's logging is restored after."""
+    import os
+
+    import structlog
+
+    from cache_service.log import _LEVELS
+
+    saved = structlog.get_config()
+    with open(os.devnull, "w") as devnull:
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(_LEVELS["warning"]),
+                            logger_factory=structlog.PrintLoggerFactory(devnull), cache_logger_on_first_use=True)
+        try:
+            return _in_process_table(steps, warmup, profile)
+        finally:
+            structlog.configure(**saved)
+
+
+def _in_process_table(steps: int, warmup: int, profile: bool) -> tuple[dict[str, list[float]], str]:
+    decode, handle, encode, engine = in_process_handler()
+    trace = Trace(seed=11, prefix="p")
+    for _ in range(warmup):
+        out = encode(handle(decode(step_bytes(trace.step(), engine))))
+    whole = [step_bytes(trace.step(), engine) for _ in range(steps)]
+    empty = step_bytes([], engine)
+    samples: dict[str, list[float]] = {k: [] for k in ("decode", "handle", "encode", "empty", *KINDS)}
+    gc.collect()
+    gc.freeze()
+    for data in whole:  # the same trace, whole steps: decode, handle, encode
+        t0 = time.perf_counter()
+        req = decode(data)
+        t1 = time.perf_counter()
+        res = handle(req)
+        t2 = time.perf_counter()
+        out = encode(res)
+        t3 = time.perf_counter()
+        samples["decode"].append((t1 - t0) * 1e6)
+        samples["handle"].append((t2 - t1) * 1e6)
+        samples["encode"].append((t3 - t2) * 1e6)
+        del out
+    # Per kind: the next steps split into one Step per kind (commits, closes, extends, opens, appends).
+    for _ in range(steps):
+        ops = trace.step()
+        parts = [[op for op in ops if op[0] == kind] for kind in KINDS]
+        reqs = [decode(step_bytes(part, engine)) for part in parts]
+        t0 = time.perf_counter()
+        handle(decode(empty))
+        samples["empty"].append((time.perf_counter() - t0) * 1e6)
+        for kind, part, req in zip(KINDS, parts, reqs, strict=True):
+            if not part:
+                continue
+            t0 = time.perf_counter()
+            handle(req)
+            samples[kind].append((time.perf_counter() - t0) * 1e6 / len(part))
+    text = ""
+    if profile:
+        reqs = [decode(step_bytes(trace.step(), engine)) for _ in range(steps)]
+        prof = cProfile.Profile()
+        prof.enable()
+        for req in reqs:
+            handle(req)
+        prof.disable()
+        buf = io.StringIO()
+        stats = pstats.Stats(prof, stream=buf)
+        stats.sort_stats("tottime").print_stats(25)
+        text = buf.getvalue()
+    gc.unfreeze()
+    return samples, text
+
+
+def _median(values: list[float]) -> float:
+    return float(np.median(values)) if values else float("nan")
+
+
+def report(phases: dict[str, Phase], inproc: dict[str, list[float]]) -> Iterator[str]:
+    yield (f"{'Step (224 ops unless empty)':<16} {'client wall':>11} {'handler':>8} {'build':>7} {'encode':>7} "
+           f"{'decode':>7} {'read':>7} {'client share':>12}")
+    for name, p in phases.items():
+        share = _median(p.build) + _median(p.encode) + _median(p.decode) + _median(p.read)
+        yield (f"{name:<27} {_median(p.wall):>11.0f} {p.handler:>8.0f} {_median(p.build):>7.0f} "
+               f"{_median(p.encode):>7.0f} {_median(p.decode):>7.0f} {_median(p.read):>7.0f} {share:>12.0f}")
+    yield ""
+    yield "In this process (no transport), us: one §9 Step, and per op by kind (handler only)"
+    yield (f"{'decode':>7} {'handle':>7} {'encode':>7} {'empty':>7} | "
+           + " ".join(f"{k:>7}" for k in KINDS))
+    yield (f"{_median(inproc['decode']):>7.0f} {_median(inproc['handle']):>7.0f} {_median(inproc['encode']):>7.0f} "
+           f"{_median(inproc['empty']):>7.0f} | " + " ".join(f"{_median(inproc[k]):>7.1f}" for k in KINDS))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small counts, for smoke tests")
+    ap.add_argument("--steps", type=int, default=300, help="measured steps per phase")
+    ap.add_argument("--profile", action="store_true", help="print a cProfile of the handler (in this process)")
+    ap.add_argument("--only", choices=["server", "in-process"])
+    args = ap.parse_args(argv)
+    steps, warmup = (8, 6) if args.quick else (args.steps, 20)
+    print(f"§9 scheduler trace: {PER_STEP} admissions of {SYSTEM_TOKENS + UNIQUE_TOKENS}-token prompts + "
+          f"{PER_STEP} finishes a step, 224 ops a Step, page {PAGE}; medians of {steps} steps, microseconds "
+          f"({machine_load()})")
+    phases = server_table(steps, warmup) if args.only in (None, "server") else {}
+    inproc, prof = in_process_table(steps, warmup, args.profile) if args.only in (None, "in-process") else ({
+        k: [] for k in ("decode", "handle", "encode", "empty", *KINDS)}, "")
+    for line in report(phases, inproc):
+        print(line)
+    print("target: the §9 Step's client wall at most 1,300 us (moonshot 1,000 us); a refusal Step no dearer")
+    if prof:
+        print("\nHandler profile (cProfile, in this process, by own time):")
+        print(prof)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,320 @@
+"""The core's operations: request checks, finding what a call names, and handing the work to its owner.
+
+Session calls (`open`, `append`, `extend`, `commit`, `close`) take token ids as int32 little-endian bytes
+already checked (`validate.token_bytes`) and return plain tuples, so a `Step` of many ops makes no
+record or array per op; the facade (`cache.KVCacheCore`) wraps them for callers that want records.
+Lease calls end leases and close what they held. Failed calls change no client-visible state, except
+pressure relief: an append that needs pages may evict radix entries and demote idle sessions before it
+finds the pool still too small.
+
+Lease expiry happens in `reap` and at one explicit point of each session call: after the session is
+found, an owner whose lease is overdue is ended first (its sessions released) and the call fails with
+LEASE_EXPIRED (for that owner) or SESSION_NOT_FOUND (for anyone else). Finding a session or a lease
+changes nothing.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from cache_service.core.capacity import check_token_cap
+from cache_service.core.config import CoreConfig
+from cache_service.core.errors import KVCacheError, Reason, invalid_argument
+from cache_service.core.leases import Lease, LeaseTable, lease_expired
+from cache_service.core.ledger import Counters
+from cache_service.core.pages import PageAllocator
+from cache_service.core.radix import RadixTree
+from cache_service.core.sessions import SessionTable
+from cache_service.core.slot import CLOSING, IDLE, IN_TURN, SessionSlot, Slots, change
+from cache_service.core.types import EngineInfo
+from cache_service.core.validate import check_count, check_id, check_salt, check_seconds
+
+
+class Ops:
+    def __init__(self, config: CoreConfig, clock: Callable[[], float], pages: PageAllocator, radix: RadixTree,
+                 slots: Slots, sessions: SessionTable, leases: LeaseTable, counters: Counters,
+                 changes: list[Any]) -> None:
+        self.config = config
+        self._clock = clock
+        self._pages = pages
+        self._radix = radix
+        self._slots = slots
+        self._sessions = sessions
+        self._by_id = sessions._by_id
+        self._leases = leases
+        self._c = counters
+        self._changes = changes
+        """The facade's event queue (session records go there while `recording`)."""
+        self.recording = False
+        self._cap = config.max_session_tokens
+
+    # ------------------------------------------------------------------ sessions
+
+    def match(self, tokens: bytes, cache_salt: str) -> tuple[int, bytes]:
+        """Read-only: (leading tokens cached under `cache_salt`, their pages as int32 LE). No LRU touch."""
+        check_salt(cache_salt)
+        ps = self.config.page_size
+        n = (len(tokens) >> 2) // ps * ps
+        match = self._radix.match(cache_salt, tokens[: n * 4], touch=False)
+        return match.num_pages * ps, match.pages
+
+    def open(self, session_id: str, streaming: bool, timeout_seconds: float | None, cache_salt: str,
+             engine_id: str, identity: str, quota: int) -> tuple[str, int, float]:
+        now = self._clock()
+        if session_id:
+            check_id(session_id, "session_id")
+        if cache_salt:
+            check_salt(cache_salt)
+        if timeout_seconds is None:
+            timeout_seconds = self.config.session_timeout_seconds
+        else:
+            check_seconds(timeout_seconds, "timeout_seconds")
+        lease = self.live_lease(engine_id, now, identity) if engine_id else None
+        if session_id:
+            self._sessions.check_new(session_id)
+        self._sessions.check_room(identity, max_sessions=self.config.max_sessions, quota=quota)
+        s = self._sessions.create(session_id, streaming=streaming, cache_salt=cache_salt, owner=engine_id,
+                                  identity=identity, timeout_seconds=timeout_seconds, now=now)
+        if lease is not None:
+            lease.sessions.add(s.id)
+        if self.recording:
+            self._changes.append(change("opened", s))
+        return s.id, s.epoch, timeout_seconds
+
+    def append(self, session_id: str, tokens: bytes, reserve_tokens: int, epoch: int, engine_id: str,
+               identity: str | None) -> tuple[SessionSlot, tuple[int, int, int, int, bytes, int, int]]:
+        """Start a turn (see `KVCacheCore.append`); returns the slot and `Slots.begin`'s outcome."""
+        now = self._clock()
+        if reserve_tokens < 0:
+            check_count(reserve_tokens, "reserve_tokens")
+        s = self.session(session_id, epoch, engine_id, identity, now)
+        if self._pages.quarantine:
+            self.release_quarantine(now)
+        if s.state is not IDLE:
+            if s.state is CLOSING:
+                raise KVCacheError(Reason.SESSION_CLOSING, f"session {session_id!r} is closing",
+                                   session_id=session_id)
+            raise KVCacheError(Reason.SESSION_BUSY, f"session {session_id!r} already has turn {s.turns + 1} in flight",
+                               session_id=session_id)
+        context = s.committed_tokens + (len(tokens) >> 2)
+        if context == 0:
+            raise KVCacheError(Reason.INVALID_TOKENS, "token_ids is empty and the session has no context yet",
+                               field="token_ids")
+        if self._cap:
+            check_token_cap(self._cap, session_id, context + reserve_tokens,
+                            f"context {context} + reserve {reserve_tokens}")
+        outcome = self._slots.begin(s, tokens, reserve_tokens)
+        s.last_active = now
+        self._by_id.move_to_end(session_id)
+        return s, outcome
+
+    def extend(self, session_id: str, reserve_tokens: int, epoch: int, engine_id: str, identity: str | None
+               ) -> tuple[SessionSlot, tuple[int, int, bytes, int]]:
+        now = self._clock()
+        if reserve_tokens < 0:
+            check_count(reserve_tokens, "reserve_tokens")
+        s = self.session(session_id, epoch, engine_id, identity, now)
+        if s.state is IDLE:
+            self.check_turn(s, 0)
+        if self._pages.quarantine:
+            self.release_quarantine(now)
+        if self._cap and reserve_tokens:
+            capacity = (len(s.pages) >> 2) * self.config.page_size
+            check_token_cap(self._cap, session_id, capacity + reserve_tokens,
+                            f"capacity {capacity} + reserve {reserve_tokens} slots")
+        outcome = self._slots.extend(s, reserve_tokens)
+        s.last_active = now
+        self._by_id.move_to_end(session_id)
+        return s, outcome
+
+    def commit(self, session_id: str, generated: bytes, kv_tokens: int | None, abort: bool, turn: int, epoch: int,
+               engine_id: str, identity: str | None) -> tuple[str, int, int, int, bool]:
+        """End the turn in flight; returns (session id, context tokens, kv tokens, pages, closed)."""
+        now = self._clock()
+        s = self.session(session_id, epoch, engine_id, identity, now)
+        if s.state is IDLE or turn:
+            self.check_turn(s, turn)
+        if abort:
+            if generated:
+                raise invalid_argument("token_ids", "must be empty when abort is set")
+            if kv_tokens is not None:
+                raise invalid_argument("kv_tokens", "must be unset when abort is set")
+            self._slots.abort(s)
+        else:
+            self._slots.commit(s, generated, self._kv_after_commit(s, len(generated) >> 2, kv_tokens))
+        s.last_active = now
+        self._by_id.move_to_end(session_id)
+        closed = s.state is CLOSING
+        if closed:
+            self.finish_close(s, s.close_cache)  # the counts below are then what the close left: none
+        else:
+            self._slots.transition(s, IDLE)
+        return s.id, s.committed_tokens, s.kv_tokens, s.committed_pages, closed
+
+    def close(self, session_id: str, cache: bool, epoch: int, engine_id: str, identity: str | None
+              ) -> tuple[str, bool, int]:
+        """Close now (returns (id, True, tokens cached)), or at the turn's end (id, False, 0)."""
+        s = self.session(session_id, epoch, engine_id, identity, self._clock())
+        if s.state is not IDLE:
+            s.close_cache = cache
+            self._slots.transition(s, CLOSING)
+            return s.id, False, 0
+        return s.id, True, self.finish_close(s, cache)
+
+    def session(self, session_id: str, epoch: int, engine_id: str, identity: str | None, now: float) -> SessionSlot:
+        """The session a mutating call names. Its owner's lease, when overdue, is ended here first (the
+        caller gets LEASE_EXPIRED if it is that owner, else SESSION_NOT_FOUND). A caller naming an engine
+        whose lease has expired hears LEASE_EXPIRED for a session it no longer finds: that is why."""
+        s = self._by_id.get(session_id)
+        if s is None or (epoch and epoch != s.epoch):
+            if engine_id and self._leases.has_expired(engine_id):
+                raise lease_expired(engine_id)
+            raise KVCacheError(Reason.SESSION_NOT_FOUND, f"session {session_id!r} not found", session_id=session_id)
+        owner = s.owner
+        if owner:
+            lease = self._leases.owner_of(owner)
+            if not lease.held and now >= lease.expires_at:
+                self.end_lease(lease, expired=True, now=now)
+                if engine_id == owner:
+                    raise lease_expired(engine_id)
+                raise KVCacheError(Reason.SESSION_NOT_FOUND,
+                                   f"session {session_id!r} not found (its owner's lease expired)",
+                                   session_id=session_id)
+            if engine_id and engine_id != owner:
+                self._sessions.check_owner(s, engine_id, identity)
+        if identity is not None and identity != s.identity:
+            self._sessions.check_owner(s, engine_id, identity)
+        return s
+
+    def check_turn(self, s: SessionSlot, turn: int) -> None:
+        if s.state is IDLE:
+            raise KVCacheError(Reason.NO_TURN_IN_FLIGHT, f"session {s.id!r} has no turn in flight", session_id=s.id)
+        if turn and turn != s.turns + 1:
+            raise KVCacheError(Reason.NO_TURN_IN_FLIGHT,
+                               f"turn {turn} of session {s.id!r} is not in flight (turn {s.turns + 1} is)",
+                               session_id=s.id)
+
+    def _kv_after_commit(self, s: SessionSlot, generated: int, kv_tokens: int | None) -> int:
+        """Check a commit against the token cap and return the session's KV token count after it."""
+        new_total = s.turn_context_tokens + generated
+        if self._cap:
+            check_token_cap(self._cap, s.id, new_total, f"committing {generated} generated tokens")
+        capacity = (len(s.pages) >> 2) * self.config.page_size
+        if kv_tokens is None:
+            return min(s.turn_context_tokens + max(generated - 1, 0), capacity)
+        hi = min(new_total, capacity)
+        if not s.turn_cached_tokens <= kv_tokens <= hi:
+            raise invalid_argument("kv_tokens", f"{kv_tokens} is outside [{s.turn_cached_tokens}, {hi}] "
+                                   "(the turn's cached tokens .. context with its reserved capacity)")
+        return kv_tokens
+
+    def finish_close(self, s: SessionSlot, cache: bool) -> int:
+        """Release the session's KV and forget it. Returns the context tokens now cached (cache=True)."""
+        self._slots.drop_kv(s, cache=cache)
+        cached = self._slots.cached_tokens(s) if cache else 0
+        self._c.session_tokens -= s.committed_tokens
+        self._sessions.remove(s)
+        if self.recording:
+            self._changes.append(change("closed", s))
+        if s.owner:
+            lease = self._leases.find(s.owner)
+            if lease is not None:
+                lease.sessions.discard(s.id)
+        return cached
+
+    def reap_session(self, s: SessionSlot, *, count: bool = True) -> None:
+        """Close `s` now, aborting its turn if one is in flight; its committed KV goes to the radix
+        (unless a deferred close asked otherwise)."""
+        cache = s.close_cache if s.state is CLOSING else True
+        if s.state is not IDLE:
+            self._slots.abort(s)
+        self.finish_close(s, cache)
+        self._c.reaped_sessions += count
+
+    def release_quarantine(self, now: float) -> None:
+        due = self._pages.next_release()
+        if due is not None and due <= now:
+            self._pages.release_due(now)
+
+    # ------------------------------------------------------------------ leases
+
+    def reap(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        now = self._clock()
+        self._pages.release_due(now)
+        reaped: list[str] = []
+        engines: list[str] = []
+        for lease in self._leases.due(now):
+            engines.append(lease.engine_id)
+            reaped.extend(self.end_lease(lease, expired=True, now=now))
+        for s in self._sessions.timed_out(now):
+            if s.state is not IDLE and s.owner:
+                continue  # its owner's lease is live (expired ones were handled above)
+            sid = s.id
+            if s.state is not IDLE and self.config.quarantine_seconds:
+                with self._pages.quarantining(now + self.config.quarantine_seconds):
+                    self.reap_session(s)  # whoever started the turn may still be writing it
+            else:
+                self.reap_session(s)
+            reaped.append(sid)
+        return tuple(reaped), tuple(engines)
+
+    def register(self, engine_id: str, ttl_seconds: float, identity: str | None, held: bool) -> EngineInfo:
+        now = self._clock()
+        if engine_id:
+            check_id(engine_id, "engine_id")
+        check_seconds(ttl_seconds, "ttl_seconds")
+        ceiling = self.config.max_lease_ttl_seconds
+        if ceiling and ttl_seconds > ceiling:
+            raise invalid_argument("ttl_seconds", f"{ttl_seconds} is above --max-lease-ttl={ceiling}")
+        engine_id = engine_id or f"engine-{uuid.uuid4().hex[:12]}"
+        owner = identity if identity is not None else ""
+        old = self._leases.find(engine_id)
+        if old is not None:
+            check_lease_owner(old, identity)
+            owner = old.identity if identity is None else owner
+            if old.expired(now):
+                self.end_lease(old, expired=True, now=now)  # a stalled incarnation may still write
+            else:
+                self.release_sessions(self._leases.end(old, expired=False), count=True)
+        lease = self._leases.add(engine_id, ttl_seconds or self.config.lease_ttl_seconds, now, identity=owner,
+                                 held=held)
+        return lease.info(now)
+
+    def live_lease(self, engine_id: str, now: float, identity: str | None) -> Lease:
+        lease = self._leases.get(engine_id)
+        check_lease_owner(lease, identity)
+        if lease.expired(now):
+            self.end_lease(lease, expired=True, now=now)
+            raise lease_expired(engine_id)
+        return lease
+
+    def end_lease(self, lease: Lease, *, expired: bool, now: float) -> tuple[str, ...]:
+        """End `lease` and close its sessions (their committed KV cached). Returns their ids.
+
+        An expired lease's engine may be stalled rather than gone, and still write its pages: what its
+        sessions release is quarantined for --quarantine-seconds instead of going straight to the free list.
+        """
+        closed = self._leases.end(lease, expired=expired)
+        if expired and self.config.quarantine_seconds:
+            with self._pages.quarantining(now + self.config.quarantine_seconds):
+                self.release_sessions(closed, count=True)
+        else:
+            self.release_sessions(closed, count=expired)
+        if expired:
+            self._c.expired_leases += 1
+        return closed
+
+    def release_sessions(self, session_ids: tuple[str, ...], *, count: bool) -> None:
+        for sid in session_ids:
+            self.reap_session(self._sessions.get(sid), count=count)
+
+
+def check_lease_owner(lease: Lease, identity: str | None) -> None:
+    if identity is not None and identity != lease.identity:
+        raise KVCacheError(Reason.NOT_OWNER, f"engine {lease.engine_id!r} belongs to another identity",
+                           engine_id=lease.engine_id)
+
+
+__all__ = ["IN_TURN", "Ops", "check_lease_owner"]

@@ -1,0 +1,319 @@
+"""Where the tier reads and writes pages: the pool itself (host pools) or a pinned staging area (GPU pools).
+
+The pool is laid out `[num_layers][2][num_pages][page_size][heads][dim]`, so one page is `2 * num_layers`
+chunks of `page_bytes`, `num_pages * page_bytes` apart. A tier value is those chunks in order (layer 0 K,
+layer 0 V, layer 1 K, ...), so for a host pool the store reads and writes the pool pages in place: a disk
+tier with `preadv`/`pwritev` of the chunks, Mooncake with multi-buffer puts and gets of registered pool
+memory. Nothing is copied in between.
+
+A GPU pool cannot be read by `preadv` or (without GPUDirect) by Mooncake's TCP transport, so its pages go
+through a pinned host staging area of `slots` pages, laid out page-major (a slot's chunks are contiguous):
+an offload copies the page's chunks device-to-host into a slot and stores the slot; a load gets into a slot,
+is verified there, and only then copied host-to-device into the page. The staging path is written against
+cuda-python's driver API and has NOT run on a GPU (none was available); its slot handling is tested on CPU
+with a host-to-host copier.
+
+`stage_out(pages)` and `stage_in(pages)` hand the tier one `PageBuffers` per page; `Staging.finish(ok)`
+ends the batch (for loads into a GPU pool: copies the pages whose value was sound into the pool).
+Worker threads call these; nothing here touches the asyncio loop or the core.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from cache_service.tier.value import Geometry
+from kvcache_common.layout import PoolLayout
+
+
+class TierMemoryError(RuntimeError):
+    """The tier cannot reach the pool's memory; one line."""
+
+
+def geometry(layout: PoolLayout) -> Geometry:
+    """The value geometry of a pool layout: 2 * num_layers chunks of one page of one plane."""
+    return Geometry(num_chunks=2 * layout.num_layers, chunk_bytes=layout.page_bytes)
+
+
+def chunk_offsets(layout: PoolLayout, page: int) -> list[int]:
+    """Byte offsets in the pool of a page's chunks, in value order."""
+    plane = layout.num_pages * layout.page_bytes
+    return [plane * i + page * layout.page_bytes for i in range(2 * layout.num_layers)]
+
+
+class PageBuffers(NamedTuple):
+    """One page's bytes, in value order: writable views for file I/O and checksums, and their addresses for
+    stores that transfer by address (registered memory)."""
+
+    views: list[memoryview]
+    addresses: list[int]
+
+
+class Staging(Protocol):
+    """One batch's buffers; `finish` ends it exactly once."""
+
+    buffers: list[PageBuffers]
+
+    def finish(self, ok: Sequence[bool]) -> None:
+        """Loads: the pages whose value was sound (ok[i]) become visible in the pool. Offloads: ok is ignored.
+        Releases staging slots."""
+
+
+class PageMemory(Protocol):
+    """Host-addressable bytes of pool pages, for the tier's worker threads."""
+
+    geometry: Geometry
+
+    def regions(self) -> list[tuple[int, int]]:
+        """(address, bytes) of the host memory the store transfers to and from: what to register."""
+
+    def stage_out(self, pages: Sequence[int]) -> Staging:
+        """Buffers holding the pages' bytes, ready to be stored."""
+
+    def stage_in(self, pages: Sequence[int]) -> Staging:
+        """Buffers a load writes into; `finish(ok)` makes the sound ones the pages' bytes."""
+
+    @property
+    def max_batch_pages(self) -> int:
+        """The most pages one staging batch may hold (a worker splits bigger batches)."""
+
+    def close(self) -> None: ...
+
+
+# --------------------------------------------------------------------------------------------- host pools
+
+
+@dataclass
+class _InPlace:
+    buffers: list[PageBuffers]
+
+    def finish(self, ok: Sequence[bool]) -> None:
+        pass
+
+
+class HostPoolMemory:
+    """The service's own shared mapping of a host pool (host_shm's file or host_memfd's fd): the tier reads
+    and writes pages in place. `close()` (idempotent) unmaps it once no buffer is in use."""
+
+    def __init__(self, layout: PoolLayout, fd: int) -> None:
+        self.layout = layout
+        self.geometry = geometry(layout)
+        try:
+            self._mmap: mmap.mmap | None = mmap.mmap(fd, layout.size_bytes, mmap.MAP_SHARED,
+                                                     mmap.PROT_READ | mmap.PROT_WRITE)
+        except (OSError, ValueError) as e:
+            raise TierMemoryError(f"cannot map the pool for the tier: {e}") from None
+        self._array: npt.NDArray[np.uint8] | None = np.frombuffer(self._mmap, dtype=np.uint8)
+        self._base = int(self._array.ctypes.data)
+        self._plane = layout.num_pages * layout.page_bytes
+        self._chunk = layout.page_bytes
+        self._num_chunks = 2 * layout.num_layers
+
+    @property
+    def base_address(self) -> int:
+        return self._base
+
+    @property
+    def max_batch_pages(self) -> int:
+        return self.layout.num_pages
+
+    def regions(self) -> list[tuple[int, int]]:
+        return [(self._base, self.layout.size_bytes)]
+
+    def page(self, page: int) -> PageBuffers:
+        """A page's chunks in the pool."""
+        array = self._array
+        if array is None:
+            raise TierMemoryError("the tier's pool mapping is closed")
+        if not 0 < page < self.layout.num_pages:
+            raise ValueError(f"page {page} is outside the pool (1..{self.layout.num_pages - 1})")
+        start = page * self._chunk
+        offsets = range(start, start + self._num_chunks * self._plane, self._plane)
+        size = self._chunk
+        return PageBuffers([array[o:o + size].data for o in offsets], [self._base + o for o in offsets])
+
+    def stage_out(self, pages: Sequence[int]) -> Staging:
+        return _InPlace([self.page(p) for p in pages])
+
+    def stage_in(self, pages: Sequence[int]) -> Staging:
+        return _InPlace([self.page(p) for p in pages])
+
+    def close(self) -> None:
+        if self._mmap is None:
+            return
+        self._array = None
+        mm, self._mmap = self._mmap, None
+        with contextlib.suppress(BufferError):  # a view is still referenced: the mapping goes with the last one
+            mm.close()
+
+
+# --------------------------------------------------------------------------------------------- GPU pools
+
+
+class DeviceCopier(Protocol):
+    """Synchronous copies between device memory and pinned host memory, and the pinned allocations."""
+
+    def alloc_pinned(self, nbytes: int) -> int: ...
+
+    def free_pinned(self, address: int) -> None: ...
+
+    def to_host(self, host: int, device: int, nbytes: int) -> None: ...
+
+    def to_device(self, device: int, host: int, nbytes: int) -> None: ...
+
+
+class CudaCopier:
+    """DeviceCopier over cuda-python's driver API in the device's primary context (the one cupy, torch and
+    the pool backends use). NOT run on a GPU yet: no GPU was available when it was written."""
+
+    def __init__(self, device_index: int) -> None:
+        from cuda.bindings import driver  # optional dependency (kvcache[cuda])
+
+        self._cu: Any = driver
+        self._check("cuInit", driver.cuInit(0))
+        device = self._check("cuDeviceGet", driver.cuDeviceGet(device_index))
+        self._ctx = self._check("cuDevicePrimaryCtxRetain", driver.cuDevicePrimaryCtxRetain(device))
+        self._device = device
+        self._lock = threading.Lock()
+
+    def _check(self, call: str, result: Any) -> Any:
+        err, *values = result if isinstance(result, tuple) else (result,)
+        if err != self._cu.CUresult.CUDA_SUCCESS:
+            raise TierMemoryError(f"{call}: {getattr(err, 'name', err)}")
+        return values[0] if len(values) == 1 else None
+
+    def _in_context(self, call: str, fn: Any, *args: Any) -> Any:
+        cu = self._cu
+        with self._lock:
+            self._check("cuCtxPushCurrent", cu.cuCtxPushCurrent(self._ctx))
+            try:
+                return self._check(call, fn(*args))
+            finally:
+                self._check("cuCtxPopCurrent", cu.cuCtxPopCurrent())
+
+    def alloc_pinned(self, nbytes: int) -> int:
+        return int(self._in_context("cuMemHostAlloc", self._cu.cuMemHostAlloc, nbytes, 0))
+
+    def free_pinned(self, address: int) -> None:
+        self._in_context("cuMemFreeHost", self._cu.cuMemFreeHost, address)
+
+    def to_host(self, host: int, device: int, nbytes: int) -> None:
+        self._in_context("cuMemcpyDtoH", self._cu.cuMemcpyDtoH, host, self._cu.CUdeviceptr(device), nbytes)
+
+    def to_device(self, device: int, host: int, nbytes: int) -> None:
+        self._in_context("cuMemcpyHtoD", self._cu.cuMemcpyHtoD, self._cu.CUdeviceptr(device), host, nbytes)
+
+    def close(self) -> None:
+        self._check("cuDevicePrimaryCtxRelease", self._cu.cuDevicePrimaryCtxRelease(self._device))
+
+
+class _Slots:
+    def __init__(self, memory: DevicePoolMemory, pages: Sequence[int], slots: list[int], inbound: bool) -> None:
+        self._memory = memory
+        self._pages = list(pages)
+        self._slots = slots
+        self._inbound = inbound
+        self._done = False
+        self.buffers = [memory.slot(s) for s in slots]
+
+    def finish(self, ok: Sequence[bool]) -> None:
+        if self._done:
+            return
+        self._done = True
+        try:
+            if self._inbound:
+                for page, slot, good in zip(self._pages, self._slots, ok, strict=True):
+                    if good:
+                        self._memory.copy_slot_to_page(slot, page)
+        finally:
+            self._memory.release(self._slots)
+
+
+class DevicePoolMemory:
+    """A GPU pool seen through `slots` pages of pinned host staging (page-major, registered with the store
+    instead of the pool). `device_base` is the pool's address in this process (the service's own mapping);
+    `copier` makes the copies. Worker threads share the slots under a lock; a batch larger than the free
+    slots waits for them."""
+
+    def __init__(self, layout: PoolLayout, device_base: int, copier: DeviceCopier, slots: int = 256) -> None:
+        if slots < 1:
+            raise ValueError("the staging area needs at least one slot")
+        self.layout = layout
+        self.geometry = geometry(layout)
+        self._device_base = device_base
+        self._copier = copier
+        self._slot_bytes = self.geometry.payload_bytes
+        self._nslots = slots
+        self._host = copier.alloc_pinned(slots * self._slot_bytes)
+        self._view: memoryview | None = memoryview(
+            (ctypes.c_char * (slots * self._slot_bytes)).from_address(self._host)).cast("B")
+        self._free = list(range(slots - 1, -1, -1))
+        self._cond = threading.Condition()
+
+    @property
+    def max_batch_pages(self) -> int:
+        return self._nslots
+
+    def regions(self) -> list[tuple[int, int]]:
+        return [(self._host, self._nslots * self._slot_bytes)]
+
+    def slot(self, slot: int) -> PageBuffers:
+        view = self._view
+        if view is None:
+            raise TierMemoryError("the tier's staging area is closed")
+        chunk = self.geometry.chunk_bytes
+        start = slot * self._slot_bytes
+        offsets = range(start, start + self._slot_bytes, chunk)
+        return PageBuffers([view[o:o + chunk] for o in offsets], [self._host + o for o in offsets])
+
+    def _take(self, n: int) -> list[int]:
+        if n > self._nslots:
+            raise ValueError(f"a batch of {n} pages is larger than the {self._nslots} staging slots")
+        with self._cond:
+            self._cond.wait_for(lambda: len(self._free) >= n)
+            return [self._free.pop() for _ in range(n)]
+
+    def release(self, slots: Sequence[int]) -> None:
+        with self._cond:
+            self._free.extend(slots)
+            self._cond.notify_all()
+
+    def _page_chunks(self, page: int) -> list[int]:
+        return [self._device_base + o for o in chunk_offsets(self.layout, page)]
+
+    def stage_out(self, pages: Sequence[int]) -> Staging:
+        slots = self._take(len(pages))
+        chunk = self.geometry.chunk_bytes
+        try:
+            for page, slot in zip(pages, slots, strict=True):
+                host = self._host + slot * self._slot_bytes
+                for i, device in enumerate(self._page_chunks(page)):
+                    self._copier.to_host(host + i * chunk, device, chunk)
+        except BaseException:
+            self.release(slots)
+            raise
+        return _Slots(self, pages, slots, inbound=False)
+
+    def stage_in(self, pages: Sequence[int]) -> Staging:
+        return _Slots(self, pages, self._take(len(pages)), inbound=True)
+
+    def copy_slot_to_page(self, slot: int, page: int) -> None:
+        chunk = self.geometry.chunk_bytes
+        host = self._host + slot * self._slot_bytes
+        for i, device in enumerate(self._page_chunks(page)):
+            self._copier.to_device(device, host + i * chunk, chunk)
+
+    def close(self) -> None:
+        if self._view is None:
+            return
+        self._view = None
+        self._copier.free_pinned(self._host)

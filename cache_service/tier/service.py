@@ -1,0 +1,680 @@
+"""The tier's machinery between the asyncio loop that owns the core and the store: queues, worker threads,
+completions, timeouts, faults and counters.
+
+Threads: the loop thread calls `offload`, `load` and `lookup` (they never block); a load worker runs
+lookups and loads in order, an offload worker runs offloads, batching whatever is queued (up to
+`batch_pages` per store call). Results come back to the loop with `call_soon_threadsafe`, so everything
+that touches the core happens on the loop, as the core requires.
+
+Ownership (what the core must keep in its accounting while the store works):
+- `offload(items, done)`: every accepted page (a prefix of `items`; the rest are refused at once, counted
+  as dropped, and the caller frees them as if there were no tier) is read by the store until `done` runs on
+  the loop. The caller must neither free nor hand out those pages until then.
+- `load(keys, pages, done)`: the pages are fresh, owned by the load, and readable by nobody until `done`
+  runs on the loop (exactly once, even after the waiter gave up) with a `LoadResult`: its first `loaded`
+  pages hold the values of the first `loaded` keys, verified; the rest are garbage (free them), except
+  `tainted` pages, which a failed transfer may still write (quarantine them). The ticket's `wait()` gives
+  the waiter the same result, or None once --tier-timeout has passed (a miss; the pages stay with the load
+  until `done`).
+
+Faults never raise into the loop: a store that cannot be reached marks the tier down (logged once, with
+the outage counted), calls fail fast (misses, offloads answered "down") while it is down, and a link thread
+probes it again after a back-off (0.5 s doubling to 30 s), setting the client up anew after three failed
+probes; it also makes the first connection, so start-up never waits for the store.
+Per-page failures (full, missing, unsound values) are counted by operation and reason, and logged once per
+episode (until that operation succeeds again). Unsound values are discarded from the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from cache_service.log import get_logger
+from cache_service.tier.backend import DOWN, ERROR, MISSING, TAINTED, GetItem, PutItem, TierBackend, TierUnavailable
+from cache_service.tier.memory import PageMemory
+from cache_service.tier.stats import TierCounters, TierStats
+from cache_service.tier.value import checksum, header, verify
+
+CLOSED = "closed"
+"""The service was stopping: the page was not offloaded (or loaded)."""
+
+DEFAULT_BATCH_PAGES = 128
+RETRY_MIN_SECONDS = 0.5
+RETRY_MAX_SECONDS = 30.0
+RECONNECT_AFTER_PROBES = 3
+
+
+@dataclass(frozen=True)
+class OffloadResult:
+    keys: tuple[bytes, ...]
+    pages: tuple[int, ...]
+    reasons: tuple[str, ...]
+    """Per page: "" stored (or already there), else why not."""
+
+    @property
+    def stored(self) -> list[bool]:
+        return [not r for r in self.reasons]
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    keys: tuple[bytes, ...]
+    pages: tuple[int, ...]
+    loaded: int
+    """The first `loaded` pages hold the first `loaded` keys' values, verified."""
+    reasons: tuple[str, ...]
+    """Per page: "" sound, else why not."""
+    tainted: tuple[int, ...] = ()
+    """Pages a failed transfer may still write into: quarantine them."""
+    seconds: float = 0.0
+    """Wall time of the load in the worker (staging, the store's get, verification)."""
+    late: bool = False
+    """The waiter had given up (--tier-timeout) before the load finished."""
+
+
+Done = Callable[[Any], None]
+
+
+@dataclass(eq=False)
+class _Offload:
+    keys: tuple[bytes, ...]
+    pages: tuple[int, ...]
+    done: Done | None
+
+
+@dataclass(eq=False)
+class _Load:
+    keys: tuple[bytes, ...]
+    pages: tuple[int, ...]
+    done: Done | None
+    future: asyncio.Future[LoadResult]
+    gave_up: bool = False
+
+
+@dataclass(eq=False)
+class _Lookup:
+    keys: tuple[bytes, ...]
+    future: asyncio.Future[int]
+    count: bool
+    gave_up: bool = False
+
+
+_STOP = object()
+
+
+class LoadTicket:
+    """A load in progress. `await wait()`: the LoadResult, or None after the timeout (a miss)."""
+
+    def __init__(self, service: TierService, job: _Load, timeout: float) -> None:
+        self._service = service
+        self._job = job
+        self._timeout = timeout
+
+    @property
+    def pages(self) -> tuple[int, ...]:
+        return self._job.pages
+
+    async def wait(self, timeout: float | None = None) -> LoadResult | None:
+        """Wait at most `timeout` seconds (default: the service's --tier-timeout)."""
+        job = self._job
+        limit = self._timeout if timeout is None else timeout
+        if job.future.done():
+            return job.future.result()
+        try:
+            return await asyncio.wait_for(asyncio.shield(job.future), limit)
+        except TimeoutError:
+            self._service._gave_up(job)
+            return None
+
+
+class _Link:
+    """Whether the store is reachable, and the thread that (re)connects it.
+
+    Workers call the store only between `enter()` (False while the link is down: fail fast) and `leave()`. A
+    call that finds the store unreachable reports `down()`; the link thread then probes it after a back-off
+    (`retry` seconds, doubling up to `retry_max`), and after `reconnect_after` failed probes sets the client up
+    anew, once no worker is inside a store call. The first connection (a backend that starts unconnected,
+    like Mooncake, whose setup can block for 90 s against an absent master) happens on the same thread, so
+    neither start-up nor the loop ever waits for it."""
+
+    def __init__(self, backend: TierBackend, counters: TierCounters, log: Any, *, retry: float, retry_max: float,
+                 reconnect_after: int) -> None:
+        self._backend = backend
+        self._counters = counters
+        self._log = log
+        self._retry = retry
+        self._retry_max = retry_max
+        self._reconnect_after = reconnect_after
+        self._cond = threading.Condition()
+        self._up = backend.connected
+        self._ever_up = self._up
+        self._tried = self._up
+        """The first connection was attempted (or not needed)."""
+        self._inflight = 0
+        self._stopping = False
+        self._since = time.monotonic()
+        self._episodes: set[tuple[str, str]] = set()
+        with counters.lock:
+            counters.up = self._up
+
+    def enter(self) -> bool:
+        with self._cond:
+            if not self._up or self._stopping:
+                return False
+            self._inflight += 1
+            return True
+
+    def leave(self) -> None:
+        with self._cond:
+            self._inflight -= 1
+            self._cond.notify_all()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+
+    def wait_up(self, timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._up or self._stopping, timeout) and self._up
+
+    def wait_tried(self, timeout: float) -> bool:
+        """Wait until the first connection attempt ended; True when the store is up."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._tried or self._stopping, timeout)
+            return self._up
+
+    def down(self, operation: str, error: Exception) -> None:
+        with self._cond:
+            if not self._up:
+                return
+            self._up = False
+            self._since = time.monotonic()
+            with self._counters.lock:
+                self._counters.up = False
+                self._counters.outages += 1
+            self._cond.notify_all()
+        self._log.warning("tier_unavailable", backend=self._backend.name, operation=operation, error=str(error),
+                          effect="misses and dropped offloads until it answers again")
+
+    def run(self) -> None:
+        """The link thread: while the store is down, probe / reconnect it with back-off."""
+        failed = 0
+        delay = self._retry
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stopping or not self._up)
+                if self._stopping:
+                    return
+            reconnect = not self._backend.connected or failed >= self._reconnect_after
+            try:
+                if reconnect:
+                    with self._cond:  # never tear a client down under a call in progress
+                        self._cond.wait_for(lambda: self._stopping or self._inflight == 0)
+                        if self._stopping:
+                            return
+                    self._backend.reconnect()
+                self._backend.probe()
+            except Exception as e:  # the store's own errors too: the link thread must live on
+                first = not self._ever_up and failed == 0
+                failed = 0 if reconnect and self._backend.connected else failed + 1
+                if first:
+                    with self._counters.lock:
+                        self._counters.outages += 1
+                    self._log.warning("tier_unavailable", backend=self._backend.name, operation="connect",
+                                      error=str(e), effect="misses and dropped offloads until it answers")
+                else:
+                    self._log.debug("tier_probe_failed", error=str(e), reconnect=reconnect)
+                with self._cond:
+                    self._tried = True
+                    self._cond.notify_all()
+                    self._cond.wait_for(lambda: self._stopping, delay)
+                delay = min(delay * 2, self._retry_max)
+                continue
+            with self._cond:
+                self._up = True
+                self._tried = True
+                with self._counters.lock:
+                    self._counters.up = True
+                self._cond.notify_all()
+                down_for = time.monotonic() - self._since
+            if self._ever_up:
+                self._log.info("tier_recovered", backend=self._backend.name, down_seconds=round(down_for, 3),
+                               reconnected=reconnect)
+            else:
+                self._log.info("tier_connected", backend=self._backend.name, seconds=round(down_for, 3))
+            self._ever_up = True
+            failed = 0
+            delay = self._retry
+
+    def note(self, operation: str, failures: Counter[str]) -> None:
+        """Count one call's per-page failures; log each (operation, reason) once per episode; a call with no
+        failure ends the operation's episodes."""
+        started: list[tuple[str, int]] = []
+        with self._cond, self._counters.lock:
+            for reason, n in failures.items():
+                self._counters.error(operation, reason, n)
+                if reason not in _QUIET and (operation, reason) not in self._episodes:
+                    self._episodes.add((operation, reason))
+                    started.append((reason, n))
+            ended = [] if failures else [r for (op, r) in self._episodes if op == operation]
+            for reason in ended:
+                self._episodes.discard((operation, reason))
+        for reason, n in started:
+            self._log.warning("tier_failures", backend=self._backend.name, operation=operation, reason=reason,
+                              pages=n, note="logged once until this operation succeeds again")
+        for reason in ended:
+            self._log.info("tier_failures_ended", backend=self._backend.name, operation=operation, reason=reason)
+
+
+class TierService:
+    """One tier (backend + page memory) serving one asyncio loop. `start(loop)`, then the loop-side calls,
+    then `close()` (idempotent; blocks while it drains, so call it through `asyncio.to_thread`)."""
+
+    def __init__(self, backend: TierBackend, memory: PageMemory, *, timeout_seconds: float = 1.0,
+                 queue_pages: int = 256, batch_pages: int = DEFAULT_BATCH_PAGES,
+                 retry_seconds: float = RETRY_MIN_SECONDS, retry_max_seconds: float = RETRY_MAX_SECONDS,
+                 reconnect_after: int = RECONNECT_AFTER_PROBES) -> None:
+        if queue_pages < 1 or batch_pages < 1:
+            raise ValueError("queue_pages and batch_pages must be >= 1")
+        self.backend = backend
+        self.memory = memory
+        self.timeout_seconds = timeout_seconds
+        self.batch_pages = min(batch_pages, memory.max_batch_pages)
+        self._geometry = memory.geometry
+        self._log = get_logger("kvcache.tier")
+        self._counters = TierCounters(backend.name, queue_pages)
+        self._link = _Link(backend, self._counters, self._log, retry=retry_seconds, retry_max=retry_max_seconds,
+                           reconnect_after=reconnect_after)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._offloads: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._loads: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._closing = False
+        self._closed = False
+        self._drain_deadline: float | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Hand the page memory to the backend (registered now, or at its first connection) and start the
+        workers and the link thread, which connects a backend that starts unconnected. Raises TierConfigError
+        when the store refuses the memory. Returns at once: `wait_up` waits for the store."""
+        self._loop = loop
+        self.backend.register(self.memory.regions())
+        for name, target in (("kvcache-tier-load", self._load_worker), ("kvcache-tier-offload", self._offload_worker),
+                             ("kvcache-tier-link", self._link.run)):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def close(self, drain_seconds: float = 5.0) -> bool:
+        """Stop taking work; let queued offloads finish for at most `drain_seconds` (a restarted service then
+        finds them), fail queued loads, stop the workers, close the store and the page mapping. Returns False
+        when a worker was still inside a store call at the deadline: the page mapping is then left open (the
+        store may still write it) and the process should exit soon."""
+        if self._closed:
+            return True
+        self._closed = True
+        self._closing = True
+        self._drain_deadline = time.monotonic() + drain_seconds
+        self._offloads.put(_STOP)
+        self._loads.put(_STOP)
+        stopped = True
+        for thread in self._threads[:2]:
+            thread.join(timeout=max(0.0, drain_seconds) + 1.0)
+            stopped = stopped and not thread.is_alive()
+        self._link.stop()  # a link thread inside a connect attempt is left to it (daemon)
+        if stopped:  # work queued while the workers stopped: nothing touched its pages
+            self._fail_queued_loads()
+            self._fail_queued_offloads()
+        with contextlib.suppress(Exception):
+            self.backend.close()
+        if stopped:
+            self.memory.close()
+        else:
+            self._log.warning("tier_close_timeout", note="a store call is still running; the pool mapping stays")
+        return stopped
+
+    # ------------------------------------------------------------------ loop side
+
+    def wait_up(self, timeout: float) -> bool:
+        """Block up to `timeout` seconds until the store answers (not on the loop)."""
+        return self._link.wait_up(timeout)
+
+    def wait_first_connection(self, timeout: float) -> bool:
+        """Block up to `timeout` seconds until the first connection attempt ended (start-up's banner then says
+        whether the store answered); True when it is up. Not on the loop."""
+        return self._link.wait_tried(timeout)
+
+    def stats(self) -> TierStats:
+        usage = self.backend.usage()
+        return self._counters.snapshot(usage.values, usage.bytes, usage.capacity_bytes)
+
+    @property
+    def up(self) -> bool:
+        return self._counters.up
+
+    def offload(self, items: Sequence[tuple[bytes, int]], done: Done | None = None) -> int:
+        """Queue (key, page) pairs for storing; returns how many leading pairs were accepted. The rest are
+        not offloaded (queue full or closing; counted as dropped). `done(OffloadResult)` runs on the loop once
+        the store is finished with the accepted pages. While the tier is down, accepted pages come back at
+        once with reason "down" (the worker probes the store when its back-off allows)."""
+        c = self._counters
+        with c.lock:
+            room = 0 if self._closing else c.queue_capacity_pages - c.queue_pages
+            accepted = max(0, min(len(items), room))
+            c.queue_pages += accepted
+            c.offload_dropped_pages += len(items) - accepted
+        if accepted:
+            keys = tuple(k for k, _ in items[:accepted])
+            pages = tuple(p for _, p in items[:accepted])
+            self._offloads.put(_Offload(keys, pages, done))
+        return accepted
+
+    def load(self, keys: Sequence[bytes], pages: Sequence[int], done: Done | None = None) -> LoadTicket:
+        """Read the values of `keys` into `pages` (fresh pages the caller owns, one per key, readable by
+        nobody until `done(LoadResult)` runs on the loop). Returns a ticket to wait on."""
+        if len(keys) != len(pages):
+            raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
+        loop = self._require_loop()
+        job = _Load(tuple(keys), tuple(int(p) for p in pages), done, loop.create_future())
+        with self._counters.lock:
+            self._counters.load_queue_pages += len(keys)
+        if self._closing:  # `done` still runs later on the loop, never inside this call
+            loop.call_soon(self._finish_load, job, self._unloaded(job, CLOSED))
+        else:
+            self._loads.put(job)
+        return LoadTicket(self, job, self.timeout_seconds)
+
+    async def lookup(self, keys: Sequence[bytes], *, count: bool = True, timeout: float | None = None) -> int:
+        """How many leading keys the tier holds (0 when it is down, slow past the timeout, or closing).
+        `count`: add the keys it does not hold to the miss counter (False for read-only probes)."""
+        if not keys:
+            return 0
+        loop = self._require_loop()
+        job = _Lookup(tuple(keys), loop.create_future(), count)
+        if self._closing:
+            self._finish_lookup(job, 0)
+        else:
+            self._loads.put(job)
+        limit = self.timeout_seconds if timeout is None else timeout
+        try:
+            return await asyncio.wait_for(asyncio.shield(job.future), limit)
+        except TimeoutError:
+            job.gave_up = True
+            with self._counters.lock:
+                if count:
+                    self._counters.lookup_pages += len(keys)
+                    self._counters.miss_pages += len(keys)
+                self._counters.error("exists", "timeout")
+            return 0
+
+    def _require_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            raise RuntimeError("TierService.start(loop) first")
+        return self._loop
+
+    def _gave_up(self, job: _Load) -> None:
+        if job.gave_up or job.future.done():
+            return
+        job.gave_up = True
+        with self._counters.lock:
+            self._counters.load_timeouts += 1
+            self._counters.miss_pages += len(job.keys)
+
+    def _deliver(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run fn(*args) on the loop (from a worker); dropped when the loop is gone (shutdown)."""
+        loop = self._loop
+        if loop is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is closed
+            loop.call_soon_threadsafe(fn, *args)
+
+    def _finish_offload(self, job: _Offload, result: OffloadResult) -> None:
+        with self._counters.lock:
+            self._counters.queue_pages -= len(job.pages)
+        if job.done is not None:
+            self._call(job.done, result)
+
+    def _finish_load(self, job: _Load, result: LoadResult) -> None:
+        c = self._counters
+        with c.lock:
+            c.load_queue_pages -= len(job.pages)
+            c.tainted_pages += len(result.tainted)
+            if not job.gave_up:
+                c.hit_pages += result.loaded
+                c.miss_pages += len(job.keys) - result.loaded
+        result = replace(result, late=job.gave_up)
+        if job.done is not None:
+            self._call(job.done, result)
+        if not job.future.done():
+            job.future.set_result(result)
+
+    def _finish_lookup(self, job: _Lookup, found: int) -> None:
+        if not job.gave_up and job.count:
+            with self._counters.lock:
+                self._counters.lookup_pages += len(job.keys)
+                self._counters.miss_pages += len(job.keys) - found
+        if not job.future.done():
+            job.future.set_result(found)
+
+    def _call(self, fn: Done, result: Any) -> None:
+        try:
+            fn(result)
+        except Exception:
+            self._log.exception("tier_callback_failed")
+
+    # ------------------------------------------------------------------ workers
+
+    def _offload_worker(self) -> None:
+        while True:
+            job = self._offloads.get()
+            if job is _STOP:
+                return
+            jobs = [job]
+            n = len(job.pages)
+            stop = False
+            while n < self.batch_pages:
+                try:
+                    more = self._offloads.get_nowait()
+                except queue.Empty:
+                    break
+                if more is _STOP:
+                    stop = True
+                    break
+                jobs.append(more)
+                n += len(more.pages)
+            self._run_offloads(jobs)
+            if stop:
+                return
+
+    def _run_offloads(self, jobs: list[_Offload]) -> None:
+        keys = [k for j in jobs for k in j.keys]
+        pages = [p for j in jobs for p in j.pages]
+        reasons: list[str] = []
+        for start in range(0, len(keys), self.batch_pages):
+            reasons += self._put(keys[start:start + self.batch_pages], pages[start:start + self.batch_pages])
+        at = 0
+        for job in jobs:
+            n = len(job.pages)
+            self._deliver(self._finish_offload, job, OffloadResult(job.keys, job.pages, tuple(reasons[at:at + n])))
+            at += n
+
+    def _past_drain(self) -> bool:
+        return self._drain_deadline is not None and time.monotonic() > self._drain_deadline
+
+    def _put(self, keys: list[bytes], pages: list[int]) -> list[str]:
+        n = len(keys)
+        if self._past_drain():
+            with self._counters.lock:
+                self._counters.offload_dropped_pages += n
+            return [CLOSED] * n
+        if not self._link.enter():
+            self._link.note("put", Counter({DOWN: n}))
+            return [DOWN] * n
+        started = time.perf_counter()
+        geometry = self._geometry
+        try:
+            try:
+                staging = self.memory.stage_out(pages)
+            except Exception as e:
+                self._log.warning("tier_staging_failed", operation="put", error=str(e))
+                self._link.note("put", Counter({ERROR: n}))
+                return [ERROR] * n
+            try:
+                items = [PutItem(k, header(k, geometry, checksum(b.views)), b)
+                         for k, b in zip(keys, staging.buffers, strict=True)]
+                reasons = self.backend.put(items)
+            except TierUnavailable as e:
+                self._link.down("put", e)
+                reasons = [DOWN] * n
+            except Exception as e:
+                self._log.warning("tier_put_failed", error=repr(e))
+                reasons = [ERROR] * n
+            finally:
+                staging.finish([True] * n)
+        finally:
+            self._link.leave()
+        seconds = time.perf_counter() - started
+        stored = reasons.count("")
+        with self._counters.lock:
+            c = self._counters
+            c.offload_pages += stored
+            c.offload_bytes += stored * geometry.value_bytes
+            c.offload_seconds += seconds
+        self._link.note("put", Counter(r for r in reasons if r))
+        return reasons
+
+    def _load_worker(self) -> None:
+        while True:
+            job = self._loads.get()
+            if job is _STOP:
+                self._fail_queued_loads()
+                return
+            if isinstance(job, _Lookup):
+                self._deliver(self._finish_lookup, job, self._exists(job.keys))
+            else:
+                self._deliver(self._finish_load, job, self._get(job))
+
+    def _fail_queued_loads(self) -> None:
+        while True:
+            try:
+                job = self._loads.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(job, _Lookup):
+                self._deliver(self._finish_lookup, job, 0)
+            elif isinstance(job, _Load):
+                self._deliver(self._finish_load, job, self._unloaded(job, CLOSED))
+
+    def _fail_queued_offloads(self) -> None:
+        while True:
+            try:
+                job = self._offloads.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(job, _Offload):
+                with self._counters.lock:
+                    self._counters.offload_dropped_pages += len(job.pages)
+                self._deliver(self._finish_offload, job,
+                              OffloadResult(job.keys, job.pages, (CLOSED,) * len(job.pages)))
+
+    def _exists(self, keys: tuple[bytes, ...]) -> int:
+        if self._closing:
+            return 0
+        if not self._link.enter():
+            self._link.note("exists", Counter({DOWN: 1}))
+            return 0
+        try:
+            found = self.backend.exists(keys)
+        except TierUnavailable as e:
+            self._link.down("exists", e)
+            self._link.note("exists", Counter({DOWN: 1}))
+            return 0
+        except Exception as e:
+            self._log.warning("tier_exists_failed", error=repr(e))
+            self._link.note("exists", Counter({ERROR: 1}))
+            return 0
+        finally:
+            self._link.leave()
+        self._link.note("exists", Counter())
+        return found
+
+    @staticmethod
+    def _unloaded(job: _Load, reason: str) -> LoadResult:
+        return LoadResult(job.keys, job.pages, 0, (reason,) * len(job.keys))
+
+    def _get(self, job: _Load) -> LoadResult:
+        n = len(job.keys)
+        if self._closing:
+            return self._unloaded(job, CLOSED)
+        if not self._link.enter():
+            self._link.note("get", Counter({DOWN: n}))
+            return self._unloaded(job, DOWN)
+        try:
+            return self._get_entered(job)
+        finally:
+            self._link.leave()
+
+    def _get_entered(self, job: _Load) -> LoadResult:
+        n = len(job.keys)
+        started = time.perf_counter()
+        reasons: list[str] = []
+        try:
+            staging = self.memory.stage_in(job.pages)
+        except Exception as e:
+            self._log.warning("tier_staging_failed", operation="get", error=str(e))
+            self._link.note("get", Counter({ERROR: n}))
+            return self._unloaded(job, ERROR)
+        ok: list[bool] = [False] * n
+        try:
+            try:
+                results = self.backend.get([GetItem(k, b) for k, b in zip(job.keys, staging.buffers, strict=True)])
+            except TierUnavailable as e:
+                self._link.down("get", e)
+                results = []
+                reasons = [DOWN] * n
+            for i, (key, res, buffers) in enumerate(zip(job.keys, results, staging.buffers, strict=False)):
+                reason = res.reason or verify(res.header, key, self._geometry, buffers.views)
+                reasons.append(reason)
+                ok[i] = not reason
+        except Exception as e:
+            self._log.warning("tier_get_failed", error=repr(e))
+            reasons = [TAINTED] * n  # unknown: the store may still be writing
+            ok = [False] * n
+        loaded = 0
+        while loaded < n and ok[loaded]:
+            loaded += 1
+        try:
+            staging.finish([i < loaded for i in range(n)])
+        except Exception as e:
+            self._log.warning("tier_staging_failed", operation="get", error=str(e))
+            loaded = 0
+        seconds = time.perf_counter() - started
+        unsound = [k for k, r in zip(job.keys, reasons, strict=True) if r in _UNSOUND]
+        if unsound:
+            with contextlib.suppress(Exception):
+                self.backend.discard(unsound)
+        tainted = tuple(p for p, r in zip(job.pages, reasons, strict=True) if r == TAINTED)
+        with self._counters.lock:
+            c = self._counters
+            c.load_pages += loaded
+            c.load_bytes += loaded * self._geometry.value_bytes
+            c.load_seconds += seconds
+        self._link.note("get", Counter(r for r in reasons if r))
+        return LoadResult(job.keys, job.pages, loaded, tuple(reasons), tainted, seconds)
+
+
+_QUIET = frozenset({MISSING, CLOSED})
+"""Counted, never logged: a value evicted between a lookup and its get, or work dropped at shutdown."""
+
+_UNSOUND = frozenset({"bad_header", "wrong_key", "wrong_size", "bad_checksum", "short"})

@@ -1,0 +1,99 @@
+"""The tier's counters, as GetStats, metrics and the CLI show them.
+
+`TierCounters` is written by the worker threads and the loop thread under one lock; `snapshot()` is the
+frozen `TierStats` everything else reads.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TierStats:
+    backend: str = ""
+    """"" when there is no tier (--tier none)."""
+    up: bool = False
+    """The store answered the last call (False while an outage lasts)."""
+    hit_pages: int = 0
+    """Pages loaded from the tier and handed to a request in time."""
+    miss_pages: int = 0
+    """Pages looked up in the tier that it could not hand over in time (absent, unsound, failed, late)."""
+    lookup_pages: int = 0
+    """Keys asked about by lookups (exists)."""
+    load_pages: int = 0
+    """Pages loaded: read and verified in place, in the leading run of their load (in time or late); a sound
+    value after an unsound one is of no use to the prefix and not counted."""
+    load_bytes: int = 0
+    load_seconds: float = 0.0
+    """Wall time of the store's get calls, summed."""
+    load_timeouts: int = 0
+    """Loads the caller stopped waiting for (--tier-timeout)."""
+    offload_pages: int = 0
+    """Pages stored (or found already stored)."""
+    offload_bytes: int = 0
+    offload_seconds: float = 0.0
+    """Wall time of staging, checksums and the store's put calls, summed."""
+    offload_dropped_pages: int = 0
+    """Pages not offloaded because the queue was full or the tier down (eviction never waits)."""
+    queue_pages: int = 0
+    """Pages waiting to be offloaded now."""
+    queue_capacity_pages: int = 0
+    load_queue_pages: int = 0
+    """Pages of loads waiting for, or in, the store now."""
+    tainted_pages: int = 0
+    """Pages a failed get may still write into (the owner quarantines them)."""
+    errors: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    """(operation, reason) -> count; operations: exists, put, get; reasons: backend.py and value.py."""
+    outages: int = 0
+    """Times the store became unreachable."""
+    stored_values: int | None = None
+    """Values the tier holds, where it knows (disk); None: unknown (Mooncake)."""
+    stored_bytes: int | None = None
+    capacity_bytes: int | None = None
+
+
+class TierCounters:
+    """Mutable counters behind a lock (two worker threads and the loop write them)."""
+
+    def __init__(self, backend: str, queue_capacity_pages: int) -> None:
+        self.lock = threading.Lock()
+        self.backend = backend
+        self.up = True
+        self.hit_pages = 0
+        self.miss_pages = 0
+        self.lookup_pages = 0
+        self.load_pages = 0
+        self.load_bytes = 0
+        self.load_seconds = 0.0
+        self.load_timeouts = 0
+        self.offload_pages = 0
+        self.offload_bytes = 0
+        self.offload_seconds = 0.0
+        self.offload_dropped_pages = 0
+        self.queue_pages = 0
+        self.queue_capacity_pages = queue_capacity_pages
+        self.load_queue_pages = 0
+        self.tainted_pages = 0
+        self.errors: dict[tuple[str, str], int] = {}
+        self.outages = 0
+
+    def error(self, operation: str, reason: str, n: int = 1) -> None:
+        """Count n failures (call with the lock held)."""
+        key = (operation, reason)
+        self.errors[key] = self.errors.get(key, 0) + n
+
+    def snapshot(self, stored_values: int | None = None, stored_bytes: int | None = None,
+                 capacity_bytes: int | None = None) -> TierStats:
+        with self.lock:
+            return TierStats(
+                backend=self.backend, up=self.up, hit_pages=self.hit_pages, miss_pages=self.miss_pages,
+                lookup_pages=self.lookup_pages, load_pages=self.load_pages, load_bytes=self.load_bytes,
+                load_seconds=self.load_seconds, load_timeouts=self.load_timeouts, offload_pages=self.offload_pages,
+                offload_bytes=self.offload_bytes, offload_seconds=self.offload_seconds,
+                offload_dropped_pages=self.offload_dropped_pages, queue_pages=self.queue_pages,
+                queue_capacity_pages=self.queue_capacity_pages, load_queue_pages=self.load_queue_pages,
+                tainted_pages=self.tainted_pages, errors=dict(self.errors), outages=self.outages,
+                stored_values=stored_values, stored_bytes=stored_bytes, capacity_bytes=capacity_bytes)

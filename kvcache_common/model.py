@@ -1,0 +1,180 @@
+"""A model's KV layout read from its Hugging Face `config.json`: what `kvcache-service serve --model` sizes the
+pool with, and what an engine's model must match.
+
+    layout = read_model_layout("/models/Llama-3.1-8B")      # a directory with config.json, or the file
+    layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype
+
+Only models whose every layer keeps per-head K and V for every position fit a kvcache session: sliding-window
+attention (a window shorter than the context), hybrid stacks (linear attention, state-space or recurrent
+layers beside attention) and multi-head latent attention (one compressed latent per token) are refused with
+`UnsupportedModel`, whose message says why. Plain JSON reading: no transformers, torch or network.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvcache_common.layout import DTYPE_NAMES
+
+__all__ = ["ModelConfigError", "ModelLayout", "UnsupportedModel", "model_layout", "read_model_layout"]
+
+
+class ModelConfigError(ValueError):
+    """The config cannot be read, or lacks what the layout needs; the message is one line naming the file."""
+
+
+class UnsupportedModel(ValueError):
+    """The model's attention does not fit a kvcache session; the message says why."""
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """The per-token K/V a model needs: what the pool's layout flags must say."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str | None
+    """The model's own dtype name (one of `DTYPE_NAMES`), or None when its config names none."""
+    architecture: str
+    """`architectures[0]`, else `model_type` (for messages)."""
+
+    def describe(self) -> str:
+        dtype = self.dtype or "dtype unset"
+        return f"{self.num_layers} layers, {self.num_kv_heads} kv heads x {self.head_dim}, {dtype}"
+
+    def flags(self) -> str:
+        """The serve flags that fit this model."""
+        dtype = f" --dtype {self.dtype}" if self.dtype else ""
+        return f"--num-layers {self.num_layers} --num-kv-heads {self.num_kv_heads} --head-dim {self.head_dim}{dtype}"
+
+
+# Config keys by meaning, in the order they are tried (GPT-2, Falcon and friends use older names).
+_LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+_HEADS = ("num_attention_heads", "n_head", "num_heads", "n_heads")
+_HIDDEN = ("hidden_size", "n_embd", "d_model")
+_KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "num_kv_heads_per_layer")
+
+_RECURRENT_MODEL_TYPES = frozenset({"mamba", "mamba2", "rwkv", "rwkv5", "rwkv6", "xlstm", "recurrent_gemma"})
+
+
+def read_model_layout(path: str | Path) -> ModelLayout:
+    """The layout of the model whose `config.json` is `path` (or lies in the directory `path`)."""
+    p = Path(path)
+    file = p / "config.json" if p.is_dir() else p
+    try:
+        config = json.loads(file.read_text())
+    except FileNotFoundError:
+        where = f"{p} has no config.json" if p.is_dir() else f"{file} does not exist"
+        raise ModelConfigError(f"{where} (give a Hugging Face model directory or its config.json)") from None
+    except OSError as e:
+        raise ModelConfigError(f"cannot read {file}: {e.strerror or e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelConfigError(f"{file} is not JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ModelConfigError(f"{file} is not a JSON object")
+    try:
+        return model_layout(config)
+    except ModelConfigError as e:
+        raise ModelConfigError(f"{file}: {e}") from None
+
+
+def model_layout(config: Mapping[str, Any]) -> ModelLayout:
+    """The layout of a decoded `config.json` (a multimodal model's `text_config` is its language model).
+    Raises UnsupportedModel for attention a session cannot hold and ModelConfigError for a config without
+    the layer and head counts."""
+    outer = config
+    text = config.get("text_config")
+    if isinstance(text, Mapping):
+        config = text
+    arch = _architecture(outer, config)
+    _refuse_unsupported(config, arch)
+    layers = _int(config, _LAYERS, "the layer count")
+    heads = _int(config, _HEADS, "the attention head count")
+    kv_heads = _first(config, _KV_HEADS)
+    if kv_heads is None and config.get("multi_query"):
+        kv_heads = 1  # Falcon's multi-query attention: one K/V head
+    head_dim = config.get("head_dim")
+    if head_dim is None:
+        hidden = _int(config, _HIDDEN, "the hidden size (or head_dim)")
+        if hidden % heads:
+            raise ModelConfigError(f"hidden size {hidden} is not a multiple of {heads} attention heads")
+        head_dim = hidden // heads
+    return ModelLayout(num_layers=layers, num_kv_heads=int(kv_heads or heads), head_dim=int(head_dim),
+                       dtype=_dtype(config) or _dtype(outer), architecture=arch)
+
+
+def _architecture(outer: Mapping[str, Any], config: Mapping[str, Any]) -> str:
+    archs = outer.get("architectures") or config.get("architectures")
+    if isinstance(archs, list) and archs:
+        return str(archs[0])
+    return str(config.get("model_type") or outer.get("model_type") or "the model")
+
+
+def _refuse_unsupported(config: Mapping[str, Any], arch: str) -> None:
+    keeps = "a kvcache session keeps per-head K and V for every position"
+    if config.get("is_encoder_decoder"):
+        raise UnsupportedModel(f"{arch} is an encoder-decoder model: its cross-attention K/V comes from the "
+                               f"encoder's output, and {keeps} of one decoder sequence")
+    if config.get("kv_lora_rank"):
+        raise UnsupportedModel(f"{arch} uses multi-head latent attention (kv_lora_rank={config['kv_lora_rank']}): "
+                               f"it caches one compressed latent per token, and {keeps}")
+    model_type = str(config.get("model_type", ""))
+    if model_type in _RECURRENT_MODEL_TYPES:
+        raise UnsupportedModel(f"{arch} ({model_type}) is a recurrent/state-space model with no attention K/V to "
+                               "keep")
+    kinds = _layer_kinds(config)
+    other = sorted({k for k in kinds if k not in ("attention", "full_attention", "attn", "global", "full")})
+    if other:
+        window = config.get("sliding_window")
+        hint = f" (sliding_window={window})" if window and any("sliding" in k or "local" in k for k in other) else ""
+        raise UnsupportedModel(f"{arch} has {', '.join(other)} layers{hint}: {keeps}, so only a stack of "
+                               "full-attention layers fits")
+    window = config.get("sliding_window")
+    if window and config.get("use_sliding_window", True) and not kinds:
+        context = config.get("max_position_embeddings")
+        if not isinstance(context, int) or window < context:
+            raise UnsupportedModel(
+                f"{arch} uses sliding-window attention (sliding_window={window}"
+                + (f", context {context}" if isinstance(context, int) else "")
+                + f"): {keeps}, beyond the window too; serve a variant without a window (sliding_window: null)")
+
+
+def _layer_kinds(config: Mapping[str, Any]) -> list[str]:
+    """Each layer's kind, from whichever per-layer description the config carries (empty: none)."""
+    for key in ("layer_types", "layers_block_type", "block_types", "attn_type_list"):
+        kinds = config.get(key)
+        if isinstance(kinds, list) and kinds:
+            return [str(k).lower() for k in kinds]
+    pattern = config.get("hybrid_override_pattern")  # Nemotron-H: "M-M-M*-..." (M mamba, * attention, - MLP)
+    if isinstance(pattern, str) and pattern:
+        return ["mamba" if c == "M" else "attention" for c in pattern if c in "M*"]
+    return []
+
+
+def _first(config: Mapping[str, Any], keys: tuple[str, ...]) -> Any:
+    for key in keys:
+        value = config.get(key)
+        if value is not None:
+            return value
+    return None
+
+
+def _int(config: Mapping[str, Any], keys: tuple[str, ...], what: str) -> int:
+    value = _first(config, keys)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ModelConfigError(f"missing {what} ({' / '.join(keys)})" if value is None
+                               else f"{what} is {value!r}, not a positive integer")
+    return value
+
+
+def _dtype(config: Mapping[str, Any]) -> str | None:
+    name = config.get("dtype") or config.get("torch_dtype")  # transformers 5 writes "dtype"
+    if not isinstance(name, str):
+        return None
+    name = name.removeprefix("torch.")
+    return name if name in DTYPE_NAMES else None

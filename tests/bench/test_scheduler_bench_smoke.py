@@ -1,0 +1,31 @@
+"""The §9 scheduler-path benchmark runs end to end against a real server process (no timing is asserted)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import scheduler_bench
+
+
+def test_scheduler_bench_quick_prints_the_table_and_a_profile(capsys: pytest.CaptureFixture[str]) -> None:
+    assert scheduler_bench.main(["--quick", "--profile"]) == 0
+    out = capsys.readouterr().out
+    rows = {line[:27].strip(): line[27:].split() for line in out.splitlines()
+            if line.startswith(("§9 Step", "empty Step", "refusal Step"))}
+    assert set(rows) == {"§9 Step", "empty Step", "refusal Step"}
+    assert all(len(r) == 7 and all(float(v) >= 0 for v in r) for r in rows.values())
+    lines = out.splitlines()
+    kinds = lines[next(i for i, line in enumerate(lines) if "per op by kind" in line) + 2]
+    assert len(kinds.replace("|", " ").split()) == 9  # decode, handle, encode, empty, then the five kinds
+    assert "Handler profile" in out and "run_columns" in out  # the handler's own code shows in the profile
+
+
+def test_the_trace_is_224_ops_a_step_in_steady_state() -> None:
+    trace = scheduler_bench.Trace()
+    for _ in range(scheduler_bench.DECODE_STEPS + 1):
+        trace.step()
+    ops = trace.step()
+    assert len(ops) == 224
+    assert {k: sum(1 for o in ops if o[0] == k) for k in scheduler_bench.KINDS} == {
+        "commit": 32, "close": 32, "extend": 96, "open": 32, "append": 32}
+    assert all(o[2].size == 2304 for o in ops if o[0] == "append")

@@ -1,0 +1,165 @@
+"""Where the tier reads and writes pages: the chunk math against an engine's view of a real host_shm pool,
+and the GPU staging path's slot handling (on CPU, with host memory standing in for the device)."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from cache_service.memory import PoolError, PoolLayout
+from cache_service.memory.cuda_vmm import ACCESS_READWRITE, CudaVmmPool
+from cache_service.tier.memory import DevicePoolMemory, TierMemoryError, chunk_offsets, geometry
+from tests.fakes import GRANULARITY, VA, FakeVmmDriver
+from tests.tier.conftest import LAYOUT, Pool
+
+
+def test_geometry_and_chunk_offsets_follow_the_pool_layout() -> None:
+    g = geometry(LAYOUT)
+    assert (g.num_chunks, g.chunk_bytes, g.value_bytes) == (4, 128, 64 + 512)
+    plane = LAYOUT.num_pages * 128
+    assert chunk_offsets(LAYOUT, 5) == [5 * 128, plane + 5 * 128, 2 * plane + 5 * 128, 3 * plane + 5 * 128]
+
+
+def test_a_pages_chunks_are_the_engines_k_and_v_in_layer_order(pool: Pool) -> None:
+    written = pool.write(9, seed=1)
+    buffers = pool.memory.page(9)
+    expected = [written[layer, kv].tobytes() for layer in range(2) for kv in range(2)]
+    assert [bytes(v) for v in buffers.views] == expected
+    base = pool.memory.base_address
+    assert buffers.addresses == [base + o for o in chunk_offsets(LAYOUT, 9)]
+    assert pool.memory.regions() == [(base, LAYOUT.size_bytes)]
+    # writes through the views land in the engine's view of the same page, and nowhere else
+    before = np.array(pool.kv)
+    for i, view in enumerate(buffers.views):
+        view[:] = bytes([i + 1]) * len(view)
+    after = np.array(pool.kv)
+    changed = np.argwhere((before.view(np.uint16) != after.view(np.uint16)).any(axis=(3, 4, 5)))
+    assert {(int(layer), int(kv), int(page)) for layer, kv, page in changed} == {(0, 0, 9), (0, 1, 9), (1, 0, 9),
+                                                                                 (1, 1, 9)}
+
+
+@pytest.mark.parametrize("page", [0, -1, LAYOUT.num_pages])
+def test_page_zero_and_pages_outside_the_pool_are_refused(pool: Pool, page: int) -> None:
+    with pytest.raises(ValueError, match=f"page {page} is outside the pool"):
+        pool.memory.page(page)
+
+
+def test_close_is_idempotent_and_ends_access(pool: Pool) -> None:
+    pool.memory.close()
+    pool.memory.close()
+    with pytest.raises(TierMemoryError, match="closed"):
+        pool.memory.page(1)
+
+
+# --------------------------------------------------------------------------------- GPU staging, on CPU
+
+
+class HostCopier:
+    """A DeviceCopier whose "device" is host memory: the staging logic runs, the CUDA calls do not."""
+
+    def __init__(self) -> None:
+        self.pinned: dict[int, ctypes.Array[ctypes.c_char]] = {}
+        self.copies: list[tuple[str, int]] = []
+
+    def alloc_pinned(self, nbytes: int) -> int:
+        buf = ctypes.create_string_buffer(nbytes)
+        self.pinned[ctypes.addressof(buf)] = buf
+        return ctypes.addressof(buf)
+
+    def free_pinned(self, address: int) -> None:
+        del self.pinned[address]
+
+    def to_host(self, host: int, device: int, nbytes: int) -> None:
+        self.copies.append(("d2h", nbytes))
+        ctypes.memmove(host, device, nbytes)
+
+    def to_device(self, device: int, host: int, nbytes: int) -> None:
+        self.copies.append(("h2d", nbytes))
+        ctypes.memmove(device, host, nbytes)
+
+
+@pytest.fixture
+def device() -> tuple[npt.NDArray[np.uint8], DevicePoolMemory, HostCopier]:
+    pool = np.random.default_rng(0).integers(0, 255, LAYOUT.size_bytes, dtype=np.uint8)
+    copier = HostCopier()
+    return pool, DevicePoolMemory(LAYOUT, int(pool.ctypes.data), copier, slots=4), copier
+
+
+def _page_bytes(pool: npt.NDArray[np.uint8], page: int) -> bytes:
+    return b"".join(pool[o:o + LAYOUT.page_bytes].tobytes() for o in chunk_offsets(LAYOUT, page))
+
+
+def test_staging_out_copies_each_chunk_into_a_page_major_slot(device: tuple[
+        npt.NDArray[np.uint8], DevicePoolMemory, HostCopier]) -> None:
+    pool, memory, copier = device
+    staging = memory.stage_out([3, 7])
+    assert [b"".join(bytes(v) for v in b.views) for b in staging.buffers] == [_page_bytes(pool, 3),
+                                                                              _page_bytes(pool, 7)]
+    host, size = memory.regions()[0]
+    assert size == 4 * 512
+    slot = staging.buffers[0]
+    assert slot.addresses == [slot.addresses[0] + i * 128 for i in range(4)]  # contiguous within a slot
+    assert all(host <= a < host + size for b in staging.buffers for a in b.addresses)
+    assert copier.copies == [("d2h", 128)] * 8
+    staging.finish([True, True])
+
+
+def test_a_load_reaches_the_device_only_for_sound_pages(device: tuple[
+        npt.NDArray[np.uint8], DevicePoolMemory, HostCopier]) -> None:
+    pool, memory, copier = device
+    before = pool.copy()
+    staging = memory.stage_in([5, 6])
+    for i, buffers in enumerate(staging.buffers):
+        for view in buffers.views:
+            view[:] = bytes([0xA0 + i]) * len(view)
+    assert np.array_equal(pool, before)  # nothing reaches the pool before finish
+    staging.finish([True, False])
+    assert _page_bytes(pool, 5) == b"\xa0" * 512
+    assert _page_bytes(pool, 6) == _page_bytes(before, 6)
+    assert copier.copies == [("h2d", 128)] * 4
+    staging.finish([True, True])  # once only
+    assert copier.copies == [("h2d", 128)] * 4
+
+
+def test_a_batch_waits_for_free_slots(device: tuple[npt.NDArray[np.uint8], DevicePoolMemory, HostCopier]) -> None:
+    _, memory, _ = device
+    held = memory.stage_in([1, 2, 3])
+    got: list[int] = []
+
+    def second() -> None:
+        s = memory.stage_in([4, 5])
+        got.append(len(s.buffers))
+        s.finish([False, False])
+
+    t = threading.Thread(target=second)
+    t.start()
+    time.sleep(0.05)
+    assert got == []  # 1 slot free, 2 needed
+    held.finish([False] * 3)
+    t.join(5)
+    assert got == [2]
+    with pytest.raises(ValueError, match="larger than the 4 staging slots"):
+        memory.stage_out([1, 2, 3, 4, 5])
+    memory.close()
+    memory.close()
+
+
+def test_cuda_vmm_maps_the_pool_for_the_tier_once_and_unmaps_it_at_close() -> None:
+    layout = PoolLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16", page_size=4, num_pages=10)
+    driver = FakeVmmDriver()
+    pool = CudaVmmPool(layout, device="0", driver=driver)
+    start = len(driver.calls)
+    assert pool.device_address() == VA
+    assert pool.device_address() == VA
+    size = pool.size_bytes
+    assert driver.calls[start:] == [("reserve", 0, size, GRANULARITY), ("map", 0, VA, size, 0x5EED),
+                                    ("set_access", 0, VA, size, ACCESS_READWRITE)]
+    pool.close()
+    assert ("unmap", 0, VA, size) in driver.calls[start:]
+    with pytest.raises(PoolError, match="closed"):
+        pool.device_address()
