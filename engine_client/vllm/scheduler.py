@@ -82,7 +82,8 @@ class _Sess:
     """The scheduler's view of one kvcache session: its page table and, for a streaming session, its
     committed tokens."""
 
-    __slots__ = ("busy", "generation", "id", "kv_tokens", "num_pages", "pages", "salt", "streaming", "tokens")
+    __slots__ = ("busy", "commit_ticket", "committing", "generation", "id", "kv_tokens", "num_pages", "pages", "salt",
+                 "streaming", "tokens")
 
     def __init__(self, session_id: str, streaming: bool, salt: str, generation: int) -> None:
         self.id = session_id
@@ -96,6 +97,10 @@ class _Sess:
         self.kv_tokens = 0
         self.busy = False
         """A turn is queued or in flight."""
+        self.committing = False
+        """The busy turn's request finished: its commit is queued or in flight (the next turn waits for it)."""
+        self.commit_ticket = -1
+        """The sender's job count that covers the commit (-1: not sent yet)."""
 
     def apply(self, offset: int, page_ids: npt.NDArray[np.int32]) -> None:
         end = offset + page_ids.size
@@ -116,6 +121,7 @@ class _Sess:
 _IDLE_SECONDS = 0.2
 """With no scheduler step for this long, the idle tick sends finishes itself."""
 
+_WAITING = "waiting"    # a turn of a streaming session whose previous turn is still committing
 _QUEUED = "queued"      # its lookup waits for this step's Step (or its session's open)
 _SENT = "sent"          # the Step carrying its lookup is in flight
 _READY = "ready"        # the turn is open: kv_start known, pages locked
@@ -124,8 +130,9 @@ _DONE = "done"          # finished and handed back
 
 
 class _Req:
-    __slots__ = ("blocks", "capacity", "chat_close", "confirmed_end", "extending", "finished", "kv_start", "load",
-                 "num_computed", "output", "planned_end", "prompt", "req_id", "saving", "sess", "state", "ticket")
+    __slots__ = ("blocks", "capacity", "chat", "chat_close", "confirmed_end", "extending", "finished", "kv_start",
+                 "load", "num_computed", "output", "planned_end", "prompt", "req_id", "saving", "sess", "state",
+                 "ticket")
 
     def __init__(self, req_id: str, prompt: Tokens) -> None:
         self.req_id = req_id
@@ -134,6 +141,8 @@ class _Req:
         self.state = _OFF
         self.ticket = -1
         """The sender's job count that covers this request's lookup (-1: not sent yet)."""
+        self.chat: tuple[str, str] | None = None
+        """(session id, salt) of the streaming session a _WAITING turn waits for."""
         self.chat_close = False
         self.kv_start = 0
         """Positions below this have KV in kvcache at the turn's start (the append's cached_tokens)."""
@@ -174,6 +183,8 @@ class SchedulerSide:
         self._batch = StepBatch()
         self._handlers: list[tuple[StepOutcome[Any], Callable[[StepOutcome[Any]], None]]] = []
         self._finishes: list[Finish] = []
+        self._commits: list[_Sess] = []
+        """Streaming sessions whose commit is in the batch being built (their ticket is set when it is sent)."""
         self._queued: list[_Req] = []
         self._up = False
         self._usable = False
@@ -197,6 +208,10 @@ class SchedulerSide:
             r = self._reqs.get(request.request_id)
             if r is None:
                 r = self._admit(request)
+            if r.state == _WAITING:
+                self._resume_turn(r)
+            if r.state == _WAITING:
+                return None
             if r.state in (_QUEUED, _SENT):
                 if r.state == _SENT and not self._waited and self.config.lookup_wait_seconds > 0:
                     self._waited = True  # wait at most once per scheduler step, for the batched Step
@@ -307,7 +322,9 @@ class SchedulerSide:
                 params = {SESSION_PARAM: r.sess.id}
             if r.state == _READY:
                 self._finishing.append((start, r))
-            elif r.state == _OFF:
+                if r.sess is not None and r.sess.streaming:
+                    r.sess.committing = True
+            elif r.state in (_OFF, _WAITING):
                 del self._reqs[r.req_id]
             # _QUEUED / _SENT: finished when its lookup comes back
             return params
@@ -369,10 +386,33 @@ class SchedulerSide:
         salt = request.cache_salt or ""
         chat_id = params.get(SESSION_PARAM)
         if chat_id:
-            self._admit_turn(r, str(chat_id), salt, bool(params.get(CLOSE_PARAM, False)))
+            r.chat_close = bool(params.get(CLOSE_PARAM, False))
+            chat = self._chats.get(str(chat_id))
+            if chat is not None and chat.committing and chat.salt == salt:
+                r.state, r.chat = _WAITING, (str(chat_id), salt)
+                return r
+            self._admit_turn(r, str(chat_id), salt, r.chat_close)
         else:
             self._lookup_regular(r, salt)
         return r
+
+    def _resume_turn(self, r: _Req) -> None:
+        """A _WAITING turn: start it once its session's previous turn has committed (vLLM is told "ask again"
+        meanwhile, at most one bounded wait a scheduler step, never a block); kvcache gone: vLLM computes."""
+        assert r.chat is not None
+        chat_id, salt = r.chat
+        chat = self._chats.get(chat_id)
+        if chat is not None and chat.committing and self._up:
+            if chat.commit_ticket >= 0 and not self._waited and self.config.lookup_wait_seconds > 0:
+                self._waited = True
+                self._sender.wait_for(chat.commit_ticket, self.config.lookup_wait_seconds)
+                self._drain()
+            if chat.committing and self._up:
+                return
+        if not self._up or not self._usable:
+            self._skip(r)
+            return
+        self._admit_turn(r, chat_id, salt, r.chat_close)
 
     def _lookup_regular(self, r: _Req, salt: str) -> None:
         sess = _Sess(f"{self._engine_id}:{r.req_id}", False, salt, self._generation)
@@ -530,17 +570,20 @@ class SchedulerSide:
         if kv > r.kv_start or r.output.size:
             outcome = self._batch.commit(sess.id, r.output, kv_tokens=kv)
             self._finishes.append(Finish(sess.id, outcome))
+            if sess.streaming:
+                self._commits.append(sess)
             self._handlers.append((outcome, lambda o: self._on_committed(r, sess, o)))
         else:
             self._batch.abort(sess.id)
-            sess.busy = False
+            sess.busy = sess.committing = False
         if not sess.streaming or r.chat_close:
             self._batch.close(sess.id, cache=True)
             if sess.streaming:
                 self._chats.pop(sess.id, None)
 
     def _on_committed(self, r: _Req, sess: _Sess, outcome: StepOutcome[CommitResult]) -> None:
-        sess.busy = False
+        sess.busy = sess.committing = False
+        sess.commit_ticket = -1
         if outcome.error is not None:
             return  # the sender rolled the turn back: the session is as it was
         self.counters.commits += 1
@@ -559,11 +602,15 @@ class SchedulerSide:
         batch, handlers, finishes = self._batch, self._handlers, self._finishes
         self._batch, self._handlers, self._finishes = StepBatch(), [], []
         if not self._up:
+            self._commits.clear()
             for outcome, handler in handlers:
                 outcome.error = _unreachable()
                 handler(outcome)
             return
         ticket = self._sender.submit(batch, handlers, finishes)
+        for sess in self._commits:
+            sess.commit_ticket = ticket
+        self._commits.clear()
         for r in self._queued:
             if r.state == _QUEUED:
                 r.state, r.ticket = _SENT, ticket

@@ -12,6 +12,16 @@ different page sizes and layouts:
 A transfer moves positions `[start, end)` of one request; a step's transfers become one set of index
 arrays (`TransferIndex`, built with numpy, nothing per token in Python) and each layer is then two
 `index_put_`s (K and V) in one direction.
+
+On CPU the same index copies run through numpy views of the same memory (bit-exact: elements are moved as
+integers of their size), on the calling thread. torch would split them across vLLM's OpenMP threads (its
+CPU worker binds one per core and forbids `torch.set_num_threads` after that), and a copy split across
+threads waits at OpenMP barriers for any thread the OS has descheduled: on this shared 2-core machine the
+copy of a 256 KiB page (8 layers) took ~56 us on one thread and 0.9-1.0 ms on two under load (the engines
+measured 3.5-3.8 ms a page). A strided copy is memory-bound, so one thread costs at most ~2x on idle cores.
+Page-granular variants (one index per page: `index_put_` on a `[blocks, pages per block, ...]` view, or
+`index_copy_` of contiguous rows) were measured too and were slower (98-114 us a page) than this token
+index, whose inner runs are a head's `dim` values.
 """
 
 from __future__ import annotations
@@ -163,14 +173,27 @@ def _planes(pool_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pool_layer[0].flatten(0, 1), pool_layer[1].flatten(0, 1)
 
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _host(t: torch.Tensor) -> npt.NDArray[np.generic]:
+    """A numpy view of CPU tensor `t` (same memory and strides), its elements as integers of their size."""
+    return t.view(_BITS[t.element_size()]).numpy()
+
+
 def load_layer(pool_layer: torch.Tensor, dst: LayerKV, index: TransferIndex) -> None:
     """Copy the indexed positions of one layer from the pool into vLLM's blocks."""
     if not len(index):
         return
     k, v = _planes(pool_layer)
-    where = (index.blocks, index.offsets)
-    dst.k.index_put_(where, k.index_select(0, index.pool_slots))
-    dst.v.index_put_(where, v.index_select(0, index.pool_slots))
+    if pool_layer.device.type == "cpu":
+        slots, where = index.pool_slots.numpy(), (index.blocks.numpy(), index.offsets.numpy())
+        _host(dst.k)[where] = _host(k)[slots]
+        _host(dst.v)[where] = _host(v)[slots]
+        return
+    where_t = (index.blocks, index.offsets)
+    dst.k.index_put_(where_t, k.index_select(0, index.pool_slots))
+    dst.v.index_put_(where_t, v.index_select(0, index.pool_slots))
 
 
 def save_layer(src: LayerKV, pool_layer: torch.Tensor, index: TransferIndex) -> None:
@@ -178,6 +201,11 @@ def save_layer(src: LayerKV, pool_layer: torch.Tensor, index: TransferIndex) -> 
     if not len(index):
         return
     k, v = _planes(pool_layer)
-    where = (index.blocks, index.offsets)
-    k.index_copy_(0, index.pool_slots, src.k[where])
-    v.index_copy_(0, index.pool_slots, src.v[where])
+    if pool_layer.device.type == "cpu":
+        slots, where = index.pool_slots.numpy(), (index.blocks.numpy(), index.offsets.numpy())
+        _host(k)[slots] = _host(src.k)[where]
+        _host(v)[slots] = _host(src.v)[where]
+        return
+    where_t = (index.blocks, index.offsets)
+    k.index_copy_(0, index.pool_slots, src.k[where_t])
+    v.index_copy_(0, index.pool_slots, src.v[where_t])

@@ -108,9 +108,14 @@ class WorkerSide:
             return None
         if instance_id in self._unusable:
             return self._unusable[instance_id]
+        # A fresh channel each time: the worker's channel is idle between pool changes, so after kvcache died it
+        # sits in gRPC's reconnect backoff (1 s growing to minutes) and fails fast even once kvcache is back,
+        # which would fail the first steps' saves on the restarted instance.
+        if self._client is not None:
+            self._client.close()
+            self._client = None
         try:
             client = self._connect()
-            client.forget_instance()
             info = client.get_pool_info()
             if info.instance_id != instance_id:
                 return f"kvcache is instance {info.instance_id}, the plan names {instance_id}"
@@ -122,9 +127,6 @@ class WorkerSide:
             log.error("kvcache connector: %s", e)
             return str(e)
         except (KVCacheClientError, PoolMappingError) as e:
-            if self._client is not None:  # a fresh channel next time, not one in gRPC's reconnect backoff
-                self._client.close()
-                self._client = None
             return str(e)
         old, self._pool = self._pool, pool
         if old is not None:

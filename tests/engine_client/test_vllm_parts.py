@@ -67,9 +67,11 @@ def test_a_transfer_index_maps_positions_to_pool_slots_and_vllm_blocks() -> None
     assert index.offsets.tolist() == [p % BS for p in pos]
 
 
-def test_loads_and_saves_copy_exactly_the_indexed_positions() -> None:
-    pool = torch.randn(2, 12, PS, H, D)  # one layer: [K/V, pages, page_size, heads, dim]
-    kv = torch.zeros(NB, H, BS, 2 * D)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_loads_and_saves_copy_exactly_the_indexed_positions(dtype: torch.dtype) -> None:
+    # bfloat16 has no numpy dtype: CPU copies move elements as integers of their size, bit for bit
+    pool = torch.randn(2, 12, PS, H, D).to(dtype)  # one layer: [K/V, pages, page_size, heads, dim]
+    kv = torch.zeros(NB, H, BS, 2 * D, dtype=dtype)
     view = layer_kv(kv, "CPU_ATTN", block_size=BS, num_heads=H, head_dim=D, variant="vec")
     t = Transfers.build([(16, 48, np.array([11, 4], np.int32), np.array([3, 0], np.int32))])
     index = TransferIndex.build(t, page_size=PS, block_size=BS)
