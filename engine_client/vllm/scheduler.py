@@ -293,13 +293,10 @@ class SchedulerSide:
             r = self._reqs.get(req_id)
             if r is not None and lo <= r.confirmed_end:
                 r.confirmed_end = hi
-        for req_id in report.save_failed:
+        for req_id in report.save_failed:  # counted by the workers (save_errors, load_errors)
             r = self._reqs.get(req_id)
             if r is not None:
                 r.saving = False
-                self.counters.save_errors += 1
-        if report.load_failed:
-            self.counters.load_errors += len(report.load_failed)
         if report.unusable is not None and self._info is not None and report.unusable[0] == self._info.instance_id:
             if self._usable:
                 log.warning("kvcache connector: the workers cannot use kvcache instance %s (%s); vLLM computes "

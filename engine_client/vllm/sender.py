@@ -162,8 +162,10 @@ class Sender(threading.Thread):
             self._client = None
         try:
             client = self._client = self._make_client()
-            lease = client.register_engine(self._engine_id, hold=True)
+            # the pool first: once the service counts this engine, Up is one post away (a request that comes
+            # before the scheduler drains Up is computed without kvcache)
             info = client.get_pool_info()
+            lease = client.register_engine(self._engine_id, hold=True)
         except Exception as e:  # unreachable, a refused token, a broken TLS file: all mean "compute"
             if not self._down_reported:
                 self._lose(e)

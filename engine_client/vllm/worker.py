@@ -85,15 +85,15 @@ class WorkerSide:
         try:
             client = self._connect()
             info = client.get_pool_info()
-        except KVCacheClientError as e:
-            log.warning("kvcache connector: kvcache is unreachable at start (%s); vLLM computes until it is "
-                        "back", e)
+            check_layout(info.layout, **self._model)
+            check_block_size(self.block_size, info.layout.page_size)
+            self._pool = map_pool(info, auth_token=client.options.auth_token)
+        except (KVCacheClientError, PoolMappingError) as e:
+            # unreachable, or its pool cannot be mapped here (yet): mapped again when a plan needs it
+            log.warning("kvcache connector: cannot use kvcache at start (%s); vLLM computes until it can", e)
             self._client.close()
             self._client = None
             return
-        check_layout(info.layout, **self._model)
-        check_block_size(self.block_size, info.layout.page_size)
-        self._pool = map_pool(client)
         log.info("kvcache connector: worker mapped the %s pool of instance %s (%d layers, %d pages of %d)",
                  info.backend, info.instance_id, info.layout.num_layers, info.layout.num_pages, info.layout.page_size)
 

@@ -213,6 +213,38 @@ def test_preempted_and_aborted_requests_commit_and_close(alone: VllmEngine, engi
             assert o["tokens"] == w
 
 
+def test_a_load_that_fails_is_recomputed_by_vllm(alone: VllmEngine, engines: Engines, kvcache: ServerProcess) -> None:
+    failing = [request(prompt(80 + i, n)) for i, n in enumerate((70, 100))]
+    later = [request(prompt(90, 75))]
+    want, want_later = reference(alone, failing), reference(alone, later)
+    engine = engines.current
+    assert tokens(engine.generate(failing + later)) == want + want_later  # their KV enters kvcache
+    drained(kvcache.target)
+
+    # A new engine whose worker cannot map the pool (its file is hidden): the scheduler still finds the
+    # prompts in kvcache, every load fails, and vLLM recomputes the blocks the worker hands back.
+    pool = kvcache.own_pool_file
+    hidden = pool.with_name(pool.name + ".hidden")
+    pool.rename(hidden)
+    try:
+        engine = engines.restart()
+        out = engine.generate(failing)
+    finally:
+        hidden.rename(pool)
+    assert tokens(out) == want
+    m = engine.metrics()
+    assert (m["kvcache_connector_hit_tokens_total"], m.get("kvcache_connector_load_tokens_total", 0),
+            m["kvcache_connector_load_errors_total"]) == (hits(70) + hits(100), 0, 2)
+    assert len(re.findall(r"kvcache connector: 2 loads failed \(cannot open ", engine.log_text())) == 1
+    drained(kvcache.target)
+
+    # the pool file is back: the next plan maps it and loads
+    out = engine.generate(later)
+    assert tokens(out) == want_later and out[0]["num_cached_tokens"] == hits(75)
+    m = engine.metrics()
+    assert (m["kvcache_connector_load_tokens_total"], m["kvcache_connector_load_errors_total"]) == (hits(75), 2)
+
+
 def test_kvcache_down_at_start_killed_and_restarted(alone: VllmEngine, model: Path, engine_log_dir: Path,
                                                     tmp_path: Path) -> None:
     target = f"127.0.0.1:{free_port()}"
@@ -225,7 +257,7 @@ def test_kvcache_down_at_start_killed_and_restarted(alone: VllmEngine, model: Pa
 
         server = kvcache_server(tmp_path / "first.log", listen=target)
         servers.append(server)
-        _wait_for_engine(target)
+        _wait_for_engine(engine, server)
         assert tokens(engine.generate(work)) == want
         drained(target)
         with KVCacheClient(target) as client:
@@ -241,7 +273,7 @@ def test_kvcache_down_at_start_killed_and_restarted(alone: VllmEngine, model: Pa
         restarted = kvcache_server(tmp_path / "second.log", "--max-session-tokens", "160", listen=target)
         servers.append(restarted)
         assert restarted.instance_id != server.instance_id
-        _wait_for_engine(target)
+        _wait_for_engine(engine, restarted)
         assert tokens(engine.generate(work)) == want  # a restarted (empty) kvcache: computed, saved again
         drained(target)
         with KVCacheClient(target) as client:
@@ -275,6 +307,12 @@ def test_a_pool_that_does_not_fit_the_model_refuses_to_start(model: Path, tmp_pa
         server.close()
 
 
-def _wait_for_engine(target: str) -> None:
-    with KVCacheClient(target) as client:
-        wait_until(lambda: client.get_stats().engines == 1, f"the vLLM engine registered with kvcache at {target}")
+def _wait_for_engine(engine: VllmEngine, server: ServerProcess) -> None:
+    """Until the engine's scheduler says it is on `server` (its lookups go there from then on): the service
+    counting the engine is not enough, the scheduler learns it at its next call or idle tick."""
+    said = re.compile(rf"kvcache connector: (on kvcache at \S+ \(instance|kvcache restarted \(instance \S+ ->) "
+                      rf"{server.instance_id}\b")
+    wait_until(lambda: said.search(engine.log_text()) is not None,
+               f"the vLLM engine's connector on kvcache instance {server.instance_id}")
+    with KVCacheClient(server.target) as client:
+        assert client.get_stats().engines == 1
