@@ -11,6 +11,8 @@ random-initialised Llama, greedy. Workloads:
   documents. Reported for B: prompt tokens it computed and its median time to first token.
 - multi-turn chat: 4 chats of 3 turns, turns alternating A, B, A (no session affinity: each turn's prompt is
   the whole conversation, kvcache finds it through its radix). Reported for turns 2 and 3.
+- one at a time: 8 new prompts (nothing cached anywhere) sent one by one to an idle engine: what the
+  connector's lookup costs a request that kvcache cannot help (its TTFT against vLLM alone).
 - scheduler-side cost: bursts of 32 new requests admitted in one scheduler step on kvcache; the time the
   connector's scheduler hooks take on vLLM's scheduler thread, per request (the Step itself runs in the
   connector's sender thread, reported beside it).
@@ -71,8 +73,13 @@ def run_workloads(a: EngineProcess, b: EngineProcess, doc_tokens: int, chats: in
         if turn:
             chat_computed += computed(outs, reqs)
             chat_ttft += [o["ttft"] for o in outs]
+    singles = [{"prompt": tokens(3000 + i, doc_tokens // 4), "max_tokens": 4} for i in range(8)]
+    single_out = [a.generate([r])[0] for r in singles]  # one at a time on an idle engine, nothing to hit
     return {"shared": shared, "chat": {"computed": chat_computed, "ttft": statistics.median(chat_ttft),
-                                        "tokens": chat_tokens}}
+                                        "tokens": chat_tokens},
+            "single": {"computed": computed(single_out, singles),
+                       "ttft": statistics.median(o["ttft"] for o in single_out),
+                       "tokens": [o["tokens"] for o in single_out]}}
 
 
 def scheduler_cost(engine: EngineProcess, bursts: int, size: int) -> dict[str, float]:
@@ -163,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     results["copy"] = copy_cost(shape, pages=64 if args.quick else 256, rounds=5 if args.quick else 20)
     print_table(results, shape, doc_tokens, chats, burst)
     if "alone" in results:
-        same = all(results["alone"][w]["tokens"] == results["kvcache"][w]["tokens"] for w in ("shared", "chat"))
+        same = all(results["alone"][w]["tokens"] == results["kvcache"][w]["tokens"]
+                   for w in ("shared", "chat", "single"))
         print(f"[vllm_bench] tokens equal to vLLM alone: {'yes' if same else 'NO'}")
         return 0 if same else 1
     return 0
@@ -182,6 +190,8 @@ def print_table(r: dict[str, Any], shape: dict[str, int], doc_tokens: int, chats
     print(f"{f'shared prefix: 4 docs x {doc_tokens} tok, new engine':<44} {cell('alone', 'shared')}   "
           f"{cell('kvcache', 'shared')}")
     print(f"{f'chat: {chats} chats x 3 turns, engines A,B,A':<44} {cell('alone', 'chat')}   {cell('kvcache', 'chat')}")
+    print(f"{f'one at a time: 8 new prompts x {doc_tokens // 4} tok':<44} {cell('alone', 'single')}   "
+          f"{cell('kvcache', 'single')}")
     print()
     s, c, e = r["scheduler"], r["copy"], r["engine_copy"]
     print(f"scheduler side, {burst} new requests a step: {s['us_per_request']:.1f} us a request on vLLM's scheduler "

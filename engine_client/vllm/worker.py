@@ -239,7 +239,7 @@ class WorkerSide:
         step.report.load_failed |= set(plan.load_reqs)
         self._invalid |= {int(b) for b in plan.loads.blocks}
         self.counters.load_errors += len(plan.load_reqs)
-        self._warn(f"kvcache connector: {len(plan.load_reqs)} loads failed ({why}); vLLM recomputes their blocks")
+        self._warn(why)
 
     def _fail_saves(self, step: _Step, why: str) -> None:
         plan = step.plan
@@ -248,10 +248,11 @@ class WorkerSide:
         step.save_ok = False
         step.report.save_failed |= set(plan.save_reqs)
         self.counters.save_errors += len(plan.save_reqs)
-        self._warn(f"kvcache connector: {len(plan.save_reqs)} saves failed ({why}); those requests' KV is "
-                   "committed only up to their last save")
+        self._warn(why)
 
-    def _warn(self, message: str) -> None:
+    def _warn(self, why: str) -> None:
+        """One warning per episode of failed copies (a step where every copy works ends it)."""
         if not self._warned:
-            self._warned = True  # once per worker: the scheduler side warns per episode
-            log.warning(message)
+            self._warned = True
+            log.warning("kvcache connector: the worker cannot copy to or from kvcache's pool (%s); until it can, "
+                        "vLLM recomputes what was to be loaded and requests commit only what was saved before", why)

@@ -14,7 +14,10 @@ def test_vllm_bench_quick_prints_its_table(capsys: pytest.CaptureFixture[str]) -
     out = capsys.readouterr().out
     rows = {line[:44].strip(): line[44:].split() for line in out.splitlines()
             if line.startswith(("shared prefix", "chat:"))}
-    assert list(rows) == ["shared prefix: 4 docs x 64 tok, new engine", "chat: 2 chats x 3 turns, engines A,B,A"]
+    rows.update({line[:44].strip(): line[44:].split() for line in out.splitlines() if line.startswith("one at a")})
+    assert list(rows) == ["shared prefix: 4 docs x 64 tok, new engine", "chat: 2 chats x 3 turns, engines A,B,A",
+                          "one at a time: 8 new prompts x 16 tok"]
+    assert rows["one at a time: 8 new prompts x 16 tok"][2] == str(8 * 16)  # nothing cached: every token computed
     shared = rows["shared prefix: 4 docs x 64 tok, new engine"]
     assert shared[:2] == ["-", "-"]  # --quick runs no vLLM-alone baseline
     assert int(shared[2]) == 4 * 32  # engine B computes each question; the documents (4 full pages) come from kvcache
