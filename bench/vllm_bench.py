@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from bench.common import REPO, machine_load
+from engine_client import KVCacheClient
 from engine_client.vllm.demo import KVCacheService, computed, tokens
 from engine_client.vllm.driver import EngineProcess, save_model
 from engine_client.vllm.transfer import LayerKV, TransferIndex, Transfers, load_layer, save_layer
@@ -165,10 +166,16 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 a.close()
                 b.close()
+        with KVCacheClient(service.target) as client:  # the engines are gone: nothing left locked or in flight
+            st = client.get_stats(verify=True)
+        results["invariant"] = st.verified and st.accounting_holds and st.sessions_in_turn == 0
     finally:
         service.close()
     results["copy"] = copy_cost(shape, pages=64 if args.quick else 256, rounds=5 if args.quick else 20)
     print_table(results, shape, doc_tokens, chats, burst)
+    print(f"[vllm_bench] kvcache's accounting invariant after the run: {'holds' if results['invariant'] else 'BROKEN'}")
+    if not results["invariant"]:
+        return 1
     if "alone" in results:
         same = all(results["alone"][w]["tokens"] == results["kvcache"][w]["tokens"]
                    for w in ("shared", "chat", "single"))

@@ -7,6 +7,8 @@ A request's life on kvcache:
    step's lookups go out together in one `Step` from `build_step`, sent by the `Sender` thread while the
    forward pass runs. Asked again, the answer is the tokens kvcache holds beyond vLLM's own prefix hit
    (the append's `cached_tokens`, never the last prompt token): their pages stay locked by the turn.
+   A turn of a streaming session whose previous turn has finished but not yet committed is answered None
+   until that commit is back (so it appends to the committed history instead of missing the session).
 2. `allocated` says how many vLLM took; `build_step` plans their load (pool -> vLLM blocks) and, every
    step, the save of what vLLM computed (vLLM blocks -> the session's pages) as `Transfers`, growing the
    turn (`extend`, queued one reservation ahead) as decode nears its capacity.
@@ -329,6 +331,13 @@ class SchedulerSide:
             self._lock.release()
             self.counters.scheduler_seconds += self._clock() - start
 
+    @property
+    def connected(self) -> bool:
+        """On kvcache now (its lease held, its pool described): new requests look up there."""
+        with self._lock:
+            self._drain()
+            return self._up and self._usable
+
     def take_counters(self) -> dict[str, float]:
         with self._lock:
             self._drain()
@@ -509,6 +518,7 @@ class SchedulerSide:
         r.state = _READY
         if r.finished:
             self._finishing.append((0.0, r))  # aborted before its admission: nothing to wait for
+            sess.committing = sess.streaming
 
     def _end_lookup(self, r: _Req) -> None:
         r.state = _OFF

@@ -23,3 +23,4 @@ def test_vllm_bench_quick_prints_its_table(capsys: pytest.CaptureFixture[str]) -
     assert int(shared[2]) == 4 * 32  # engine B computes each question; the documents (4 full pages) come from kvcache
     assert "new requests a step:" in out and " us a request on vLLM's scheduler thread" in out
     assert "worker side, one page = 32 KiB (2 layers, K+V)" in out
+    assert "[vllm_bench] kvcache's accounting invariant after the run: holds" in out

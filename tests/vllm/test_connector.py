@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from engine_client import KVCacheClient, SessionNotFound
-from tests.integration.conftest import ServerProcess
+from tests.integration.conftest import ServerProcess, verify_stats
 
 from .conftest import (
     PAGE,
@@ -306,6 +306,7 @@ def test_a_pool_that_does_not_fit_the_model_refuses_to_start(model: Path, tmp_pa
         assert ("LayoutMismatch: pool layout (layers=2, kv_heads=2, head_dim=32, dtype=float32) does not match the "
                 "model (layers=2, kv_heads=2, head_dim=64, dtype=float32)") in log
         assert "kvcache-service serve --num-layers 2 --num-kv-heads 2 --head-dim 64 --dtype float32" in log
+        verify_stats(server.target)
     finally:
         server.close()
 
