@@ -4,8 +4,9 @@
     .venv/bin/python -m bench.vllm_bench --quick    # the tiny test model, no vLLM-alone baseline (the smoke test)
 
 The engines are real vLLM processes (`.venv-vllm`, `make vllm-setup`) driven through
-`engine_client.vllm.driver`, two at a time (engine A and engine B, like two replicas behind a router), on a
-random-initialised Llama, greedy. Workloads:
+`engine_client.vllm.driver`, a pair per side (engine A and engine B, like two replicas behind a router), on a
+random-initialised Llama, greedy. All four run at once and each workload runs on vLLM alone, then on
+kvcache, back to back (the machine is shared: the two sides of a row are measured close in time). Workloads:
 
 - shared prefix: A answers one question on each of 4 documents, then B answers other questions on the same
   documents. Reported for B: prompt tokens it computed and its median time to first token.
@@ -47,21 +48,24 @@ PAGE, BLOCK = 16, 32
 
 
 def engines(python: Path, model: Path, work: Path, tag: str, target: str) -> tuple[EngineProcess, EngineProcess]:
-    args = ("--max-model-len", "4096", "--kv-cache-mib", "512", "--max-num-seqs", "64",
+    args = ("--max-model-len", "4096", "--kv-cache-mib", "256", "--max-num-seqs", "64",
             "--max-num-batched-tokens", "8192")
     a = EngineProcess(python, model, work / f"{tag}-a.log", kvcache=target, args=args, cwd=REPO)
     b = EngineProcess(python, model, work / f"{tag}-b.log", kvcache=target, args=args, cwd=REPO)
     return a, b
 
 
-def run_workloads(a: EngineProcess, b: EngineProcess, doc_tokens: int, chats: int) -> dict[str, Any]:
+def shared_prefix(a: EngineProcess, b: EngineProcess, doc_tokens: int) -> dict[str, Any]:
     docs = [tokens(i, doc_tokens) for i in range(4)]
     first = [{"prompt": d + tokens(100 + i, 32), "max_tokens": 8} for i, d in enumerate(docs)]
     second = [{"prompt": d + tokens(200 + i, 32), "max_tokens": 8} for i, d in enumerate(docs)]
     a.generate(first)
     out = b.generate(second)
-    shared = {"computed": computed(out, second), "ttft": statistics.median(o["ttft"] for o in out),
-              "tokens": [o["tokens"] for o in out]}
+    return {"computed": computed(out, second), "ttft": statistics.median(o["ttft"] for o in out),
+            "tokens": [o["tokens"] for o in out]}
+
+
+def chat(a: EngineProcess, b: EngineProcess, chats: int) -> dict[str, Any]:
     histories: list[list[int]] = [[] for _ in range(chats)]
     chat_computed, chat_ttft, chat_tokens = 0, [], []
     for turn in range(3):
@@ -74,13 +78,18 @@ def run_workloads(a: EngineProcess, b: EngineProcess, doc_tokens: int, chats: in
         if turn:
             chat_computed += computed(outs, reqs)
             chat_ttft += [o["ttft"] for o in outs]
-    singles = [{"prompt": tokens(3000 + i, doc_tokens // 4), "max_tokens": 4} for i in range(8)]
-    single_out = [a.generate([r])[0] for r in singles]  # one at a time on an idle engine, nothing to hit
-    return {"shared": shared, "chat": {"computed": chat_computed, "ttft": statistics.median(chat_ttft),
-                                        "tokens": chat_tokens},
-            "single": {"computed": computed(single_out, singles),
-                       "ttft": statistics.median(o["ttft"] for o in single_out),
-                       "tokens": [o["tokens"] for o in single_out]}}
+    return {"computed": chat_computed, "ttft": statistics.median(chat_ttft), "tokens": chat_tokens}
+
+
+def one_at_a_time(engines: dict[str, EngineProcess], doc_tokens: int, n: int = 8) -> dict[str, dict[str, Any]]:
+    """`n` new prompts, each sent alone to every engine in turn (side by side in time), nothing to hit."""
+    outs: dict[str, list[dict[str, Any]]] = {tag: [] for tag in engines}
+    singles = [{"prompt": tokens(3000 + i, doc_tokens // 4), "max_tokens": 4} for i in range(n)]
+    for r in singles:
+        for tag, engine in engines.items():
+            outs[tag].append(engine.generate([r])[0])
+    return {tag: {"computed": computed(o, singles), "ttft": statistics.median(x["ttft"] for x in o),
+                  "tokens": [x["tokens"] for x in o]} for tag, o in outs.items()}
 
 
 def scheduler_cost(engine: EngineProcess, bursts: int, size: int) -> dict[str, float]:
@@ -148,28 +157,43 @@ def main(argv: list[str] | None = None) -> int:
     service = KVCacheService(work / "kvcache.log", layers=shape["layers"], kv_heads=shape["kv_heads"],
                              head_dim=shape["head_dim"], num_pages=8192)
     results: dict[str, Any] = {}
+    pairs: dict[str, tuple[EngineProcess, EngineProcess]] = {}
     try:
+        # every engine up first, then each workload on vLLM alone and on kvcache back to back: the machine is
+        # shared, so the two sides of a row are measured as close together in time as they can be
         for tag, target in ([("kvcache", service.target)] if args.quick else
                             [("alone", ""), ("kvcache", service.target)]):
             print(f"[vllm_bench] starting engines A and B ({'vLLM alone' if not target else 'on kvcache'})")
-            a, b = engines(python, model, work, tag, target)
-            try:
-                results[tag] = run_workloads(a, b, doc_tokens, chats)
-                if target:
-                    results["scheduler"] = scheduler_cost(a, bursts, burst)
-                    m = [e.metrics() for e in (a, b)]
-                    total = {k: sum(x.get(f"kvcache_connector_{k}_total", 0.0) for x in m)
-                             for k in ("load_seconds", "load_pages", "save_seconds", "save_pages")}
-                    results["engine_copy"] = {
-                        "load_us": total["load_seconds"] / max(total["load_pages"], 1) * 1e6,
-                        "save_us": total["save_seconds"] / max(total["save_pages"], 1) * 1e6}
-            finally:
-                a.close()
-                b.close()
+            pairs[tag] = engines(python, model, work, tag, target)
+        results.update({tag: {} for tag in pairs})
+        for tag, (a, b) in pairs.items():
+            print(f"[vllm_bench] shared prefix, {tag}")
+            results[tag]["shared"] = shared_prefix(a, b, doc_tokens)
+        for tag, (a, b) in pairs.items():
+            print(f"[vllm_bench] chat, {tag}")
+            results[tag]["chat"] = chat(a, b, chats)
+        print("[vllm_bench] one at a time")
+        for tag, single in one_at_a_time({tag: a for tag, (a, _) in pairs.items()}, doc_tokens).items():
+            results[tag]["single"] = single
+        a, b = pairs["kvcache"]
+        print("[vllm_bench] scheduler-side cost")
+        results["scheduler"] = scheduler_cost(a, bursts, burst)
+        m = [e.metrics() for e in (a, b)]
+        total = {k: sum(x.get(f"kvcache_connector_{k}_total", 0.0) for x in m)
+                 for k in ("load_seconds", "load_pages", "save_seconds", "save_pages")}
+        results["engine_copy"] = {"load_us": total["load_seconds"] / max(total["load_pages"], 1) * 1e6,
+                                  "save_us": total["save_seconds"] / max(total["save_pages"], 1) * 1e6}
+        for pair in pairs.values():
+            for engine in pair:
+                engine.close()
+        pairs.clear()
         with KVCacheClient(service.target) as client:  # the engines are gone: nothing left locked or in flight
             st = client.get_stats(verify=True)
         results["invariant"] = st.verified and st.accounting_holds and st.sessions_in_turn == 0
     finally:
+        for pair in pairs.values():
+            for engine in pair:
+                engine.close()
         service.close()
     results["copy"] = copy_cost(shape, pages=64 if args.quick else 256, rounds=5 if args.quick else 20)
     print_table(results, shape, doc_tokens, chats, burst)
