@@ -47,11 +47,13 @@ QUICK: dict[str, Any] = {"layers": 2, "hidden": 128, "heads": 2, "kv_heads": 2, 
 PAGE, BLOCK = 16, 32
 
 
+ENGINE_ARGS = ("--max-model-len", "4096", "--kv-cache-mib", "256", "--max-num-seqs", "64",
+               "--max-num-batched-tokens", "8192")
+
+
 def engines(python: Path, model: Path, work: Path, tag: str, target: str) -> tuple[EngineProcess, EngineProcess]:
-    args = ("--max-model-len", "4096", "--kv-cache-mib", "256", "--max-num-seqs", "64",
-            "--max-num-batched-tokens", "8192")
-    a = EngineProcess(python, model, work / f"{tag}-a.log", kvcache=target, args=args, cwd=REPO)
-    b = EngineProcess(python, model, work / f"{tag}-b.log", kvcache=target, args=args, cwd=REPO)
+    a = EngineProcess(python, model, work / f"{tag}-a.log", kvcache=target, args=ENGINE_ARGS, cwd=REPO)
+    b = EngineProcess(python, model, work / f"{tag}-b.log", kvcache=target, args=ENGINE_ARGS, cwd=REPO)
     return a, b
 
 
@@ -87,7 +89,7 @@ def one_at_a_time(engines: dict[str, EngineProcess], doc_tokens: int, n: int = 8
     singles = [{"prompt": tokens(3000 + i, doc_tokens // 4), "max_tokens": 4} for i in range(n)]
     for r in singles:
         for tag, engine in engines.items():
-            outs[tag].append(engine.generate([r])[0])
+            outs[tag].append(engine.generate([dict(r, cache_salt=tag)])[0])  # a salt each: no engine hits another's
     return {tag: {"computed": computed(o, singles), "ttft": statistics.median(x["ttft"] for x in o),
                   "tokens": [x["tokens"] for x in o]} for tag, o in outs.items()}
 
@@ -165,11 +167,20 @@ def main(argv: list[str] | None = None) -> int:
                             [("alone", ""), ("kvcache", service.target)]):
             print(f"[vllm_bench] starting engines A and B ({'vLLM alone' if not target else 'on kvcache'})")
             pairs[tag] = engines(python, model, work, tag, target)
+        if not args.quick:  # one more engine on kvcache whose lookups are always answered a step later
+            print("[vllm_bench] starting engine C (on kvcache, kvcache_lookup_in_step=false)")
+            late = EngineProcess(python, model, work / "late.log", kvcache=service.target, args=ENGINE_ARGS, cwd=REPO,
+                                 extra={"kvcache_lookup_in_step": False})
+            pairs["late"] = (late, late)
         results.update({tag: {} for tag in pairs})
         for tag, (a, b) in pairs.items():
+            if tag == "late":
+                continue
             print(f"[vllm_bench] shared prefix, {tag}")
             results[tag]["shared"] = shared_prefix(a, b, doc_tokens)
         for tag, (a, b) in pairs.items():
+            if tag == "late":
+                continue
             print(f"[vllm_bench] chat, {tag}")
             results[tag]["chat"] = chat(a, b, chats)
         print("[vllm_bench] one at a time")
@@ -183,17 +194,15 @@ def main(argv: list[str] | None = None) -> int:
                  for k in ("load_seconds", "load_pages", "save_seconds", "save_pages")}
         results["engine_copy"] = {"load_us": total["load_seconds"] / max(total["load_pages"], 1) * 1e6,
                                   "save_us": total["save_seconds"] / max(total["save_pages"], 1) * 1e6}
-        for pair in pairs.values():
-            for engine in pair:
-                engine.close()
+        for engine in {e for pair in pairs.values() for e in pair}:
+            engine.close()
         pairs.clear()
         with KVCacheClient(service.target) as client:  # the engines are gone: nothing left locked or in flight
             st = client.get_stats(verify=True)
         results["invariant"] = st.verified and st.accounting_holds and st.sessions_in_turn == 0
     finally:
-        for pair in pairs.values():
-            for engine in pair:
-                engine.close()
+        for engine in {e for pair in pairs.values() for e in pair}:
+            engine.close()
         service.close()
     results["copy"] = copy_cost(shape, pages=64 if args.quick else 256, rounds=5 if args.quick else 20)
     print_table(results, shape, doc_tokens, chats, burst)
@@ -202,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if "alone" in results:
         same = all(results["alone"][w]["tokens"] == results["kvcache"][w]["tokens"]
-                   for w in ("shared", "chat", "single"))
+                   for w in ("shared", "chat", "single")) and results["late"]["single"]["tokens"] == \
+            results["alone"]["single"]["tokens"]
         print(f"[vllm_bench] tokens equal to vLLM alone: {'yes' if same else 'NO'}")
         return 0 if same else 1
     return 0
@@ -223,6 +233,10 @@ def print_table(r: dict[str, Any], shape: dict[str, int], doc_tokens: int, chats
     print(f"{f'chat: {chats} chats x 3 turns, engines A,B,A':<44} {cell('alone', 'chat')}   {cell('kvcache', 'chat')}")
     print(f"{f'one at a time: 8 new prompts x {doc_tokens // 4} tok':<44} {cell('alone', 'single')}   "
           f"{cell('kvcache', 'single')}")
+    if "late" in r:
+        late = r["late"]["single"]
+        print(f"{'  the same, lookups a step later (in_step off)':<44} {'':>21}   {late['computed']:>9} "
+              f"{late['ttft'] * 1000:>8.1f} ms")
     print()
     s, c, e = r["scheduler"], r["copy"], r["engine_copy"]
     print(f"scheduler side, {burst} new requests a step: {s['us_per_request']:.1f} us a request on vLLM's scheduler "

@@ -13,6 +13,9 @@ Keys (all optional):
   its capacity (default: vLLM's block_size).
 - `kvcache_lookup_wait_seconds`: how long a scheduler step may wait for the Step that carries the
   lookups of the previous step before answering "ask again" (default 0.02).
+- `kvcache_lookup_in_step`: when the engine ran nothing in its last step (so the lookup's step would be
+  an empty one), a new request's lookup is sent at once and waited for, at most
+  `kvcache_lookup_wait_seconds`, once a step, so it is answered in the step that asked (default true).
 - `kvcache_retry_seconds`: how often an unreachable kvcache is tried again (default 1).
 
 An unknown `kvcache_*` or `tls_*` key is refused at start (a typo would otherwise be ignored silently).
@@ -34,7 +37,8 @@ TOKEN_ENV = "KVCACHE_TOKEN"
 
 _TLS_KEYS = ("tls_ca_file", "tls_cert_file", "tls_key_file", "tls_server_name")
 _FLOAT_KEYS = {"kvcache_timeout_seconds": 2.0, "kvcache_lookup_wait_seconds": 0.02, "kvcache_retry_seconds": 1.0}
-_KNOWN = {"kvcache_target", "kvcache_token", "kvcache_reserve_tokens", *_TLS_KEYS, *_FLOAT_KEYS}
+_KNOWN = {"kvcache_target", "kvcache_token", "kvcache_reserve_tokens", "kvcache_lookup_in_step", *_TLS_KEYS,
+          *_FLOAT_KEYS}
 
 
 class ConnectorConfigError(ValueError):
@@ -49,6 +53,7 @@ class ConnectorConfig:
     """0: vLLM's block_size."""
     lookup_wait_seconds: float
     retry_seconds: float
+    lookup_in_step: bool = True
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> ConnectorConfig:
@@ -67,6 +72,9 @@ class ConnectorConfig:
         reserve = extra.get("kvcache_reserve_tokens", 0)
         if not isinstance(reserve, int) or isinstance(reserve, bool) or reserve < 0:
             raise ConnectorConfigError(f"kvcache_reserve_tokens must be an integer >= 0, got {reserve!r}")
+        in_step = extra.get("kvcache_lookup_in_step", True)
+        if not isinstance(in_step, bool):
+            raise ConnectorConfigError(f"kvcache_lookup_in_step must be true or false, got {in_step!r}")
         tls = {key: extra.get(key, "") for key in _TLS_KEYS}
         for key, value in tls.items():
             if not isinstance(value, str):
@@ -81,7 +89,7 @@ class ConnectorConfig:
             raise ConnectorConfigError(str(e)) from None
         return cls(target=target, options=options, reserve_tokens=reserve,
                    lookup_wait_seconds=max(0.0, floats["kvcache_lookup_wait_seconds"]),
-                   retry_seconds=floats["kvcache_retry_seconds"])
+                   retry_seconds=floats["kvcache_retry_seconds"], lookup_in_step=in_step)
 
 
 def _number(extra: Mapping[str, Any], key: str, default: float) -> float:

@@ -196,6 +196,8 @@ class SchedulerSide:
         self._ever_up = False
         self._warned: set[str] = set()
         self._waited = False
+        self._idle = True
+        """vLLM's last step ran nothing: a lookup answered a step later would cost a step of its own."""
         self._ticket = 0
         self._sender.start()
 
@@ -210,6 +212,9 @@ class SchedulerSide:
             r = self._reqs.get(request.request_id)
             if r is None:
                 r = self._admit(request)
+                if (r.state == _QUEUED and self._idle and self.config.lookup_in_step and not self._waited
+                        and self.config.lookup_wait_seconds > 0):
+                    self._flush()  # an idle engine: send it now, so the wait below can answer it in this step
             if r.state == _WAITING:
                 self._resume_turn(r)
             if r.state == _WAITING:
@@ -245,6 +250,7 @@ class SchedulerSide:
         try:
             self._drain()
             self._waited = False
+            self._idle = not out.num_scheduled_tokens
             self._last_step = start
             plan = StepPlan()
             if self._info is not None:

@@ -100,7 +100,8 @@ def test_settings_from_the_extra_config() -> None:
     c = ConnectorConfig.from_extra({"kvcache_target": "unix:/run/kv.sock", "kvcache_timeout_seconds": 5},
                                    env={"KVCACHE_TOKEN": "t0k"})
     assert (c.target, c.options.auth_token, c.options.timeout_seconds) == ("unix:/run/kv.sock", "t0k", 5.0)
-    assert (c.reserve_tokens, c.lookup_wait_seconds, c.retry_seconds) == (0, 0.02, 1.0)
+    assert (c.reserve_tokens, c.lookup_wait_seconds, c.retry_seconds, c.lookup_in_step) == (0, 0.02, 1.0, True)
+    assert ConnectorConfig.from_extra({"kvcache_lookup_in_step": False}, env={}).lookup_in_step is False
     assert ConnectorConfig.from_extra({"kvcache_token": "x"}, env={"KVCACHE_TOKEN": "y"}).options.auth_token == "x"
     assert ConnectorConfig.from_extra({}, env={}).target  # $KVCACHE_TARGET or 127.0.0.1:50051
 
@@ -110,6 +111,7 @@ def test_settings_from_the_extra_config() -> None:
     ({"kvcache_timeout_seconds": 0}, "kvcache_timeout_seconds must be > 0"),
     ({"kvcache_timeout_seconds": "2"}, "kvcache_timeout_seconds must be a number"),
     ({"kvcache_reserve_tokens": -1}, "kvcache_reserve_tokens must be an integer >= 0"),
+    ({"kvcache_lookup_in_step": 1}, "kvcache_lookup_in_step must be true or false, got 1"),
     ({"tls_cert_file": "/c.pem"}, "tls_cert_file and tls_key_file go together"),
 ])
 def test_bad_settings_are_refused_naming_the_key(extra: dict[str, object], message: str) -> None:
