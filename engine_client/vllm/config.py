@@ -15,7 +15,8 @@ Keys (all optional):
   lookups of the previous step before answering "ask again" (default 0.02).
 - `kvcache_lookup_in_step`: when the engine ran nothing in its last step (so the lookup's step would be
   an empty one), a new request's lookup is sent at once and waited for, at most
-  `kvcache_lookup_wait_seconds`, once a step, so it is answered in the step that asked (default true).
+  `kvcache_lookup_wait_seconds`, once a step, so it is answered in the step that asked (default false:
+  measured on CPU it saved ~3 ms of a 140 ms TTFT and cost a burst of new requests a second wait).
 - `kvcache_retry_seconds`: how often an unreachable kvcache is tried again (default 1).
 
 An unknown `kvcache_*` or `tls_*` key is refused at start (a typo would otherwise be ignored silently).
@@ -53,7 +54,7 @@ class ConnectorConfig:
     """0: vLLM's block_size."""
     lookup_wait_seconds: float
     retry_seconds: float
-    lookup_in_step: bool = True
+    lookup_in_step: bool = False
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> ConnectorConfig:
@@ -72,7 +73,7 @@ class ConnectorConfig:
         reserve = extra.get("kvcache_reserve_tokens", 0)
         if not isinstance(reserve, int) or isinstance(reserve, bool) or reserve < 0:
             raise ConnectorConfigError(f"kvcache_reserve_tokens must be an integer >= 0, got {reserve!r}")
-        in_step = extra.get("kvcache_lookup_in_step", True)
+        in_step = extra.get("kvcache_lookup_in_step", False)
         if not isinstance(in_step, bool):
             raise ConnectorConfigError(f"kvcache_lookup_in_step must be true or false, got {in_step!r}")
         tls = {key: extra.get(key, "") for key in _TLS_KEYS}

@@ -100,8 +100,8 @@ def test_settings_from_the_extra_config() -> None:
     c = ConnectorConfig.from_extra({"kvcache_target": "unix:/run/kv.sock", "kvcache_timeout_seconds": 5},
                                    env={"KVCACHE_TOKEN": "t0k"})
     assert (c.target, c.options.auth_token, c.options.timeout_seconds) == ("unix:/run/kv.sock", "t0k", 5.0)
-    assert (c.reserve_tokens, c.lookup_wait_seconds, c.retry_seconds, c.lookup_in_step) == (0, 0.02, 1.0, True)
-    assert ConnectorConfig.from_extra({"kvcache_lookup_in_step": False}, env={}).lookup_in_step is False
+    assert (c.reserve_tokens, c.lookup_wait_seconds, c.retry_seconds, c.lookup_in_step) == (0, 0.02, 1.0, False)
+    assert ConnectorConfig.from_extra({"kvcache_lookup_in_step": True}, env={}).lookup_in_step is True
     assert ConnectorConfig.from_extra({"kvcache_token": "x"}, env={"KVCACHE_TOKEN": "y"}).options.auth_token == "x"
     assert ConnectorConfig.from_extra({}, env={}).target  # $KVCACHE_TARGET or 127.0.0.1:50051
 
