@@ -183,8 +183,8 @@ def test_generated_files_are_current(chart: helm.Chart) -> None:
 def test_check_command_passes_on_the_committed_tree(capsys: pytest.CaptureFixture[str]) -> None:
     assert render_tool.main(["--check"]) == 0
     out = capsys.readouterr().out
-    assert "[chart] lint --strict: clean (defaults and 5 examples)" in out
-    assert "[chart] generated files up to date (5 rendered examples, README values table)" in out
+    assert "[chart] lint --strict: clean (defaults and 7 examples)" in out
+    assert "[chart] generated files up to date (7 rendered examples, README values table)" in out
 
 
 def test_check_command_fails_on_a_stale_example(
