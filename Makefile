@@ -58,7 +58,7 @@ $(BUF): ## buf from npm (@bufbuild/buf), pinned
 typecheck: setup ## mypy --strict on cache_service and engine_client
 	@$(BIN)/mypy --no-error-summary && echo "[typecheck] mypy: clean"
 
-unit: setup conformance-setup vllm-setup ## pytest, 3 worker processes (the tests mostly wait on the servers and engines they start; tests/vllm in one of them)
+unit: setup conformance-setup vllm-setup ## pytest, 3 worker processes (the tests mostly wait on the servers and engines they start; the vLLM tests in two of them)
 	@$(BIN)/pytest -q -n 3 --dist loadgroup
 
 proto: setup ## regenerate the Python code of protos/kvcache/v1/*.proto
