@@ -11,7 +11,8 @@ kvcache, back to back (the machine is shared: the two sides of a row are measure
 - shared prefix: A answers one question on each of 4 documents, then B answers other questions on the same
   documents. Reported for B: prompt tokens it computed and its median time to first token.
 - multi-turn chat: 4 chats of 3 turns, turns alternating A, B, A (no session affinity: each turn's prompt is
-  the whole conversation, kvcache finds it through its radix). Reported for turns 2 and 3.
+  the whole conversation, kvcache finds it through its radix), in 3 rounds of new chats. Reported for turns
+  2 and 3: prompt tokens computed in one round, TTFT median over every round.
 - one at a time: 8 new prompts (nothing cached anywhere) sent one by one to an idle engine: what the
   connector's lookup costs a request that kvcache cannot help (its TTFT against vLLM alone).
 - scheduler-side cost: bursts of 32 new requests admitted in one scheduler step on kvcache; the time the
@@ -45,6 +46,7 @@ from engine_client.vllm.transfer import LayerKV, TransferIndex, Transfers, load_
 FULL: dict[str, Any] = {"layers": 8, "hidden": 1024, "heads": 16, "kv_heads": 4, "head_dim": 64, "intermediate": 2816}
 QUICK: dict[str, Any] = {"layers": 2, "hidden": 128, "heads": 2, "kv_heads": 2, "head_dim": 64, "intermediate": 256}
 PAGE, BLOCK = 16, 32
+CHAT_ROUNDS = 3
 
 
 ENGINE_ARGS = ("--max-model-len", "4096", "--kv-cache-mib", "256", "--max-num-seqs", "64",
@@ -67,12 +69,13 @@ def shared_prefix(a: EngineProcess, b: EngineProcess, doc_tokens: int) -> dict[s
             "tokens": [o["tokens"] for o in out]}
 
 
-def chat(a: EngineProcess, b: EngineProcess, chats: int) -> dict[str, Any]:
+def chat(a: EngineProcess, b: EngineProcess, chats: int, seed: int = 0) -> dict[str, Any]:
     histories: list[list[int]] = [[] for _ in range(chats)]
     chat_computed, chat_ttft, chat_tokens = 0, [], []
     for turn in range(3):
         engine = a if turn % 2 == 0 else b
-        reqs = [{"prompt": histories[c] + tokens(1000 + 10 * c + turn, 48), "max_tokens": 16} for c in range(chats)]
+        reqs = [{"prompt": histories[c] + tokens(1000 + 100 * seed + 10 * c + turn, 48), "max_tokens": 16}
+                for c in range(chats)]
         outs = engine.generate(reqs)
         for c, (r, o) in enumerate(zip(reqs, outs, strict=True)):
             histories[c] = r["prompt"] + o["tokens"]
@@ -80,7 +83,7 @@ def chat(a: EngineProcess, b: EngineProcess, chats: int) -> dict[str, Any]:
         if turn:
             chat_computed += computed(outs, reqs)
             chat_ttft += [o["ttft"] for o in outs]
-    return {"computed": chat_computed, "ttft": statistics.median(chat_ttft), "tokens": chat_tokens}
+    return {"computed": chat_computed, "ttfts": chat_ttft, "tokens": chat_tokens}
 
 
 def one_at_a_time(engines: dict[str, EngineProcess], doc_tokens: int, n: int = 8) -> dict[str, dict[str, Any]]:
@@ -178,11 +181,20 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             print(f"[vllm_bench] shared prefix, {tag}")
             results[tag]["shared"] = shared_prefix(a, b, doc_tokens)
-        for tag, (a, b) in pairs.items():
-            if tag == "late":
-                continue
-            print(f"[vllm_bench] chat, {tag}")
-            results[tag]["chat"] = chat(a, b, chats)
+        for rnd in range(CHAT_ROUNDS):  # new chats each round; a row's TTFT is the median over every round
+            for tag, (a, b) in pairs.items():
+                if tag == "late":
+                    continue
+                print(f"[vllm_bench] chat round {rnd + 1}/{CHAT_ROUNDS}, {tag}")
+                got = chat(a, b, chats, rnd)
+                if rnd == 0:
+                    results[tag]["chat"] = got
+                else:
+                    results[tag]["chat"]["ttfts"] += got["ttfts"]
+                    results[tag]["chat"]["tokens"] += got["tokens"]
+        for tag in results:
+            if "chat" in results[tag]:
+                results[tag]["chat"]["ttft"] = statistics.median(results[tag]["chat"]["ttfts"])
         print("[vllm_bench] one at a time")
         for tag, single in one_at_a_time({tag: a for tag, (a, _) in pairs.items()}, doc_tokens).items():
             results[tag]["single"] = single
@@ -230,7 +242,8 @@ def print_table(r: dict[str, Any], shape: dict[str, int], doc_tokens: int, chats
     print(f"{'':<44} {'computed':>9} {'TTFT p50':>11}   {'computed':>9} {'TTFT p50':>11}")
     print(f"{f'shared prefix: 4 docs x {doc_tokens} tok, new engine':<44} {cell('alone', 'shared')}   "
           f"{cell('kvcache', 'shared')}")
-    print(f"{f'chat: {chats} chats x 3 turns, engines A,B,A':<44} {cell('alone', 'chat')}   {cell('kvcache', 'chat')}")
+    print(f"{f'chat: {chats} chats x 3 turns, A,B,A, x{CHAT_ROUNDS}':<44} {cell('alone', 'chat')}   "
+          f"{cell('kvcache', 'chat')}")
     print(f"{f'one at a time: 8 new prompts x {doc_tokens // 4} tok':<44} {cell('alone', 'single')}   "
           f"{cell('kvcache', 'single')}")
     if "late" in r:

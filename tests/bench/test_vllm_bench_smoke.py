@@ -15,7 +15,7 @@ def test_vllm_bench_quick_prints_its_table(capsys: pytest.CaptureFixture[str]) -
     rows = {line[:44].strip(): line[44:].split() for line in out.splitlines()
             if line.startswith(("shared prefix", "chat:"))}
     rows.update({line[:44].strip(): line[44:].split() for line in out.splitlines() if line.startswith("one at a")})
-    assert list(rows) == ["shared prefix: 4 docs x 64 tok, new engine", "chat: 2 chats x 3 turns, engines A,B,A",
+    assert list(rows) == ["shared prefix: 4 docs x 64 tok, new engine", "chat: 2 chats x 3 turns, A,B,A, x3",
                           "one at a time: 8 new prompts x 16 tok"]
     assert rows["one at a time: 8 new prompts x 16 tok"][2] == str(8 * 16)  # nothing cached: every token computed
     shared = rows["shared prefix: 4 docs x 64 tok, new engine"]
