@@ -99,7 +99,7 @@ def one_at_a_time(engines: dict[str, EngineProcess], doc_tokens: int, n: int = 8
 
 def scheduler_cost(engine: EngineProcess, bursts: int, size: int) -> dict[str, float]:
     """Median over bursts of `size` new requests admitted together: connector scheduler-thread us a request."""
-    per_request, step_ms = [], []
+    per_request, waits, step_ms = [], [], []
     for i in range(bursts):
         before = engine.metrics()
         engine.generate([{"prompt": tokens(5000 + i * size + j, 64), "max_tokens": 1} for j in range(size)])
@@ -107,10 +107,12 @@ def scheduler_cost(engine: EngineProcess, bursts: int, size: int) -> dict[str, f
         engine.generate([{"prompt": [1, 2, 3], "max_tokens": 1}])  # a step that reports the counters
         after = engine.metrics()
         d = {k: after.get(f"kvcache_connector_{k}_total", 0.0) - before.get(f"kvcache_connector_{k}_total", 0.0)
-             for k in ("scheduler_seconds", "step_seconds", "steps")}
+             for k in ("scheduler_seconds", "wait_seconds", "step_seconds", "steps")}
         per_request.append(d["scheduler_seconds"] / (size + 1) * 1e6)
+        waits.append(d["wait_seconds"] / (size + 1) * 1e6)
         step_ms.append(d["step_seconds"] / max(d["steps"], 1) * 1e3)
-    return {"us_per_request": statistics.median(per_request), "step_ms": statistics.median(step_ms)}
+    return {"us_per_request": statistics.median(per_request), "wait_us": statistics.median(waits),
+            "step_ms": statistics.median(step_ms)}
 
 
 def copy_cost(shape: dict[str, int], pages: int, rounds: int) -> dict[str, float]:
@@ -253,7 +255,8 @@ def print_table(r: dict[str, Any], shape: dict[str, int], doc_tokens: int, chats
     print()
     s, c, e = r["scheduler"], r["copy"], r["engine_copy"]
     print(f"scheduler side, {burst} new requests a step: {s['us_per_request']:.1f} us a request on vLLM's scheduler "
-          f"thread (target < 100); the step's Step: {s['step_ms']:.2f} ms in the sender thread")
+          f"thread (target < 100), of which {s['wait_us']:.1f} us waiting for the Step's reply (bounded, once a "
+          f"step); the step's Step: {s['step_ms']:.2f} ms in the sender thread")
     print(f"worker side, one page = {c['page_kib']:.0f} KiB ({shape['layers']} layers, K+V): load "
           f"{c['load_us']:.2f} us, save {c['save_us']:.2f} us a page (the copy code, full pages, median); in the "
           f"engines: load {e['load_us']:.2f} us, save {e['save_us']:.2f} us a page touched (decode saves one token "

@@ -19,6 +19,7 @@ COUNTER_HELP: dict[str, str] = {
     "steps": "Step calls sent to kvcache (one per scheduler step with cache work)",
     "step_seconds": "time those Step calls took (in the connector's sender thread)",
     "scheduler_seconds": "time spent in the connector's scheduler-side hooks, on vLLM's scheduler thread",
+    "wait_seconds": "of scheduler_seconds, time waiting (bounded, once a step) for a Step's reply",
     "commits": "requests whose KV was committed to kvcache at their finish",
     "load_tokens": "tokens of KV copied from the kvcache pool into vLLM's blocks",
     "load_pages": "kvcache pages those loads read",
@@ -42,6 +43,7 @@ class Counters:
     steps: int = 0
     step_seconds: float = 0.0
     scheduler_seconds: float = 0.0
+    wait_seconds: float = 0.0
     commits: int = 0
     load_tokens: int = 0
     load_pages: int = 0

@@ -222,7 +222,7 @@ class SchedulerSide:
             if r.state in (_QUEUED, _SENT):
                 if r.state == _SENT and not self._waited and self.config.lookup_wait_seconds > 0:
                     self._waited = True  # wait at most once per scheduler step, for the batched Step
-                    self._sender.wait_for(r.ticket, self.config.lookup_wait_seconds)
+                    self._wait(r.ticket)
                     self._drain()
                 if r.state in (_QUEUED, _SENT):
                     return None
@@ -417,7 +417,7 @@ class SchedulerSide:
         if chat is not None and chat.committing and self._up:
             if chat.commit_ticket >= 0 and not self._waited and self.config.lookup_wait_seconds > 0:
                 self._waited = True
-                self._sender.wait_for(chat.commit_ticket, self.config.lookup_wait_seconds)
+                self._wait(chat.commit_ticket)
                 self._drain()
             if chat.committing and self._up:
                 return
@@ -425,6 +425,12 @@ class SchedulerSide:
             self._skip(r)
             return
         self._admit_turn(r, chat_id, salt, r.chat_close)
+
+    def _wait(self, ticket: int) -> None:
+        """Wait for the sender's job `ticket`, at most `lookup_wait_seconds` (the caller waits once a step)."""
+        start = self._clock()
+        self._sender.wait_for(ticket, self.config.lookup_wait_seconds)
+        self.counters.wait_seconds += self._clock() - start
 
     def _lookup_regular(self, r: _Req, salt: str) -> None:
         sess = _Sess(f"{self._engine_id}:{r.req_id}", False, salt, self._generation)
