@@ -101,6 +101,8 @@ def test_a_chat_turn_waits_for_the_previous_turns_commit(server: ServerProcess) 
         # a regular request on an idle engine: its open and append go at once, answered in the step that asked
         r3 = req("r3", np.random.default_rng(3).integers(1, 500, 40).tolist())
         assert ask(side, r3) == (0, 0)
+        counters = side.take_counters()
+        assert counters["lookups"] == 3 and counters["wait_seconds"] > 0  # it waited for those Steps' replies
     finally:
         side.close()
     with KVCacheClient(server.target) as client:  # the connector's lease ended: its session closed into the radix
