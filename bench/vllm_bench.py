@@ -1,0 +1,267 @@
+"""vLLM alone against vLLM on kvcache (`KVCacheConnector`), same model, same run.
+
+    .venv/bin/python -m bench.vllm_bench            # 8 layers x 1024 hidden (prefill dominates on a CPU)
+    .venv/bin/python -m bench.vllm_bench --quick    # the tiny test model, no vLLM-alone baseline (the smoke test)
+
+The engines are real vLLM processes (`.venv-vllm`, `make vllm-setup`) driven through
+`engine_client.vllm.driver`, a pair per side (engine A and engine B, like two replicas behind a router), on a
+random-initialised Llama, greedy. All four run at once and each workload runs on vLLM alone, then on
+kvcache, back to back (the machine is shared: the two sides of a row are measured close in time). Workloads:
+
+- shared prefix: A answers one question on each of 4 documents, then B answers other questions on the same
+  documents. Reported for B: prompt tokens it computed and its median time to first token.
+- multi-turn chat: 4 chats of 3 turns, turns alternating A, B, A (no session affinity: each turn's prompt is
+  the whole conversation, kvcache finds it through its radix), in 3 rounds of new chats. Reported for turns
+  2 and 3: prompt tokens computed in one round, TTFT median over every round.
+- one at a time: 8 new prompts (nothing cached anywhere) sent one by one to an idle engine: what the
+  connector's lookup costs a request that kvcache cannot help (its TTFT against vLLM alone).
+- scheduler-side cost: bursts of 32 new requests admitted in one scheduler step on kvcache; the time the
+  connector's scheduler hooks take on vLLM's scheduler thread, per request (the Step itself runs in the
+  connector's sender thread, reported beside it).
+- worker-side copy cost per page (all layers): from the engines' counters, and an in-process measure of
+  the same copy code on the bench model's layout (median of rounds).
+
+Tokens with kvcache must equal vLLM alone. The machine is shared: times are medians, read them as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bench.common import REPO, machine_load
+from engine_client import KVCacheClient
+from engine_client.vllm.demo import KVCacheService, computed, tokens
+from engine_client.vllm.driver import EngineProcess, save_model
+from engine_client.vllm.transfer import LayerKV, TransferIndex, Transfers, load_layer, save_layer
+
+FULL: dict[str, Any] = {"layers": 8, "hidden": 1024, "heads": 16, "kv_heads": 4, "head_dim": 64, "intermediate": 2816}
+QUICK: dict[str, Any] = {"layers": 2, "hidden": 128, "heads": 2, "kv_heads": 2, "head_dim": 64, "intermediate": 256}
+PAGE, BLOCK = 16, 32
+CHAT_ROUNDS = 3
+
+
+ENGINE_ARGS = ("--max-model-len", "4096", "--kv-cache-mib", "256", "--max-num-seqs", "64",
+               "--max-num-batched-tokens", "8192")
+
+
+def engines(python: Path, model: Path, work: Path, tag: str, target: str) -> tuple[EngineProcess, EngineProcess]:
+    a = EngineProcess(python, model, work / f"{tag}-a.log", kvcache=target, args=ENGINE_ARGS, cwd=REPO)
+    b = EngineProcess(python, model, work / f"{tag}-b.log", kvcache=target, args=ENGINE_ARGS, cwd=REPO)
+    return a, b
+
+
+def shared_prefix(a: EngineProcess, b: EngineProcess, doc_tokens: int) -> dict[str, Any]:
+    docs = [tokens(i, doc_tokens) for i in range(4)]
+    first = [{"prompt": d + tokens(100 + i, 32), "max_tokens": 8} for i, d in enumerate(docs)]
+    second = [{"prompt": d + tokens(200 + i, 32), "max_tokens": 8} for i, d in enumerate(docs)]
+    a.generate(first)
+    out = b.generate(second)
+    return {"computed": computed(out, second), "ttft": statistics.median(o["ttft"] for o in out),
+            "tokens": [o["tokens"] for o in out]}
+
+
+def chat(a: EngineProcess, b: EngineProcess, chats: int, seed: int = 0) -> dict[str, Any]:
+    histories: list[list[int]] = [[] for _ in range(chats)]
+    chat_computed, chat_ttft, chat_tokens = 0, [], []
+    for turn in range(3):
+        engine = a if turn % 2 == 0 else b
+        reqs = [{"prompt": histories[c] + tokens(1000 + 100 * seed + 10 * c + turn, 48), "max_tokens": 16}
+                for c in range(chats)]
+        outs = engine.generate(reqs)
+        for c, (r, o) in enumerate(zip(reqs, outs, strict=True)):
+            histories[c] = r["prompt"] + o["tokens"]
+            chat_tokens.append(o["tokens"])
+        if turn:
+            chat_computed += computed(outs, reqs)
+            chat_ttft += [o["ttft"] for o in outs]
+    return {"computed": chat_computed, "ttfts": chat_ttft, "tokens": chat_tokens}
+
+
+def one_at_a_time(engines: dict[str, EngineProcess], doc_tokens: int, n: int = 8) -> dict[str, dict[str, Any]]:
+    """`n` new prompts, each sent alone to every engine in turn (side by side in time), nothing to hit."""
+    outs: dict[str, list[dict[str, Any]]] = {tag: [] for tag in engines}
+    singles = [{"prompt": tokens(3000 + i, doc_tokens // 4), "max_tokens": 4} for i in range(n)]
+    for r in singles:
+        for tag, engine in engines.items():
+            outs[tag].append(engine.generate([dict(r, cache_salt=tag)])[0])  # a salt each: no engine hits another's
+    return {tag: {"computed": computed(o, singles), "ttft": statistics.median(x["ttft"] for x in o),
+                  "tokens": [x["tokens"] for x in o]} for tag, o in outs.items()}
+
+
+def scheduler_cost(engine: EngineProcess, bursts: int, size: int) -> dict[str, float]:
+    """Median over bursts of `size` new requests admitted together: connector scheduler-thread us a request."""
+    per_request, waits, step_ms = [], [], []
+    for i in range(bursts):
+        before = engine.metrics()
+        engine.generate([{"prompt": tokens(5000 + i * size + j, 64), "max_tokens": 1} for j in range(size)])
+        time.sleep(0.3)  # let the finishes' Step come back and be counted
+        engine.generate([{"prompt": [1, 2, 3], "max_tokens": 1}])  # a step that reports the counters
+        after = engine.metrics()
+        d = {k: after.get(f"kvcache_connector_{k}_total", 0.0) - before.get(f"kvcache_connector_{k}_total", 0.0)
+             for k in ("scheduler_seconds", "wait_seconds", "step_seconds", "steps")}
+        per_request.append(d["scheduler_seconds"] / (size + 1) * 1e6)
+        waits.append(d["wait_seconds"] / (size + 1) * 1e6)
+        step_ms.append(d["step_seconds"] / max(d["steps"], 1) * 1e3)
+    return {"us_per_request": statistics.median(per_request), "wait_us": statistics.median(waits),
+            "step_ms": statistics.median(step_ms)}
+
+
+def copy_cost(shape: dict[str, int], pages: int, rounds: int) -> dict[str, float]:
+    """The connector's copy code on the bench model's layout: us per page (all layers) to load and save."""
+    layers, heads, dim = shape["layers"], shape["kv_heads"], shape["head_dim"]
+    num_blocks = pages * PAGE // BLOCK + 8
+    pool = torch.randn(layers, 2, pages + 8, PAGE, heads, dim)
+    vllm = [torch.zeros(num_blocks, heads, BLOCK, 2 * dim) for _ in range(layers)]
+    from engine_client.vllm.transfer import layer_kv
+
+    views: list[LayerKV] = [layer_kv(t, "CPU_ATTN", block_size=BLOCK, num_heads=heads, head_dim=dim, variant="vec")
+                            for t in vllm]
+    rng = np.random.default_rng(0)
+    page_ids = rng.permutation(np.arange(1, pages + 8, dtype=np.int32))[:pages]
+    block_ids = rng.permutation(np.arange(num_blocks, dtype=np.int32))[: pages * PAGE // BLOCK]
+    t = Transfers.build([(0, pages * PAGE, page_ids, block_ids)])
+    index = TransferIndex.build(t, page_size=PAGE, block_size=BLOCK)
+    load, save = [], []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for layer in range(layers):
+            load_layer(pool[layer], views[layer], index)
+        load.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        for layer in range(layers):
+            save_layer(views[layer], pool[layer], index)
+        save.append(time.perf_counter() - start)
+    page_bytes = layers * 2 * PAGE * heads * dim * 4
+    return {"load_us": statistics.median(load) / pages * 1e6, "save_us": statistics.median(save) / pages * 1e6,
+            "page_kib": page_bytes / 1024}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.vllm_bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny model, small workloads, no vLLM-alone baseline")
+    p.add_argument("--vllm-python", default=str(REPO / ".venv-vllm" / "bin" / "python"))
+    args = p.parse_args(argv)
+    python = Path(args.vllm_python)
+    if not python.exists():
+        print(f"[vllm_bench] {python} is missing: run `make vllm-setup`")
+        return 1
+    shape = QUICK if args.quick else FULL
+    doc_tokens, chats = (64, 2) if args.quick else (1024, 4)
+    bursts, burst = (2, 8) if args.quick else (5, 32)
+    work = Path(tempfile.mkdtemp(prefix="kvcache-vllm-bench-"))
+    print(f"[vllm_bench] machine load {machine_load()}; model: random Llama {shape['layers']} layers x "
+          f"{shape['hidden']} hidden, {shape['kv_heads']} KV heads of {shape['head_dim']}, float32; logs in {work}")
+    model = save_model("llama", work / "model", **shape)
+    service = KVCacheService(work / "kvcache.log", layers=shape["layers"], kv_heads=shape["kv_heads"],
+                             head_dim=shape["head_dim"], num_pages=8192)
+    results: dict[str, Any] = {}
+    pairs: dict[str, tuple[EngineProcess, EngineProcess]] = {}
+    try:
+        # every engine up first, then each workload on vLLM alone and on kvcache back to back: the machine is
+        # shared, so the two sides of a row are measured as close together in time as they can be
+        for tag, target in ([("kvcache", service.target)] if args.quick else
+                            [("alone", ""), ("kvcache", service.target)]):
+            print(f"[vllm_bench] starting engines A and B ({'vLLM alone' if not target else 'on kvcache'})")
+            pairs[tag] = engines(python, model, work, tag, target)
+        if not args.quick:  # one more engine on kvcache whose idle lookups are answered in the step that asks
+            print("[vllm_bench] starting engine C (on kvcache, kvcache_lookup_in_step=true)")
+            late = EngineProcess(python, model, work / "late.log", kvcache=service.target, args=ENGINE_ARGS, cwd=REPO,
+                                 extra={"kvcache_lookup_in_step": True})
+            pairs["late"] = (late, late)
+        results.update({tag: {} for tag in pairs})
+        for tag, (a, b) in pairs.items():
+            if tag == "late":
+                continue
+            print(f"[vllm_bench] shared prefix, {tag}")
+            results[tag]["shared"] = shared_prefix(a, b, doc_tokens)
+        for rnd in range(CHAT_ROUNDS):  # new chats each round; a row's TTFT is the median over every round
+            for tag, (a, b) in pairs.items():
+                if tag == "late":
+                    continue
+                print(f"[vllm_bench] chat round {rnd + 1}/{CHAT_ROUNDS}, {tag}")
+                got = chat(a, b, chats, rnd)
+                if rnd == 0:
+                    results[tag]["chat"] = got
+                else:
+                    results[tag]["chat"]["ttfts"] += got["ttfts"]
+                    results[tag]["chat"]["tokens"] += got["tokens"]
+        for tag in results:
+            if "chat" in results[tag]:
+                results[tag]["chat"]["ttft"] = statistics.median(results[tag]["chat"]["ttfts"])
+        print("[vllm_bench] one at a time")
+        for tag, single in one_at_a_time({tag: a for tag, (a, _) in pairs.items()}, doc_tokens).items():
+            results[tag]["single"] = single
+        a, b = pairs["kvcache"]
+        print("[vllm_bench] scheduler-side cost")
+        results["scheduler"] = scheduler_cost(a, bursts, burst)
+        m = [e.metrics() for e in (a, b)]
+        total = {k: sum(x.get(f"kvcache_connector_{k}_total", 0.0) for x in m)
+                 for k in ("load_seconds", "load_pages", "save_seconds", "save_pages")}
+        results["engine_copy"] = {"load_us": total["load_seconds"] / max(total["load_pages"], 1) * 1e6,
+                                  "save_us": total["save_seconds"] / max(total["save_pages"], 1) * 1e6}
+        for engine in {e for pair in pairs.values() for e in pair}:
+            engine.close()
+        pairs.clear()
+        with KVCacheClient(service.target) as client:  # the engines are gone: nothing left locked or in flight
+            st = client.get_stats(verify=True)
+        results["invariant"] = st.verified and st.accounting_holds and st.sessions_in_turn == 0
+    finally:
+        for engine in {e for pair in pairs.values() for e in pair}:
+            engine.close()
+        service.close()
+    results["copy"] = copy_cost(shape, pages=64 if args.quick else 256, rounds=5 if args.quick else 20)
+    print_table(results, shape, doc_tokens, chats, burst)
+    print(f"[vllm_bench] kvcache's accounting invariant after the run: {'holds' if results['invariant'] else 'BROKEN'}")
+    if not results["invariant"]:
+        return 1
+    if "alone" in results:
+        same = all(results["alone"][w]["tokens"] == results["kvcache"][w]["tokens"]
+                   for w in ("shared", "chat", "single")) and results["late"]["single"]["tokens"] == \
+            results["alone"]["single"]["tokens"]
+        print(f"[vllm_bench] tokens equal to vLLM alone: {'yes' if same else 'NO'}")
+        return 0 if same else 1
+    return 0
+
+
+def print_table(r: dict[str, Any], shape: dict[str, int], doc_tokens: int, chats: int, burst: int) -> None:
+    def cell(tag: str, workload: str) -> str:
+        if tag not in r:
+            return f"{'-':>9} {'-':>11}"
+        w = r[tag][workload]
+        return f"{w['computed']:>9} {w['ttft'] * 1000:>8.1f} ms"
+
+    print()
+    print(f"{'workload (engine B / turns 2-3)':<44} {'vLLM alone':>21}   {'vLLM on kvcache':>21}")
+    print(f"{'':<44} {'computed':>9} {'TTFT p50':>11}   {'computed':>9} {'TTFT p50':>11}")
+    print(f"{f'shared prefix: 4 docs x {doc_tokens} tok, new engine':<44} {cell('alone', 'shared')}   "
+          f"{cell('kvcache', 'shared')}")
+    print(f"{f'chat: {chats} chats x 3 turns, A,B,A, x{CHAT_ROUNDS}':<44} {cell('alone', 'chat')}   "
+          f"{cell('kvcache', 'chat')}")
+    print(f"{f'one at a time: 8 new prompts x {doc_tokens // 4} tok':<44} {cell('alone', 'single')}   "
+          f"{cell('kvcache', 'single')}")
+    if "late" in r:
+        late = r["late"]["single"]
+        print(f"{'  the same, kvcache_lookup_in_step=true':<44} {'':>21}   {late['computed']:>9} "
+              f"{late['ttft'] * 1000:>8.1f} ms")
+    print()
+    s, c, e = r["scheduler"], r["copy"], r["engine_copy"]
+    print(f"scheduler side, {burst} new requests a step: {s['us_per_request']:.1f} us a request on vLLM's scheduler "
+          f"thread (target < 100), of which {s['wait_us']:.1f} us waiting for the Step's reply (bounded, once a "
+          f"step); the step's Step: {s['step_ms']:.2f} ms in the sender thread")
+    print(f"worker side, one page = {c['page_kib']:.0f} KiB ({shape['layers']} layers, K+V): load "
+          f"{c['load_us']:.2f} us, save {c['save_us']:.2f} us a page (the copy code, full pages, median); in the "
+          f"engines: load {e['load_us']:.2f} us, save {e['save_us']:.2f} us a page touched (decode saves one token "
+          "a step)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

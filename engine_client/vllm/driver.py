@@ -1,0 +1,312 @@
+"""A vLLM engine behind a JSON-lines pipe: one engine start serves many requests (the demo, the benchmark
+and the tests use it; an engine takes ~20 s to start on a small CPU machine).
+
+    python -m engine_client.vllm.driver --model DIR [--kvcache 127.0.0.1:50051] [--block-size 32] ...
+    python -m engine_client.vllm.driver save-model --family llama --out DIR [--layers 2 --hidden 128 ...]
+
+The engine is `vllm.LLM` with token-id prompts (no tokenizer), greedy sampling, float32 by default; with
+`--kvcache` it runs on kvcache through `KVCacheConnector`. It prints `{"ready": true, ...}` once started,
+then answers one JSON line per command line read on stdin:
+
+    {"cmd": "generate", "requests": [{"prompt": [1, 2, 3], "max_tokens": 8, "cache_salt": "a",
+                                      "kv_transfer_params": {"kvcache_session_id": "chat-1"},
+                                      "abort_after_tokens": 2}]}
+    -> {"outputs": [{"tokens": [...], "num_cached_tokens": 32, "ttft": 0.01, "finish_reason": "length",
+                     "kv_transfer_params": {...}}], "seconds": 0.2}
+    {"cmd": "metrics"}  -> {"metrics": {"kvcache_connector_hit_tokens_total": 64.0, ...}}
+    {"cmd": "exit"}
+
+Every request of a `generate` is added at once and the engine is stepped until all finish; `ttft` is the
+time from then to the request's first token. `abort_after_tokens` aborts a request once it has that many.
+vLLM's own output goes to stderr; stdout carries only the protocol.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+__all__ = ["FAMILIES", "DriverError", "EngineProcess", "connector_config", "main", "save_model"]
+
+FAMILIES = ("llama", "qwen2")
+
+
+def connector_config(target: str, **extra: Any) -> dict[str, Any]:
+    """The `kv_transfer_config` that runs vLLM on kvcache at `target`."""
+    return {"kv_connector": "KVCacheConnector", "kv_connector_module_path": "engine_client.vllm",
+            "kv_role": "kv_both", "kv_connector_extra_config": {"kvcache_target": target, **extra}}
+
+
+def save_model(family: str, out: str | Path, *, layers: int = 2, hidden: int = 128, heads: int = 2,
+               kv_heads: int = 2, head_dim: int = 64, intermediate: int = 256, vocab: int = 512, seed: int = 0,
+               dtype: str = "float32") -> Path:
+    """A random-initialised checkpoint of `family` ("llama" or "qwen2") saved in `out` (nothing downloaded)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    shape = {"vocab_size": vocab, "hidden_size": hidden, "intermediate_size": intermediate,
+             "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+             "head_dim": head_dim, "max_position_embeddings": 4096, "tie_word_embeddings": False}
+    torch.manual_seed(seed)
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**shape))
+    elif family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**shape, use_sliding_window=False))
+    else:
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    model = model.to(getattr(torch, dtype))
+    model.config.torch_dtype = dtype
+    out = Path(out)
+    model.save_pretrained(out)
+    return out
+
+
+class DriverError(RuntimeError):
+    """The engine process failed to start, exited, answered an error or did not answer in time."""
+
+
+class EngineProcess:
+    """The other end of the pipe: starts `python -m engine_client.vllm.driver` with `python` (a vLLM venv's)
+    and waits for it to be ready. `generate`, `metrics`, `close`."""
+
+    def __init__(self, python: str | Path, model: str | Path, log: str | Path, *, kvcache: str = "",
+                 extra: dict[str, Any] | None = None, args: tuple[str, ...] = (), cwd: str | Path | None = None,
+                 env: dict[str, str] | None = None, start_timeout: float = 300.0) -> None:
+        cmd = [str(python), "-m", "engine_client.vllm.driver", "--model", str(model), *args]
+        if kvcache:
+            cmd += ["--kvcache", kvcache, "--kvcache-extra", json.dumps(extra or {})]
+        self.log_path = Path(log)
+        self._log = open(self.log_path, "wb")  # noqa: SIM115
+        libiomp = Path(python).resolve().parent.parent / "lib" / "libiomp5.so"
+        full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                    "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"), **(env or {})}
+        if libiomp.exists():
+            full_env["LD_PRELOAD"] = str(libiomp)
+        self.proc = subprocess.Popen(cmd, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+                                     text=True, env=full_env)
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.ready = self._answer(start_timeout, "start")
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def _answer(self, timeout: float, what: str) -> dict[str, Any]:
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise DriverError(f"vLLM engine: no answer to {what} within {timeout} s; log:\n{self.log_tail()}"
+                              ) from None
+        if line is None:
+            raise DriverError(f"vLLM engine exited during {what}; log:\n{self.log_tail()}")
+        answer: dict[str, Any] = json.loads(line)
+        if "error" in answer:
+            raise DriverError(f"vLLM engine: {answer['error']}; log:\n{self.log_tail()}")
+        return answer
+
+    def command(self, cmd: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._answer(timeout, str(cmd.get("cmd")))
+
+    def generate(self, requests: list[dict[str, Any]], timeout: float = 600.0) -> list[dict[str, Any]]:
+        outputs: list[dict[str, Any]] = self.command({"cmd": "generate", "requests": requests}, timeout)["outputs"]
+        return outputs
+
+    def metrics(self) -> dict[str, float]:
+        metrics: dict[str, float] = self.command({"cmd": "metrics"})["metrics"]
+        return metrics
+
+    def log_text(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self, n: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-n:])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                EngineProcess.command(self, {"cmd": "exit"}, timeout=60)
+                self.proc.wait(timeout=60)
+            except (DriverError, BrokenPipeError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(timeout=60)
+        self._log.close()
+
+    def __enter__(self) -> EngineProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m engine_client.vllm.driver", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="a checkpoint directory (see save-model)")
+    p.add_argument("--kvcache", default="", help="kvcache target (host:port or unix:/path); empty: vLLM alone")
+    p.add_argument("--kvcache-extra", default="{}", help="more kv_connector_extra_config keys, as JSON")
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--num-blocks", type=int, default=0, help="vLLM's KV blocks (0: from --kv-cache-mib)")
+    p.add_argument("--kv-cache-mib", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--no-prefix-caching", action="store_true", help="turn vLLM's own prefix cache off")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip the one 8-token request run before 'ready' (a new engine's first forward is slow)")
+    return p.parse_args(argv)
+
+
+def _save_model_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m engine_client.vllm.driver save-model")
+    p.add_argument("--family", choices=FAMILIES, default="llama")
+    p.add_argument("--out", required=True)
+    for name, default in (("layers", 2), ("hidden", 128), ("heads", 2), ("kv-heads", 2), ("head-dim", 64),
+                          ("intermediate", 256), ("vocab", 512), ("seed", 0)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    a = p.parse_args(argv)
+    path = save_model(a.family, a.out, layers=a.layers, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads,
+                      head_dim=a.head_dim, intermediate=a.intermediate, vocab=a.vocab, seed=a.seed)
+    print(f"saved a random {a.family} ({a.layers} layers, hidden {a.hidden}, {a.kv_heads} KV heads of {a.head_dim}) "
+          f"in {path}")
+    return 0
+
+
+class Engine:
+    def __init__(self, args: argparse.Namespace) -> None:
+        from vllm import LLM
+
+        kwargs: dict[str, Any] = {}
+        if args.kvcache:
+            kwargs["kv_transfer_config"] = connector_config(args.kvcache, **json.loads(args.kvcache_extra))
+        if args.num_blocks:
+            kwargs["num_gpu_blocks_override"] = args.num_blocks
+        self.llm = LLM(model=args.model, skip_tokenizer_init=True, dtype=args.dtype, block_size=args.block_size,
+                       max_model_len=args.max_model_len, enforce_eager=True,
+                       kv_cache_memory_bytes=args.kv_cache_mib << 20, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens,
+                       enable_prefix_caching=not args.no_prefix_caching, disable_log_stats=False, seed=0,
+                       **kwargs)
+        self.engine = self.llm.llm_engine
+        self._next_id = 0
+
+    def generate(self, requests: list[dict[str, Any]]) -> dict[str, Any]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        ids, abort_after = [], {}
+        start = time.perf_counter()
+        for spec in requests:
+            rid = f"r{self._next_id}"
+            self._next_id += 1
+            extra = {"kv_transfer_params": spec["kv_transfer_params"]} if spec.get("kv_transfer_params") else None
+            params = SamplingParams(temperature=0.0, max_tokens=int(spec.get("max_tokens", 8)), ignore_eos=True,
+                                    detokenize=False, extra_args=extra)
+            prompt = TokensPrompt(prompt_token_ids=[int(t) for t in spec["prompt"]])
+            if spec.get("cache_salt"):
+                prompt["cache_salt"] = spec["cache_salt"]
+            self.engine.add_request(rid, prompt, params)
+            ids.append(rid)
+            if spec.get("abort_after_tokens") is not None:
+                abort_after[rid] = int(spec["abort_after_tokens"])
+        results: dict[str, dict[str, Any]] = {}
+        firsts: dict[str, float] = {}
+        while len(results) < len(ids):
+            for out in self.engine.step():
+                rid = out.request_id
+                tokens = list(out.outputs[0].token_ids) if out.outputs else []
+                if tokens and rid not in firsts:
+                    firsts[rid] = time.perf_counter() - start
+                if rid in abort_after and len(tokens) >= abort_after[rid] and not out.finished:
+                    self.engine.abort_request([rid])
+                    del abort_after[rid]
+                    results[rid] = self._result(out, tokens, firsts.get(rid), "abort")
+                    continue
+                if out.finished and rid not in results:
+                    results[rid] = self._result(out, tokens, firsts.get(rid),
+                                                out.outputs[0].finish_reason if out.outputs else None)
+        return {"outputs": [results[r] for r in ids], "seconds": time.perf_counter() - start}
+
+    @staticmethod
+    def _result(out: Any, tokens: list[int], ttft: float | None, reason: str | None) -> dict[str, Any]:
+        return {"tokens": tokens, "num_cached_tokens": out.num_cached_tokens or 0, "ttft": ttft,
+                "finish_reason": reason, "kv_transfer_params": out.kv_transfer_params}
+
+    def metrics(self) -> dict[str, float]:
+        """The connector's counters (`kvcache_connector_*`) and vLLM's prompt and prefix-cache counters, summed
+        over their labels, from the Prometheus registry vLLM's stat logger fills."""
+        from prometheus_client import REGISTRY
+
+        out: dict[str, float] = {}
+        for family in REGISTRY.collect():
+            for sample in family.samples:
+                name = sample.name
+                if name.endswith("_created") or not name.startswith(_METRICS):
+                    continue
+                out[name] = out.get(name, 0.0) + float(sample.value)
+        return out
+
+
+_METRICS = ("kvcache_", "vllm:prompt_tokens", "vllm:prefix_cache", "vllm:external_prefix_cache",
+            "vllm:num_preemptions", "vllm:request_prefill_kv_computed_tokens")
+
+
+def serve(args: argparse.Namespace, proto: TextIO) -> int:
+    start = time.perf_counter()
+    engine = Engine(args)
+    if not args.no_warmup:
+        engine.generate([{"prompt": list(range(1, 9)), "max_tokens": 2}])
+
+    def say(obj: dict[str, Any]) -> None:
+        proto.write(json.dumps(obj) + "\n")
+        proto.flush()
+
+    say({"ready": True, "seconds": round(time.perf_counter() - start, 2), "kvcache": args.kvcache or None})
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            cmd = json.loads(line)
+            if cmd["cmd"] == "generate":
+                say(engine.generate(cmd["requests"]))
+            elif cmd["cmd"] == "metrics":
+                say({"metrics": engine.metrics()})
+            elif cmd["cmd"] == "exit":
+                say({"bye": True})
+                break
+            else:
+                say({"error": f"unknown cmd {cmd['cmd']!r}"})
+        except Exception as e:  # the caller gets the reason; the engine stays up
+            say({"error": f"{type(e).__name__}: {e}"})
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "save-model":
+        return _save_model_main(argv[1:])
+    args = _parse(argv)
+    # The protocol keeps the real stdout; everything else written to fd 1 (vLLM's logs, its engine processes)
+    # goes to stderr.
+    proto = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return serve(args, proto)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

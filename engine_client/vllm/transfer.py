@@ -1,0 +1,211 @@
+"""Copies between vLLM's paged KV and the kvcache pool: one batched index copy per layer and direction.
+
+vLLM owns its KV memory (it allocates one tensor per layer), so a load copies pool pages into vLLM's
+blocks and a save copies what vLLM computed into the session's pages. Both sides are paged, with
+different page sizes and layouts:
+
+- the pool: `pool[layer]` is `[2, num_pages, page_size, heads, dim]` (K then V), token-major;
+- vLLM: a per-layer tensor whose layout belongs to the attention backend. `LAYOUTS` maps each backend
+  name this module knows to a function that views the tensor as K and V, each `[blocks, block_size,
+  heads, dim]` (strided views, never copies). Any other backend is refused with its name and shape.
+
+A transfer moves positions `[start, end)` of one request; a step's transfers become one set of index
+arrays (`TransferIndex`, built with numpy, nothing per token in Python) and each layer is then two
+`index_put_`s (K and V) in one direction.
+
+On CPU the same index copies run through numpy views of the same memory (bit-exact: elements are moved as
+integers of their size), on the calling thread. torch would split them across vLLM's OpenMP threads (its
+CPU worker binds one per core and forbids `torch.set_num_threads` after that), and a copy split across
+threads waits at OpenMP barriers for any thread the OS has descheduled: on this shared 2-core machine the
+copy of a 256 KiB page (8 layers) took ~56 us on one thread and 0.9-1.0 ms on two under load (the engines
+measured 3.5-3.8 ms a page). A strided copy is memory-bound, so one thread costs at most ~2x on idle cores.
+Page-granular variants (one index per page: `index_put_` on a `[blocks, pages per block, ...]` view, or
+`index_copy_` of contiguous rows) were measured too and were slower (98-114 us a page) than this token
+index, whose inner runs are a head's `dim` values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+__all__ = ["LAYOUTS", "KVLayoutError", "LayerKV", "TransferIndex", "Transfers", "layer_kv", "load_layer",
+           "save_layer"]
+
+Int64Array = npt.NDArray[np.int64]
+Int32Array = npt.NDArray[np.int32]
+
+
+class KVLayoutError(ValueError):
+    """vLLM's KV tensor is not in a layout this connector can copy; the message names backend and shape."""
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """One layer of vLLM's KV as K and V views, each `[blocks, block_size, heads, dim]`."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def block_size(self) -> int:
+        return int(self.k.shape[1])
+
+
+def _cpu_attn(kv: torch.Tensor, block_size: int, num_heads: int, head_dim: int, variant: str) -> LayerKV:
+    """vLLM 0.32's CPU attention with the `vec`/`vec16` kernels: `[blocks, heads, block_size, 2 * dim]`, each
+    (block, head) holding its K as `[dim, block_size]` (dim-major, for the kernel's dot products) and then
+    its V as `[block_size, dim]`. Other kernels (`amx`, `neon`, ...) pack K differently: refused."""
+    if variant not in ("vec", "vec16"):
+        raise KVLayoutError(f"CPU_ATTN with the {variant!r} kernel packs K in a layout the kvcache connector does "
+                            "not read (it reads the 'vec' and 'vec16' kernels' layout)")
+    if kv.dim() != 4 or tuple(kv.shape[1:]) != (num_heads, block_size, 2 * head_dim):
+        raise KVLayoutError(f"CPU_ATTN KV of shape {tuple(kv.shape)} is not [blocks, {num_heads}, {block_size}, "
+                            f"{2 * head_dim}]")
+    if kv.stride(3) != 1 or kv.stride(2) != 2 * head_dim or kv.stride(1) != block_size * 2 * head_dim:
+        raise KVLayoutError(f"CPU_ATTN KV with strides {kv.stride()} is not packed per block")
+    halves = kv.view(kv.shape[0], num_heads, 2, block_size * head_dim)
+    k = halves[:, :, 0].view(kv.shape[0], num_heads, head_dim, block_size).permute(0, 3, 1, 2)
+    v = halves[:, :, 1].view(kv.shape[0], num_heads, block_size, head_dim).permute(0, 2, 1, 3)
+    return LayerKV(k=k, v=v)
+
+
+LAYOUTS: dict[str, Callable[[torch.Tensor, int, int, int, str], LayerKV]] = {"CPU_ATTN": _cpu_attn}
+"""Attention backend name (vLLM's `get_name()`) -> the function that views one layer's KV tensor, given the
+backend's kernel variant (CPU_ATTN: the layer's `isa`)."""
+
+
+def layer_kv(kv: torch.Tensor, backend: str, *, block_size: int, num_heads: int, head_dim: int,
+             variant: str = "") -> LayerKV:
+    """View `kv`, a layer's KV tensor from attention backend `backend` (kernel `variant`), as K and V."""
+    view = LAYOUTS.get(backend)
+    if view is None:
+        raise KVLayoutError(f"the kvcache connector cannot read the KV layout of attention backend {backend!r} "
+                            f"(tensor shape {tuple(kv.shape)}, strides {kv.stride()}); it knows "
+                            f"{', '.join(sorted(LAYOUTS))}")
+    return view(kv, block_size, num_heads, head_dim, variant)
+
+
+@dataclass(frozen=True)
+class Transfers:
+    """Position ranges of a step's requests, with the page and block ids that hold them (numpy, picklable).
+
+    Transfer `t` covers positions `[starts[t], ends[t])`. Its pool pages are `pages[page_base[t]:]`, the
+    first being the page that holds position `starts[t]`; its vLLM blocks are `blocks[block_base[t]:]`,
+    the first holding `starts[t]`.
+    """
+
+    starts: Int64Array
+    ends: Int64Array
+    pages: Int32Array
+    page_base: Int64Array
+    blocks: Int32Array
+    block_base: Int64Array
+
+    @classmethod
+    def empty(cls) -> Transfers:
+        z64, z32 = np.zeros(0, np.int64), np.zeros(0, np.int32)
+        return cls(z64, z64, z32, z64, z32, z64)
+
+    @classmethod
+    def build(cls, ranges: list[tuple[int, int, Int32Array, Int32Array]]) -> Transfers:
+        """From `(start, end, pages, blocks)` per transfer, `pages`/`blocks` beginning at start's page/block."""
+        if not ranges:
+            return cls.empty()
+        starts = np.fromiter((r[0] for r in ranges), np.int64, len(ranges))
+        ends = np.fromiter((r[1] for r in ranges), np.int64, len(ranges))
+        page_sizes = np.fromiter((r[2].size for r in ranges), np.int64, len(ranges))
+        block_sizes = np.fromiter((r[3].size for r in ranges), np.int64, len(ranges))
+        return cls(starts, ends, np.concatenate([r[2] for r in ranges]).astype(np.int32, copy=False),
+                   np.cumsum(page_sizes) - page_sizes, np.concatenate([r[3] for r in ranges]).astype(np.int32,
+                                                                                               copy=False),
+                   np.cumsum(block_sizes) - block_sizes)
+
+    def __len__(self) -> int:
+        return int(self.starts.size)
+
+    @property
+    def num_tokens(self) -> int:
+        return int((self.ends - self.starts).sum())
+
+    def num_pages(self, page_size: int) -> int:
+        """Pool pages the transfers touch (a page split between two transfers counts twice)."""
+        if not len(self):
+            return 0
+        return int(((self.ends - 1) // page_size - self.starts // page_size + 1).sum())
+
+
+@dataclass(frozen=True)
+class TransferIndex:
+    """Per-token index tensors of a set of transfers: pool slot, vLLM block and offset in the block."""
+
+    pool_slots: torch.Tensor
+    blocks: torch.Tensor
+    offsets: torch.Tensor
+
+    @classmethod
+    def build(cls, t: Transfers, *, page_size: int, block_size: int, device: torch.device | str = "cpu"
+              ) -> TransferIndex:
+        lengths = t.ends - t.starts
+        total = int(lengths.sum())
+        which = np.repeat(np.arange(len(t)), lengths)
+        # position of each token: its transfer's start plus its rank within the transfer
+        pos = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths - t.starts, lengths)
+        page_idx = t.page_base[which] + pos // page_size - (t.starts // page_size)[which]
+        block_idx = t.block_base[which] + pos // block_size - (t.starts // block_size)[which]
+        pool_slots = t.pages[page_idx].astype(np.int64) * page_size + pos % page_size
+        blocks = t.blocks[block_idx].astype(np.int64)
+        offsets = pos % block_size
+        dev = torch.device(device)
+        return cls(torch.from_numpy(pool_slots).to(dev), torch.from_numpy(blocks).to(dev),
+                   torch.from_numpy(offsets).to(dev))
+
+    def __len__(self) -> int:
+        return int(self.pool_slots.shape[0])
+
+
+def _planes(pool_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pool layer `[2, pages, page_size, heads, dim]` as K and V planes `[pages * page_size, heads, dim]`."""
+    return pool_layer[0].flatten(0, 1), pool_layer[1].flatten(0, 1)
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _host(t: torch.Tensor) -> npt.NDArray[np.generic]:
+    """A numpy view of CPU tensor `t` (same memory and strides), its elements as integers of their size."""
+    return t.view(_BITS[t.element_size()]).numpy()
+
+
+def load_layer(pool_layer: torch.Tensor, dst: LayerKV, index: TransferIndex) -> None:
+    """Copy the indexed positions of one layer from the pool into vLLM's blocks."""
+    if not len(index):
+        return
+    k, v = _planes(pool_layer)
+    if pool_layer.device.type == "cpu":
+        slots, where = index.pool_slots.numpy(), (index.blocks.numpy(), index.offsets.numpy())
+        _host(dst.k)[where] = _host(k)[slots]
+        _host(dst.v)[where] = _host(v)[slots]
+        return
+    where_t = (index.blocks, index.offsets)
+    dst.k.index_put_(where_t, k.index_select(0, index.pool_slots))
+    dst.v.index_put_(where_t, v.index_select(0, index.pool_slots))
+
+
+def save_layer(src: LayerKV, pool_layer: torch.Tensor, index: TransferIndex) -> None:
+    """Copy the indexed positions of one layer from vLLM's blocks into the pool."""
+    if not len(index):
+        return
+    k, v = _planes(pool_layer)
+    if pool_layer.device.type == "cpu":
+        slots, where = index.pool_slots.numpy(), (index.blocks.numpy(), index.offsets.numpy())
+        _host(k)[slots] = _host(src.k)[where]
+        _host(v)[slots] = _host(src.v)[where]
+        return
+    where_t = (index.blocks, index.offsets)
+    k.index_copy_(0, index.pool_slots, src.k[where_t])
+    v.index_copy_(0, index.pool_slots, src.v[where_t])

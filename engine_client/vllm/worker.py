@@ -1,0 +1,258 @@
+"""The connector's worker side (no vLLM import): the mapped pool, the layout check, and each step's copies.
+
+`register` views every layer's KV tensor through its backend's layout, checks the pool's layout against
+the model's (refusing to start, with both layouts and the serve flags that fit, when they differ) and maps
+the pool. Each step, `begin` turns the scheduler's `StepPlan` into index tensors; `load` copies one layer's
+loads before that layer's attention runs and `save` one layer's saves after it; `end` reports what was
+saved (so only saved KV is ever committed) and which loads failed (their blocks go back to vLLM to
+recompute). A plan naming another kvcache instance than the mapped one (kvcache restarted) maps the new
+pool first; when that cannot be done, the step's loads and saves fail, and vLLM computes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine_client.errors import KVCacheClientError, PoolMappingError
+from engine_client.layout import LayoutMismatch, check_layout, dtype_name
+from engine_client.mapping import MappedPool, map_pool
+from engine_client.vllm.counters import Counters
+from engine_client.vllm.scheduler import StepPlan, WorkerReport
+from engine_client.vllm.transfer import LayerKV, TransferIndex, load_layer, save_layer
+
+__all__ = ["BlockSizeMismatch", "WorkerSide"]
+
+log = logging.getLogger("engine_client.vllm")
+
+
+class BlockSizeMismatch(LayoutMismatch):
+    """vLLM's block_size is not a multiple of the service's page size."""
+
+
+def check_block_size(block_size: int, page_size: int) -> None:
+    if block_size % page_size:
+        fits = [p for p in (16, 8, 4, 2, 1) if block_size % p == 0 and p <= block_size]
+        raise BlockSizeMismatch(
+            f"vLLM's block_size {block_size} is not a multiple of kvcache's page size {page_size}: serve kvcache "
+            f"with `kvcache-service serve --page-size {fits[0] if fits else 1}` (any page size dividing "
+            f"{block_size}), or run vLLM with --block-size a multiple of {page_size}")
+
+
+@dataclass
+class _Step:
+    plan: StepPlan
+    loads: TransferIndex | None
+    saves: TransferIndex | None
+    report: WorkerReport
+    layers_loaded: int = 0
+    layers_saved: int = 0
+    load_ok: bool = True
+    save_ok: bool = True
+
+
+class WorkerSide:
+    def __init__(self, client_factory: Callable[[], Any], *, block_size: int,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self._make_client = client_factory
+        self._client: Any = None
+        self.block_size = block_size
+        self.counters = Counters()
+        self._clock = clock
+        self._layers: dict[str, tuple[int, LayerKV]] = {}
+        self._model: dict[str, Any] = {}
+        self._pool: MappedPool | None = None
+        self._unusable: dict[str, str] = {}
+        """Instances this worker cannot use, with the reason."""
+        self._step: _Step | None = None
+        self._invalid: set[int] = set()
+        self._warned = False
+
+    # ------------------------------------------------------------------ start
+
+    def register(self, layers: list[tuple[str, LayerKV]], *, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype) -> None:
+        """`layers` in model order (pool layer i is the i-th). Raises LayoutMismatch when kvcache is reachable
+        and its pool cannot hold this model's KV; an unreachable kvcache is tried again when a plan needs it."""
+        self._layers = {name: (i, kv) for i, (name, kv) in enumerate(layers)}
+        self._model = {"num_layers": len(layers), "num_kv_heads": num_kv_heads, "head_dim": head_dim,
+                       "dtype": dtype_name(dtype)}
+        try:
+            client = self._connect()
+            info = client.get_pool_info()
+            check_layout(info.layout, **self._model)
+            check_block_size(self.block_size, info.layout.page_size)
+            self._pool = map_pool(info, auth_token=client.options.auth_token)
+        except (KVCacheClientError, PoolMappingError) as e:
+            # unreachable, or its pool cannot be mapped here (yet): mapped again when a plan needs it
+            log.warning("kvcache connector: cannot use kvcache at start (%s); vLLM computes until it can", e)
+            self._client.close()
+            self._client = None
+            return
+        log.info("kvcache connector: worker mapped the %s pool of instance %s (%d layers, %d pages of %d)",
+                 info.backend, info.instance_id, info.layout.num_layers, info.layout.num_pages, info.layout.page_size)
+
+    def _connect(self) -> Any:
+        if self._client is None:
+            self._client = self._make_client()
+        return self._client
+
+    def _ensure_pool(self, instance_id: str) -> str | None:
+        """Map the pool of `instance_id` if it is not the mapped one; None when usable, else why not."""
+        if self._pool is not None and self._pool.info.instance_id == instance_id:
+            return None
+        if instance_id in self._unusable:
+            return self._unusable[instance_id]
+        # A fresh channel each time: the worker's channel is idle between pool changes, so after kvcache died it
+        # sits in gRPC's reconnect backoff (1 s growing to minutes) and fails fast even once kvcache is back,
+        # which would fail the first steps' saves on the restarted instance.
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        try:
+            client = self._connect()
+            info = client.get_pool_info()
+            if info.instance_id != instance_id:
+                return f"kvcache is instance {info.instance_id}, the plan names {instance_id}"
+            check_layout(info.layout, **self._model)
+            check_block_size(self.block_size, info.layout.page_size)
+            pool = map_pool(info, auth_token=client.options.auth_token)
+        except LayoutMismatch as e:
+            self._unusable[instance_id] = str(e)
+            log.error("kvcache connector: %s", e)
+            return str(e)
+        except (KVCacheClientError, PoolMappingError) as e:
+            return str(e)
+        old, self._pool = self._pool, pool
+        if old is not None:
+            old.close()
+        log.info("kvcache connector: worker mapped the pool of instance %s", instance_id)
+        return None
+
+    # ------------------------------------------------------------------ a step
+
+    def begin(self, plan: StepPlan | None) -> None:
+        """A new step: index its transfers and make sure the pool they name is mapped."""
+        self._step = None
+        if plan is None or (not len(plan.loads) and not len(plan.saves)):
+            return
+        step = _Step(plan, None, None, WorkerReport())
+        self._step = step
+        problem = self._ensure_pool(plan.instance_id)
+        if problem is not None:
+            if plan.instance_id in self._unusable:
+                step.report.unusable = (plan.instance_id, problem)
+            self._fail_loads(step, problem)
+            self._fail_saves(step, problem)
+            return
+        device = self._pool.tensor.device if self._pool is not None else torch.device("cpu")
+        if len(plan.loads):
+            step.loads = TransferIndex.build(plan.loads, page_size=plan.page_size, block_size=self.block_size,
+                                             device=device)
+        if len(plan.saves):
+            step.saves = TransferIndex.build(plan.saves, page_size=plan.page_size, block_size=self.block_size,
+                                             device=device)
+
+    def load(self, layer_name: str) -> None:
+        """Copy this layer's loads (called before the layer's attention runs)."""
+        step = self._step
+        if step is None or step.loads is None or not step.load_ok:
+            return
+        entry = self._layers.get(layer_name)
+        if entry is None or self._pool is None:
+            return
+        start = self._clock()
+        try:
+            load_layer(self._pool.tensor[entry[0]], entry[1], step.loads)
+            step.layers_loaded += 1
+        except Exception as e:  # a copy that fails must not become wrong tokens: vLLM recomputes
+            self._fail_loads(step, f"copy failed: {e}")
+        finally:
+            self.counters.load_seconds += self._clock() - start
+
+    def save(self, layer_name: str) -> None:
+        """Copy this layer's saves (called after the layer's attention ran)."""
+        step = self._step
+        if step is None or step.saves is None or not step.save_ok:
+            return
+        entry = self._layers.get(layer_name)
+        if entry is None or self._pool is None:
+            return
+        start = self._clock()
+        try:
+            save_layer(entry[1], self._pool.tensor[entry[0]], step.saves)
+            step.layers_saved += 1
+        except Exception as e:
+            self._fail_saves(step, f"copy failed: {e}")
+        finally:
+            self.counters.save_seconds += self._clock() - start
+
+    def end(self) -> WorkerReport | None:
+        """The step is over (vLLM's wait_for_save): report it."""
+        step, self._step = self._step, None
+        if step is None:
+            return None
+        plan = step.plan
+        n = len(self._layers)
+        if step.loads is not None and step.load_ok and step.layers_loaded != n:
+            self._fail_loads(step, f"{step.layers_loaded} of {n} layers were loaded (the model's attention did not "
+                                   "call the connector for every layer)")
+        if step.saves is not None and step.save_ok and step.layers_saved != n:
+            self._fail_saves(step, f"{step.layers_saved} of {n} layers were saved")
+        if step.loads is not None and step.load_ok:
+            self.counters.load_tokens += plan.loads.num_tokens
+            self.counters.load_pages += plan.loads.num_pages(plan.page_size)
+        if step.saves is not None and step.save_ok:
+            self.counters.save_tokens += plan.saves.num_tokens
+            self.counters.save_pages += plan.saves.num_pages(plan.page_size)
+            step.report.saved = {req: (int(lo), int(hi)) for req, lo, hi in
+                                 zip(plan.save_reqs, plan.saves.starts, plan.saves.ends, strict=True)}
+        if step.load_ok and step.save_ok:
+            self._warned = False  # the next failure starts a new episode: warn again
+        return step.report
+
+    def invalid_blocks(self) -> set[int]:
+        """vLLM block ids whose load failed since the last call (vLLM recomputes them)."""
+        out, self._invalid = self._invalid, set()
+        return out
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    # ------------------------------------------------------------------ failures
+
+    def _fail_loads(self, step: _Step, why: str) -> None:
+        plan = step.plan
+        if not len(plan.loads) or not step.load_ok:
+            return
+        step.load_ok = False
+        step.report.load_failed |= set(plan.load_reqs)
+        self._invalid |= {int(b) for b in plan.loads.blocks}
+        self.counters.load_errors += len(plan.load_reqs)
+        self._warn(why)
+
+    def _fail_saves(self, step: _Step, why: str) -> None:
+        plan = step.plan
+        if not len(plan.saves) or not step.save_ok:
+            return
+        step.save_ok = False
+        step.report.save_failed |= set(plan.save_reqs)
+        self.counters.save_errors += len(plan.save_reqs)
+        self._warn(why)
+
+    def _warn(self, why: str) -> None:
+        """One warning per episode of failed copies (a step where every copy works ends it)."""
+        if not self._warned:
+            self._warned = True
+            log.warning("kvcache connector: the worker cannot copy to or from kvcache's pool (%s); until it can, "
+                        "vLLM recomputes what was to be loaded and requests commit only what was saved before", why)

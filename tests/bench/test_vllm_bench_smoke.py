@@ -1,0 +1,26 @@
+"""bench/vllm_bench.py runs end to end with the real vLLM on the tiny model (no timing is asserted)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import vllm_bench
+
+pytestmark = [pytest.mark.xdist_group("vllm-b"), pytest.mark.timeout(900)]  # real vLLM engines start in ~20-60 s
+
+
+def test_vllm_bench_quick_prints_its_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert vllm_bench.main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    rows = {line[:44].strip(): line[44:].split() for line in out.splitlines()
+            if line.startswith(("shared prefix", "chat:"))}
+    rows.update({line[:44].strip(): line[44:].split() for line in out.splitlines() if line.startswith("one at a")})
+    assert list(rows) == ["shared prefix: 4 docs x 64 tok, new engine", "chat: 2 chats x 3 turns, A,B,A, x3",
+                          "one at a time: 8 new prompts x 16 tok"]
+    assert rows["one at a time: 8 new prompts x 16 tok"][2] == str(8 * 16)  # nothing cached: every token computed
+    shared = rows["shared prefix: 4 docs x 64 tok, new engine"]
+    assert shared[:2] == ["-", "-"]  # --quick runs no vLLM-alone baseline
+    assert int(shared[2]) == 4 * 32  # engine B computes each question; the documents (4 full pages) come from kvcache
+    assert "new requests a step:" in out and " us a request on vLLM's scheduler thread" in out
+    assert "worker side, one page = 32 KiB (2 layers, K+V)" in out
+    assert "[vllm_bench] kvcache's accounting invariant after the run: holds" in out

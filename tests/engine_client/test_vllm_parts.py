@@ -1,0 +1,138 @@
+"""The parts of `engine_client.vllm` that need no vLLM: settings, the copies between vLLM's CPU layout and
+the pool, the block-size check, counters and worker reports. The connector itself is tested against the
+real vLLM in tests/vllm."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine_client.vllm.config import ConnectorConfig, ConnectorConfigError
+from engine_client.vllm.counters import COUNTER_HELP, Counters
+from engine_client.vllm.scheduler import WorkerReport
+from engine_client.vllm.transfer import (
+    KVLayoutError,
+    TransferIndex,
+    Transfers,
+    layer_kv,
+    load_layer,
+    save_layer,
+)
+from engine_client.vllm.worker import BlockSizeMismatch, check_block_size
+
+NB, H, BS, D, PS = 4, 2, 32, 64, 16
+
+
+def cpu_kv() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A CPU_ATTN ('vec') KV tensor filled through its documented layout, with the K and V it holds."""
+    k = torch.randn(NB, BS, H, D, generator=torch.Generator().manual_seed(1))
+    v = torch.randn(NB, BS, H, D, generator=torch.Generator().manual_seed(2))
+    kv = torch.empty(NB, H, BS, 2 * D)
+    halves = kv.view(NB, H, 2, BS * D)
+    halves[:, :, 0] = k.permute(0, 2, 3, 1).reshape(NB, H, D * BS)  # K of a (block, head): [dim, block_size]
+    halves[:, :, 1] = v.permute(0, 2, 1, 3).reshape(NB, H, BS * D)  # V: [block_size, dim]
+    return kv, k, v
+
+
+def test_the_cpu_attention_layout_is_read_as_k_and_v_per_block_and_offset() -> None:
+    kv, k, v = cpu_kv()
+    view = layer_kv(kv, "CPU_ATTN", block_size=BS, num_heads=H, head_dim=D, variant="vec")
+    assert torch.equal(view.k, k) and torch.equal(view.v, v)
+    assert view.k.data_ptr() == kv.data_ptr()  # views, not copies
+
+
+@pytest.mark.parametrize(("backend", "variant", "shape", "message"), [
+    ("FLASH_ATTN", "", (NB, H, BS, 2 * D), "cannot read the KV layout of attention backend 'FLASH_ATTN'"),
+    ("CPU_ATTN", "amx", (NB, H, BS, 2 * D), "with the 'amx' kernel packs K in a layout"),
+    ("CPU_ATTN", "vec", (NB, H, 16, 2 * D), "is not [blocks, 2, 32, 128]"),
+])
+def test_layouts_it_cannot_read_are_refused(backend: str, variant: str, shape: tuple[int, ...], message: str) -> None:
+    with pytest.raises(KVLayoutError, match=message.replace("[", r"\[").replace("(", r"\(")):
+        layer_kv(torch.zeros(shape), backend, block_size=BS, num_heads=H, head_dim=D, variant=variant)
+
+
+def test_a_transfer_index_maps_positions_to_pool_slots_and_vllm_blocks() -> None:
+    # request 1: positions [20, 40) on pages 7, 3 (from position 16) and blocks 5, 2 (from 0... its second block)
+    # request 2: positions [64, 66) on page 9 (from 64) and block 1 (from 64)
+    t = Transfers.build([(20, 40, np.array([7, 3], np.int32), np.array([5, 2], np.int32)),
+                         (64, 66, np.array([9], np.int32), np.array([1], np.int32))])
+    assert (len(t), t.num_tokens, t.num_pages(PS)) == (2, 22, 3)
+    index = TransferIndex.build(t, page_size=PS, block_size=BS)
+    pos = [*list(range(20, 40)), 64, 65]
+    want_slots = [(7 if p < 32 else 3) * PS + p % PS for p in pos[:20]] + [9 * PS, 9 * PS + 1]
+    want_blocks = [5 if p < 32 else 2 for p in pos[:20]] + [1, 1]
+    assert index.pool_slots.tolist() == want_slots
+    assert index.blocks.tolist() == want_blocks
+    assert index.offsets.tolist() == [p % BS for p in pos]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_loads_and_saves_copy_exactly_the_indexed_positions(dtype: torch.dtype) -> None:
+    # bfloat16 has no numpy dtype: CPU copies move elements as integers of their size, bit for bit
+    pool = torch.randn(2, 12, PS, H, D).to(dtype)  # one layer: [K/V, pages, page_size, heads, dim]
+    kv = torch.zeros(NB, H, BS, 2 * D, dtype=dtype)
+    view = layer_kv(kv, "CPU_ATTN", block_size=BS, num_heads=H, head_dim=D, variant="vec")
+    t = Transfers.build([(16, 48, np.array([11, 4], np.int32), np.array([3, 0], np.int32))])
+    index = TransferIndex.build(t, page_size=PS, block_size=BS)
+    load_layer(pool, view, index)
+    # positions 16..31 are page 11 -> block 3 offsets 16..31; 32..47 are page 4 -> block 0 offsets 0..15
+    assert torch.equal(view.k[3, 16:], pool[0, 11]) and torch.equal(view.v[3, 16:], pool[1, 11])
+    assert torch.equal(view.k[0, :16], pool[0, 4]) and torch.equal(view.v[0, :16], pool[1, 4])
+    touched = torch.zeros(NB, BS, dtype=torch.bool)
+    touched[3, 16:] = touched[0, :16] = True
+    assert not view.k[~touched].any() and not view.v[~touched].any()  # nothing else written
+
+    empty = torch.zeros_like(pool)
+    save_layer(view, empty, index)
+    assert torch.equal(empty[:, 11], pool[:, 11]) and torch.equal(empty[:, 4], pool[:, 4])
+    assert not empty[:, [p for p in range(12) if p not in (4, 11)]].any()
+
+
+def test_block_size_must_be_a_multiple_of_the_page_size() -> None:
+    check_block_size(32, 16)
+    with pytest.raises(BlockSizeMismatch, match=r"vLLM's block_size 32 is not a multiple of kvcache's page size 24: "
+                                                r"serve kvcache with `kvcache-service serve --page-size 16`"):
+        check_block_size(32, 24)
+
+
+def test_settings_from_the_extra_config() -> None:
+    c = ConnectorConfig.from_extra({"kvcache_target": "unix:/run/kv.sock", "kvcache_timeout_seconds": 5},
+                                   env={"KVCACHE_TOKEN": "t0k"})
+    assert (c.target, c.options.auth_token, c.options.timeout_seconds) == ("unix:/run/kv.sock", "t0k", 5.0)
+    assert (c.reserve_tokens, c.lookup_wait_seconds, c.retry_seconds, c.lookup_in_step) == (0, 0.02, 1.0, False)
+    assert ConnectorConfig.from_extra({"kvcache_lookup_in_step": True}, env={}).lookup_in_step is True
+    assert ConnectorConfig.from_extra({"kvcache_token": "x"}, env={"KVCACHE_TOKEN": "y"}).options.auth_token == "x"
+    assert ConnectorConfig.from_extra({}, env={}).target  # $KVCACHE_TARGET or 127.0.0.1:50051
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"kvcache_tagret": "x"}, "unknown kv_connector_extra_config key 'kvcache_tagret'"),
+    ({"kvcache_timeout_seconds": 0}, "kvcache_timeout_seconds must be > 0"),
+    ({"kvcache_timeout_seconds": "2"}, "kvcache_timeout_seconds must be a number"),
+    ({"kvcache_reserve_tokens": -1}, "kvcache_reserve_tokens must be an integer >= 0"),
+    ({"kvcache_lookup_in_step": 1}, "kvcache_lookup_in_step must be true or false, got 1"),
+    ({"tls_cert_file": "/c.pem"}, "tls_cert_file and tls_key_file go together"),
+])
+def test_bad_settings_are_refused_naming_the_key(extra: dict[str, object], message: str) -> None:
+    with pytest.raises(ConnectorConfigError, match=message):
+        ConnectorConfig.from_extra(extra, env={})
+
+
+def test_counters_take_resets_and_every_counter_is_documented() -> None:
+    c = Counters(hit_tokens=5, load_seconds=0.5)
+    other = Counters(hit_tokens=2, commits=1)
+    c.add(other)
+    assert c.take() == {"hit_tokens": 7, "commits": 1, "load_seconds": 0.5}
+    assert c.take() == {}
+    assert Counters.from_dict({"hit_tokens": 3.0, "unknown": 1}).hit_tokens == 3
+    assert set(COUNTER_HELP) == set(Counters().__dataclass_fields__)
+
+
+def test_worker_reports_merge_to_what_every_worker_did() -> None:
+    a = WorkerReport(saved={"r1": (0, 64), "r2": (16, 32)}, load_failed={"r3"})
+    b = WorkerReport(saved={"r1": (0, 48)}, save_failed={"r4"})
+    merged = a.merge(b)
+    assert merged.saved == {"r1": (0, 48)}
+    assert merged.save_failed == {"r2", "r4"}  # r2 was saved by one worker only
+    assert merged.load_failed == {"r3"}

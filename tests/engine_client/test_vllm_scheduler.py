@@ -1,0 +1,113 @@
+"""The connector's scheduler side against a real kvcache, driven step by step the way vLLM's scheduler calls
+it (its request and scheduler-output objects are plain attribute bags here; no vLLM import), so the order
+of events that a real engine leaves to timing is fixed: a chat turn that arrives while the previous turn's
+commit is still on its way. tests/vllm runs the same code inside the real vLLM."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from engine_client import KVCacheClient
+from engine_client.vllm.config import ConnectorConfig
+from engine_client.vllm.scheduler import SchedulerSide, WorkerReport
+from tests.integration.conftest import ServerProcess, verify_stats
+
+PAGE, BLOCK = 16, 32
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[ServerProcess]:
+    proc = ServerProcess("--page-size", str(PAGE), "--num-pages", "64", "--num-layers", "2", "--num-kv-heads", "2",
+                         "--head-dim", "64", "--dtype", "float32", log_path=tmp_path / "server.log")
+    yield proc
+    proc.close()
+
+
+def req(req_id: str, prompt: list[int], chat: str = "", output: list[int] | None = None) -> Any:
+    output = output or []
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=prompt, num_tokens=len(prompt) + len(output),
+                           mm_features=None, lora_request=None, resumable=False, cache_salt=None,
+                           kv_transfer_params={"kvcache_session_id": chat} if chat else None,
+                           output_token_ids=output,
+                           num_computed_tokens=len(prompt) + len(output) - 1)
+
+
+def step(new: list[tuple[Any, int, int]] = (), cached: list[tuple[Any, int, int]] = ()) -> Any:  # type: ignore[assignment]
+    """vLLM's scheduler output: (request, computed, scheduled) of new and of running requests (2 blocks each)."""
+    return SimpleNamespace(
+        num_scheduled_tokens={r.request_id: n for r, _, n in [*new, *cached]},
+        scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, block_ids=([0, 1, 2],), num_computed_tokens=c)
+                            for r, c, _ in new],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[r.request_id for r, _, _ in cached],
+                                              new_block_ids=[None for _ in cached],
+                                              num_computed_tokens=[c for _, c, _ in cached], resumed_req_ids=set()),
+        preempted_req_ids=set())
+
+
+def ask(side: SchedulerSide, r: Any, computed: int = 0, steps: int = 200) -> tuple[int, int]:
+    """Ask until answered, running an empty scheduler step after each None: (answer, Nones)."""
+    for nones in range(steps):
+        answer = side.matched_tokens(r, computed)
+        if answer is not None:
+            return answer, nones
+        side.build_step(step())
+        time.sleep(0.01)
+    raise AssertionError(f"{r.request_id} was not answered in {steps} steps")
+
+
+def test_a_chat_turn_waits_for_the_previous_turns_commit(server: ServerProcess) -> None:
+    # waits bounded at 5 s (not 20 ms) so the count of "ask again" answers does not depend on the machine's load
+    config = ConnectorConfig.from_extra({"kvcache_target": server.target, "kvcache_lookup_wait_seconds": 5.0,
+                                         "kvcache_lookup_in_step": True}, env={})
+    side = SchedulerSide(config, block_size=BLOCK, engine_id="sched-test",
+                         client_factory=lambda: KVCacheClient(server.target))
+    try:
+        deadline = time.monotonic() + 20
+        while not side.connected:
+            assert time.monotonic() < deadline, "the connector did not connect to kvcache"
+            time.sleep(0.02)
+        p1 = np.random.default_rng(1).integers(1, 500, 50).tolist()
+        out1 = [7, 8, 9, 10, 11, 12]
+        r1 = req("r1", p1, "chat-w")
+        # an idle engine sends the chat's open at once and waits for it; its append goes with the next step
+        assert ask(side, r1) == (0, 1)  # a new session holds nothing
+        side.allocated(r1, 0)
+        plan = side.build_step(step(new=[(r1, 0, 50)]))
+        assert (plan.saves.starts.tolist(), plan.saves.ends.tolist(), plan.save_reqs) == ([0], [50], ["r1"])
+        side.confirm(WorkerReport(saved={"r1": (0, 50)}))
+        for pos in range(50, 55):  # decode: each step saves the KV of the token it ran
+            side.build_step(step(cached=[(r1, pos, 1)]))
+            side.confirm(WorkerReport(saved={"r1": (pos, pos + 1)}))
+        side.finished(req("r1", p1, "chat-w", out1))  # 56 tokens, KV for 55 (the last was sampled only)
+
+        # turn 2 comes at once: turn 1's commit has not even been sent. It must wait for it, then append
+        # to the session: the whole committed history is its hit, its last partial page included.
+        p2 = p1 + out1 + np.random.default_rng(2).integers(1, 500, 37).tolist()
+        r2 = req("r2", p2, "chat-w")
+        answer, nones = ask(side, r2)
+        assert (answer, nones) == (55, 2)  # asked again while the commit was unsent, then while its append was
+        with KVCacheClient(server.target) as client:
+            info = client.get_session("chat-w")
+            assert (info.streaming, info.turns, info.context_tokens, info.kv_tokens) == (True, 1, 56 + 37, 55)
+            assert [s.session_id for s in client.list_sessions()] == ["chat-w"]  # no regular session fell back
+
+        # a regular request on an idle engine: its open and append go at once, answered in the step that asked
+        r3 = req("r3", np.random.default_rng(3).integers(1, 500, 40).tolist())
+        assert ask(side, r3) == (0, 0)
+        counters = side.take_counters()
+        assert counters["lookups"] == 3 and counters["wait_seconds"] > 0  # it waited for those Steps' replies
+    finally:
+        side.close()
+    with KVCacheClient(server.target) as client:  # the connector's lease ended: its session closed into the radix
+        deadline = time.monotonic() + 10
+        while client.list_sessions() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.list_sessions() == []
+    verify_stats(server.target)

@@ -1,0 +1,122 @@
+"""Real vLLM on a real kvcache: vLLM engine processes (`python -m engine_client.vllm.driver`, in `.venv-vllm`,
+made by `make vllm-setup`) and `kvcache-service serve` processes on free loopback ports.
+
+An engine takes ~20 s to start here, so each module starts its engines once (module-scoped fixtures) and
+the tests are pinned to two xdist groups, so that `make test` (`--dist loadgroup`) runs them in two
+workers beside the rest of the suite: `vllm` (test_connector.py, the longest) and `vllm-b` (test_qwen2.py
+and the bench's smoke test), at most two engines at a time.
+Models are tiny random-initialised checkpoints this module saves (float32, head_dim 64; nothing is
+downloaded). After every test the kvcache services must pass the accounting invariant with no turn left
+in flight and no regular session left open (finished and aborted requests commit and close).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine_client import KVCacheClient
+from engine_client.vllm.driver import DriverError, EngineProcess, save_model
+from tests.integration.conftest import REPO, ServerProcess, verify_stats
+
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+PAGE = 16
+BLOCK = 32
+LAYOUT = ("--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "64", "--dtype", "float32")
+ENGINE_ARGS = ("--num-blocks", "48", "--max-model-len", "1024")
+"""The same vLLM configuration with and without kvcache (48 blocks of 32 tokens: small enough that a burst
+of long requests is preempted)."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s: {what}")
+        time.sleep(0.05)
+
+
+class VllmEngine(EngineProcess):
+    """A driver process in .venv-vllm; a failure to start or answer is a test failure with the engine's log."""
+
+    def __init__(self, model: Path, log: Path, *, kvcache: str = "", args: tuple[str, ...] = ENGINE_ARGS,
+                 extra: dict[str, Any] | None = None) -> None:
+        if not VLLM_PYTHON.exists():
+            raise AssertionError(f"{VLLM_PYTHON} is missing: `make vllm-setup` makes the vLLM venv")
+        try:
+            super().__init__(VLLM_PYTHON, model, log, kvcache=kvcache, extra=extra, args=args, cwd=REPO)
+        except DriverError as e:
+            raise AssertionError(str(e)) from None
+
+    def command(self, cmd: dict[str, Any], timeout: float = 180.0) -> dict[str, Any]:
+        try:
+            return super().command(cmd, timeout)
+        except DriverError as e:
+            raise AssertionError(str(e)) from None
+
+
+def request(prompt: list[int], max_tokens: int = 8, **more: Any) -> dict[str, Any]:
+    return {"prompt": prompt, "max_tokens": max_tokens, **more}
+
+
+def tokens(outputs: list[dict[str, Any]]) -> list[list[int]]:
+    return [o["tokens"] for o in outputs]
+
+
+def kvcache_server(log: Path, *flags: str, listen: str = "127.0.0.1:0") -> ServerProcess:
+    return ServerProcess("--page-size", str(PAGE), "--num-pages", "1024", *LAYOUT, *flags, listen=listen,
+                         log_path=log)
+
+
+def drained(target: str) -> None:
+    """No turn in flight and no regular session open on `target` (streaming sessions may stay), then the
+    full invariant check. Finishes are sent asynchronously: wait for them."""
+    with KVCacheClient(target) as client:
+        def settled() -> bool:
+            st = client.get_stats()
+            regular = [s for s in client.list_sessions() if not s.streaming]
+            return st.sessions_in_turn == 0 and st.in_flight_pages == 0 and not regular
+        wait_until(settled, f"kvcache at {target}: every vLLM request committed and closed", timeout=15)
+    verify_stats(target)
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny random Llama and Qwen2 checkpoints (2 layers, 2 KV heads of 64, float32)."""
+    root = tmp_path_factory.mktemp("models")
+    return {family: save_model(family, root / family) for family in ("llama", "qwen2")}
+
+
+@pytest.fixture(scope="module")
+def kvcache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The module's kvcache service (page 16, the tiny models' layout)."""
+    server = kvcache_server(tmp_path_factory.mktemp("kvcache") / "server.log")
+    yield server
+    code, _ = server.terminate()
+    server.close()
+    assert code == 0, server.log_tail()
+
+
+@pytest.fixture(autouse=True)
+def _invariant_after_each_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if "kvcache" in request.fixturenames:
+        server: ServerProcess = request.getfixturevalue("kvcache")
+        if server.proc.poll() is None:
+            drained(server.target)
+
+
+@pytest.fixture(scope="module")
+def engine_log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("engines")

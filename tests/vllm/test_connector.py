@@ -1,0 +1,325 @@
+"""vLLM on kvcache through `KVCacheConnector`: a tiny Llama, greedy, against the same vLLM without kvcache.
+
+Engines of this module: `alone` (vLLM without kvcache, the reference tokens), `engines` (vLLM on the
+module's kvcache, restarted by the tests that need a restart), and the ones a test starts for itself.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from engine_client import KVCacheClient, SessionNotFound
+from tests.integration.conftest import ServerProcess, verify_stats
+
+from .conftest import (
+    PAGE,
+    VllmEngine,
+    drained,
+    free_port,
+    kvcache_server,
+    request,
+    tokens,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.timeout(900)]  # real vLLM engines start in ~20-60 s
+
+VOCAB = 512
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(1, VOCAB, n).tolist()
+
+
+def hits(n: int) -> int:
+    """Tokens of an n-token prompt a fresh engine takes from kvcache once the prompt's KV is there: the full
+    pages before its last token (kvcache never answers the last prompt token from the cache)."""
+    return (n - 1) // PAGE * PAGE
+
+
+class Engines:
+    """The module's vLLM on kvcache, started on first use; `restart()` stops it and starts a new one."""
+
+    def __init__(self, model: Path, logs: Path, target: str) -> None:
+        self._model, self._logs, self._target = model, logs, target
+        self._engine: VllmEngine | None = None
+        self.starts = 0
+
+    @property
+    def current(self) -> VllmEngine:
+        if self._engine is None:
+            self.starts += 1
+            self._engine = VllmEngine(self._model, self._logs / f"engine-{self.starts}.log", kvcache=self._target)
+        return self._engine
+
+    def restart(self) -> VllmEngine:
+        self.close()
+        return self.current
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+
+
+@pytest.fixture(scope="module")
+def model(models: dict[str, Path]) -> Path:
+    return models["llama"]
+
+
+@pytest.fixture(scope="module")
+def alone(model: Path, engine_log_dir: Path) -> Iterator[VllmEngine]:
+    engine = VllmEngine(model, engine_log_dir / "alone.log")
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def engines(model: Path, engine_log_dir: Path, kvcache: ServerProcess) -> Iterator[Engines]:
+    holder = Engines(model, engine_log_dir, kvcache.target)
+    yield holder
+    holder.close()
+
+
+def reference(alone: VllmEngine, requests: list[dict[str, Any]]) -> list[list[int]]:
+    return tokens(alone.generate([{k: v for k, v in r.items() if k != "kv_transfer_params"} for r in requests]))
+
+
+def test_tokens_equal_vllm_alone_and_the_next_engine_loads_the_prompts(
+        alone: VllmEngine, engines: Engines, kvcache: ServerProcess) -> None:
+    lengths = (37, 64, 90, 150)
+    batch = [request(prompt(seed, n)) for seed, n in enumerate(lengths)]
+    want = reference(alone, batch)
+
+    first = engines.current
+    out = first.generate(batch)
+    assert tokens(out) == want
+    assert [o["num_cached_tokens"] for o in out] == [0, 0, 0, 0]
+    drained(kvcache.target)
+    with KVCacheClient(kvcache.target) as client:  # each prompt's full pages (and its answer's) are in the radix
+        assert [client.match_prefix(r["prompt"]).cached_tokens for r in batch] == [n // PAGE * PAGE for n in lengths]
+
+    second = engines.restart()
+    before = second.metrics()
+    out = second.generate(batch)
+    assert tokens(out) == want
+    assert [o["num_cached_tokens"] for o in out] == [hits(n) for n in lengths] == [32, 48, 80, 144]
+    after = second.metrics()
+    assert after["kvcache_connector_hit_tokens_total"] - before.get("kvcache_connector_hit_tokens_total", 0) == 304
+    assert after["kvcache_connector_load_tokens_total"] - before.get("kvcache_connector_load_tokens_total", 0) == 304
+    assert after["vllm:external_prefix_cache_hits_total"] - before.get("vllm:external_prefix_cache_hits_total", 0) \
+        == 304
+
+    # a new prompt that starts with one of them hits its full pages (vLLM's own cache has 2 blocks of it)
+    longer = request(batch[2]["prompt"] + prompt(99, 30))
+    out = second.generate([longer])
+    assert tokens(out) == reference(alone, [longer])
+    assert out[0]["num_cached_tokens"] == 80
+
+
+def test_a_streaming_chat_survives_a_vllm_restart(alone: VllmEngine, engines: Engines,
+                                                   kvcache: ServerProcess) -> None:
+    news = [prompt(10, 50), prompt(11, 37), prompt(12, 21)]
+    ref_history: list[int] = []
+    want = []
+    for new in news:
+        out = alone.generate([request(ref_history + new, 6)])[0]["tokens"]
+        want.append(out)
+        ref_history = ref_history + new + out
+    chat = {"kvcache_session_id": "chat-a"}
+
+    engine = engines.current
+    p1 = news[0]
+    t1 = engine.generate([request(p1, 6, kv_transfer_params=chat)])[0]
+    assert t1["tokens"] == want[0] and t1["kv_transfer_params"] == chat
+    p2 = p1 + t1["tokens"] + news[1]
+    t2 = engine.generate([request(p2, 6, kv_transfer_params=chat)])[0]
+    assert t2["tokens"] == want[1]
+    # turn 2 computes its new tokens and the last answer token (sampled, never through the model)
+    assert len(p2) - t2["num_cached_tokens"] == len(news[1]) + 1
+    with KVCacheClient(kvcache.target) as client:
+        wait_until(lambda: client.get_session("chat-a").state == "IDLE", "turn 2 committed")
+        info = client.get_session("chat-a")
+        assert (info.streaming, info.turns, info.context_tokens, info.kv_tokens) == (True, 2, len(p2) + 6, len(p2) + 5)
+
+    engine = engines.restart()  # the lease ends with the process: the session closes into the radix
+    p3 = p2 + t2["tokens"] + news[2]
+    t3 = engine.generate([request(p3, 6, kv_transfer_params={**chat, "kvcache_close_session": True})])[0]
+    assert t3["tokens"] == want[2]
+    kv2 = len(p2) + 5
+    assert t3["num_cached_tokens"] == kv2 // PAGE * PAGE  # the history's full pages; its partial page is recomputed
+    assert len(p3) - t3["num_cached_tokens"] == len(news[2]) + 1 + kv2 % PAGE
+    drained(kvcache.target)
+    with KVCacheClient(kvcache.target) as client:
+        with pytest.raises(SessionNotFound):
+            client.get_session("chat-a")  # closed as asked, its KV cached
+        done = p3 + t3["tokens"]
+        assert client.match_prefix(done).cached_tokens == (len(done) - 1) // PAGE * PAGE
+
+
+def test_cache_salts_never_share(alone: VllmEngine, engines: Engines, kvcache: ServerProcess) -> None:
+    engine = engines.current
+    x = prompt(20, 70)
+    want = reference(alone, [request(x, 4)])
+    a = engine.generate([request(x, 4, cache_salt="tenant-a")])
+    assert tokens(a) == want and a[0]["num_cached_tokens"] == 0
+    drained(kvcache.target)
+    with KVCacheClient(kvcache.target) as client:
+        assert [client.match_prefix(x, salt).cached_tokens for salt in ("tenant-a", "tenant-b", "")] == [64, 0, 0]
+    before = engine.metrics().get("kvcache_connector_hit_tokens_total", 0)
+    b = engine.generate([request(x, 4, cache_salt="tenant-b")])
+    assert tokens(b) == want and b[0]["num_cached_tokens"] == 0
+    assert engine.metrics().get("kvcache_connector_hit_tokens_total", 0) == before
+
+
+def test_a_session_held_elsewhere_is_not_touched(alone: VllmEngine, engines: Engines, kvcache: ServerProcess) -> None:
+    engine = engines.current
+    x = prompt(30, 40)
+    with KVCacheClient(kvcache.target) as client:
+        client.open_session("held-elsewhere", streaming=True)
+        out = engine.generate([request(x, 4, kv_transfer_params={"kvcache_session_id": "held-elsewhere"})])
+        assert tokens(out) == reference(alone, [request(x, 4)])
+        assert client.get_session("held-elsewhere").context_tokens == 0  # nothing appended to someone else's
+        client.close_session("held-elsewhere")
+    assert "streaming session held-elsewhere is held by another engine" in engine.log_text()
+
+
+def test_preempted_and_aborted_requests_commit_and_close(alone: VllmEngine, engines: Engines,
+                                                          kvcache: ServerProcess) -> None:
+    engine = engines.current
+    rng = np.random.default_rng(40)
+    burst = [request(prompt(40 + i, int(rng.integers(100, 200))), 64) for i in range(12)]
+    want = reference(alone, burst)
+    before = engine.metrics()
+    out = engine.generate(burst)
+    assert tokens(out) == want
+    # 12 requests of ~210 tokens do not fit 48 blocks of 32: vLLM preempted some (and loaded their KV back)
+    assert engine.metrics().get("vllm:num_preemptions_total", 0) > before.get("vllm:num_preemptions_total", 0)
+    drained(kvcache.target)
+
+    aborted = [dict(r, abort_after_tokens=2) if i % 3 == 0 else r for i, r in enumerate(burst)]
+    out = engine.generate(aborted)
+    for i, (o, w) in enumerate(zip(out, want, strict=True)):
+        if i % 3 == 0:
+            assert o["finish_reason"] == "abort" and 2 <= len(o["tokens"]) < 64 and o["tokens"] == w[: len(o["tokens"])]
+        else:
+            assert o["tokens"] == w
+
+
+def test_a_load_that_fails_is_recomputed_by_vllm(alone: VllmEngine, engines: Engines, kvcache: ServerProcess) -> None:
+    failing = [request(prompt(80 + i, n)) for i, n in enumerate((70, 100))]
+    later = [request(prompt(90, 75))]
+    want, want_later = reference(alone, failing), reference(alone, later)
+    engine = engines.current
+    assert tokens(engine.generate(failing + later)) == want + want_later  # their KV enters kvcache
+    drained(kvcache.target)
+
+    # A new engine whose worker cannot map the pool (its file is hidden): the scheduler still finds the
+    # prompts in kvcache, every load fails, and vLLM recomputes the blocks the worker hands back.
+    pool = kvcache.own_pool_file
+    hidden = pool.with_name(pool.name + ".hidden")
+    pool.rename(hidden)
+    try:
+        engine = engines.restart()
+        out = engine.generate(failing)
+    finally:
+        hidden.rename(pool)
+    assert tokens(out) == want
+    m = engine.metrics()
+    assert (m["kvcache_connector_hit_tokens_total"], m.get("kvcache_connector_load_tokens_total", 0),
+            m["kvcache_connector_load_errors_total"]) == (hits(70) + hits(100), 0, 2)
+    log = engine.log_text()
+    assert len(re.findall(r"kvcache connector: the worker cannot copy to or from kvcache's pool "
+                          r"\(POOL_UNAVAILABLE: cannot open /dev/shm/", log)) == 1  # one warning for the episode
+    # vLLM's own account (one line per step that had failed loads: the two lookups may land in two steps)
+    recovered = re.findall(r"Recovered from KV load failure: (\d+) request\(s\) rescheduled \((\d+) tokens affected\)",
+                           log)
+    assert [sum(int(x[i]) for x in recovered) for i in (0, 1)] == [2, hits(70) + hits(100)] == [2, 160]
+    drained(kvcache.target)
+
+    # the pool file is back: the next plan maps it and loads
+    out = engine.generate(later)
+    assert tokens(out) == want_later and out[0]["num_cached_tokens"] == hits(75)
+    m = engine.metrics()
+    assert (m["kvcache_connector_load_tokens_total"], m["kvcache_connector_load_errors_total"]) == (hits(75), 2)
+
+
+def test_kvcache_down_at_start_killed_and_restarted(alone: VllmEngine, model: Path, engine_log_dir: Path,
+                                                    tmp_path: Path) -> None:
+    target = f"127.0.0.1:{free_port()}"
+    engine = VllmEngine(model, engine_log_dir / "failures.log", kvcache=target, extra={"kvcache_retry_seconds": 0.2})
+    servers: list[ServerProcess] = []
+    try:
+        work = [request(prompt(50 + i, 60 + 7 * i), 16) for i in range(6)]
+        want = reference(alone, work)
+        assert tokens(engine.generate(work)) == want  # kvcache down at start: vLLM computes
+
+        server = kvcache_server(tmp_path / "first.log", listen=target)
+        servers.append(server)
+        _wait_for_engine(engine, server)
+        assert tokens(engine.generate(work)) == want
+        drained(target)
+        with KVCacheClient(target) as client:
+            assert client.match_prefix(work[0]["prompt"]).cached_tokens == 48  # saved into kvcache
+
+        longer = [request(r["prompt"] + prompt(60 + i, 5), 48) for i, r in enumerate(work)]
+        want_longer = reference(alone, longer)
+        killer = threading.Timer(0.3, server.kill)
+        killer.start()
+        assert tokens(engine.generate(longer)) == want_longer  # killed mid-run: computed on
+        killer.join()
+
+        restarted = kvcache_server(tmp_path / "second.log", "--max-session-tokens", "160", listen=target)
+        servers.append(restarted)
+        assert restarted.instance_id != server.instance_id
+        _wait_for_engine(engine, restarted)
+        assert tokens(engine.generate(work)) == want  # a restarted (empty) kvcache: computed, saved again
+        drained(target)
+        with KVCacheClient(target) as client:
+            assert client.match_prefix(work[1]["prompt"]).cached_tokens == 64
+        # a commit past --max-session-tokens fails: the turn is rolled back and the session closed
+        big = [request(prompt(70, 100), 80)]
+        assert tokens(engine.generate(big)) == reference(alone, big)
+        drained(target)
+        log = engine.log_text()
+        assert len(re.findall(r"kvcache connector: kvcache at \S+ is unreachable", log)) == 2  # start, kill
+        assert "kvcache connector: kvcache restarted" in log
+    finally:
+        engine.close()
+        for s in servers:
+            s.close()
+            for leftover in s.pool_files:  # the SIGKILLed one's
+                leftover.unlink()
+
+
+def test_a_pool_that_does_not_fit_the_model_refuses_to_start(model: Path, tmp_path: Path) -> None:
+    server = ServerProcess("--page-size", "16", "--num-pages", "64", "--num-layers", "2", "--num-kv-heads", "2",
+                           "--head-dim", "32", "--dtype", "float32", log_path=tmp_path / "server.log")
+    try:
+        with pytest.raises(AssertionError, match="exited during start"):
+            VllmEngine(model, tmp_path / "engine.log", kvcache=server.target)
+        log = (tmp_path / "engine.log").read_text()
+        assert ("LayoutMismatch: pool layout (layers=2, kv_heads=2, head_dim=32, dtype=float32) does not match the "
+                "model (layers=2, kv_heads=2, head_dim=64, dtype=float32)") in log
+        assert "kvcache-service serve --num-layers 2 --num-kv-heads 2 --head-dim 64 --dtype float32" in log
+        verify_stats(server.target)
+    finally:
+        server.close()
+
+
+def _wait_for_engine(engine: VllmEngine, server: ServerProcess) -> None:
+    """Until the engine's scheduler says it is on `server` (its lookups go there from then on): the service
+    counting the engine is not enough, the scheduler learns it at its next call or idle tick."""
+    said = re.compile(rf"kvcache connector: (on kvcache at \S+ \(instance|kvcache restarted \(instance \S+ ->) "
+                      rf"{server.instance_id}\b")
+    wait_until(lambda: said.search(engine.log_text()) is not None,
+               f"the vLLM engine's connector on kvcache instance {server.instance_id}")
+    with KVCacheClient(server.target) as client:
+        assert client.get_stats().engines == 1
