@@ -156,8 +156,9 @@ class ServiceConfig:
                               unit="bytes")
     tier_timeout: float = setting(1.0, "seconds a request waits for pages loaded from the tier before it counts them "
                                   "as a miss", above=0, **SECONDS)
-    tier_queue_pages: int = setting(256, "most evicted pages waiting to be offloaded; beyond, pages are not offloaded "
-                                    "(eviction never waits; counted)", metavar="PAGES", at_least=1)
+    tier_queue_pages: int = setting(256, "most pages waiting to be offloaded (resident pages copied to the tier "
+                                    "ahead of eviction); beyond, pages are not offloaded (eviction never waits; "
+                                    "counted)", metavar="PAGES", at_least=1)
     mooncake_master: str = setting("", "mooncake tier: the master's host:port (mooncake_master --rpc_port)",
                                    metavar="ADDR")
     mooncake_metadata: str = setting("P2PHANDSHAKE", "mooncake tier: metadata service, P2PHANDSHAKE or an "

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 from cache_service.core import KVCacheCore, KVCacheError
 from cache_service.core.slot import IDLE
-from cache_service.core.tiering import Load, LoadPlan, Offload, TierIndex
+from cache_service.core.tiering import Load, Offload, TierIndex
 from cache_service.rpc import convert
 from cache_service.rpc.identity import Identity
 from cache_service.rpc.step_columns import APPEND, MATCH, OPEN
@@ -115,16 +115,16 @@ class TierPath:
         plans = [index.plan(w.salt, w.key) if w is not None else None for w in appends]
         probes = [index.plan(w.salt, w.key) if w is not None else None for w in matches]
 
-        async def lookup(plan: LoadPlan | None, count: bool) -> int:
-            if plan is None:
-                return 0
-            return await self._tier.lookup(plan.keys, count=count, timeout=max(0.0, deadline - loop.time()))
-
-        found = await asyncio.gather(*(lookup(p, True) for p in plans), *(lookup(p, False) for p in probes))
+        # One store call for every op's lookup, then one (per batch of pages) for every op's load.
+        asked = [p for p in (*plans, *probes) if p is not None]
+        counts = [True] * sum(p is not None for p in plans) + [False] * sum(p is not None for p in probes)
+        answers = iter(await self._tier.lookup_runs([p.keys for p in asked], counts,
+                                                    timeout=max(0.0, deadline - loop.time())))
+        found = [next(answers) if p is not None else 0 for p in (*plans, *probes)]
         loads = [index.begin(plan, n) if plan is not None and n else None
                  for plan, n in zip(plans, found[: len(plans)], strict=True)]
-        tickets = [self._tier.load(load.keys, load.page_list, partial(self._loaded, load))
-                   for load in loads if load is not None]
+        tickets = self._tier.load_runs([(load.keys, load.page_list, partial(self._loaded, load))
+                                        for load in loads if load is not None])
         if tickets:
             await asyncio.gather(*(t.wait(max(0.0, deadline - loop.time())) for t in tickets))
         matched = [MatchProbe(p.matched, n) if p is not None else None

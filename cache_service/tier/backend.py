@@ -85,8 +85,9 @@ class TierBackend(Protocol):
         """The host memory every buffer handed to put and get lies in; called once before any of them (a
         backend not connected yet registers it when it connects)."""
 
-    def exists(self, keys: Sequence[bytes]) -> int:
-        """How many leading keys the store holds a value for."""
+    def exists(self, runs: Sequence[Sequence[bytes]]) -> list[int]:
+        """For each run of keys, how many of its leading keys the store holds a value for: one store call
+        for all the runs (a Step's appends and matches)."""
 
     def put(self, items: Sequence[PutItem]) -> list[str]:
         """Store each value (a key it already holds counts as stored); per item "" or a reason."""

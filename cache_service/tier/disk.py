@@ -190,13 +190,17 @@ class DiskTier:
     def register(self, regions: Sequence[tuple[int, int]]) -> None:
         pass  # files need no registration
 
-    def exists(self, keys: Sequence[bytes]) -> int:
+    def exists(self, runs: Sequence[Sequence[bytes]]) -> list[int]:
         self._check_open()
+        found: list[int] = []
         with self._lock:
-            for n, key in enumerate(keys):
-                if key not in self._index:
-                    return n
-        return len(keys)
+            index = self._index
+            for run in runs:
+                n = 0
+                while n < len(run) and run[n] in index:
+                    n += 1
+                found.append(n)
+        return found
 
     def put(self, items: Sequence[PutItem]) -> list[str]:
         self._check_open()

@@ -216,17 +216,22 @@ class MooncakeTier:
                 raise TierConfigError(f"--tier mooncake: cannot register {format_bytes(nbytes)} of pool memory "
                                       f"with the store (register_buffer returned {rc})")
 
-    def exists(self, keys: Sequence[bytes]) -> int:
-        if not keys:
-            return 0
-        codes = self._client().batch_is_exist([key_text(k) for k in keys])
-        for n, code in enumerate(codes):
-            if code == 1:
-                continue
-            if code < 0 and n == 0:
-                raise TierUnavailable("rpc", f"batch_is_exist returned {code}")
-            return n
-        return len(keys)
+    def exists(self, runs: Sequence[Sequence[bytes]]) -> list[int]:
+        flat = [key_text(k) for run in runs for k in run]
+        if not flat:
+            return [0] * len(runs)
+        codes = self._client().batch_is_exist(flat)
+        if len(codes) != len(flat) or codes[0] < 0:
+            raise TierUnavailable("rpc", f"batch_is_exist returned {codes[0] if codes else 'nothing'}")
+        found: list[int] = []
+        start = 0
+        for run in runs:  # a key the store could not answer for (code < 0) ends its run like a missing one
+            n = 0
+            while n < len(run) and codes[start + n] == 1:
+                n += 1
+            found.append(n)
+            start += len(run)
+        return found
 
     def put(self, items: Sequence[PutItem]) -> list[str]:
         if not items:

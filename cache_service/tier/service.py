@@ -1,8 +1,9 @@
 """The tier's machinery between the asyncio loop that owns the core and the store: queues, worker threads,
 completions, timeouts, faults and counters.
 
-Threads: the loop thread calls `offload`, `load` and `lookup` (they never block); a load worker runs
-lookups and loads in order, an offload worker runs offloads, batching whatever is queued (up to
+Threads: the loop thread calls `offload`, `load(_runs)` and `lookup(_runs)` (they never block); a load
+worker runs lookups and loads in order, each `*_runs` call (a Step's ops) as one store call (loads: up to
+`batch_pages` pages a call), an offload worker runs offloads, batching whatever is queued (up to
 `batch_pages` per store call). Results come back to the loop with `call_soon_threadsafe`, so everything
 that touches the core happens on the loop, as the core requires.
 
@@ -101,10 +102,19 @@ class _Load:
 
 @dataclass(eq=False)
 class _Lookup:
-    keys: tuple[bytes, ...]
-    future: asyncio.Future[int]
-    count: bool
+    runs: tuple[tuple[bytes, ...], ...]
+    counts: tuple[bool, ...]
+    future: asyncio.Future[list[int]]
     gave_up: bool = False
+
+    def count(self, found: Sequence[int]) -> tuple[int, int]:
+        """(lookup pages, miss pages) of the counted runs, given what was found."""
+        pages = misses = 0
+        for run, counted, n in zip(self.runs, self.counts, found, strict=True):
+            if counted:
+                pages += len(run)
+                misses += len(run) - n
+        return pages, misses
 
 
 _STOP = object()
@@ -390,27 +400,43 @@ class TierService:
     def load(self, keys: Sequence[bytes], pages: Sequence[int], done: Done | None = None) -> LoadTicket:
         """Read the values of `keys` into `pages` (fresh pages the caller owns, one per key, readable by
         nobody until `done(LoadResult)` runs on the loop). Returns a ticket to wait on."""
-        if len(keys) != len(pages):
-            raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
+        return self.load_runs([(keys, pages, done)])[0]
+
+    def load_runs(self, runs: Sequence[tuple[Sequence[bytes], Sequence[int], Done | None]]) -> list[LoadTicket]:
+        """`load` for several runs (a Step's appends) at once: their store calls are batched together (up to
+        the batch size in pages), each run keeps its own result, `done` and ticket."""
         loop = self._require_loop()
-        job = _Load(tuple(keys), tuple(int(p) for p in pages), done, loop.create_future())
+        jobs: list[_Load] = []
+        for keys, pages, done in runs:
+            if len(keys) != len(pages):
+                raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
+            jobs.append(_Load(tuple(keys), tuple(int(p) for p in pages), done, loop.create_future()))
         with self._counters.lock:
-            self._counters.load_queue_pages += len(keys)
+            self._counters.load_queue_pages += sum(len(job.keys) for job in jobs)
         if self._closing:  # `done` still runs later on the loop, never inside this call
-            loop.call_soon(self._finish_load, job, self._unloaded(job, CLOSED))
-        else:
-            self._loads.put(job)
-        return LoadTicket(self, job, self.timeout_seconds)
+            for job in jobs:
+                loop.call_soon(self._finish_load, job, self._unloaded(job, CLOSED))
+        elif jobs:
+            self._loads.put(jobs)
+        return [LoadTicket(self, job, self.timeout_seconds) for job in jobs]
 
     async def lookup(self, keys: Sequence[bytes], *, count: bool = True, timeout: float | None = None) -> int:
         """How many leading keys the tier holds (0 when it is down, slow past the timeout, or closing).
         `count`: add the keys it does not hold to the miss counter (False for read-only probes)."""
-        if not keys:
-            return 0
+        return (await self.lookup_runs([keys], [count], timeout=timeout))[0]
+
+    async def lookup_runs(self, runs: Sequence[Sequence[bytes]], counts: Sequence[bool], *,
+                          timeout: float | None = None) -> list[int]:
+        """`lookup` for several runs of keys (a Step's appends and matches) in one store call; `counts[i]`:
+        whether run i's keys count as lookups and misses."""
+        if len(runs) != len(counts):
+            raise ValueError(f"{len(runs)} runs for {len(counts)} count flags")
+        if not any(runs):
+            return [0] * len(runs)
         loop = self._require_loop()
-        job = _Lookup(tuple(keys), loop.create_future(), count)
+        job = _Lookup(tuple(tuple(run) for run in runs), tuple(counts), loop.create_future())
         if self._closing:
-            self._finish_lookup(job, 0)
+            self._finish_lookup(job, [0] * len(runs))
         else:
             self._loads.put(job)
         limit = self.timeout_seconds if timeout is None else timeout
@@ -418,12 +444,12 @@ class TierService:
             return await asyncio.wait_for(asyncio.shield(job.future), limit)
         except TimeoutError:
             job.gave_up = True
+            pages, misses = job.count([0] * len(runs))
             with self._counters.lock:
-                if count:
-                    self._counters.lookup_pages += len(keys)
-                    self._counters.miss_pages += len(keys)
+                self._counters.lookup_pages += pages
+                self._counters.miss_pages += misses
                 self._counters.error("exists", "timeout")
-            return 0
+            return [0] * len(runs)
 
     def _require_loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
@@ -466,11 +492,12 @@ class TierService:
         if not job.future.done():
             job.future.set_result(result)
 
-    def _finish_lookup(self, job: _Lookup, found: int) -> None:
-        if not job.gave_up and job.count:
+    def _finish_lookup(self, job: _Lookup, found: list[int]) -> None:
+        if not job.gave_up:
+            pages, misses = job.count(found)
             with self._counters.lock:
-                self._counters.lookup_pages += len(job.keys)
-                self._counters.miss_pages += len(job.keys) - found
+                self._counters.lookup_pages += pages
+                self._counters.miss_pages += misses
         if not job.future.done():
             job.future.set_result(found)
 
@@ -568,9 +595,24 @@ class TierService:
                 self._fail_queued_loads()
                 return
             if isinstance(job, _Lookup):
-                self._deliver(self._finish_lookup, job, self._exists(job.keys))
+                self._deliver(self._finish_lookup, job, self._exists(job.runs))
             else:
-                self._deliver(self._finish_load, job, self._get(job))
+                for batch in self._batches(job):
+                    for load, result in zip(batch, self._get(batch), strict=True):
+                        self._deliver(self._finish_load, load, result)
+
+    def _batches(self, jobs: list[_Load]) -> list[list[_Load]]:
+        """Consecutive loads grouped into store calls of at most `batch_pages` pages (a bigger load alone)."""
+        batches: list[list[_Load]] = []
+        pages = 0
+        for job in jobs:
+            if batches and pages + len(job.keys) <= self.batch_pages:
+                batches[-1].append(job)
+                pages += len(job.keys)
+            else:
+                batches.append([job])
+                pages = len(job.keys)
+        return batches
 
     def _fail_queued_loads(self) -> None:
         while True:
@@ -579,9 +621,10 @@ class TierService:
             except queue.Empty:
                 return
             if isinstance(job, _Lookup):
-                self._deliver(self._finish_lookup, job, 0)
-            elif isinstance(job, _Load):
-                self._deliver(self._finish_load, job, self._unloaded(job, CLOSED))
+                self._deliver(self._finish_lookup, job, [0] * len(job.runs))
+            elif isinstance(job, list):
+                for load in job:
+                    self._deliver(self._finish_load, load, self._unloaded(load, CLOSED))
 
     def _fail_queued_offloads(self) -> None:
         while True:
@@ -595,62 +638,70 @@ class TierService:
                 self._deliver(self._finish_offload, job,
                               OffloadResult(job.keys, job.pages, (CLOSED,) * len(job.pages)))
 
-    def _exists(self, keys: tuple[bytes, ...]) -> int:
+    def _exists(self, runs: tuple[tuple[bytes, ...], ...]) -> list[int]:
+        none = [0] * len(runs)
         if self._closing:
-            return 0
+            return none
         if not self._link.enter():
             self._link.note("exists", Counter({DOWN: 1}))
-            return 0
+            return none
         try:
-            found = self.backend.exists(keys)
+            found = self.backend.exists(runs)
         except TierUnavailable as e:
             self._link.down("exists", e)
             self._link.note("exists", Counter({DOWN: 1}))
-            return 0
+            return none
         except Exception as e:
             self._log.warning("tier_exists_failed", error=repr(e))
             self._link.note("exists", Counter({ERROR: 1}))
-            return 0
+            return none
         finally:
             self._link.leave()
+        if len(found) != len(runs):
+            self._log.warning("tier_exists_failed", error=f"{len(found)} answers for {len(runs)} runs")
+            self._link.note("exists", Counter({ERROR: 1}))
+            return none
         self._link.note("exists", Counter())
-        return found
+        return [min(n, len(run)) for n, run in zip(found, runs, strict=True)]
 
     @staticmethod
     def _unloaded(job: _Load, reason: str) -> LoadResult:
         return LoadResult(job.keys, job.pages, 0, (reason,) * len(job.keys))
 
-    def _get(self, job: _Load) -> LoadResult:
-        n = len(job.keys)
+    def _get(self, jobs: list[_Load]) -> list[LoadResult]:
+        """One store call for `jobs` (one load each, a Step's appends together); a result per job."""
+        n = sum(len(job.keys) for job in jobs)
         if self._closing:
-            return self._unloaded(job, CLOSED)
+            return [self._unloaded(job, CLOSED) for job in jobs]
         if not self._link.enter():
             self._link.note("get", Counter({DOWN: n}))
-            return self._unloaded(job, DOWN)
+            return [self._unloaded(job, DOWN) for job in jobs]
         try:
-            return self._get_entered(job)
+            return self._get_entered(jobs)
         finally:
             self._link.leave()
 
-    def _get_entered(self, job: _Load) -> LoadResult:
-        n = len(job.keys)
+    def _get_entered(self, jobs: list[_Load]) -> list[LoadResult]:
+        keys = [key for job in jobs for key in job.keys]
+        pages = [page for job in jobs for page in job.pages]
+        n = len(keys)
         started = time.perf_counter()
         reasons: list[str] = []
         try:
-            staging = self.memory.stage_in(job.pages)
+            staging = self.memory.stage_in(pages)
         except Exception as e:
             self._log.warning("tier_staging_failed", operation="get", error=str(e))
             self._link.note("get", Counter({ERROR: n}))
-            return self._unloaded(job, ERROR)
+            return [self._unloaded(job, ERROR) for job in jobs]
         ok: list[bool] = [False] * n
         try:
             try:
-                results = self.backend.get([GetItem(k, b) for k, b in zip(job.keys, staging.buffers, strict=True)])
+                results = self.backend.get([GetItem(k, b) for k, b in zip(keys, staging.buffers, strict=True)])
             except TierUnavailable as e:
                 self._link.down("get", e)
                 results = []
                 reasons = [DOWN] * n
-            for i, (key, res, buffers) in enumerate(zip(job.keys, results, staging.buffers, strict=False)):
+            for i, (key, res, buffers) in enumerate(zip(keys, results, staging.buffers, strict=False)):
                 reason = res.reason or verify(res.header, key, self._geometry, buffers.views)
                 reasons.append(reason)
                 ok[i] = not reason
@@ -658,27 +709,42 @@ class TierService:
             self._log.warning("tier_get_failed", error=repr(e))
             reasons = [TAINTED] * n  # unknown: the store may still be writing
             ok = [False] * n
-        loaded = 0
-        while loaded < n and ok[loaded]:
-            loaded += 1
+        reasons += [ERROR] * (n - len(reasons))  # a store that answered fewer items than asked
+        loaded: list[int] = []  # per job: its leading sound values
+        visible: list[bool] = []
+        start = 0
+        for job in jobs:
+            size = len(job.keys)
+            count = 0
+            while count < size and ok[start + count]:
+                count += 1
+            loaded.append(count)
+            visible += [i < count for i in range(size)]
+            start += size
         try:
-            staging.finish([i < loaded for i in range(n)])
+            staging.finish(visible)
         except Exception as e:
             self._log.warning("tier_staging_failed", operation="get", error=str(e))
-            loaded = 0
+            loaded = [0] * len(jobs)
         seconds = time.perf_counter() - started
-        unsound = [k for k, r in zip(job.keys, reasons, strict=True) if r in _UNSOUND]
+        unsound = [k for k, r in zip(keys, reasons, strict=True) if r in _UNSOUND]
         if unsound:
             with contextlib.suppress(Exception):
                 self.backend.discard(unsound)
-        tainted = tuple(p for p, r in zip(job.pages, reasons, strict=True) if r == TAINTED)
         with self._counters.lock:
             c = self._counters
-            c.load_pages += loaded
-            c.load_bytes += loaded * self._geometry.value_bytes
+            c.load_pages += sum(loaded)
+            c.load_bytes += sum(loaded) * self._geometry.value_bytes
             c.load_seconds += seconds
         self._link.note("get", Counter(r for r in reasons if r))
-        return LoadResult(job.keys, job.pages, loaded, tuple(reasons), tainted, seconds)
+        out: list[LoadResult] = []
+        start = 0
+        for job, count in zip(jobs, loaded, strict=True):
+            mine = tuple(reasons[start:start + len(job.keys)])
+            tainted = tuple(p for p, r in zip(job.pages, mine, strict=True) if r == TAINTED)
+            out.append(LoadResult(job.keys, job.pages, count, mine, tainted, seconds))
+            start += len(job.keys)
+        return out
 
 
 _QUIET = frozenset({MISSING, CLOSED})

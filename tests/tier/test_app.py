@@ -54,7 +54,7 @@ def test_offloads_and_loads_show_in_get_stats_and_survive_a_restart(tmp_path: Pa
 
     asyncio.run(scenario())
     restarted = DiskTier(tmp_path / "tier", 1 << 20, geometry(cfg.layout()))
-    assert restarted.exists(keys) == 3
+    assert restarted.exists([keys]) == [3]
     restarted.close()
 
 
@@ -71,5 +71,5 @@ def test_stop_drains_queued_offloads_before_the_pool_goes(tmp_path: Path) -> Non
 
     asyncio.run(scenario())
     restarted = DiskTier(tmp_path / "tier", 1 << 20, geometry(cfg.layout()))
-    assert restarted.exists(keys) == 20
+    assert restarted.exists([keys]) == [20]
     restarted.close()

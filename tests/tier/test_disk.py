@@ -38,8 +38,8 @@ def test_put_get_round_trip_through_pool_pages(pool: Pool, tmp_path: Path) -> No
     assert [_put(tier, pool, k, p) for k, p in zip(keys, (1, 2, 3), strict=True)] == ["", "", ""]
     assert tier.path(keys[0]).stat().st_size == VALUE
     assert tier.path(keys[0]).parent.name == keys[0].hex()[:2]
-    assert tier.exists(keys) == 3
-    assert tier.exists([keys[0], b"\1" * 32, keys[2]]) == 1  # leading keys only
+    assert tier.exists([keys]) == [3]
+    assert tier.exists([[keys[0], b"\1" * 32, keys[2]], keys, []]) == [1, 3, 0]  # leading keys, per run
     pool.scribble([10, 11, 12])
     results = tier.get([GetItem(k, pool.memory.page(p)) for k, p in zip(keys, (10, 11, 12), strict=True)])
     assert [r.reason for r in results] == ["", "", ""]
@@ -82,7 +82,7 @@ def test_a_restarted_process_finds_what_another_wrote(pool: Pool, tmp_path: Path
     assert out == {"stored": [""] * 6}
     tier = DiskTier(tmp_path / "t", 1 << 20, G)  # a new instance: the index is rebuilt from the directory
     keys = keys_for(7, 6)
-    assert tier.exists(keys) == 6
+    assert tier.exists([keys]) == [6]
 
     async def load() -> list[str]:
         service = TierService(tier, page_memory(pool.pool))
@@ -156,8 +156,8 @@ def test_unsound_values_are_misses_counted_and_discarded(pool: Pool, tmp_path: P
         st = service.stats()
         assert (st.hit_pages, st.miss_pages, st.load_pages) == (1, 3, 1)  # page 3 is sound but after a gap
         assert st.errors == {("get", "bad_checksum"): 1, ("get", "short"): 1}
-        assert tier.exists([k[1]]) == 0 and not tier.path(k[1]).exists()  # discarded
-        assert tier.exists([k[3]]) == 0 and tier.exists([k[2]]) == 1
+        assert tier.exists([[k[1]]]) == [0] and not tier.path(k[1]).exists()  # discarded
+        assert tier.exists([[k[3]], [k[2]]]) == [0, 1]
         await asyncio.to_thread(service.close)
 
     asyncio.run(scenario())

@@ -53,7 +53,7 @@ def test_round_trip_through_registered_pool_pages(cluster: MooncakeCluster, pool
         written = [pool.write(p, seed=p) for p in range(1, 9)]
         assert (await offload(service, [(k, i + 1) for i, k in enumerate(keys)])).reasons == ("",) * 8
         assert await service.lookup(keys) == 8
-        assert service.backend.exists([keys[0], keys_for(101, 1)[0], keys[2]]) == 1
+        assert service.backend.exists([[keys[0], keys_for(101, 1)[0], keys[2]], keys, []]) == [1, 8, 0]
         pool.scribble(list(range(20, 28)))
         result = await service.load(keys, list(range(20, 28))).wait()
         assert result is not None and result.loaded == 8 and result.reasons == ("",) * 8
@@ -156,7 +156,7 @@ def test_unsound_values_are_misses_never_kv(cluster: MooncakeCluster, pool: Pool
         assert b"".join(bytes(v) for v in pool.memory.page(50).views) == payload
         # discarded from the store, so nobody hits them again (the short one too: a failed get says nothing
         # about the value, but it is no value of ours)
-        assert [service.backend.exists([k]) for k in keys] == [1, 0, 0, 0, 1, 0]
+        assert service.backend.exists([[k] for k in keys]) == [1, 0, 0, 0, 1, 0]
         st = service.stats()
         assert st.errors == {("get", "bad_checksum"): 1, ("get", "wrong_key"): 1, ("get", "bad_header"): 1,
                              ("get", TAINTED): 1, ("get", WRONG_SIZE): 1}

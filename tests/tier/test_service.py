@@ -36,6 +36,8 @@ class Gated:
         self.gate.set()
         self.entered = threading.Semaphore(0)
         self.threads: set[str] = set()
+        self.calls: list[tuple[str, list[int]]] = []
+        """(operation, run sizes) of the exists and get calls, in order."""
 
     def _wait(self) -> None:
         self.threads.add(threading.current_thread().name)
@@ -48,11 +50,13 @@ class Gated:
 
     def get(self, items: Sequence[GetItem]) -> list[GetResult]:
         self._wait()
+        self.calls.append(("get", [len(items)]))
         return self.inner.get(items)
 
-    def exists(self, keys: Sequence[bytes]) -> int:
+    def exists(self, runs: Sequence[Sequence[bytes]]) -> list[int]:
         self._wait()
-        return self.inner.exists(keys)
+        self.calls.append(("exists", [len(run) for run in runs]))
+        return self.inner.exists(runs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -103,6 +107,51 @@ def test_results_come_back_on_the_loop_thread_and_the_store_runs_off_it(pool: Po
         assert (st.hit_pages, st.miss_pages, st.lookup_pages, st.queue_pages, st.load_queue_pages) == (4, 0, 4, 0, 0)
         assert st.offload_seconds > 0 and st.load_seconds > 0 and st.up and st.errors == {}
         assert (st.stored_values, st.stored_bytes, st.capacity_bytes) == (4, 4 * 576, 1 << 20)
+        await asyncio.to_thread(service.close)
+
+    asyncio.run(scenario())
+
+
+def test_a_steps_lookups_and_loads_go_to_the_store_together(pool: Pool, disk: DiskTier) -> None:
+    gated = Gated(disk)
+    a, b, c = keys_for(31, 3), keys_for(32, 3), keys_for(33, 2)  # c is never stored
+
+    async def scenario() -> None:
+        service = _service(gated, pool, batch_pages=5)
+        written = [pool.write(p, seed=40 + p) for p in range(1, 7)]
+        assert (await offload(service, [(k, i + 1) for i, k in enumerate(a + b)])).stored == [True] * 6
+        found = await service.lookup_runs([a, c, [], b[:2] + c[:1]], [True, True, True, False])
+        assert found == [3, 0, 0, 2]
+        assert gated.calls == [("exists", [3, 2, 0, 3])]  # one store call for every run
+        st = service.stats()
+        assert (st.lookup_pages, st.miss_pages) == (5, 2)  # the uncounted probe adds neither
+        done: list[LoadResult] = []
+        tickets = service.load_runs([(a, [11, 12, 13], done.append), (c, [14, 15], done.append),
+                                     (b, [16, 17, 18], done.append)])
+        results = [await t.wait() for t in tickets]
+        # batches of at most 5 pages: a and c together, then b
+        assert gated.calls[1:] == [("get", [5]), ("get", [3])]
+        assert [(r.loaded, r.pages) for r in results if r is not None] == [
+            (3, (11, 12, 13)), (0, (14, 15)), (3, (16, 17, 18))]
+        assert done == results and results[1] is not None and results[1].reasons == ("missing", "missing")
+        for i, page in enumerate((11, 12, 13, 16, 17, 18)):
+            assert np.array_equal(pool.read(page), written[i])
+        st = service.stats()
+        assert (st.load_pages, st.hit_pages, st.miss_pages, st.load_queue_pages) == (6, 6, 4, 0)
+        await asyncio.to_thread(service.close)
+
+    asyncio.run(scenario())
+
+
+def test_runs_that_do_not_match_their_count_flags_are_refused(pool: Pool, disk: DiskTier) -> None:
+    async def scenario() -> None:
+        service = _service(disk, pool)
+        with pytest.raises(ValueError, match="2 runs for 1 count flags"):
+            await service.lookup_runs([keys_for(34, 1), keys_for(35, 1)], [True])
+        with pytest.raises(ValueError, match="2 keys for 1 pages"):
+            service.load_runs([(keys_for(36, 1), [20], None), (keys_for(37, 2), [21], None)])
+        st = service.stats()
+        assert (st.lookup_pages, st.load_queue_pages) == (0, 0)  # nothing was queued
         await asyncio.to_thread(service.close)
 
     asyncio.run(scenario())
