@@ -16,7 +16,6 @@ import re
 import socket
 import subprocess
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -27,6 +26,7 @@ import pytest
 import zmq
 
 from engine_client import KVCacheClient
+from tests.loopback import free_port, wait_until
 
 from .conftest import REPO, ServerProcess
 
@@ -34,20 +34,6 @@ INDEXER_PYTHON = REPO / ".venv-conformance" / "bin" / "python"
 MODEL = "conformance-model"
 INSTANCE = 41
 PAGE = 4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s: {what}")
-        time.sleep(0.05)
 
 
 class Indexer:

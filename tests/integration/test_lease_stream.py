@@ -9,15 +9,9 @@ from collections.abc import Callable
 import pytest
 
 from engine_client import AsyncKVCacheClient, KVCacheClient, LeaseExpired, ServiceUnavailable
+from tests.loopback import wait_until
 
 from .conftest import ServerProcess
-
-
-def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def test_a_held_lease_outlives_its_ttl_and_ends_with_the_client(server: ServerProcess) -> None:

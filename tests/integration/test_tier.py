@@ -16,7 +16,8 @@ import pytest
 from protos.kvcache.v1 import kvcache_pb2 as pb
 from protos.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 from tests.integration.conftest import PYTHON, REPO, ServerProcess
-from tests.tier.cluster import MooncakeCluster, free_port
+from tests.loopback import free_port
+from tests.tier.cluster import MooncakeCluster
 
 
 def _stats(target: str) -> pb.GetStatsResponse:

@@ -16,14 +16,10 @@ import sys
 import time
 from pathlib import Path
 
+from tests.loopback import free_port
+
 BIN = Path(sys.executable).parent
 LOOPBACK_ENV = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_listening(port: int, proc: subprocess.Popen[bytes], what: str, log: Path, timeout: float = 20.0) -> None:

@@ -12,9 +12,7 @@ in flight and no regular session left open (finished and aborted requests commit
 
 from __future__ import annotations
 
-import socket
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +21,7 @@ import pytest
 from engine_client import KVCacheClient
 from engine_client.vllm.driver import DriverError, EngineProcess, save_model
 from tests.integration.conftest import REPO, ServerProcess, verify_stats
+from tests.loopback import wait_until
 
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 PAGE = 16
@@ -31,20 +30,6 @@ LAYOUT = ("--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "64", "--dty
 ENGINE_ARGS = ("--num-blocks", "48", "--max-model-len", "1024")
 """The same vLLM configuration with and without kvcache (48 blocks of 32 tokens: small enough that a burst
 of long requests is preempted)."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s: {what}")
-        time.sleep(0.05)
 
 
 class VllmEngine(EngineProcess):

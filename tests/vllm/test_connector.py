@@ -17,17 +17,9 @@ import pytest
 
 from engine_client import KVCacheClient, SessionNotFound
 from tests.integration.conftest import ServerProcess, verify_stats
+from tests.loopback import free_port, wait_until
 
-from .conftest import (
-    PAGE,
-    VllmEngine,
-    drained,
-    free_port,
-    kvcache_server,
-    request,
-    tokens,
-    wait_until,
-)
+from .conftest import PAGE, VllmEngine, drained, kvcache_server, request, tokens
 
 pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.timeout(900)]  # real vLLM engines start in ~20-60 s
 
