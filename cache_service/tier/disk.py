@@ -60,11 +60,7 @@ def _writev_all(fd: int, buffers: Sequence[object], total: int) -> None:
         if n <= 0:
             raise OSError(errno.EIO, "pwritev wrote nothing")
         offset += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if n:
-            views[0] = views[0][n:]
+        _consume(views, n)
     assert offset == total, (offset, total)
 
 
@@ -77,12 +73,17 @@ def _readv_all(fd: int, buffers: Sequence[memoryview]) -> int:
         if n <= 0:
             break
         offset += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if n:
-            views[0] = views[0][n:]
+        _consume(views, n)
     return offset
+
+
+def _consume(views: list[memoryview], n: int) -> None:
+    """Drop the first `n` bytes of `views` (what one pwritev/preadv moved)."""
+    while views and n >= len(views[0]):
+        n -= len(views[0])
+        views.pop(0)
+    if n:
+        views[0] = views[0][n:]
 
 
 class DiskTier:
