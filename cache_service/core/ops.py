@@ -57,7 +57,7 @@ class Ops:
         check_salt(cache_salt)
         ps = self.config.page_size
         n = (len(tokens) >> 2) // ps * ps
-        match = self._radix.match(cache_salt, tokens[: n * 4], touch=False)
+        match = self._radix.match(cache_salt, tokens[: n * 4], lock=False, touch=False)
         return match.num_pages * ps, match.pages
 
     def open(self, session_id: str, streaming: bool, timeout_seconds: float | None, cache_salt: str,
