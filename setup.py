@@ -49,28 +49,37 @@ def _extensions() -> list[Extension]:
         # A profiler sees the Step handler's entry (cProfile shows no other compiled function: their calls
         # are C calls; KVCACHE_PURE_PYTHON=1 profiles the .py files).
         profiled = {"profile": name in PROFILED}
-        exts += cythonize([ext], build_dir="build/cython", quiet=True, compiler_directives={**directives, **profiled})
+        try:
+            exts += cythonize([ext], build_dir="build/cython", quiet=True,
+                              compiler_directives={**directives, **profiled})
+        except Exception as e:  # Cython's CompileError: this module is not built (the .py files then run)
+            print(f"[setup] Cython could not compile {name}: {e}", file=sys.stderr)
     return exts
 
 
 class BuildExt(build_ext):  # type: ignore[misc]
-    """build_ext that writes the manifest of the sources it compiled, only when every module built."""
+    """build_ext that writes the manifest of the sources it compiled, only when every module built in this run
+    (an optional module that failed may have left an older build beside its source)."""
 
     def run(self) -> None:
+        self._built: set[str] = set()
         super().run()
         if not self.extensions:
             return
-        built = {ext.name: self.get_ext_fullpath(ext.name) for ext in self.extensions}
         first = Path(self.get_ext_fullpath(COMPILED[0]))  # <base>/cache_service/core/radix.<abi>.so
         manifest = first.parents[COMPILED[0].count(".") - 1] / MANIFEST  # <base>/cache_service/_native.json
-        if not all(os.path.exists(path) for path in built.values()):
-            missing = sorted(name for name, path in built.items() if not os.path.exists(path))
+        missing = [name for name in COMPILED if name not in self._built]
+        if missing:
             print(f"[setup] not built: {', '.join(missing)}: the hot path runs as Python", file=sys.stderr)
             if manifest.exists():
                 manifest.unlink()
             return
         hashes = {name: source_hash(ROOT / (name.replace(".", "/") + ".py")) for name in COMPILED}
         manifest.write_text(json.dumps(hashes, indent=1, sort_keys=True) + "\n")
+
+    def build_extension(self, ext: Extension) -> None:
+        super().build_extension(ext)  # raises when it fails (an optional module's failure is then a warning)
+        self._built.add(ext.name)
 
 
 setup(ext_modules=_extensions(), cmdclass={"build_ext": BuildExt})

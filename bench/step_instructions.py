@@ -3,12 +3,15 @@
     python -m bench.step_instructions             # runs itself under valgrind twice: W warm-up steps, then
                                                   # W + N steps (both build W + N); prints (difference) / N
 
-Needs valgrind. `--child STEPS` is the measured process: the in-process handler of bench.scheduler_bench.
+Needs valgrind. The children run with PYTHONHASHSEED=0 and one OpenBLAS thread (its idle threads spin),
+so the count repeats to about 0.1%. `--child STEPS` is the measured process: the in-process handler of
+bench.scheduler_bench.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -31,7 +34,8 @@ def count(steps: int, built: int) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         done = subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/out", sys.executable,
                                "-m", "bench.step_instructions", "--child", str(steps), "--steps", str(built)],
-                              capture_output=True, text=True, check=True)
+                              capture_output=True, text=True, check=True,
+                              env={**os.environ, "PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1"})
     m = re.search(r"Collected : (\d+)", done.stderr)
     assert m, done.stderr[-2000:]
     return int(m.group(1))

@@ -24,9 +24,13 @@ from pathlib import Path
 from types import ModuleType
 
 COMPILED = (
+    "cache_service.core.validate",
     "cache_service.core.ledger",
+    "cache_service.core.eviction",
     "cache_service.core.pages",
+    "cache_service.core.leases",
     "cache_service.core.radix",
+    "cache_service.core.capacity",
     "cache_service.core.slot",
     "cache_service.core.sessions",
     "cache_service.core.ops",

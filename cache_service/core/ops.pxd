@@ -1,6 +1,7 @@
 # C types of ops.py for the compiled build (Cython pure-Python mode; see cache_service/native.py).
 cimport cython
 
+from cache_service.core.leases cimport Lease, LeaseTable
 from cache_service.core.ledger cimport Counters
 from cache_service.core.pages cimport PageAllocator
 from cache_service.core.radix cimport RadixTree
@@ -10,7 +11,8 @@ from cache_service.core.slot cimport SessionSlot, Slots
 
 @cython.final
 cdef class Ops:
-    cdef public object config, _clock, _by_id, _leases, _cap
+    cdef public object config, _clock, _by_id, _cap
+    cdef public LeaseTable _leases
     cdef public PageAllocator _pages
     cdef public RadixTree _radix
     cdef public Slots _slots
@@ -34,7 +36,7 @@ cdef class Ops:
     @cython.locals(s=SessionSlot)
     cpdef tuple close(self, object session_id, bint cache, object epoch, object engine_id, object identity)
 
-    @cython.locals(s=SessionSlot)
+    @cython.locals(s=SessionSlot, lease=Lease)
     cpdef SessionSlot session(self, object session_id, object epoch, object engine_id, object identity, object now)
 
     cpdef check_turn(self, SessionSlot s, object turn)
