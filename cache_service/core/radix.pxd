@@ -21,10 +21,10 @@ cdef class RadixTree:
     cdef public dict _roots
 
     @cython.locals(root=RadixNode, node=RadixNode, matched=Py_ssize_t, into=Py_ssize_t)
-    cpdef match(self, object salt, object key, bint lock=*, bint touch=*)
+    cpdef match(self, object salt, object key, bint lock=*, bint touch=*, Py_ssize_t end=*)
 
     @cython.locals(root=RadixNode)
-    cpdef Py_ssize_t matched_pages(self, object salt, object key) except -1
+    cpdef Py_ssize_t matched_pages(self, object salt, object key, Py_ssize_t end=*) except -1
 
     @cython.locals(num_pages=Py_ssize_t, root=RadixNode, node=RadixNode, matched=Py_ssize_t, into=Py_ssize_t,
                    n=RadixNode, leaf=RadixNode)
@@ -40,7 +40,7 @@ cdef class RadixTree:
 
     @cython.locals(pb=Py_ssize_t, n=Py_ssize_t, node=RadixNode, child=RadixNode, pos=Py_ssize_t, into=Py_ssize_t,
                    clen=Py_ssize_t, span=Py_ssize_t, same=bint, common=Py_ssize_t, children=dict)
-    cpdef tuple _walk(self, RadixNode root, object key, bint touch)
+    cpdef tuple _walk(self, RadixNode root, object key, bint touch, Py_ssize_t end=*)
 
     @cython.locals(n=RadixNode, parts=list)
     cpdef object path_pages(self, RadixNode node, object into=*, RadixNode above=*)

@@ -206,7 +206,7 @@ class Slots:
             if s.lock_node is not None or s.pages:
                 raise InvariantError("a radix turn starts with no pages")
             n = (context - 1) // ps * ps
-            match = self._radix.match(s.cache_salt, _span(s.tokens, 0, n * 4), lock=True)
+            match = self._radix.match(s.cache_salt, s.tokens, lock=True, touch=True, end=n * 4)
             lock_node, matched = match.node, match.pages
             base_pages = match.num_pages
             cached = radix_hit = base_pages * ps
@@ -351,7 +351,7 @@ class Slots:
         """Leading tokens of `s`'s context that the radix holds (a read-only probe)."""
         ps = self._ps
         n = (len(s.tokens) >> 2) // ps * ps
-        return self._radix.matched_pages(s.cache_salt, _span(s.tokens, 0, n * 4)) * ps
+        return self._radix.matched_pages(s.cache_salt, s.tokens, n * 4) * ps
 
     # ------------------------------------------------------------------ pages
 
