@@ -21,6 +21,10 @@ cdef class Ops:
     cdef public list _changes
     cdef public bint recording
 
+    @cython.locals(s=SessionSlot, lease=Lease)
+    cpdef tuple open(self, object session_id, bint streaming, object timeout_seconds, object cache_salt,
+                     object engine_id, object identity, object quota)
+
     @cython.locals(s=SessionSlot, context=Py_ssize_t)
     cpdef tuple append(self, object session_id, object tokens, object reserve_tokens, object epoch, object engine_id,
                        object identity)

@@ -98,6 +98,11 @@ class RadixInsert(NamedTuple):
     """The node ending exactly at the end of the key (None for an empty key)."""
 
 
+_new = tuple.__new__
+"""Builds a RadixMatch or RadixInsert from its fields: what the NamedTuple's constructor does, without its Python
+frame (two are made per turn)."""
+
+
 def token_key(tokens: TokenArray | bytes | bytearray, page_size: int, max_tokens: int | None = None) -> bytes:
     """The radix key of `tokens[:max_tokens]` (an int32 array, or int32 LE bytes), cut to whole pages."""
     if isinstance(tokens, bytes | bytearray):
@@ -180,17 +185,17 @@ class RadixTree:
         """
         root = self._roots.get(salt)
         if root is None or not (len(key) if end < 0 else end):
-            return RadixMatch(0, b"", None)
+            return _new(RadixMatch, (0, b"", None))
         node, matched, into = self._walk(root, key, touch=touch, end=end)
         if matched == 0:
-            return RadixMatch(0, b"", None)
+            return _new(RadixMatch, (0, b"", None))
         pages = self._matched_pages(node, into, matched)
         if not lock:
-            return RadixMatch(matched, pages, None)
+            return _new(RadixMatch, (matched, pages, None))
         if into < node.num_pages:
             node = self._split(node, into)
         self.lock(node)
-        return RadixMatch(matched, pages, node)
+        return _new(RadixMatch, (matched, pages, node))
 
     def matched_pages(self, salt: str, key: bytes | bytearray, end: int = -1) -> int:
         """How many leading whole pages of `key` (`key[:end]` for `end` >= 0) are cached under `salt`:
@@ -219,7 +224,7 @@ class RadixTree:
                 f"radix insert needs whole pages: key has {len(key)} bytes, {len(pages) >> 2} pages given"
             )
         if num_pages == 0:
-            return RadixInsert(0, b"", below)
+            return _new(RadixInsert, (0, b"", below))
         if below is None:
             root = self._roots.get(salt)
             if root is None:
@@ -242,7 +247,7 @@ class RadixTree:
         else:
             existing = b""
         if matched == num_pages:
-            return RadixInsert(matched, existing, node)
+            return _new(RadixInsert, (matched, existing, node))
         new_key = key[matched * self.page_bytes :]
         new_pages = bytes(pages[matched * PAGE_ID_BYTES :])
         leaf = RadixNode(self._new_id(), new_key, new_pages, node)
@@ -256,7 +261,7 @@ class RadixTree:
         self._leaves.add(leaf)
         if self.changes is not None:
             self.changes.append((STORED, leaf.salt or "", _last_page(node), new_key, new_pages))
-        return RadixInsert(matched, existing + new_pages if matched else new_pages, leaf)
+        return _new(RadixInsert, (matched, existing + new_pages if matched else new_pages, leaf))
 
     # ------------------------------------------------------------------ locks
 

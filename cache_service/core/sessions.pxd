@@ -14,3 +14,7 @@ cdef class SessionTable:
 
     @cython.locals(left=Py_ssize_t)
     cpdef remove(self, SessionSlot s)
+
+    @cython.locals(s=SessionSlot)
+    cpdef SessionSlot create(self, object session_id, bint streaming, object cache_salt, object owner,
+                             object identity, object timeout_seconds, object now)

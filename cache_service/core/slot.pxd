@@ -16,6 +16,9 @@ cdef class SessionSlot:
     cdef public RadixNode lock_node
     cdef public bytearray pages, tokens
 
+    cpdef reset(self, object session_id, object epoch, bint streaming, object cache_salt, object owner,
+                object identity, double timeout_seconds, double now)
+
 
 @cython.final
 cdef class Slots:
