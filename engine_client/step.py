@@ -22,8 +22,10 @@ would. Opening with no id draws one here, so later ops of the same batch can nam
 On the wire a batch is columns (`StepRequest.columns`: one packed array per field) unless it is made with
 `columns=False` (one `StepOp` message per op, for services older than columns). Either way every op
 behaves as the same request sent alone. With columns, neither side builds a message per op: an op method
-appends a few values to lists, and an outcome's typed result is built from the response's columns when it
-is first read (`value`), so ops whose results a scheduler never reads cost nothing to answer.
+appends a few values to lists (and copies its tokens), the clients send the request as bytes written in one
+join (`StepBatch.wire`), and every outcome of the batch reads one shared answer: its columns are decoded
+once, and an outcome's typed result is built from them when it is first read (`value`), so ops whose
+results a scheduler never reads cost nothing to answer.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from __future__ import annotations
 import uuid
 from array import array
 from collections.abc import Callable
-from itertools import accumulate
 from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
@@ -53,7 +54,7 @@ from protos.kvcache.v1 import kvcache_pb2 as pb
 
 T = TypeVar("T")
 
-__all__ = ["StepBatch", "StepOutcome", "StepSession"]
+__all__ = ["StepBatch", "StepOutcome", "StepSession", "StepWire"]
 
 
 class StepSession(Protocol):
@@ -71,19 +72,28 @@ SessionRef = str | StepSession
 _PENDING: Any = object()
 
 
+class _Answer:
+    """The one cell every outcome of a batch shares: the Step's column results once it has run."""
+
+    __slots__ = ("results",)
+
+    def __init__(self) -> None:
+        self.results: _ColumnResults | None = None
+
+
 class StepOutcome(Generic[T]):
     """One op's result once its Step has run: `value` on success, `error` (typed, not raised) otherwise."""
 
-    __slots__ = ("_error", "_results", "_status", "_value", "index", "kind")
+    __slots__ = ("_answer", "_error", "_status", "_value", "index", "kind")
 
-    def __init__(self, kind: str, index: int) -> None:
+    def __init__(self, kind: str, index: int, answer: _Answer | None = None) -> None:
         self.kind = kind
         """"open", "append", "extend", "commit", "close" or "match"."""
         self.index = index
         """The op's position in its batch."""
         self._value: Any = _PENDING
-        self._results: _ColumnResults | None = None
-        """The response's columns, which `value` is built from at first read."""
+        self._answer = answer or _Answer()
+        """Shared with the batch: its column results, which `value` is built from at first read."""
         self._error: KVCacheClientError | None = None
         self._status: Any = None
         """The google.rpc.Status of a failed op, which `error` is built from at first read."""
@@ -105,21 +115,24 @@ class StepOutcome(Generic[T]):
 
     @property
     def ok(self) -> bool:
-        return self._value is not _PENDING or (self._results is not None and self._status is None
+        return self._value is not _PENDING or (self._answer.results is not None and self._status is None
                                                and self._error is None)
 
     @property
     def value(self) -> T:
         """The op's result; raises its typed error if it failed (and RuntimeError before the Step ran)."""
-        error = self.error
-        if error is not None:
+        if self._status is not None or self._error is not None:
+            error = self.error
+            assert error is not None
             raise error
-        if self._value is _PENDING:
-            if self._results is None:
+        value = self._value
+        if value is _PENDING:
+            results = self._answer.results
+            if results is None:
                 raise RuntimeError(f"op {self.index} ({self.kind}) has not been sent: run the batch with "
                                    "client.step()")
-            self._value = self._results.result(self.kind, self.index)
-        return self._value  # type: ignore[no-any-return]
+            value = self._value = results.result(self.index)
+        return value  # type: ignore[no-any-return]
 
     def __repr__(self) -> str:
         state = "pending" if not self.done else ("ok" if self.ok else f"error {self.error!r}")
@@ -134,6 +147,57 @@ OPEN, APPEND, EXTEND, COMMIT, CLOSE, MATCH = 1, 2, 3, 4, 5, 6
 """Op kinds on the wire (StepOp's field numbers)."""
 _KIND_NAMES = ("", "open", "append", "extend", "commit", "close", "match")
 _SET, _KV_TOKENS, _TIMEOUT = pb.STEP_FLAG_SET, pb.STEP_FLAG_KV_TOKENS, pb.STEP_FLAG_TIMEOUT
+_COLUMNS_TAG = b"\x1a"
+"""StepRequest.columns (field 3, length-delimited) on the wire."""
+_TOKEN_IDS_TAG = b":"
+"""StepColumns.token_ids (field 7, length-delimited) on the wire."""
+
+
+class StepWire:
+    """A StepRequest already serialized, as the clients send a batch: `data` goes on the wire as it is.
+    `message()` (and `engine_id`, `columns`) parse it back, for whoever inspects a call."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def message(self) -> pb.StepRequest:
+        return pb.StepRequest.FromString(self.data)
+
+    @property
+    def engine_id(self) -> str:
+        return self.message().engine_id
+
+    @property
+    def columns(self) -> pb.StepColumns:
+        return self.message().columns
+
+    def __repr__(self) -> str:
+        return f"StepWire({len(self.data)} bytes)"
+
+
+def serialize_request(request: StepWire | pb.StepRequest) -> bytes:
+    """The request serializer of the clients' Step method: a StepWire's bytes, or a message serialized."""
+    if type(request) is StepWire:
+        return request.data
+    return request.SerializeToString()  # type: ignore[union-attr]
+
+
+def step_method(channel: Any) -> Any:
+    """The Step method of a channel (sync or asyncio), sending a `StepWire` as it is (a StepRequest
+    message serialized): what the clients put in their stub in place of the generated one."""
+    return channel.unary_unary("/kvcache.v1.KVCacheService/Step", request_serializer=serialize_request,
+                               response_deserializer=pb.StepResponse.FromString, _registered_method=True)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
 
 class StepBatch:
@@ -144,8 +208,10 @@ class StepBatch:
         """The default owner of the ops (None: the sending client's engine id)."""
         self.columns = columns
         """Send the ops as `StepRequest.columns` (else one StepOp message each)."""
+        self._answer = _Answer()
         self._outcomes: list[StepOutcome[Any]] = []
-        self._sessions: list[StepSession | None] = []
+        self._sessions: dict[int, StepSession] = {}
+        """The ops that name a session object, by index: their results are applied to it."""
         # One entry per op (the columns of StepColumns):
         self._kinds = bytearray()
         self._sids: list[str] = []
@@ -154,6 +220,7 @@ class StepBatch:
         self._flags = bytearray()
         self._token_counts: list[int] = []
         self._tokens: list[bytes] = []
+        """The token ids of the ops that carry some, packed (copied when the op was added)."""
         self._turns: dict[int, int] = {}
         self._timeouts: dict[int, float] = {}
         self._engines: dict[int, str] = {}
@@ -189,6 +256,8 @@ class StepBatch:
         return self._add(OPEN, sid, 0, 0, flags, b"", session)
 
     def append(self, session: SessionRef, tokens: TokensLike, reserve_tokens: int = 0) -> StepOutcome[AppendResult]:
+        if type(session) is str:
+            return self._add(APPEND, session, 0, reserve_tokens, 0, codec.pack_tokens(tokens), None)
         sid, epoch, obj = _ref(session)
         return self._add(APPEND, sid, epoch, reserve_tokens, 0, codec.pack_tokens(tokens), obj)
 
@@ -224,17 +293,21 @@ class StepBatch:
              session: StepSession | None) -> StepOutcome[Any]:
         if self.sent:
             raise RuntimeError("this batch was sent already: start a new StepBatch for the next step")
-        outcome: StepOutcome[Any] = StepOutcome(_KIND_NAMES[kind], len(self._kinds))
+        i = len(self._kinds)
+        outcome: StepOutcome[Any] = StepOutcome(_KIND_NAMES[kind], i, self._answer)
         self._kinds.append(kind)
         self._sids.append(sid)
         self._epochs.append(epoch)
         self._counts.append(count)
         self._flags.append(flags)
-        self._token_counts.append(len(tokens) >> 2)
         if tokens:
+            self._token_counts.append(len(tokens) >> 2)
             self._tokens.append(tokens)
+        else:
+            self._token_counts.append(0)
         self._outcomes.append(outcome)
-        self._sessions.append(session)
+        if session is not None:
+            self._sessions[i] = session
         return outcome
 
     # ------------------------------------------------------------------ sending (used by the clients)
@@ -242,15 +315,24 @@ class StepBatch:
     def request(self, default_engine_id: str) -> pb.StepRequest:
         """The StepRequest, once; `default_engine_id` is the client's engine id, used unless the batch
         named its own."""
-        if self.sent:
-            raise RuntimeError("this batch was sent already: start a new StepBatch for the next step")
-        self.sent = True
-        engine_id = default_engine_id if self.engine_id is None else self.engine_id
         if not self.columns:
+            self._mark_sent()
+            engine_id = default_engine_id if self.engine_id is None else self.engine_id
             return pb.StepRequest(ops=self._messages(), engine_id=engine_id)
+        return self.wire(default_engine_id).message()
+
+    def wire(self, default_engine_id: str) -> StepWire:
+        """The StepRequest as the clients send it, once: serialized, without a message per op (with
+        columns) and with every op's tokens copied once, into the request's bytes."""
+        if not self.columns:
+            return StepWire(self.request(default_engine_id).SerializeToString())
+        self._mark_sent()
+        engine_id = default_engine_id if self.engine_id is None else self.engine_id
         n = len(self._kinds)
+        # Every column but the token ids, serialized by protobuf; the token ids follow as one more field
+        # (a message's fields may come in any order), so they are copied once, by the join below.
         cols = pb.StepColumns(kinds=bytes(self._kinds), session_ids=self._sids,
-                              token_counts=array("I", self._token_counts).tobytes(), token_ids=b"".join(self._tokens))
+                              token_counts=array("I", self._token_counts).tobytes())
         if any(self._epochs):
             cols.epochs = array("Q", self._epochs).tobytes()
         if any(self._counts):
@@ -265,7 +347,23 @@ class StepBatch:
             cols.engine_ids.extend(self._engines.get(i, "") for i in range(n))
         if self._salts:
             cols.cache_salts.extend(self._salts.get(i, "") for i in range(n))
-        return pb.StepRequest(columns=cols, engine_id=engine_id)
+        head = cols.SerializeToString()
+        tokens = self._tokens
+        if tokens:
+            size = 4 * sum(self._token_counts)
+            size_bytes = _varint(size)
+            cols_size = len(head) + 1 + len(size_bytes) + size
+            parts = [pb.StepRequest(engine_id=engine_id).SerializeToString(), _COLUMNS_TAG, _varint(cols_size),
+                     head, _TOKEN_IDS_TAG, size_bytes, *tokens]
+        else:
+            parts = [pb.StepRequest(engine_id=engine_id).SerializeToString(), _COLUMNS_TAG, _varint(len(head)),
+                     head]
+        return StepWire(b"".join(parts))
+
+    def _mark_sent(self) -> None:
+        if self.sent:
+            raise RuntimeError("this batch was sent already: start a new StepBatch for the next step")
+        self.sent = True
 
     def _messages(self) -> list[pb.StepOp]:
         """The ops as StepOp messages (columns=False), each the request its unary call sends."""
@@ -303,102 +401,145 @@ class StepBatch:
         results = response.results
         if len(results) != len(self._kinds):
             raise RuntimeError(f"the service answered {len(results)} results for {len(self._kinds)} ops")
-        for outcome, session, result in zip(self._outcomes, self._sessions, results, strict=True):
+        sessions = self._sessions
+        for i, (outcome, result) in enumerate(zip(self._outcomes, results, strict=True)):
             kind = outcome.kind
             if result.status.code:
                 outcome.error = error_from_status(result.status)
                 continue
             value = _PARSERS[kind](getattr(result, kind))
             outcome._value = value
+            session = sessions.get(i)
             if session is not None:
                 session._apply(kind, value)
         return list(self._outcomes)
 
     def _apply_columns(self, cols: pb.StepColumnResults) -> None:
-        n = len(self._kinds)
-        if len(cols.codes) != 4 * n:
-            raise RuntimeError(f"the service answered {len(cols.codes) // 4} results for {n} ops")
         results = _ColumnResults(cols, self._sids, self._kinds)
         outcomes = self._outcomes
         if results.failed:
             for i, status in zip(results.failed, cols.errors, strict=True):
                 outcomes[i]._status = status
-        for outcome in outcomes:
-            outcome._results = results
-        for session, outcome in zip(self._sessions, outcomes, strict=True):
-            if session is not None and outcome._status is None:
+        self._answer.results = results
+        for i, session in self._sessions.items():
+            outcome = outcomes[i]
+            if outcome._status is None:
                 session._apply(outcome.kind, outcome.value)
+
+    def opened_instance_ids(self) -> list[str]:
+        """The distinct instance ids the successful opens of the answered batch carry, in order."""
+        results = self._answer.results
+        if results is None:
+            return opened_instance_ids(self._outcomes)
+        if OPEN not in self._kinds:
+            return []
+        failed = set(results.failed)
+        if all(i in failed for i, kind in enumerate(self._kinds) if kind == OPEN):
+            return []
+        return [results.instance_id]
+
+
+def _record_maker(cls: type[T]) -> Callable[..., T]:
+    """A constructor of `cls`, a frozen slotted dataclass, at the cost of a plain class's (a frozen
+    dataclass's own `__init__` stores each field through `object.__setattr__`, ~4x dearer): the fields,
+    in order, are stored on an instance of a twin class with the same slots, which then becomes a `cls`.
+    The result is a `cls` like any other (equal, hashed, printed and frozen the same)."""
+    names: tuple[str, ...] = cls.__slots__  # type: ignore[attr-defined]
+    twin = type(f"_{cls.__name__}Fields", (), {"__slots__": names})
+    args = ", ".join(names)
+    stores = "".join(f"    record.{name} = {name}\n" for name in names)
+    namespace: dict[str, Any] = {"twin": twin, "cls": cls}
+    exec(f"def make({args}):\n    record = twin()\n{stores}    record.__class__ = cls\n    return record\n",
+         namespace)
+    make: Callable[..., T] = namespace["make"]
+    return make
+
+
+_opened = _record_maker(OpenedSession)
+_appended = _record_maker(AppendResult)
+_extended = _record_maker(ExtendResult)
+_committed = _record_maker(CommitResult)
+_closed = _record_maker(CloseResult)
+_matched = _record_maker(MatchResult)
+
+_NUMBER_COLUMNS = (("epochs", "Q"), ("turns", "I"), ("cached_tokens", "I"), ("context_tokens", "I"),
+                   ("capacity_tokens", "I"), ("page_offsets", "I"), ("num_pages", "I"), ("prefix_hit_tokens", "I"),
+                   ("kv_tokens", "I"), ("timeouts", "d"), ("tier_tokens", "I"))
 
 
 class _ColumnResults:
-    """A StepColumnResults answer, read op by op when an outcome's value is first asked for."""
+    """A StepColumnResults answer, shared by the outcomes of its batch. Its columns are decoded once, when
+    the first result is asked for; each op's typed result is built when its outcome's value is first read.
+    Page ids come from one int32 array of the whole answer: each result's `page_ids` is its own slice."""
 
-    __slots__ = ("_arrays", "_closed", "_cols", "_kinds", "_opened", "_page_ends", "_page_ids", "_sids", "failed",
+    __slots__ = ("_closed", "_cols", "_ends", "_kinds", "_numbers", "_opened", "_pages", "_sids", "failed",
                  "instance_id")
 
     def __init__(self, cols: pb.StepColumnResults, sids: list[str], kinds: bytearray) -> None:
+        n = len(kinds)
+        codes = cols.codes
+        if len(codes) != 4 * n:
+            raise RuntimeError(f"the service answered {len(codes) // 4} results for {n} ops")
         self._cols = cols
         self._sids = sids
         self._kinds = kinds
-        codes = array("i", cols.codes)
-        self.failed = [i for i, code in enumerate(codes) if code] if any(codes) else []
-        if len(self.failed) != len(cols.errors):
-            raise RuntimeError(f"the service answered {len(cols.errors)} errors for {len(self.failed)} failed ops")
-        self._page_ends: list[int] | None = None
-        self._page_ids: bytes | None = None
-        """`cols.page_ids`, read once (each read of a bytes field makes a new copy of all of it)."""
-        self._closed: bytes | None = None
+        num_errors = len(cols.errors)
+        if not num_errors and codes.count(0) == len(codes):
+            self.failed: list[int] = []
+        else:
+            self.failed = np.flatnonzero(np.frombuffer(codes, "<i4")).tolist()
+        if len(self.failed) != num_errors:
+            raise RuntimeError(f"the service answered {num_errors} errors for {len(self.failed)} failed ops")
+        self._numbers: dict[str, Any] | None = None
+        self._pages: PageIds | None = None
+        self._ends: list[int] = []
+        self._closed = b""
         self._opened: dict[int, str] | None = None
-        self._arrays: dict[str, array[Any]] = {}
         self.instance_id = cols.instance_id
 
-    def _num(self, name: str, i: int, typecode: str = "I") -> Any:
-        col = self._arrays.get(name)
-        if col is None:
-            col = self._arrays[name] = array(typecode, getattr(self._cols, name))
-        return col[i]
+    def _decode(self) -> dict[str, Any]:
+        """Every number column, read from the message once (each read of a bytes field copies all of it)."""
+        cols, n = self._cols, len(self._kinds)
+        numbers = {}
+        for name, typecode in _NUMBER_COLUMNS:
+            data = getattr(cols, name)
+            numbers[name] = array(typecode, data or bytes(n * array(typecode).itemsize))
+        counts = np.frombuffer(cols.page_counts, "<u4")
+        self._ends = [0, *np.cumsum(counts, dtype=np.int64).tolist()]
+        self._pages = np.frombuffer(cols.page_ids, "<i4").astype(np.int32)  # a copy: writable, owned here
+        self._closed = cols.closed
+        self._numbers = numbers
+        return numbers
 
-    def _pages(self, i: int) -> PageIds:
-        ends, data = self._page_ends, self._page_ids
-        if ends is None or data is None:
-            ends = self._page_ends = list(accumulate(array("I", self._cols.page_counts)))
-            data = self._page_ids = self._cols.page_ids
-        end = ends[i]
-        start = ends[i - 1] if i else 0
-        pages: PageIds = np.frombuffer(data, "<i4", end - start, 4 * start).astype(np.int32)
-        return pages
-
-    def _closed_at(self, i: int) -> bool:
-        if self._closed is None:
-            self._closed = self._cols.closed
-        return bool(self._closed[i])
-
-    def result(self, kind: str, i: int) -> Any:
-        num = self._num
+    def result(self, i: int) -> Any:
+        numbers = self._numbers or self._decode()
+        kind = self._kinds[i]
         sid = self._sids[i]
-        if kind == "extend":
-            return ExtendResult(sid, num("epochs", i, "Q"), num("turns", i), num("capacity_tokens", i),
-                                num("page_offsets", i), self._pages(i), num("num_pages", i))
-        if kind == "append":
-            return AppendResult(sid, num("epochs", i, "Q"), num("turns", i), num("cached_tokens", i),
-                                num("context_tokens", i), num("capacity_tokens", i), num("page_offsets", i),
-                                self._pages(i), num("num_pages", i), num("prefix_hit_tokens", i), self._tier(i))
-        if kind == "commit":
-            return CommitResult(sid, num("context_tokens", i), num("kv_tokens", i), num("num_pages", i),
-                                self._closed_at(i))
-        if kind == "close":
-            return CloseResult(sid, self._closed_at(i), num("cached_tokens", i))
-        if kind == "open":
+        if kind == EXTEND:
+            return _extended(sid, numbers["epochs"][i], numbers["turns"][i], numbers["capacity_tokens"][i],
+                             numbers["page_offsets"][i], self._page_ids(i), numbers["num_pages"][i])
+        if kind == APPEND:
+            return _appended(sid, numbers["epochs"][i], numbers["turns"][i], numbers["cached_tokens"][i],
+                             numbers["context_tokens"][i], numbers["capacity_tokens"][i], numbers["page_offsets"][i],
+                             self._page_ids(i), numbers["num_pages"][i], numbers["prefix_hit_tokens"][i],
+                             numbers["tier_tokens"][i])
+        if kind == COMMIT:
+            return _committed(sid, numbers["context_tokens"][i], numbers["kv_tokens"][i], numbers["num_pages"][i],
+                              bool(self._closed[i]))
+        if kind == CLOSE:
+            return _closed(sid, bool(self._closed[i]), numbers["cached_tokens"][i])
+        if kind == OPEN:
             if self._opened is None:
                 failed = set(self.failed)
                 opens = [j for j, k in enumerate(self._kinds) if k == OPEN and j not in failed]
                 self._opened = dict(zip(opens, self._cols.opened_ids, strict=True))
-            return OpenedSession(self._opened[i], num("epochs", i, "Q"), num("timeouts", i, "d"), self.instance_id)
-        return MatchResult(num("cached_tokens", i), self._pages(i), self._tier(i))
+            return _opened(self._opened[i], numbers["epochs"][i], numbers["timeouts"][i], self.instance_id)
+        return _matched(numbers["cached_tokens"][i], self._page_ids(i), numbers["tier_tokens"][i])
 
-    def _tier(self, i: int) -> int:
-        """An op's tier_tokens (the column is empty when the service has no tier)."""
-        return self._num("tier_tokens", i) if self._cols.tier_tokens else 0
+    def _page_ids(self, i: int) -> PageIds:
+        pages = self._pages
+        assert pages is not None
+        return pages[self._ends[i]:self._ends[i + 1]]
 
 
 def opened_instance_ids(outcomes: list[StepOutcome[Any]]) -> list[str]:
@@ -407,7 +548,7 @@ def opened_instance_ids(outcomes: list[StepOutcome[Any]]) -> list[str]:
     ids: list[str] = []
     for outcome in outcomes:
         if outcome.kind == "open" and outcome.ok:
-            results = outcome._results
+            results = outcome._answer.results
             iid = results.instance_id if results is not None and outcome._value is _PENDING else \
                 outcome.value.instance_id
             if iid not in ids:
