@@ -191,6 +191,18 @@ def step_method(channel: Any) -> Any:
                                response_deserializer=pb.StepResponse.FromString, _registered_method=True)
 
 
+def _sent() -> RuntimeError:
+    return RuntimeError("this batch was sent already: start a new StepBatch for the next step")
+
+
+def _column(typecode: str, values: dict[int, Any], n: int) -> bytes:
+    """A little-endian column of `n` numbers from the ops' non-zero ones (by index)."""
+    column = array(typecode, bytes(n * array(typecode).itemsize))
+    for i, value in values.items():
+        column[i] = value
+    return column.tobytes()
+
+
 def _varint(value: int) -> bytes:
     out = bytearray()
     while value > 0x7F:
@@ -212,15 +224,15 @@ class StepBatch:
         self._outcomes: list[StepOutcome[Any]] = []
         self._sessions: dict[int, StepSession] = {}
         """The ops that name a session object, by index: their results are applied to it."""
-        # One entry per op (the columns of StepColumns):
+        # The columns of StepColumns: a list entry per op, or a dict entry per op whose value is not 0.
         self._kinds = bytearray()
         self._sids: list[str] = []
-        self._epochs: list[int] = []
         self._counts: list[int] = []
         self._flags = bytearray()
-        self._token_counts: list[int] = []
+        self._epochs: dict[int, int] = {}
+        self._token_counts: dict[int, int] = {}
         self._tokens: list[bytes] = []
-        """The token ids of the ops that carry some, packed (copied when the op was added)."""
+        """The token ids of the ops that carry some, in op order, packed (copied when the op was added)."""
         self._turns: dict[int, int] = {}
         self._timeouts: dict[int, float] = {}
         self._engines: dict[int, str] = {}
@@ -235,16 +247,20 @@ class StepBatch:
         return list(self._outcomes)
 
     # ------------------------------------------------------------------ ops
+    # Each op method appends its entries itself (a scheduler makes hundreds of ops a step: no helper call).
 
     def open(self, session_id: str = "", *, streaming: bool = True, timeout_seconds: float | None = None,
              cache_salt: str = "", engine_id: str = "", session: StepSession | None = None,
              ) -> StepOutcome[OpenedSession]:
         """Open a session in this Step. `session`, a session object not yet open, takes the result (its
         epoch); `Session.open_in` passes itself here."""
+        if self.sent:
+            raise _sent()
         sid = (session.session_id if session is not None else session_id) or uuid.uuid4().hex
+        i = len(self._kinds)
         if session is not None:
             session.session_id = sid
-        i = len(self._kinds)
+            self._sessions[i] = session
         flags = _SET if streaming else 0
         if timeout_seconds is not None:
             flags |= _TIMEOUT
@@ -253,61 +269,112 @@ class StepBatch:
             self._salts[i] = cache_salt
         if engine_id:
             self._engines[i] = engine_id
-        return self._add(OPEN, sid, 0, 0, flags, b"", session)
+        outcome: StepOutcome[OpenedSession] = StepOutcome("open", i, self._answer)
+        self._kinds.append(OPEN)
+        self._sids.append(sid)
+        self._counts.append(0)
+        self._flags.append(flags)
+        self._outcomes.append(outcome)
+        return outcome
 
     def append(self, session: SessionRef, tokens: TokensLike, reserve_tokens: int = 0) -> StepOutcome[AppendResult]:
-        if type(session) is str:
-            return self._add(APPEND, session, 0, reserve_tokens, 0, codec.pack_tokens(tokens), None)
-        sid, epoch, obj = _ref(session)
-        return self._add(APPEND, sid, epoch, reserve_tokens, 0, codec.pack_tokens(tokens), obj)
+        if self.sent:
+            raise _sent()
+        i = len(self._kinds)
+        packed = codec.pack_tokens(tokens)
+        sid = session if isinstance(session, str) else self._named(i, session)
+        if packed:
+            self._token_counts[i] = len(packed) >> 2
+            self._tokens.append(packed)
+        outcome: StepOutcome[AppendResult] = StepOutcome("append", i, self._answer)
+        self._kinds.append(APPEND)
+        self._sids.append(sid)
+        self._counts.append(reserve_tokens)
+        self._flags.append(0)
+        self._outcomes.append(outcome)
+        return outcome
 
     def extend(self, session: SessionRef, reserve_tokens: int) -> StepOutcome[ExtendResult]:
-        if type(session) is str:
-            return self._add(EXTEND, session, 0, reserve_tokens, 0, b"", None)
-        sid, epoch, obj = _ref(session)
-        return self._add(EXTEND, sid, epoch, reserve_tokens, 0, b"", obj)
+        if self.sent:
+            raise _sent()
+        i = len(self._kinds)
+        sid = session if isinstance(session, str) else self._named(i, session)
+        outcome: StepOutcome[ExtendResult] = StepOutcome("extend", i, self._answer)
+        self._kinds.append(EXTEND)
+        self._sids.append(sid)
+        self._counts.append(reserve_tokens)
+        self._flags.append(0)
+        self._outcomes.append(outcome)
+        return outcome
 
     def commit(self, session: SessionRef, tokens: TokensLike = b"", *, kv_tokens: int | None = None,
                turn: int = 0) -> StepOutcome[CommitResult]:
-        sid, epoch, obj = _ref(session)
+        if self.sent:
+            raise _sent()
+        i = len(self._kinds)
+        packed = codec.pack_tokens(tokens)
+        sid = session if isinstance(session, str) else self._named(i, session)
+        if packed:
+            self._token_counts[i] = len(packed) >> 2
+            self._tokens.append(packed)
         if turn:
-            self._turns[len(self._kinds)] = turn
-        return self._add(COMMIT, sid, epoch, kv_tokens or 0, 0 if kv_tokens is None else _KV_TOKENS,
-                         codec.pack_tokens(tokens), obj)
+            self._turns[i] = turn
+        outcome: StepOutcome[CommitResult] = StepOutcome("commit", i, self._answer)
+        self._kinds.append(COMMIT)
+        self._sids.append(sid)
+        self._counts.append(kv_tokens or 0)
+        self._flags.append(0 if kv_tokens is None else _KV_TOKENS)
+        self._outcomes.append(outcome)
+        return outcome
 
     def abort(self, session: SessionRef) -> StepOutcome[CommitResult]:
         """Roll the session's turn back (a commit with abort=true)."""
-        sid, epoch, obj = _ref(session)
-        return self._add(COMMIT, sid, epoch, 0, _SET, b"", obj)
+        return self._add(COMMIT, session, 0, _SET)
 
     def close(self, session: SessionRef, *, cache: bool = False) -> StepOutcome[CloseResult]:
-        sid, epoch, obj = _ref(session)
-        return self._add(CLOSE, sid, epoch, 0, _SET if cache else 0, b"", obj)
+        if self.sent:
+            raise _sent()
+        i = len(self._kinds)
+        sid = session if isinstance(session, str) else self._named(i, session)
+        outcome: StepOutcome[CloseResult] = StepOutcome("close", i, self._answer)
+        self._kinds.append(CLOSE)
+        self._sids.append(sid)
+        self._counts.append(0)
+        self._flags.append(_SET if cache else 0)
+        self._outcomes.append(outcome)
+        return outcome
 
     def match(self, tokens: TokensLike, cache_salt: str = "") -> StepOutcome[MatchResult]:
-        if cache_salt:
-            self._salts[len(self._kinds)] = cache_salt
-        return self._add(MATCH, "", 0, 0, 0, codec.pack_tokens(tokens), None)
-
-    def _add(self, kind: int, sid: str, epoch: int, count: int, flags: int, tokens: bytes,
-             session: StepSession | None) -> StepOutcome[Any]:
         if self.sent:
-            raise RuntimeError("this batch was sent already: start a new StepBatch for the next step")
+            raise _sent()
         i = len(self._kinds)
+        packed = codec.pack_tokens(tokens)
+        if cache_salt:
+            self._salts[i] = cache_salt
+        if packed:
+            self._token_counts[i] = len(packed) >> 2
+            self._tokens.append(packed)
+        return self._add(MATCH, "", 0, 0)
+
+    def _named(self, i: int, session: StepSession) -> str:
+        """Op `i` names a session object: its epoch is sent and its result applied to it."""
+        if session.epoch:
+            self._epochs[i] = session.epoch
+        self._sessions[i] = session
+        return session.session_id
+
+    def _add(self, kind: int, session: SessionRef, count: int, flags: int) -> StepOutcome[Any]:
+        """An op without tokens (the rare kinds; see the methods above)."""
+        if self.sent:
+            raise _sent()
+        i = len(self._kinds)
+        sid = session if isinstance(session, str) else self._named(i, session)
         outcome: StepOutcome[Any] = StepOutcome(_KIND_NAMES[kind], i, self._answer)
         self._kinds.append(kind)
         self._sids.append(sid)
-        self._epochs.append(epoch)
         self._counts.append(count)
         self._flags.append(flags)
-        if tokens:
-            self._token_counts.append(len(tokens) >> 2)
-            self._tokens.append(tokens)
-        else:
-            self._token_counts.append(0)
         self._outcomes.append(outcome)
-        if session is not None:
-            self._sessions[i] = session
         return outcome
 
     # ------------------------------------------------------------------ sending (used by the clients)
@@ -332,9 +399,9 @@ class StepBatch:
         # Every column but the token ids, serialized by protobuf; the token ids follow as one more field
         # (a message's fields may come in any order), so they are copied once, by the join below.
         cols = pb.StepColumns(kinds=bytes(self._kinds), session_ids=self._sids,
-                              token_counts=array("I", self._token_counts).tobytes())
-        if any(self._epochs):
-            cols.epochs = array("Q", self._epochs).tobytes()
+                              token_counts=_column("I", self._token_counts, n))
+        if self._epochs:
+            cols.epochs = _column("Q", self._epochs, n)
         if any(self._counts):
             cols.counts = array("i", self._counts).tobytes()
         if any(self._flags):
@@ -350,7 +417,7 @@ class StepBatch:
         head = cols.SerializeToString()
         tokens = self._tokens
         if tokens:
-            size = 4 * sum(self._token_counts)
+            size = 4 * sum(self._token_counts.values())
             size_bytes = _varint(size)
             cols_size = len(head) + 1 + len(size_bytes) + size
             parts = [pb.StepRequest(engine_id=engine_id).SerializeToString(), _COLUMNS_TAG, _varint(cols_size),
@@ -362,7 +429,7 @@ class StepBatch:
 
     def _mark_sent(self) -> None:
         if self.sent:
-            raise RuntimeError("this batch was sent already: start a new StepBatch for the next step")
+            raise _sent()
         self.sent = True
 
     def _messages(self) -> list[pb.StepOp]:
@@ -370,9 +437,9 @@ class StepBatch:
         ops = []
         pos = 0
         for i, kind in enumerate(self._kinds):
-            sid, epoch, count, flags = self._sids[i], self._epochs[i], self._counts[i], self._flags[i]
+            sid, epoch, count, flags = self._sids[i], self._epochs.get(i, 0), self._counts[i], self._flags[i]
             tokens = b""
-            if self._token_counts[i]:
+            if i in self._token_counts:
                 tokens = self._tokens[pos]
                 pos += 1
             if kind == OPEN:
@@ -555,8 +622,3 @@ def opened_instance_ids(outcomes: list[StepOutcome[Any]]) -> list[str]:
                 ids.append(iid)
     return ids
 
-
-def _ref(session: SessionRef) -> tuple[str, int, StepSession | None]:
-    if isinstance(session, str):
-        return session, 0, None
-    return session.session_id, session.epoch, session
