@@ -96,13 +96,19 @@ class StepOutcome(Generic[T]):
         """Shared with the batch: its column results, which `value` is built from at first read."""
         self._error: KVCacheClientError | None = None
         self._status: Any = None
-        """The google.rpc.Status of a failed op, which `error` is built from at first read."""
+        """A failed op's google.rpc.Status (or, in a columns answer, its position in the answer's errors),
+        which `error` is built from at first read."""
 
     @property
     def error(self) -> KVCacheClientError | None:
         """The op's typed error (None: it succeeded, or has not run)."""
         if self._error is None and self._status is not None:
-            self._error = error_from_status(self._status)
+            status = self._status
+            if type(status) is int:
+                results = self._answer.results
+                assert results is not None
+                status = results.errors[status]
+            self._error = error_from_status(status)
         return self._error
 
     @error.setter
@@ -484,9 +490,8 @@ class StepBatch:
     def _apply_columns(self, cols: pb.StepColumnResults) -> None:
         results = _ColumnResults(cols, self._sids, self._kinds)
         outcomes = self._outcomes
-        if results.failed:
-            for i, status in zip(results.failed, cols.errors, strict=True):
-                outcomes[i]._status = status
+        for position, i in enumerate(results.failed):  # no Status is read before its error is
+            outcomes[i]._status = position
         self._answer.results = results
         for i, session in self._sessions.items():
             outcome = outcomes[i]
@@ -529,18 +534,29 @@ _committed = _record_maker(CommitResult)
 _closed = _record_maker(CloseResult)
 _matched = _record_maker(MatchResult)
 
-_NUMBER_COLUMNS = (("epochs", "Q"), ("turns", "I"), ("cached_tokens", "I"), ("context_tokens", "I"),
-                   ("capacity_tokens", "I"), ("page_offsets", "I"), ("num_pages", "I"), ("prefix_hit_tokens", "I"),
-                   ("kv_tokens", "I"), ("timeouts", "d"), ("tier_tokens", "I"))
+_DTYPES = {"epochs": "<u8", "timeouts": "<f8", "closed": "?"}
+"""The number columns that are not uint32."""
+_RECORDS: dict[int, tuple[Callable[..., Any], tuple[str, ...]]] = {
+    OPEN: (_opened, ("opened_ids", "epochs", "timeouts", "instance_id")),
+    APPEND: (_appended, ("session_id", "epochs", "turns", "cached_tokens", "context_tokens", "capacity_tokens",
+                         "page_offsets", "page_ids", "num_pages", "prefix_hit_tokens", "tier_tokens")),
+    EXTEND: (_extended, ("session_id", "epochs", "turns", "capacity_tokens", "page_offsets", "page_ids",
+                         "num_pages")),
+    COMMIT: (_committed, ("session_id", "context_tokens", "kv_tokens", "num_pages", "closed")),
+    CLOSE: (_closed, ("session_id", "closed", "cached_tokens")),
+    MATCH: (_matched, ("cached_tokens", "page_ids", "tier_tokens")),
+}
+"""Per op kind: its record's maker and where each field comes from (the answer's column of that name, the
+op's own session id, or the answer's one instance id), in the record's order."""
 
 
 class _ColumnResults:
-    """A StepColumnResults answer, shared by the outcomes of its batch. Its columns are decoded once, when
-    the first result is asked for; each op's typed result is built when its outcome's value is first read.
-    Page ids come from one int32 array of the whole answer: each result's `page_ids` is its own slice."""
+    """A StepColumnResults answer, shared by the outcomes of its batch. Results are built a kind at a time,
+    when the first result of that kind is asked for: each of its columns is read from the message once and
+    gathered for the kind's successful ops by numpy, and the records are made in one pass. Page ids come
+    from one int32 array of the whole answer: each result's `page_ids` is its own slice of it."""
 
-    __slots__ = ("_closed", "_cols", "_ends", "_kinds", "_numbers", "_opened", "_pages", "_sids", "failed",
-                 "instance_id")
+    __slots__ = ("_cols", "_ends", "_kinds", "_pages", "_results", "_sids", "errors", "failed", "instance_id")
 
     def __init__(self, cols: pb.StepColumnResults, sids: list[str], kinds: bytearray) -> None:
         n = len(kinds)
@@ -557,56 +573,66 @@ class _ColumnResults:
             self.failed = np.flatnonzero(np.frombuffer(codes, "<i4")).tolist()
         if len(self.failed) != num_errors:
             raise RuntimeError(f"the service answered {num_errors} errors for {len(self.failed)} failed ops")
-        self._numbers: dict[str, Any] | None = None
-        self._pages: PageIds | None = None
-        self._ends: list[int] = []
-        self._closed = b""
-        self._opened: dict[int, str] | None = None
+        self.errors = cols.errors
+        """The failed ops' statuses, in op order (read one by one: each read makes a message wrapper)."""
         self.instance_id = cols.instance_id
-
-    def _decode(self) -> dict[str, Any]:
-        """Every number column, read from the message once (each read of a bytes field copies all of it)."""
-        cols, n = self._cols, len(self._kinds)
-        numbers = {}
-        for name, typecode in _NUMBER_COLUMNS:
-            data = getattr(cols, name)
-            numbers[name] = array(typecode, data or bytes(n * array(typecode).itemsize))
-        counts = np.frombuffer(cols.page_counts, "<u4")
-        self._ends = [0, *np.cumsum(counts, dtype=np.int64).tolist()]
-        self._pages = np.frombuffer(cols.page_ids, "<i4").astype(np.int32)  # a copy: writable, owned here
-        self._closed = cols.closed
-        self._numbers = numbers
-        return numbers
+        self._results: list[Any] = []
+        """Each op's result once its kind's are built (None before, and for failed ops)."""
+        self._pages: PageIds | None = None
+        self._ends: Any = None
 
     def result(self, i: int) -> Any:
-        numbers = self._numbers or self._decode()
-        kind = self._kinds[i]
-        sid = self._sids[i]
-        if kind == EXTEND:
-            return _extended(sid, numbers["epochs"][i], numbers["turns"][i], numbers["capacity_tokens"][i],
-                             numbers["page_offsets"][i], self._page_ids(i), numbers["num_pages"][i])
-        if kind == APPEND:
-            return _appended(sid, numbers["epochs"][i], numbers["turns"][i], numbers["cached_tokens"][i],
-                             numbers["context_tokens"][i], numbers["capacity_tokens"][i], numbers["page_offsets"][i],
-                             self._page_ids(i), numbers["num_pages"][i], numbers["prefix_hit_tokens"][i],
-                             numbers["tier_tokens"][i])
-        if kind == COMMIT:
-            return _committed(sid, numbers["context_tokens"][i], numbers["kv_tokens"][i], numbers["num_pages"][i],
-                              bool(self._closed[i]))
-        if kind == CLOSE:
-            return _closed(sid, bool(self._closed[i]), numbers["cached_tokens"][i])
-        if kind == OPEN:
-            if self._opened is None:
-                failed = set(self.failed)
-                opens = [j for j, k in enumerate(self._kinds) if k == OPEN and j not in failed]
-                self._opened = dict(zip(opens, self._cols.opened_ids, strict=True))
-            return _opened(self._opened[i], numbers["epochs"][i], numbers["timeouts"][i], self.instance_id)
-        return _matched(numbers["cached_tokens"][i], self._page_ids(i), numbers["tier_tokens"][i])
+        results = self._results or self._start()
+        value = results[i]
+        if value is None:
+            self._build(self._kinds[i])
+            value = results[i]
+        return value
 
-    def _page_ids(self, i: int) -> PageIds:
-        pages = self._pages
-        assert pages is not None
-        return pages[self._ends[i]:self._ends[i + 1]]
+    def _start(self) -> list[Any]:
+        n = len(self._kinds)
+        self._results = [None] * n
+        return self._results
+
+    def _build(self, kind: int) -> None:
+        """The results of every successful op of `kind`."""
+        cols = self._cols
+        selected = np.frombuffer(self._kinds, np.uint8) == kind
+        if self.failed:
+            selected[self.failed] = False
+        ops = np.flatnonzero(selected)
+        count = len(ops)
+        make, sources = _RECORDS.get(kind, _RECORDS[MATCH])
+        fields: list[Any] = []
+        for name in sources:
+            if name == "session_id":
+                fields.append([self._sids[i] for i in ops.tolist()])
+            elif name == "instance_id":
+                fields.append([self.instance_id] * count)
+            elif name == "opened_ids":
+                opened = list(cols.opened_ids)
+                if len(opened) != count:
+                    raise RuntimeError(f"the service answered {len(opened)} opened ids for {count} opens")
+                fields.append(opened)
+            elif name == "page_ids":
+                fields.append(self._page_ids(ops))
+            else:
+                dtype = _DTYPES.get(name, "<u4")
+                data = getattr(cols, name)
+                column = np.frombuffer(data, dtype)[ops] if data else np.zeros(count, dtype)
+                fields.append(column.tolist())
+        results = self._results
+        for i, record in zip(ops.tolist(), map(make, *fields), strict=True):
+            results[i] = record
+
+    def _page_ids(self, ops: Any) -> list[PageIds]:
+        pages, ends = self._pages, self._ends
+        if pages is None:
+            counts = np.frombuffer(self._cols.page_counts, "<u4")
+            ends = self._ends = np.zeros(len(counts) + 1, np.int64)
+            np.cumsum(counts, out=ends[1:])
+            pages = self._pages = np.frombuffer(self._cols.page_ids, "<i4").astype(np.int32)  # a copy: writable
+        return [pages[a:b] for a, b in zip(ends[ops].tolist(), ends[ops + 1].tolist(), strict=True)]
 
 
 def opened_instance_ids(outcomes: list[StepOutcome[Any]]) -> list[str]:

@@ -376,3 +376,12 @@ def test_the_instance_id_is_learnt_from_an_open_that_succeeded() -> None:
     both_refused.apply(pb.StepResponse(columns=pb.StepColumnResults(
         codes=np.array([code_pb2.ALREADY_EXISTS], dtype="<i4").tobytes(), errors=[refused], instance_id="i9")))
     assert both_refused.opened_instance_ids() == []
+
+
+def test_an_answer_with_the_wrong_number_of_opened_ids_is_refused_when_read() -> None:
+    batch = StepBatch()
+    opened = batch.open("s")
+    batch.wire("e")
+    batch.apply(pb.StepResponse(columns=pb.StepColumnResults(codes=bytes(4), opened_ids=["s", "t"], instance_id="i")))
+    with pytest.raises(RuntimeError, match="2 opened ids for 1 opens"):
+        _ = opened.value
