@@ -505,9 +505,10 @@ class StepBatch:
             return opened_instance_ids(self._outcomes)
         if OPEN not in self._kinds:
             return []
-        failed = set(results.failed)
-        if all(i in failed for i, kind in enumerate(self._kinds) if kind == OPEN):
-            return []
+        if results.failed:
+            failed = set(results.failed)
+            if all(i in failed for i, kind in enumerate(self._kinds) if kind == OPEN):
+                return []
         return [results.instance_id]
 
 
