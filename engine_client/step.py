@@ -33,6 +33,7 @@ from __future__ import annotations
 import uuid
 from array import array
 from collections.abc import Callable
+from itertools import accumulate
 from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
@@ -535,29 +536,15 @@ _committed = _record_maker(CommitResult)
 _closed = _record_maker(CloseResult)
 _matched = _record_maker(MatchResult)
 
-_DTYPES = {"epochs": "<u8", "timeouts": "<f8", "closed": "?"}
-"""The number columns that are not uint32."""
-_RECORDS: dict[int, tuple[Callable[..., Any], tuple[str, ...]]] = {
-    OPEN: (_opened, ("opened_ids", "epochs", "timeouts", "instance_id")),
-    APPEND: (_appended, ("session_id", "epochs", "turns", "cached_tokens", "context_tokens", "capacity_tokens",
-                         "page_offsets", "page_ids", "num_pages", "prefix_hit_tokens", "tier_tokens")),
-    EXTEND: (_extended, ("session_id", "epochs", "turns", "capacity_tokens", "page_offsets", "page_ids",
-                         "num_pages")),
-    COMMIT: (_committed, ("session_id", "context_tokens", "kv_tokens", "num_pages", "closed")),
-    CLOSE: (_closed, ("session_id", "closed", "cached_tokens")),
-    MATCH: (_matched, ("cached_tokens", "page_ids", "tier_tokens")),
-}
-"""Per op kind: its record's maker and where each field comes from (the answer's column of that name, the
-op's own session id, or the answer's one instance id), in the record's order."""
-
-
 class _ColumnResults:
-    """A StepColumnResults answer, shared by the outcomes of its batch. Results are built a kind at a time,
-    when the first result of that kind is asked for: each of its columns is read from the message once and
-    gathered for the kind's successful ops by numpy, and the records are made in one pass. Page ids come
-    from one int32 array of the whole answer: each result's `page_ids` is its own slice of it."""
+    """A StepColumnResults answer, shared by the outcomes of its batch. Its columns are read from the message
+    once (each read of a bytes field copies all of it), when the first result is asked for; each op's typed
+    result is built when its outcome's value is first read. Page ids come from one int32 array of the whole
+    answer: each result's `page_ids` is its own slice of it."""
 
-    __slots__ = ("_cols", "_ends", "_kinds", "_pages", "_results", "_sids", "errors", "failed", "instance_id")
+    __slots__ = ("_cached", "_capacity", "_closed", "_cols", "_context", "_ends", "_epochs", "_hits", "_kinds", "_kv",
+                 "_num_pages", "_offsets", "_opened", "_pages", "_sids", "_tier", "_timeouts", "_turns", "errors",
+                 "failed", "instance_id")
 
     def __init__(self, cols: pb.StepColumnResults, sids: list[str], kinds: bytearray) -> None:
         n = len(kinds)
@@ -577,63 +564,63 @@ class _ColumnResults:
         self.errors = cols.errors
         """The failed ops' statuses, in op order (read one by one: each read makes a message wrapper)."""
         self.instance_id = cols.instance_id
-        self._results: list[Any] = []
-        """Each op's result once its kind's are built (None before, and for failed ops)."""
         self._pages: PageIds | None = None
-        self._ends: Any = None
+        self._opened: dict[int, str] | None = None
+
+    def _decode(self) -> PageIds:
+        """Every column, read from the message once; returns the page ids."""
+        cols, n = self._cols, len(self._kinds)
+
+        def numbers(data: bytes, typecode: str) -> array[Any]:
+            return array(typecode, data or bytes(n * array(typecode).itemsize))
+
+        self._epochs = numbers(cols.epochs, "Q")
+        self._turns = numbers(cols.turns, "I")
+        self._cached = numbers(cols.cached_tokens, "I")
+        self._context = numbers(cols.context_tokens, "I")
+        self._capacity = numbers(cols.capacity_tokens, "I")
+        self._offsets = numbers(cols.page_offsets, "I")
+        self._num_pages = numbers(cols.num_pages, "I")
+        self._hits = numbers(cols.prefix_hit_tokens, "I")
+        self._kv = numbers(cols.kv_tokens, "I")
+        self._timeouts = numbers(cols.timeouts, "d")
+        self._tier = numbers(cols.tier_tokens, "I")  # empty when the service has no tier
+        self._closed = cols.closed or bytes(n)
+        self._ends = [0, *accumulate(array("I", cols.page_counts))]
+        pages: PageIds = np.frombuffer(cols.page_ids, "<i4").astype(np.int32)  # a copy: writable, owned here
+        self._pages = pages
+        return pages
 
     def result(self, i: int) -> Any:
-        results = self._results or self._start()
-        value = results[i]
-        if value is None:
-            self._build(self._kinds[i])
-            value = results[i]
-        return value
-
-    def _start(self) -> list[Any]:
-        n = len(self._kinds)
-        self._results = [None] * n
-        return self._results
-
-    def _build(self, kind: int) -> None:
-        """The results of every successful op of `kind`."""
-        cols = self._cols
-        selected = np.frombuffer(self._kinds, np.uint8) == kind
-        if self.failed:
-            selected[self.failed] = False
-        ops = np.flatnonzero(selected)
-        count = len(ops)
-        make, sources = _RECORDS.get(kind, _RECORDS[MATCH])
-        fields: list[Any] = []
-        for name in sources:
-            if name == "session_id":
-                fields.append([self._sids[i] for i in ops.tolist()])
-            elif name == "instance_id":
-                fields.append([self.instance_id] * count)
-            elif name == "opened_ids":
-                opened = list(cols.opened_ids)
-                if len(opened) != count:
-                    raise RuntimeError(f"the service answered {len(opened)} opened ids for {count} opens")
-                fields.append(opened)
-            elif name == "page_ids":
-                fields.append(self._page_ids(ops))
-            else:
-                dtype = _DTYPES.get(name, "<u4")
-                data = getattr(cols, name)
-                column = np.frombuffer(data, dtype)[ops] if data else np.zeros(count, dtype)
-                fields.append(column.tolist())
-        results = self._results
-        for i, record in zip(ops.tolist(), map(make, *fields), strict=True):
-            results[i] = record
-
-    def _page_ids(self, ops: Any) -> list[PageIds]:
-        pages, ends = self._pages, self._ends
+        pages = self._pages
         if pages is None:
-            counts = np.frombuffer(self._cols.page_counts, "<u4")
-            ends = self._ends = np.zeros(len(counts) + 1, np.int64)
-            np.cumsum(counts, out=ends[1:])
-            pages = self._pages = np.frombuffer(self._cols.page_ids, "<i4").astype(np.int32)  # a copy: writable
-        return [pages[a:b] for a, b in zip(ends[ops].tolist(), ends[ops + 1].tolist(), strict=True)]
+            pages = self._decode()
+        kind = self._kinds[i]
+        if kind == EXTEND:
+            ends = self._ends
+            return _extended(self._sids[i], self._epochs[i], self._turns[i], self._capacity[i], self._offsets[i],
+                             pages[ends[i]:ends[i + 1]], self._num_pages[i])
+        if kind == APPEND:
+            ends = self._ends
+            return _appended(self._sids[i], self._epochs[i], self._turns[i], self._cached[i], self._context[i],
+                             self._capacity[i], self._offsets[i], pages[ends[i]:ends[i + 1]], self._num_pages[i],
+                             self._hits[i], self._tier[i])
+        if kind == COMMIT:
+            return _committed(self._sids[i], self._context[i], self._kv[i], self._num_pages[i], bool(self._closed[i]))
+        if kind == CLOSE:
+            return _closed(self._sids[i], bool(self._closed[i]), self._cached[i])
+        if kind == OPEN:
+            opened = self._opened
+            if opened is None:
+                failed = set(self.failed)
+                opens = [j for j, k in enumerate(self._kinds) if k == OPEN and j not in failed]
+                ids = self._cols.opened_ids
+                if len(ids) != len(opens):
+                    raise RuntimeError(f"the service answered {len(ids)} opened ids for {len(opens)} opens")
+                opened = self._opened = dict(zip(opens, ids, strict=True))
+            return _opened(opened[i], self._epochs[i], self._timeouts[i], self.instance_id)
+        ends = self._ends
+        return _matched(self._cached[i], pages[ends[i]:ends[i + 1]], self._tier[i])
 
 
 def opened_instance_ids(outcomes: list[StepOutcome[Any]]) -> list[str]:
