@@ -154,10 +154,10 @@ OPEN, APPEND, EXTEND, COMMIT, CLOSE, MATCH = 1, 2, 3, 4, 5, 6
 """Op kinds on the wire (StepOp's field numbers)."""
 _KIND_NAMES = ("", "open", "append", "extend", "commit", "close", "match")
 _SET, _KV_TOKENS, _TIMEOUT = pb.STEP_FLAG_SET, pb.STEP_FLAG_KV_TOKENS, pb.STEP_FLAG_TIMEOUT
-_COLUMNS_TAG = b"\x1a"
-"""StepRequest.columns (field 3, length-delimited) on the wire."""
-_TOKEN_IDS_TAG = b":"
-"""StepColumns.token_ids (field 7, length-delimited) on the wire."""
+_COLUMNS_TAG = bytes([pb.StepRequest.DESCRIPTOR.fields_by_name["columns"].number << 3 | 2])
+"""StepRequest.columns (a length-delimited field) on the wire."""
+_TOKEN_IDS_TAG = bytes([pb.StepColumns.DESCRIPTOR.fields_by_name["token_ids"].number << 3 | 2])
+"""StepColumns.token_ids (a length-delimited field) on the wire."""
 
 
 class StepWire:
@@ -186,9 +186,9 @@ class StepWire:
 
 def serialize_request(request: StepWire | pb.StepRequest) -> bytes:
     """The request serializer of the clients' Step method: a StepWire's bytes, or a message serialized."""
-    if type(request) is StepWire:
+    if isinstance(request, StepWire):
         return request.data
-    return request.SerializeToString()  # type: ignore[union-attr]
+    return request.SerializeToString()
 
 
 def step_method(channel: Any) -> Any:
@@ -211,6 +211,7 @@ def _column(typecode: str, values: dict[int, Any], n: int) -> bytes:
 
 
 def _varint(value: int) -> bytes:
+    """A non-negative integer as a protobuf varint (a length, on the wire)."""
     out = bytearray()
     while value > 0x7F:
         out.append((value & 0x7F) | 0x80)
