@@ -26,6 +26,8 @@ from engine_client.reference.model import ModelConfig
 from engine_client.reference.workload import ServiceProcess, model_flags
 
 TARGET = 0.95
+POOL_MODEL = ModelConfig(num_layers=8, num_heads=8, num_kv_heads=8, head_dim=128, dtype=torch.float16)
+"""The pool's layout: 8 layers of 8 KV heads x 128, float16 (64 KiB a page and layer plane at 16 tokens)."""
 BACKENDS = ("cuda_ipc", "cuda_vmm")
 
 
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("gpu_bandwidth: no CUDA device is visible to torch", file=sys.stderr)
         return 2
-    config = ModelConfig(num_layers=8, num_kv_heads=8, head_dim=128, dtype=torch.float16)
+    config = POOL_MODEL
     bytes_per_page = config.num_layers * 2 * 16 * config.num_kv_heads * config.head_dim * 2
     num_pages = int(args.pool_gib * 2**30) // bytes_per_page
     gpu = torch.cuda.get_device_name(0)

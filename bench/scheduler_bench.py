@@ -17,11 +17,13 @@ RadixCache does per step: match + lock at admission, insert + unlock at finish).
 Rows, each the median over the measured steps (interleaved, so all see the same machine):
 - client wall: `client.step(batch)`, from the call to every outcome filled (what a scheduler waits for);
 - handler: the service's own time per Step (its RPC latency metric: decode to encode excluded, the
-  interceptor and the handler included; a mean over the phase);
+  interceptor and the handler included), the median of the steps (each step's is the metric's sum before
+  and after it); handler mean: the phase's mean (tails included: preemption on a shared machine, GC);
 - client build: filling the `StepBatch` (224 op calls); client read: `StepBatch.apply` (inside the call)
   plus reading every outcome as a scheduler does (`ok` of each, the typed `value` of appends and extends:
   their page-table deltas); client encode/decode: `StepRequest.SerializeToString` /
-  `StepResponse.FromString` of the same messages;
+  `StepResponse.FromString` of the same messages (encode, where the clients send `StepBatch.wire`: that
+  call's time, inside the client wall: the batch's columns and tokens serialized);
 - empty Step: the gRPC floor on this transport; refusal Step: the §9 shape where every op is refused
   (unknown sessions: SESSION_NOT_FOUND; opens of open ids: SESSION_EXISTS).
 The second table is the handler in this process, without a transport (decode, interceptor + handler,
@@ -186,11 +188,13 @@ class Phase:
         self.read: list[float] = []
         self.encode: list[float] = []
         self.decode: list[float] = []
+        self.handler_steps: list[float] = []
+        """Each step's handler time (its metric's sum after minus before)."""
         self.handler_sum = 0.0
         self.handler_count = 0.0
 
     @property
-    def handler(self) -> float:
+    def handler_mean(self) -> float:
         return self.handler_sum / self.handler_count * 1e6 if self.handler_count else float("nan")
 
 
@@ -203,11 +207,20 @@ def server_table(steps: int, warmup: int) -> dict[str, Phase]:
         codec columns)."""
 
         read_us = 0.0
+        wire_us: float | None = None
         response: Any = None
         built: Any = None
 
         def request(self, default_engine_id: str) -> Any:
             self.built = super().request(default_engine_id)
+            return self.built
+
+        def wire(self, default_engine_id: str) -> Any:
+            """What the clients send where StepBatch has it (a StepWire, serialized by the batch): timed,
+            as the client's encoding of the request."""
+            t0 = time.perf_counter()
+            self.built = super().wire(default_engine_id)  # type: ignore[misc]
+            self.wire_us = (time.perf_counter() - t0) * 1e6
             return self.built
 
         def apply(self, response: Any) -> Any:
@@ -247,9 +260,15 @@ def server_table(steps: int, warmup: int) -> dict[str, Phase]:
         gc.collect()
         gc.freeze()
 
+        scraped = [step_handler_seconds(metrics_port)]
+
         def run(name: str, ops: list[tuple[str, str, Any]], expect_ok: bool) -> None:
             phase = phases[name]
-            before = step_handler_seconds(metrics_port)
+            before = scraped[0]  # the last step's scrape: one a step, after its call
+            # An untimed call between the scrape and the Step: the service has finished answering the
+            # scrape (its HTTP exchange and the render of every metric) and the channel is warm, as between
+            # two Steps of a scheduler that nobody scrapes in the middle.
+            client.get_pool_info()
             t0 = time.perf_counter()
             batch = TimedBatch()
             fill(batch, ops)
@@ -258,23 +277,25 @@ def server_table(steps: int, warmup: int) -> dict[str, Phase]:
             t2 = time.perf_counter()
             ok = read(outcomes)
             t3 = time.perf_counter()
-            after = step_handler_seconds(metrics_port)
+            after = scraped[0] = step_handler_seconds(metrics_port)
             assert ok == (len(outcomes) if expect_ok else 0), [o.error for o in outcomes if not o.ok][:3]
             phase.build.append((t1 - t0) * 1e6)
             phase.wall.append((t2 - t1) * 1e6)
             phase.read.append(batch.read_us + (t3 - t2) * 1e6)
             t0 = time.perf_counter()
-            data = batch.built.SerializeToString()
+            data = batch.built.SerializeToString() if batch.wire_us is None else b""
             t1 = time.perf_counter()
             answer = batch.response.SerializeToString()
             t2 = time.perf_counter()
             pb.StepResponse.FromString(answer)
             t3 = time.perf_counter()
             del data
-            phase.encode.append((t1 - t0) * 1e6)
+            phase.encode.append((t1 - t0) * 1e6 if batch.wire_us is None else batch.wire_us)
             phase.decode.append((t3 - t2) * 1e6)
             phase.handler_sum += after[0] - before[0]
             phase.handler_count += after[1] - before[1]
+            if after[1] - before[1] == 1:
+                phase.handler_steps.append((after[0] - before[0]) * 1e6)
 
         for i, ops in enumerate(plans):
             run("§9 Step", ops, True)
@@ -424,11 +445,12 @@ def _median(values: list[float]) -> float:
 
 
 def report(phases: dict[str, Phase], inproc: dict[str, list[float]]) -> Iterator[str]:
-    yield (f"{'Step (224 ops unless empty)':<16} {'client wall':>11} {'handler':>8} {'build':>7} {'encode':>7} "
-           f"{'decode':>7} {'read':>7} {'client share':>12}")
+    yield (f"{'Step (224 ops unless empty)':<16} {'client wall':>11} {'handler':>8} {'mean':>6} {'build':>7} "
+           f"{'encode':>7} {'decode':>7} {'read':>7} {'client share':>12}")
     for name, p in phases.items():
         share = _median(p.build) + _median(p.encode) + _median(p.decode) + _median(p.read)
-        yield (f"{name:<27} {_median(p.wall):>11.0f} {p.handler:>8.0f} {_median(p.build):>7.0f} "
+        yield (f"{name:<27} {_median(p.wall):>11.0f} {_median(p.handler_steps):>8.0f} {p.handler_mean:>6.0f} "
+               f"{_median(p.build):>7.0f} "
                f"{_median(p.encode):>7.0f} {_median(p.decode):>7.0f} {_median(p.read):>7.0f} {share:>12.0f}")
     yield ""
     yield "In this process (no transport), us: one §9 Step, and per op by kind (handler only)"

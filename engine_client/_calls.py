@@ -18,7 +18,7 @@ from engine_client import _codec as codec
 from engine_client import _requests as requests
 from engine_client._base import ClientBase
 from engine_client._codec import TokensLike
-from engine_client.step import StepBatch, StepOutcome, opened_instance_ids
+from engine_client.step import StepBatch, StepOutcome
 from engine_client.types import (
     AppendResult,
     CloseResult,
@@ -151,13 +151,14 @@ def close_session(client: ClientBase, session_id: str, cache: bool,
 
 def step(client: ClientBase, batch: StepBatch) -> Call[pb.StepResponse, list[StepOutcome[Any]]]:
     """The batch's ops as one Step (the client's engine id is the default owner unless the batch names one);
-    the outcomes fill in place, and an op that opened a session teaches the client the instance id."""
-    return Call("Step", batch.request(client.engine_id), batch.apply, after=_learn_from_opens)
+    the outcomes fill in place, and an op that opened a session teaches the client the instance id. The
+    request is the batch's serialized `StepWire` (the clients' Step method sends its bytes as they are)."""
 
+    def learn_from_opens(client: ClientBase, outcomes: list[StepOutcome[Any]]) -> None:
+        for instance_id in batch.opened_instance_ids():
+            client._learn(instance_id)
 
-def _learn_from_opens(client: ClientBase, outcomes: list[StepOutcome[Any]]) -> None:
-    for instance_id in opened_instance_ids(outcomes):
-        client._learn(instance_id)
+    return Call("Step", batch.wire(client.engine_id), batch.apply, after=learn_from_opens)
 
 
 def reap_sessions() -> Call[pb.ReapSessionsResponse, ReapResult]:

@@ -35,10 +35,14 @@ from protos.kvcache.v1 import kvcache_pb2 as pb
 TokensLike = npt.ArrayLike | bytes
 T = TypeVar("T")
 _I32 = np.iinfo(np.int32)
+_I32_LE = np.dtype("<i4")
 
 
 def pack_tokens(tokens: TokensLike) -> bytes:
-    """Token ids as int32 little-endian bytes (lists, numpy arrays, CPU torch tensors, or bytes as-is)."""
+    """Token ids as int32 little-endian bytes (lists, numpy arrays, CPU torch tensors, or bytes as-is): a
+    copy, taken now."""
+    if type(tokens) is np.ndarray and tokens.dtype is _I32_LE and tokens.ndim == 1:
+        return tokens.tobytes()  # what a scheduler holds (numpy's one native int32 dtype): nothing to check
     if isinstance(tokens, bytes | bytearray | memoryview):
         return bytes(tokens)
     if hasattr(tokens, "detach"):  # a torch tensor, without importing torch here

@@ -20,7 +20,7 @@ from engine_client._calls import Call
 from engine_client._codec import TokensLike
 from engine_client.errors import KVCacheClientError, LeaseExpired, ServiceUnavailable, error_from_rpc
 from engine_client.options import ClientOptions, open_channel
-from engine_client.step import StepBatch, StepOutcome
+from engine_client.step import StepBatch, StepOutcome, step_method
 from engine_client.types import (
     AppendResult,
     CloseResult,
@@ -47,6 +47,7 @@ class AsyncKVCacheClient(ClientBase):
         super().__init__(target, options, engine_id)
         self._channel = open_channel(self.target, self.options, grpc.aio.insecure_channel, grpc.aio.secure_channel)
         self._stub = pb_grpc.KVCacheServiceStub(self._channel)  # type: ignore[no-untyped-call]
+        self._stub.Step = step_method(self._channel)  # sends a StepBatch's wire bytes as they are
         self._heartbeat: asyncio.Task[None] | None = None
         self._holder: asyncio.Task[None] | None = None
         self._held_call: Any = None

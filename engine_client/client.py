@@ -24,7 +24,7 @@ from engine_client._calls import Call
 from engine_client._codec import TokensLike
 from engine_client.errors import KVCacheClientError, LeaseExpired, ServiceUnavailable, error_from_rpc
 from engine_client.options import ClientOptions, open_channel
-from engine_client.step import StepBatch, StepOutcome
+from engine_client.step import StepBatch, StepOutcome, step_method
 from engine_client.types import (
     AppendResult,
     CloseResult,
@@ -51,6 +51,7 @@ class KVCacheClient(ClientBase):
         super().__init__(target, options, engine_id)
         self._channel = open_channel(self.target, self.options, grpc.insecure_channel, grpc.secure_channel)
         self._stub = pb_grpc.KVCacheServiceStub(self._channel)  # type: ignore[no-untyped-call]
+        self._stub.Step = step_method(self._channel)  # sends a StepBatch's wire bytes as they are
         self._heartbeat: _HeartbeatThread | None = None
         self._holder: _LeaseHolder | None = None
 

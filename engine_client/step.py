@@ -22,8 +22,10 @@ would. Opening with no id draws one here, so later ops of the same batch can nam
 On the wire a batch is columns (`StepRequest.columns`: one packed array per field) unless it is made with
 `columns=False` (one `StepOp` message per op, for services older than columns). Either way every op
 behaves as the same request sent alone. With columns, neither side builds a message per op: an op method
-appends a few values to lists, and an outcome's typed result is built from the response's columns when it
-is first read (`value`), so ops whose results a scheduler never reads cost nothing to answer.
+appends a few values to lists (and copies its tokens), the clients send the request as bytes written in one
+join (`StepBatch.wire`), and every outcome of the batch reads one shared answer: its columns are decoded
+once, and an outcome's typed result is built from them when it is first read (`value`), so ops whose
+results a scheduler never reads cost nothing to answer.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from protos.kvcache.v1 import kvcache_pb2 as pb
 
 T = TypeVar("T")
 
-__all__ = ["StepBatch", "StepOutcome", "StepSession"]
+__all__ = ["StepBatch", "StepOutcome", "StepSession", "StepWire"]
 
 
 class StepSession(Protocol):
@@ -71,28 +73,43 @@ SessionRef = str | StepSession
 _PENDING: Any = object()
 
 
+class _Answer:
+    """The one cell every outcome of a batch shares: the Step's column results once it has run."""
+
+    __slots__ = ("results",)
+
+    def __init__(self) -> None:
+        self.results: _ColumnResults | None = None
+
+
 class StepOutcome(Generic[T]):
     """One op's result once its Step has run: `value` on success, `error` (typed, not raised) otherwise."""
 
-    __slots__ = ("_error", "_results", "_status", "_value", "index", "kind")
+    __slots__ = ("_answer", "_error", "_status", "_value", "index", "kind")
 
-    def __init__(self, kind: str, index: int) -> None:
+    def __init__(self, kind: str, index: int, answer: _Answer | None = None) -> None:
         self.kind = kind
         """"open", "append", "extend", "commit", "close" or "match"."""
         self.index = index
         """The op's position in its batch."""
         self._value: Any = _PENDING
-        self._results: _ColumnResults | None = None
-        """The response's columns, which `value` is built from at first read."""
+        self._answer = answer or _Answer()
+        """Shared with the batch: its column results, which `value` is built from at first read."""
         self._error: KVCacheClientError | None = None
         self._status: Any = None
-        """The google.rpc.Status of a failed op, which `error` is built from at first read."""
+        """A failed op's google.rpc.Status (or, in a columns answer, its position in the answer's errors),
+        which `error` is built from at first read."""
 
     @property
     def error(self) -> KVCacheClientError | None:
         """The op's typed error (None: it succeeded, or has not run)."""
         if self._error is None and self._status is not None:
-            self._error = error_from_status(self._status)
+            status = self._status
+            if type(status) is int:
+                results = self._answer.results
+                assert results is not None
+                status = results.errors[status]
+            self._error = error_from_status(status)
         return self._error
 
     @error.setter
@@ -105,21 +122,24 @@ class StepOutcome(Generic[T]):
 
     @property
     def ok(self) -> bool:
-        return self._value is not _PENDING or (self._results is not None and self._status is None
+        return self._value is not _PENDING or (self._answer.results is not None and self._status is None
                                                and self._error is None)
 
     @property
     def value(self) -> T:
         """The op's result; raises its typed error if it failed (and RuntimeError before the Step ran)."""
-        error = self.error
-        if error is not None:
+        if self._status is not None or self._error is not None:
+            error = self.error
+            assert error is not None
             raise error
-        if self._value is _PENDING:
-            if self._results is None:
+        value = self._value
+        if value is _PENDING:
+            results = self._answer.results
+            if results is None:
                 raise RuntimeError(f"op {self.index} ({self.kind}) has not been sent: run the batch with "
                                    "client.step()")
-            self._value = self._results.result(self.kind, self.index)
-        return self._value  # type: ignore[no-any-return]
+            value = self._value = results.result(self.index)
+        return value  # type: ignore[no-any-return]
 
     def __repr__(self) -> str:
         state = "pending" if not self.done else ("ok" if self.ok else f"error {self.error!r}")
@@ -134,6 +154,70 @@ OPEN, APPEND, EXTEND, COMMIT, CLOSE, MATCH = 1, 2, 3, 4, 5, 6
 """Op kinds on the wire (StepOp's field numbers)."""
 _KIND_NAMES = ("", "open", "append", "extend", "commit", "close", "match")
 _SET, _KV_TOKENS, _TIMEOUT = pb.STEP_FLAG_SET, pb.STEP_FLAG_KV_TOKENS, pb.STEP_FLAG_TIMEOUT
+_COLUMNS_TAG = bytes([pb.StepRequest.DESCRIPTOR.fields_by_name["columns"].number << 3 | 2])
+"""StepRequest.columns (a length-delimited field) on the wire."""
+_TOKEN_IDS_TAG = bytes([pb.StepColumns.DESCRIPTOR.fields_by_name["token_ids"].number << 3 | 2])
+"""StepColumns.token_ids (a length-delimited field) on the wire."""
+
+
+class StepWire:
+    """A StepRequest already serialized, as the clients send a batch: `data` goes on the wire as it is.
+    `message()` (and `engine_id`, `columns`) parse it back, for whoever inspects a call."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def message(self) -> pb.StepRequest:
+        return pb.StepRequest.FromString(self.data)
+
+    @property
+    def engine_id(self) -> str:
+        return self.message().engine_id
+
+    @property
+    def columns(self) -> pb.StepColumns:
+        return self.message().columns
+
+    def __repr__(self) -> str:
+        return f"StepWire({len(self.data)} bytes)"
+
+
+def serialize_request(request: StepWire | pb.StepRequest) -> bytes:
+    """The request serializer of the clients' Step method: a StepWire's bytes, or a message serialized."""
+    if isinstance(request, StepWire):
+        return request.data
+    return request.SerializeToString()
+
+
+def step_method(channel: Any) -> Any:
+    """The Step method of a channel (sync or asyncio), sending a `StepWire` as it is (a StepRequest
+    message serialized): what the clients put in their stub in place of the generated one."""
+    return channel.unary_unary("/kvcache.v1.KVCacheService/Step", request_serializer=serialize_request,
+                               response_deserializer=pb.StepResponse.FromString, _registered_method=True)
+
+
+def _sent() -> RuntimeError:
+    return RuntimeError("this batch was sent already: start a new StepBatch for the next step")
+
+
+def _column(typecode: str, values: dict[int, Any], n: int) -> bytes:
+    """A little-endian column of `n` numbers from the ops' non-zero ones (by index)."""
+    column = array(typecode, bytes(n * array(typecode).itemsize))
+    for i, value in values.items():
+        column[i] = value
+    return column.tobytes()
+
+
+def _varint(value: int) -> bytes:
+    """A non-negative integer as a protobuf varint (a length, on the wire)."""
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
 
 class StepBatch:
@@ -144,16 +228,19 @@ class StepBatch:
         """The default owner of the ops (None: the sending client's engine id)."""
         self.columns = columns
         """Send the ops as `StepRequest.columns` (else one StepOp message each)."""
+        self._answer = _Answer()
         self._outcomes: list[StepOutcome[Any]] = []
-        self._sessions: list[StepSession | None] = []
-        # One entry per op (the columns of StepColumns):
+        self._sessions: dict[int, StepSession] = {}
+        """The ops that name a session object, by index: their results are applied to it."""
+        # The columns of StepColumns: a list entry per op, or a dict entry per op whose value is not 0.
         self._kinds = bytearray()
         self._sids: list[str] = []
-        self._epochs: list[int] = []
         self._counts: list[int] = []
         self._flags = bytearray()
-        self._token_counts: list[int] = []
+        self._epochs: dict[int, int] = {}
+        self._token_counts: dict[int, int] = {}
         self._tokens: list[bytes] = []
+        """The token ids of the ops that carry some, in op order, packed (copied when the op was added)."""
         self._turns: dict[int, int] = {}
         self._timeouts: dict[int, float] = {}
         self._engines: dict[int, str] = {}
@@ -168,16 +255,20 @@ class StepBatch:
         return list(self._outcomes)
 
     # ------------------------------------------------------------------ ops
+    # Each op method appends its entries itself (a scheduler makes hundreds of ops a step: no helper call).
 
     def open(self, session_id: str = "", *, streaming: bool = True, timeout_seconds: float | None = None,
              cache_salt: str = "", engine_id: str = "", session: StepSession | None = None,
              ) -> StepOutcome[OpenedSession]:
         """Open a session in this Step. `session`, a session object not yet open, takes the result (its
         epoch); `Session.open_in` passes itself here."""
+        if self.sent:
+            raise _sent()
         sid = (session.session_id if session is not None else session_id) or uuid.uuid4().hex
+        i = len(self._kinds)
         if session is not None:
             session.session_id = sid
-        i = len(self._kinds)
+            self._sessions[i] = session
         flags = _SET if streaming else 0
         if timeout_seconds is not None:
             flags |= _TIMEOUT
@@ -186,55 +277,112 @@ class StepBatch:
             self._salts[i] = cache_salt
         if engine_id:
             self._engines[i] = engine_id
-        return self._add(OPEN, sid, 0, 0, flags, b"", session)
+        outcome: StepOutcome[OpenedSession] = StepOutcome("open", i, self._answer)
+        self._kinds.append(OPEN)
+        self._sids.append(sid)
+        self._counts.append(0)
+        self._flags.append(flags)
+        self._outcomes.append(outcome)
+        return outcome
 
     def append(self, session: SessionRef, tokens: TokensLike, reserve_tokens: int = 0) -> StepOutcome[AppendResult]:
-        sid, epoch, obj = _ref(session)
-        return self._add(APPEND, sid, epoch, reserve_tokens, 0, codec.pack_tokens(tokens), obj)
+        if self.sent:
+            raise _sent()
+        i = len(self._kinds)
+        packed = codec.pack_tokens(tokens)
+        sid = session if isinstance(session, str) else self._named(i, session)
+        if packed:
+            self._token_counts[i] = len(packed) >> 2
+            self._tokens.append(packed)
+        outcome: StepOutcome[AppendResult] = StepOutcome("append", i, self._answer)
+        self._kinds.append(APPEND)
+        self._sids.append(sid)
+        self._counts.append(reserve_tokens)
+        self._flags.append(0)
+        self._outcomes.append(outcome)
+        return outcome
 
     def extend(self, session: SessionRef, reserve_tokens: int) -> StepOutcome[ExtendResult]:
-        if type(session) is str:
-            return self._add(EXTEND, session, 0, reserve_tokens, 0, b"", None)
-        sid, epoch, obj = _ref(session)
-        return self._add(EXTEND, sid, epoch, reserve_tokens, 0, b"", obj)
+        if self.sent:
+            raise _sent()
+        i = len(self._kinds)
+        sid = session if isinstance(session, str) else self._named(i, session)
+        outcome: StepOutcome[ExtendResult] = StepOutcome("extend", i, self._answer)
+        self._kinds.append(EXTEND)
+        self._sids.append(sid)
+        self._counts.append(reserve_tokens)
+        self._flags.append(0)
+        self._outcomes.append(outcome)
+        return outcome
 
     def commit(self, session: SessionRef, tokens: TokensLike = b"", *, kv_tokens: int | None = None,
                turn: int = 0) -> StepOutcome[CommitResult]:
-        sid, epoch, obj = _ref(session)
+        if self.sent:
+            raise _sent()
+        i = len(self._kinds)
+        packed = codec.pack_tokens(tokens)
+        sid = session if isinstance(session, str) else self._named(i, session)
+        if packed:
+            self._token_counts[i] = len(packed) >> 2
+            self._tokens.append(packed)
         if turn:
-            self._turns[len(self._kinds)] = turn
-        return self._add(COMMIT, sid, epoch, kv_tokens or 0, 0 if kv_tokens is None else _KV_TOKENS,
-                         codec.pack_tokens(tokens), obj)
+            self._turns[i] = turn
+        outcome: StepOutcome[CommitResult] = StepOutcome("commit", i, self._answer)
+        self._kinds.append(COMMIT)
+        self._sids.append(sid)
+        self._counts.append(kv_tokens or 0)
+        self._flags.append(0 if kv_tokens is None else _KV_TOKENS)
+        self._outcomes.append(outcome)
+        return outcome
 
     def abort(self, session: SessionRef) -> StepOutcome[CommitResult]:
         """Roll the session's turn back (a commit with abort=true)."""
-        sid, epoch, obj = _ref(session)
-        return self._add(COMMIT, sid, epoch, 0, _SET, b"", obj)
+        return self._add(COMMIT, session, 0, _SET)
 
     def close(self, session: SessionRef, *, cache: bool = False) -> StepOutcome[CloseResult]:
-        sid, epoch, obj = _ref(session)
-        return self._add(CLOSE, sid, epoch, 0, _SET if cache else 0, b"", obj)
+        if self.sent:
+            raise _sent()
+        i = len(self._kinds)
+        sid = session if isinstance(session, str) else self._named(i, session)
+        outcome: StepOutcome[CloseResult] = StepOutcome("close", i, self._answer)
+        self._kinds.append(CLOSE)
+        self._sids.append(sid)
+        self._counts.append(0)
+        self._flags.append(_SET if cache else 0)
+        self._outcomes.append(outcome)
+        return outcome
 
     def match(self, tokens: TokensLike, cache_salt: str = "") -> StepOutcome[MatchResult]:
-        if cache_salt:
-            self._salts[len(self._kinds)] = cache_salt
-        return self._add(MATCH, "", 0, 0, 0, codec.pack_tokens(tokens), None)
-
-    def _add(self, kind: int, sid: str, epoch: int, count: int, flags: int, tokens: bytes,
-             session: StepSession | None) -> StepOutcome[Any]:
         if self.sent:
-            raise RuntimeError("this batch was sent already: start a new StepBatch for the next step")
-        outcome: StepOutcome[Any] = StepOutcome(_KIND_NAMES[kind], len(self._kinds))
+            raise _sent()
+        i = len(self._kinds)
+        packed = codec.pack_tokens(tokens)
+        if cache_salt:
+            self._salts[i] = cache_salt
+        if packed:
+            self._token_counts[i] = len(packed) >> 2
+            self._tokens.append(packed)
+        return self._add(MATCH, "", 0, 0)
+
+    def _named(self, i: int, session: StepSession) -> str:
+        """Op `i` names a session object: its epoch is sent and its result applied to it."""
+        if session.epoch:
+            self._epochs[i] = session.epoch
+        self._sessions[i] = session
+        return session.session_id
+
+    def _add(self, kind: int, session: SessionRef, count: int, flags: int) -> StepOutcome[Any]:
+        """An op without tokens (the rare kinds; see the methods above)."""
+        if self.sent:
+            raise _sent()
+        i = len(self._kinds)
+        sid = session if isinstance(session, str) else self._named(i, session)
+        outcome: StepOutcome[Any] = StepOutcome(_KIND_NAMES[kind], i, self._answer)
         self._kinds.append(kind)
         self._sids.append(sid)
-        self._epochs.append(epoch)
         self._counts.append(count)
         self._flags.append(flags)
-        self._token_counts.append(len(tokens) >> 2)
-        if tokens:
-            self._tokens.append(tokens)
         self._outcomes.append(outcome)
-        self._sessions.append(session)
         return outcome
 
     # ------------------------------------------------------------------ sending (used by the clients)
@@ -242,17 +390,26 @@ class StepBatch:
     def request(self, default_engine_id: str) -> pb.StepRequest:
         """The StepRequest, once; `default_engine_id` is the client's engine id, used unless the batch
         named its own."""
-        if self.sent:
-            raise RuntimeError("this batch was sent already: start a new StepBatch for the next step")
-        self.sent = True
-        engine_id = default_engine_id if self.engine_id is None else self.engine_id
         if not self.columns:
+            self._mark_sent()
+            engine_id = default_engine_id if self.engine_id is None else self.engine_id
             return pb.StepRequest(ops=self._messages(), engine_id=engine_id)
+        return self.wire(default_engine_id).message()
+
+    def wire(self, default_engine_id: str) -> StepWire:
+        """The StepRequest as the clients send it, once: serialized, without a message per op (with
+        columns) and with every op's tokens copied once, into the request's bytes."""
+        if not self.columns:
+            return StepWire(self.request(default_engine_id).SerializeToString())
+        self._mark_sent()
+        engine_id = default_engine_id if self.engine_id is None else self.engine_id
         n = len(self._kinds)
+        # Every column but the token ids, serialized by protobuf; the token ids follow as one more field
+        # (a message's fields may come in any order), so they are copied once, by the join below.
         cols = pb.StepColumns(kinds=bytes(self._kinds), session_ids=self._sids,
-                              token_counts=array("I", self._token_counts).tobytes(), token_ids=b"".join(self._tokens))
-        if any(self._epochs):
-            cols.epochs = array("Q", self._epochs).tobytes()
+                              token_counts=_column("I", self._token_counts, n))
+        if self._epochs:
+            cols.epochs = _column("Q", self._epochs, n)
         if any(self._counts):
             cols.counts = array("i", self._counts).tobytes()
         if any(self._flags):
@@ -265,16 +422,32 @@ class StepBatch:
             cols.engine_ids.extend(self._engines.get(i, "") for i in range(n))
         if self._salts:
             cols.cache_salts.extend(self._salts.get(i, "") for i in range(n))
-        return pb.StepRequest(columns=cols, engine_id=engine_id)
+        head = cols.SerializeToString()
+        tokens = self._tokens
+        if tokens:
+            size = 4 * sum(self._token_counts.values())
+            size_bytes = _varint(size)
+            cols_size = len(head) + 1 + len(size_bytes) + size
+            parts = [pb.StepRequest(engine_id=engine_id).SerializeToString(), _COLUMNS_TAG, _varint(cols_size),
+                     head, _TOKEN_IDS_TAG, size_bytes, *tokens]
+        else:
+            parts = [pb.StepRequest(engine_id=engine_id).SerializeToString(), _COLUMNS_TAG, _varint(len(head)),
+                     head]
+        return StepWire(b"".join(parts))
+
+    def _mark_sent(self) -> None:
+        if self.sent:
+            raise _sent()
+        self.sent = True
 
     def _messages(self) -> list[pb.StepOp]:
         """The ops as StepOp messages (columns=False), each the request its unary call sends."""
         ops = []
         pos = 0
         for i, kind in enumerate(self._kinds):
-            sid, epoch, count, flags = self._sids[i], self._epochs[i], self._counts[i], self._flags[i]
+            sid, epoch, count, flags = self._sids[i], self._epochs.get(i, 0), self._counts[i], self._flags[i]
             tokens = b""
-            if self._token_counts[i]:
+            if i in self._token_counts:
                 tokens = self._tokens[pos]
                 pos += 1
             if kind == OPEN:
@@ -303,102 +476,152 @@ class StepBatch:
         results = response.results
         if len(results) != len(self._kinds):
             raise RuntimeError(f"the service answered {len(results)} results for {len(self._kinds)} ops")
-        for outcome, session, result in zip(self._outcomes, self._sessions, results, strict=True):
+        sessions = self._sessions
+        for i, (outcome, result) in enumerate(zip(self._outcomes, results, strict=True)):
             kind = outcome.kind
             if result.status.code:
                 outcome.error = error_from_status(result.status)
                 continue
             value = _PARSERS[kind](getattr(result, kind))
             outcome._value = value
+            session = sessions.get(i)
             if session is not None:
                 session._apply(kind, value)
         return list(self._outcomes)
 
     def _apply_columns(self, cols: pb.StepColumnResults) -> None:
-        n = len(self._kinds)
-        if len(cols.codes) != 4 * n:
-            raise RuntimeError(f"the service answered {len(cols.codes) // 4} results for {n} ops")
         results = _ColumnResults(cols, self._sids, self._kinds)
         outcomes = self._outcomes
-        if results.failed:
-            for i, status in zip(results.failed, cols.errors, strict=True):
-                outcomes[i]._status = status
-        for outcome in outcomes:
-            outcome._results = results
-        for session, outcome in zip(self._sessions, outcomes, strict=True):
-            if session is not None and outcome._status is None:
+        for position, i in enumerate(results.failed):  # no Status is read before its error is
+            outcomes[i]._status = position
+        self._answer.results = results
+        for i, session in self._sessions.items():
+            outcome = outcomes[i]
+            if outcome._status is None:
                 session._apply(outcome.kind, outcome.value)
 
+    def opened_instance_ids(self) -> list[str]:
+        """The distinct instance ids the successful opens of the answered batch carry, in order."""
+        results = self._answer.results
+        if results is None:
+            return opened_instance_ids(self._outcomes)
+        if OPEN not in self._kinds:
+            return []
+        if results.failed:
+            failed = set(results.failed)
+            if all(i in failed for i, kind in enumerate(self._kinds) if kind == OPEN):
+                return []
+        return [results.instance_id]
+
+
+def _record_maker(cls: type[T]) -> Callable[..., T]:
+    """A constructor of `cls`, a frozen slotted dataclass, at the cost of a plain class's (a frozen
+    dataclass's own `__init__` stores each field through `object.__setattr__`, ~4x dearer): the fields,
+    in order, are stored on an instance of a twin class with the same slots, which then becomes a `cls`.
+    The result is a `cls` like any other (equal, hashed, printed and frozen the same)."""
+    names: tuple[str, ...] = cls.__slots__  # type: ignore[attr-defined]
+    twin = type(f"_{cls.__name__}Fields", (), {"__slots__": names})
+    args = ", ".join(names)
+    stores = "".join(f"    record.{name} = {name}\n" for name in names)
+    namespace: dict[str, Any] = {"twin": twin, "cls": cls}
+    exec(f"def make({args}):\n    record = twin()\n{stores}    record.__class__ = cls\n    return record\n",
+         namespace)
+    make: Callable[..., T] = namespace["make"]
+    return make
+
+
+_opened = _record_maker(OpenedSession)
+_appended = _record_maker(AppendResult)
+_extended = _record_maker(ExtendResult)
+_committed = _record_maker(CommitResult)
+_closed = _record_maker(CloseResult)
+_matched = _record_maker(MatchResult)
 
 class _ColumnResults:
-    """A StepColumnResults answer, read op by op when an outcome's value is first asked for."""
+    """A StepColumnResults answer, shared by the outcomes of its batch. Its columns are read from the message
+    once (each read of a bytes field copies all of it), when the first result is asked for; each op's typed
+    result is built when its outcome's value is first read. Page ids come from one int32 array of the whole
+    answer: each result's `page_ids` is its own slice of it."""
 
-    __slots__ = ("_arrays", "_closed", "_cols", "_kinds", "_opened", "_page_ends", "_page_ids", "_sids", "failed",
-                 "instance_id")
+    __slots__ = ("_cached", "_capacity", "_closed", "_cols", "_context", "_ends", "_epochs", "_hits", "_kinds", "_kv",
+                 "_num_pages", "_offsets", "_opened", "_pages", "_sids", "_tier", "_timeouts", "_turns", "errors",
+                 "failed", "instance_id")
 
     def __init__(self, cols: pb.StepColumnResults, sids: list[str], kinds: bytearray) -> None:
+        n = len(kinds)
+        codes = cols.codes
+        if len(codes) != 4 * n:
+            raise RuntimeError(f"the service answered {len(codes) // 4} results for {n} ops")
         self._cols = cols
         self._sids = sids
         self._kinds = kinds
-        codes = array("i", cols.codes)
-        self.failed = [i for i, code in enumerate(codes) if code] if any(codes) else []
-        if len(self.failed) != len(cols.errors):
-            raise RuntimeError(f"the service answered {len(cols.errors)} errors for {len(self.failed)} failed ops")
-        self._page_ends: list[int] | None = None
-        self._page_ids: bytes | None = None
-        """`cols.page_ids`, read once (each read of a bytes field makes a new copy of all of it)."""
-        self._closed: bytes | None = None
-        self._opened: dict[int, str] | None = None
-        self._arrays: dict[str, array[Any]] = {}
+        num_errors = len(cols.errors)
+        if not num_errors and codes.count(0) == len(codes):
+            self.failed: list[int] = []
+        else:
+            self.failed = np.flatnonzero(np.frombuffer(codes, "<i4")).tolist()
+        if len(self.failed) != num_errors:
+            raise RuntimeError(f"the service answered {num_errors} errors for {len(self.failed)} failed ops")
+        self.errors = cols.errors
+        """The failed ops' statuses, in op order (read one by one: each read makes a message wrapper)."""
         self.instance_id = cols.instance_id
+        self._pages: PageIds | None = None
+        self._opened: dict[int, str] | None = None
 
-    def _num(self, name: str, i: int, typecode: str = "I") -> Any:
-        col = self._arrays.get(name)
-        if col is None:
-            col = self._arrays[name] = array(typecode, getattr(self._cols, name))
-        return col[i]
+    def _decode(self) -> PageIds:
+        """Every column, read from the message once; returns the page ids."""
+        cols, n = self._cols, len(self._kinds)
 
-    def _pages(self, i: int) -> PageIds:
-        ends, data = self._page_ends, self._page_ids
-        if ends is None or data is None:
-            ends = self._page_ends = list(accumulate(array("I", self._cols.page_counts)))
-            data = self._page_ids = self._cols.page_ids
-        end = ends[i]
-        start = ends[i - 1] if i else 0
-        pages: PageIds = np.frombuffer(data, "<i4", end - start, 4 * start).astype(np.int32)
+        def numbers(data: bytes, typecode: str) -> array[Any]:
+            return array(typecode, data or bytes(n * array(typecode).itemsize))
+
+        self._epochs = numbers(cols.epochs, "Q")
+        self._turns = numbers(cols.turns, "I")
+        self._cached = numbers(cols.cached_tokens, "I")
+        self._context = numbers(cols.context_tokens, "I")
+        self._capacity = numbers(cols.capacity_tokens, "I")
+        self._offsets = numbers(cols.page_offsets, "I")
+        self._num_pages = numbers(cols.num_pages, "I")
+        self._hits = numbers(cols.prefix_hit_tokens, "I")
+        self._kv = numbers(cols.kv_tokens, "I")
+        self._timeouts = numbers(cols.timeouts, "d")
+        self._tier = numbers(cols.tier_tokens, "I")  # empty when the service has no tier
+        self._closed = cols.closed or bytes(n)
+        self._ends = [0, *accumulate(array("I", cols.page_counts))]
+        pages: PageIds = np.frombuffer(cols.page_ids, "<i4").astype(np.int32)  # a copy: writable, owned here
+        self._pages = pages
         return pages
 
-    def _closed_at(self, i: int) -> bool:
-        if self._closed is None:
-            self._closed = self._cols.closed
-        return bool(self._closed[i])
-
-    def result(self, kind: str, i: int) -> Any:
-        num = self._num
-        sid = self._sids[i]
-        if kind == "extend":
-            return ExtendResult(sid, num("epochs", i, "Q"), num("turns", i), num("capacity_tokens", i),
-                                num("page_offsets", i), self._pages(i), num("num_pages", i))
-        if kind == "append":
-            return AppendResult(sid, num("epochs", i, "Q"), num("turns", i), num("cached_tokens", i),
-                                num("context_tokens", i), num("capacity_tokens", i), num("page_offsets", i),
-                                self._pages(i), num("num_pages", i), num("prefix_hit_tokens", i), self._tier(i))
-        if kind == "commit":
-            return CommitResult(sid, num("context_tokens", i), num("kv_tokens", i), num("num_pages", i),
-                                self._closed_at(i))
-        if kind == "close":
-            return CloseResult(sid, self._closed_at(i), num("cached_tokens", i))
-        if kind == "open":
-            if self._opened is None:
+    def result(self, i: int) -> Any:
+        pages = self._pages
+        if pages is None:
+            pages = self._decode()
+        kind = self._kinds[i]
+        if kind == EXTEND:
+            ends = self._ends
+            return _extended(self._sids[i], self._epochs[i], self._turns[i], self._capacity[i], self._offsets[i],
+                             pages[ends[i]:ends[i + 1]], self._num_pages[i])
+        if kind == APPEND:
+            ends = self._ends
+            return _appended(self._sids[i], self._epochs[i], self._turns[i], self._cached[i], self._context[i],
+                             self._capacity[i], self._offsets[i], pages[ends[i]:ends[i + 1]], self._num_pages[i],
+                             self._hits[i], self._tier[i])
+        if kind == COMMIT:
+            return _committed(self._sids[i], self._context[i], self._kv[i], self._num_pages[i], bool(self._closed[i]))
+        if kind == CLOSE:
+            return _closed(self._sids[i], bool(self._closed[i]), self._cached[i])
+        if kind == OPEN:
+            opened = self._opened
+            if opened is None:
                 failed = set(self.failed)
                 opens = [j for j, k in enumerate(self._kinds) if k == OPEN and j not in failed]
-                self._opened = dict(zip(opens, self._cols.opened_ids, strict=True))
-            return OpenedSession(self._opened[i], num("epochs", i, "Q"), num("timeouts", i, "d"), self.instance_id)
-        return MatchResult(num("cached_tokens", i), self._pages(i), self._tier(i))
-
-    def _tier(self, i: int) -> int:
-        """An op's tier_tokens (the column is empty when the service has no tier)."""
-        return self._num("tier_tokens", i) if self._cols.tier_tokens else 0
+                ids = self._cols.opened_ids
+                if len(ids) != len(opens):
+                    raise RuntimeError(f"the service answered {len(ids)} opened ids for {len(opens)} opens")
+                opened = self._opened = dict(zip(opens, ids, strict=True))
+            return _opened(opened[i], self._epochs[i], self._timeouts[i], self.instance_id)
+        ends = self._ends
+        return _matched(self._cached[i], pages[ends[i]:ends[i + 1]], self._tier[i])
 
 
 def opened_instance_ids(outcomes: list[StepOutcome[Any]]) -> list[str]:
@@ -407,15 +630,10 @@ def opened_instance_ids(outcomes: list[StepOutcome[Any]]) -> list[str]:
     ids: list[str] = []
     for outcome in outcomes:
         if outcome.kind == "open" and outcome.ok:
-            results = outcome._results
+            results = outcome._answer.results
             iid = results.instance_id if results is not None and outcome._value is _PENDING else \
                 outcome.value.instance_id
             if iid not in ids:
                 ids.append(iid)
     return ids
 
-
-def _ref(session: SessionRef) -> tuple[str, int, StepSession | None]:
-    if isinstance(session, str):
-        return session, 0, None
-    return session.session_id, session.epoch, session

@@ -10,8 +10,8 @@ A GPU pool cannot be read by `preadv` or (without GPUDirect) by Mooncake's TCP t
 through a pinned host staging area of `slots` pages, laid out page-major (a slot's chunks are contiguous):
 an offload copies the page's chunks device-to-host into a slot and stores the slot; a load gets into a slot,
 is verified there, and only then copied host-to-device into the page. The staging path is written against
-cuda-python's driver API and has NOT run on a GPU (none was available); its slot handling is tested on CPU
-with a host-to-host copier.
+cuda-python's driver API; its slot handling is tested on CPU with a host-to-host copier, and the whole path
+with real GPU pools by `tests/gpu/test_tier_cuda.py` (`make gpu-test`, run on an H100).
 
 `stage_out(pages)` and `stage_in(pages)` hand the tier one `PageBuffers` per page; `Staging.finish(ok)`
 ends the batch (for loads into a GPU pool: copies the pages whose value was sound into the pool).

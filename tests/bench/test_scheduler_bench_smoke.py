@@ -13,7 +13,7 @@ def test_scheduler_bench_quick_prints_the_table_and_a_profile(capsys: pytest.Cap
     rows = {line[:27].strip(): line[27:].split() for line in out.splitlines()
             if line.startswith(("§9 Step", "empty Step", "refusal Step"))}
     assert set(rows) == {"§9 Step", "empty Step", "refusal Step"}
-    assert all(len(r) == 7 and all(float(v) >= 0 for v in r) for r in rows.values())
+    assert all(len(r) == 8 and all(float(v) >= 0 for v in r) for r in rows.values())  # wall, handler, mean, ...
     lines = out.splitlines()
     kinds = lines[next(i for i, line in enumerate(lines) if "per op by kind" in line) + 2]
     assert len(kinds.replace("|", " ").split()) == 9  # decode, handle, encode, empty, then the five kinds

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -11,11 +12,12 @@ import pytest
 from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
-from engine_client import AsyncKVCacheClient, ClientOptions, KVCacheClient, PoolExhausted, SessionBusy
+from engine_client import AsyncKVCacheClient, ClientOptions, InvalidTokens, KVCacheClient, PoolExhausted, SessionBusy
 from engine_client import _calls as calls
 from engine_client._base import ClientBase
-from engine_client.step import StepBatch
-from engine_client.types import AppendResult, CloseResult, CommitResult, ExtendResult, OpenedSession
+from engine_client._codec import pack_tokens
+from engine_client.step import StepBatch, StepWire, _record_maker, serialize_request
+from engine_client.types import AppendResult, CloseResult, CommitResult, ExtendResult, MatchResult, OpenedSession
 from protos.kvcache.v1 import kvcache_pb2 as pb
 
 TOKENS = b"\x01\x00\x00\x00\x02\x00\x00\x00"
@@ -266,3 +268,120 @@ def test_column_results_of_the_wrong_size_are_refused() -> None:
     batch.request("e")
     with pytest.raises(RuntimeError, match="answered 0 results for 1 ops"):
         batch.apply(pb.StepResponse(columns=pb.StepColumnResults(instance_id="i")))
+
+
+def test_a_batch_on_the_wire_is_the_request_protobuf_builds() -> None:
+    """`wire()` writes the token ids after the other columns by hand: the bytes parse to the very request
+    of protobuf's own building, for a batch with tokens, one without, and an empty one."""
+    batch = StepBatch()
+    fill_every_kind(batch)
+    wire = batch.wire("eng-1")
+    assert isinstance(wire, StepWire) and repr(wire) == f"StepWire({len(wire.data)} bytes)"
+    expected = pb.StepRequest(engine_id="eng-1", columns=pb.StepColumns(
+        kinds=bytes([1, 2, 3, 4, 4, 5, 6]), session_ids=["new", "s", "other", "s", "other", "s", ""],
+        epochs=np.array([0, 7, 0, 7, 0, 7, 0], dtype="<u8").tobytes(),
+        counts=np.array([0, 4, 8, 3, 0, 0, 0], dtype="<i4").tobytes(),
+        flags=bytes([pb.STEP_FLAG_TIMEOUT, 0, 0, pb.STEP_FLAG_KV_TOKENS, pb.STEP_FLAG_SET, pb.STEP_FLAG_SET, 0]),
+        token_counts=np.array([0, 2, 0, 2, 0, 0, 2], dtype="<u4").tobytes(), token_ids=TOKENS * 3,
+        turns=np.array([0, 0, 0, 2, 0, 0, 0], dtype="<u4").tobytes(), timeouts=bytes(56),
+        cache_salts=["t", "", "", "", "", "", "t"]))
+    assert wire.message() == expected and (wire.engine_id, wire.columns) == ("eng-1", expected.columns)
+    assert serialize_request(wire) == wire.data and serialize_request(expected) == expected.SerializeToString()
+    with pytest.raises(RuntimeError, match="sent already"):
+        batch.wire("eng-1")
+
+    tokenless = StepBatch(engine_id="own")
+    tokenless.extend("s", 16)
+    assert tokenless.wire("eng-1").message() == pb.StepRequest(engine_id="own", columns=pb.StepColumns(
+        kinds=bytes([3]), session_ids=["s"], counts=np.array([16], dtype="<i4").tobytes(), token_counts=bytes(4)))
+    empty = StepBatch().wire("eng-1").message()
+    assert empty.HasField("columns") and empty == pb.StepRequest(engine_id="eng-1", columns=pb.StepColumns())
+
+
+def test_a_long_batch_on_the_wire_has_multi_byte_lengths() -> None:
+    batch = StepBatch()
+    prompt = np.arange(40_000, dtype=np.int32)  # 160,000 bytes: a 3-byte varint length
+    for i in range(3):
+        batch.append(f"s{i}", prompt[i:])
+    message = batch.wire("e").message()
+    assert message.columns.token_ids == b"".join(prompt[i:].tobytes() for i in range(3))
+    assert np.frombuffer(message.columns.token_counts, "<u4").tolist() == [40_000, 39_999, 39_998]
+
+
+def test_an_int32_array_packs_as_the_generic_path_does() -> None:
+    prompt = np.arange(-3, 9, dtype=np.int32)
+    assert pack_tokens(prompt) == prompt.astype(np.int64).astype("<i4").tobytes() == pack_tokens(prompt.tolist())
+    assert pack_tokens(prompt[::3]) == np.array([-3, 0, 3, 6], dtype="<i4").tobytes()
+    assert pack_tokens(prompt.astype(">i4")) == pack_tokens(prompt) and pack_tokens(prompt[:0]) == b""
+    with pytest.raises(InvalidTokens):
+        pack_tokens(prompt.reshape(3, 4))
+
+
+@pytest.mark.parametrize("cls, values", [
+    (OpenedSession, ("s", 7, 600.0, "i9")),
+    (AppendResult, ("s", 7, 1, 16, 32, 48, 2, np.array([4, 5], dtype=np.int32), 4, 16, 3)),
+    (ExtendResult, ("s", 7, 1, 64, 3, np.array([6], dtype=np.int32), 4)),
+    (CommitResult, ("s", 66, 65, 5, False)),
+    (CloseResult, ("s", True, 64)),
+    (MatchResult, (32, np.array([4, 5], dtype=np.int32), 0)),
+], ids=lambda v: v.__name__ if isinstance(v, type) else "")
+def test_records_made_for_column_results_are_the_records_themselves(cls: type, values: tuple[Any, ...]) -> None:
+    made = _record_maker(cls)(*values)
+    plain = cls(*values)
+    assert type(made) is cls and repr(made) == repr(plain)
+    assert [getattr(made, n) is getattr(plain, n) for n in cls.__slots__] == [True] * len(values)
+    assert made == plain  # the same page-id arrays: equal field by field
+    for record in (made, plain):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(record, cls.__slots__[0], 1)
+    if not any(isinstance(v, np.ndarray) for v in values):
+        assert hash(made) == hash(plain)
+
+
+def test_each_result_of_a_columns_answer_owns_its_slice_of_the_page_ids() -> None:
+    batch = StepBatch()
+    first = batch.extend("a", 16)
+    second = batch.extend("b", 32)
+    batch.wire("e")
+
+    def col(*values: int) -> bytes:
+        return np.array(values, dtype="<u4").tobytes()
+
+    batch.apply(pb.StepResponse(columns=pb.StepColumnResults(
+        codes=bytes(8), epochs=bytes(16), turns=col(1, 1), cached_tokens=col(0, 0), context_tokens=col(0, 0),
+        capacity_tokens=col(16, 32), page_offsets=col(1, 1), num_pages=col(2, 3), prefix_hit_tokens=col(0, 0),
+        kv_tokens=col(0, 0), closed=bytes(2), page_counts=col(1, 2), page_ids=col(7, 8, 9), timeouts=bytes(16),
+        instance_id="i9")))
+    pages = first.value.page_ids
+    assert pages.tolist() == [7] and second.value.page_ids.tolist() == [8, 9] and pages.dtype == np.int32
+    pages[0] = 100  # writable, and no other result sees it
+    assert second.value.page_ids.tolist() == [8, 9] and first.value.page_ids.tolist() == [100]
+    assert first.value is first.value and batch.opened_instance_ids() == []
+
+
+def test_the_instance_id_is_learnt_from_an_open_that_succeeded() -> None:
+    batch = StepBatch()
+    batch.open("s")
+    batch.open("t")
+    batch.wire("e")
+    refused = error_status(code_pb2.ALREADY_EXISTS, "SESSION_EXISTS", "exists")
+    answer = pb.StepColumnResults(codes=np.array([code_pb2.ALREADY_EXISTS, 0], dtype="<i4").tobytes(),
+                                  errors=[refused], opened_ids=["t"], instance_id="i9")
+    assert batch.opened_instance_ids() == []  # not answered yet
+    outcomes = batch.apply(pb.StepResponse(columns=answer))
+    assert batch.opened_instance_ids() == ["i9"] and outcomes[1].value == OpenedSession("t", 0, 0.0, "i9")
+    both_refused = StepBatch()
+    both_refused.open("s")
+    both_refused.wire("e")
+    both_refused.apply(pb.StepResponse(columns=pb.StepColumnResults(
+        codes=np.array([code_pb2.ALREADY_EXISTS], dtype="<i4").tobytes(), errors=[refused], instance_id="i9")))
+    assert both_refused.opened_instance_ids() == []
+
+
+def test_an_answer_with_the_wrong_number_of_opened_ids_is_refused_when_read() -> None:
+    batch = StepBatch()
+    opened = batch.open("s")
+    batch.wire("e")
+    batch.apply(pb.StepResponse(columns=pb.StepColumnResults(codes=bytes(4), opened_ids=["s", "t"], instance_id="i")))
+    with pytest.raises(RuntimeError, match="2 opened ids for 1 opens"):
+        _ = opened.value

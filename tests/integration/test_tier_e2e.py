@@ -15,7 +15,7 @@ import pytest
 from protos.kvcache.v1 import kvcache_pb2 as pb
 from tests.integration.conftest import ServerProcess
 from tests.tier.cluster import MooncakeCluster
-from tests.tier.engine import TIER_ARGS, Engine, prompt
+from tests.tier.engine import TIER_ARGS, Engine, hit, prompt, write_then_evict
 
 
 def _prompt(seed: int) -> list[int]:
@@ -47,25 +47,6 @@ def _mooncake(cluster: MooncakeCluster) -> tuple[str, ...]:
     return ("--tier", "mooncake", "--mooncake-master", cluster.address)
 
 
-def _write_then_evict(a: Engine, p: list[int]) -> None:
-    """A computes p, then unrelated turns push it out of A's pool (after the tier stored it)."""
-    first = a.turn(p)
-    assert (first.cached_tokens, first.tier_tokens) == (0, 0)
-    a.churn(seed=p[0] + 100_000, turns=6)
-    probe = a.stub.MatchPrefix(pb.MatchPrefixRequest(token_ids=p), timeout=10)
-    assert (probe.cached_tokens, probe.tier_tokens, list(probe.page_ids)) == (16, 16, [])  # only the tier has it
-
-
-def _hit(b: Engine, p: list[int]) -> None:
-    """B appends p: the 4 pages come from the tier, byte-identical to what A's engine wrote."""
-    sid, res = b.append(p)
-    assert (res.cached_tokens, res.prefix_hit_tokens, res.tier_tokens, res.context_tokens) == (16, 16, 16, 17)
-    assert b.cached_pages_match(p, list(res.page_ids), 4)
-    b.stub.CommitSession(pb.CommitSessionRequest(session_id=sid, abort=True), timeout=10)
-    st = b.stats()
-    assert st.tier.hit_pages >= 4 and st.loading_pages == 0
-
-
 @pytest.mark.parametrize("tier", ["disk", "mooncake"])
 def test_an_evicted_prefix_is_served_again_byte_identical(start_server: Callable[..., ServerProcess],
                                                           engines: list[Engine], tmp_path: Path,
@@ -74,10 +55,10 @@ def test_an_evicted_prefix_is_served_again_byte_identical(start_server: Callable
     flags = _disk(tmp_path) if tier == "disk" else _mooncake(cluster)
     a = Engine(start_server(*TIER_ARGS, *flags).target)
     engines.append(a)
-    _write_then_evict(a, p)
+    write_then_evict(a, p)
     st = a.stats()
     assert st.evicted_pages > 0 and st.tier.offload_pages >= 4
-    _hit(a, p)
+    hit(a, p)
 
 
 def test_two_services_on_one_master_share_a_prefix(start_server: Callable[..., ServerProcess],
@@ -87,11 +68,11 @@ def test_two_services_on_one_master_share_a_prefix(start_server: Callable[..., S
     a = Engine(start_server(*TIER_ARGS, *_mooncake(cluster)).target)
     b = Engine(start_server(*TIER_ARGS, *_mooncake(cluster)).target)
     engines += [a, b]
-    _write_then_evict(a, p)
+    write_then_evict(a, p)
     probe = b.stub.MatchPrefix(pb.MatchPrefixRequest(token_ids=p), timeout=10)
     assert (probe.cached_tokens, probe.tier_tokens) == (16, 16)
     assert b.stats().loading_pages == 0  # a probe loads nothing
-    _hit(b, p)
+    hit(b, p)
     again = b.stub.MatchPrefix(pb.MatchPrefixRequest(token_ids=p), timeout=10)
     assert (again.cached_tokens, again.tier_tokens, len(again.page_ids)) == (16, 0, 4)  # now in B's pool
 
@@ -113,7 +94,7 @@ def test_a_restarted_service_hits_what_it_offloaded(start_server: Callable[..., 
     assert second.instance_id != first.instance_id
     b = Engine(second.target)
     engines.append(b)
-    _hit(b, p)
+    hit(b, p)
 
 
 def test_step_ops_load_from_the_tier_in_both_encodings(start_server: Callable[..., ServerProcess],
@@ -123,7 +104,7 @@ def test_step_ops_load_from_the_tier_in_both_encodings(start_server: Callable[..
     p = _prompt(4)
     a = Engine(start_server(*TIER_ARGS, *_disk(tmp_path)).target)
     engines.append(a)
-    _write_then_evict(a, p)
+    write_then_evict(a, p)
     with KVCacheClient(a.target) as client:
         for columns in (False, True):
             probe = StepBatch(columns=columns)
@@ -153,7 +134,7 @@ def test_a_corrupt_value_costs_only_the_hit(start_server: Callable[..., ServerPr
     p = _prompt(5)
     a = Engine(start_server(*TIER_ARGS, *_disk(tmp_path)).target)
     engines.append(a)
-    _write_then_evict(a, p)
+    write_then_evict(a, p)
     for f in (tmp_path / "tier").rglob("*.kv"):  # flip one payload byte of every value (sizes unchanged)
         data = bytearray(f.read_bytes())
         data[100] ^= 0xFF
@@ -172,7 +153,7 @@ def test_a_master_killed_mid_run_costs_only_hits(start_server: Callable[..., Ser
     try:
         a = Engine(start_server(*TIER_ARGS, *_mooncake(own)).target)
         engines.append(a)
-        _write_then_evict(a, p)
+        write_then_evict(a, p)
         own.kill_master()
         res = a.turn(p)  # the store is gone: computed again, no error
         assert (res.cached_tokens, res.tier_tokens) == (0, 0)
@@ -230,7 +211,7 @@ def test_bad_inputs_keep_their_reasons_with_a_tier(start_server: Callable[..., S
     p = _prompt(8)
     a = Engine(start_server(*TIER_ARGS, *_disk(tmp_path)).target)
     engines.append(a)
-    _write_then_evict(a, p)
+    write_then_evict(a, p)
     before = a.stats().tier
 
     def reason(call: Callable[[], object]) -> tuple[grpc.StatusCode, str]:

@@ -46,8 +46,12 @@ class Engine:
         lay = info.layout
         self.page_size = lay.page_size
         self.shape = (lay.num_layers, 2, lay.num_pages, lay.page_size, lay.num_kv_heads, lay.head_dim)
-        self.kv: Any = np.memmap(info.shm_path, dtype=np.float16, mode="r+", shape=self.shape)
+        self.kv: Any = self.map_pages(info)
         self._n = 0
+
+    def map_pages(self, info: pb.GetPoolInfoResponse) -> Any:
+        """The pool as an array `kv[:, :, page]` reads and writes as numpy (host_shm: the file itself)."""
+        return np.memmap(info.shm_path, dtype=np.float16, mode="r+", shape=self.shape)
 
     def page_shape(self) -> tuple[int, ...]:
         return (self.shape[0], 2, *self.shape[3:])
@@ -100,3 +104,24 @@ class Engine:
     def close(self) -> None:
         del self.kv
         self.channel.close()
+
+
+def write_then_evict(a: Engine, p: list[int]) -> None:
+    """A computes p (4 full pages and a token), then unrelated turns push it out of A's pool (after the tier
+    stored it)."""
+    first = a.turn(p)
+    assert (first.cached_tokens, first.tier_tokens) == (0, 0)
+    a.churn(seed=p[0] + 100_000, turns=6)
+    probe = a.stub.MatchPrefix(pb.MatchPrefixRequest(token_ids=p), timeout=10)
+    assert (probe.cached_tokens, probe.tier_tokens, list(probe.page_ids)) == (16, 16, [])  # only the tier has it
+
+
+def hit(b: Engine, p: list[int]) -> None:
+    """B appends p (4 full pages and a token): the 4 pages come from the tier, byte-identical to what A's engine
+    wrote."""
+    sid, res = b.append(p)
+    assert (res.cached_tokens, res.prefix_hit_tokens, res.tier_tokens, res.context_tokens) == (16, 16, 16, 17)
+    assert b.cached_pages_match(p, list(res.page_ids), 4)
+    b.stub.CommitSession(pb.CommitSessionRequest(session_id=sid, abort=True), timeout=10)
+    st = b.stats()
+    assert st.tier.hit_pages >= 4 and st.loading_pages == 0

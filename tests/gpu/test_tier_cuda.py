@@ -1,0 +1,103 @@
+"""On a GPU: the tier's staging path (docs/tiers.md): an offload copies a GPU page device-to-host into a
+staging slot and stores it; a load verifies the value in a slot and copies it host-to-device into the page.
+
+Real services with a GPU pool (cuda_vmm and cuda_ipc) and a disk tier; the engine writes K/V into the GPU pages
+through its own mapping of the pool (`map_pool`), and checks byte for byte what a load put back."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from engine_client import KVCacheClient, map_pool
+from protos.kvcache.v1 import kvcache_pb2 as pb
+from tests.integration.conftest import ServerProcess
+from tests.tier.engine import TIER_ARGS, Engine, hit, prompt, write_then_evict
+
+from .conftest import cupy_unavailable
+
+GPU_NEEDS = "cuda_vmm"
+BACKENDS = ("cuda_vmm", "cuda_ipc")
+
+
+class DevicePages:
+    """`kv[:, :, page]` over the GPU pool tensor: numpy in and out, copied through torch and synchronized, so
+    the service's next copy of the page sees what was written."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        return self._tensor[index].cpu().numpy()
+
+    def __setitem__(self, index: Any, value: np.ndarray) -> None:
+        self._tensor[index] = torch.from_numpy(np.ascontiguousarray(value)).to(self._tensor.device)
+        torch.cuda.synchronize()
+
+
+class GpuEngine(Engine):
+    """The tier tests' engine on a GPU pool: the pages it writes and reads are the service's GPU memory."""
+
+    def map_pages(self, info: pb.GetPoolInfoResponse) -> Any:
+        assert info.backend in BACKENDS and not info.shm_path
+        self.client = KVCacheClient(self.target)
+        self.pool = map_pool(self.client, "cuda")
+        assert tuple(self.pool.tensor.shape) == self.shape and self.pool.tensor.is_cuda
+        return DevicePages(self.pool.tensor)
+
+    def close(self) -> None:
+        super().close()
+        self.pool.close()
+        self.client.close()
+
+
+@pytest.fixture
+def engines() -> Iterator[list[Engine]]:
+    made: list[Engine] = []
+    yield made
+    for e in made:
+        e.close()
+
+
+def _flags(backend: str, tmp_path: Path) -> tuple[str, ...]:
+    if backend == "cuda_ipc" and cupy_unavailable():
+        pytest.skip(f"GPU test: {cupy_unavailable()}")
+    return (*TIER_ARGS, "--backend", backend, "--device", "0", "--tier", "disk", "--tier-dir", str(tmp_path / "tier"),
+            "--tier-bytes", "16Mi")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_evicted_gpu_prefix_comes_back_from_disk_byte_identical(
+        start_server: Callable[..., ServerProcess], engines: list[Engine], tmp_path: Path, backend: str) -> None:
+    p = prompt(11, 17)
+    a = GpuEngine(start_server(*_flags(backend, tmp_path)).target)
+    engines.append(a)
+    write_then_evict(a, p)
+    st = a.stats()
+    assert st.evicted_pages > 0 and st.tier.offload_pages >= 4 and not st.tier.errors
+    hit(a, p)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_restarted_gpu_service_loads_what_it_offloaded_at_stop(
+        start_server: Callable[..., ServerProcess], engines: list[Engine], tmp_path: Path, backend: str) -> None:
+    """The stop copies the resident pages off the GPU into the tier; the next instance's new GPU pool gets them
+    back on the first append."""
+    p = prompt(12, 17)
+    flags = _flags(backend, tmp_path)
+    first = start_server(*flags)
+    a = GpuEngine(first.target)
+    a.turn(p)
+    a.close()
+    code, _ = first.terminate()
+    assert code == 0
+    second = start_server(*flags)
+    assert second.instance_id != first.instance_id
+    b = GpuEngine(second.target)
+    engines.append(b)
+    hit(b, p)

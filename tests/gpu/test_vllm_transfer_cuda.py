@@ -1,0 +1,65 @@
+"""On a GPU: the vLLM connector's copies (engine_client/vllm/transfer.py) between a real GPU pool and paged KV
+on the same device take the torch path (index_select / index_put_ / index_copy_ on device tensors) and move
+exactly what the CPU path moves, bit for bit.
+
+vLLM's CUDA build is not installed here, so the "vLLM" side is a device tensor in vLLM's FlashAttention shape
+(`[2, blocks, block_size, heads, dim]`); which GPU attention layouts the connector reads is a separate matter
+(today it knows only vLLM's CPU attention and refuses the rest, see docs/vllm.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from engine_client import KVCacheClient, map_pool
+from engine_client.vllm.transfer import LayerKV, TransferIndex, Transfers, load_layer, save_layer
+from tests.integration.conftest import ServerProcess
+
+from .conftest import GPU_VMM_POOL
+
+GPU_NEEDS = "cuda_vmm"
+BS = 8
+"""vLLM's block size in this test: two of the pool's 4-token pages."""
+
+
+def _flash(kv: torch.Tensor) -> LayerKV:
+    return LayerKV(k=kv[0], v=kv[1])
+
+
+def test_loads_and_saves_on_the_gpu_move_what_the_cpu_path_moves(
+        start_server: Callable[..., ServerProcess]) -> None:
+    server = start_server(*GPU_VMM_POOL)
+    with KVCacheClient(server.target) as client, map_pool(client, "cuda") as pool:
+        layers, _, num_pages, page_size, heads, dim = pool.tensor.shape
+        assert pool.tensor.is_cuda and page_size == 4
+        gen = torch.Generator(device=pool.tensor.device).manual_seed(3)
+        layer = pool.tensor[1]  # [K/V, pages, page_size, heads, dim] of the pool's second layer
+        layer[:, 1:40].copy_(torch.randn(2, 39, page_size, heads, dim, generator=gen, device=layer.device))
+        # request 1: positions [4, 22) on pages 7, 3, 12, 30, 5 and blocks 6, 2, 9; request 2: [40, 43) on page 21
+        t = Transfers.build([(4, 22, np.array([7, 3, 12, 30, 5], np.int32), np.array([6, 2, 9], np.int32)),
+                             (40, 43, np.array([21], np.int32), np.array([4], np.int32))])
+        gpu_index = TransferIndex.build(t, page_size=page_size, block_size=BS, device=layer.device)
+        cpu_index = TransferIndex.build(t, page_size=page_size, block_size=BS)
+        assert gpu_index.pool_slots.is_cuda and len(gpu_index) == 21
+
+        vllm = torch.zeros(2, 10, BS, heads, dim, dtype=layer.dtype, device=layer.device)
+        load_layer(layer, _flash(vllm), gpu_index)
+        want = torch.zeros(2, 10, BS, heads, dim, dtype=layer.dtype)
+        load_layer(layer.cpu(), _flash(want), cpu_index)
+        torch.cuda.synchronize()
+        assert torch.equal(vllm.cpu(), want) and want.any()
+        # positions 4..7: page 7 -> block 6, offsets 4..7; 40..42: page 21 -> block 4, offsets 0..2
+        assert torch.equal(vllm[0, 6, 4:8], layer[0, 7]) and torch.equal(vllm[1, 4, :3], layer[1, 21, :3])
+
+        computed = torch.randn(2, 10, BS, heads, dim, generator=gen, device=layer.device).to(layer.dtype)
+        before = layer.cpu()
+        save_layer(_flash(computed), layer, gpu_index)
+        expected = before.clone()
+        save_layer(_flash(computed.cpu()), expected, cpu_index)
+        torch.cuda.synchronize()
+        assert torch.equal(layer.cpu(), expected) and not torch.equal(expected, before)
+        untouched = [p for p in range(num_pages) if p not in (7, 3, 12, 30, 5, 21)]
+        assert torch.equal(layer[:, untouched].cpu(), before[:, untouched])
+        assert layers == 2
