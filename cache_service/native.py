@@ -24,6 +24,7 @@ from pathlib import Path
 from types import ModuleType
 
 COMPILED = (
+    "cache_service.core.errors",
     "cache_service.core.validate",
     "cache_service.core.ledger",
     "cache_service.core.eviction",
@@ -34,6 +35,7 @@ COMPILED = (
     "cache_service.core.slot",
     "cache_service.core.sessions",
     "cache_service.core.ops",
+    "cache_service.rpc.errors",
     "cache_service.rpc.step_columns",
 )
 """The modules the build compiles (setup.py reads this list)."""
