@@ -12,16 +12,20 @@ BUF_VERSION := 1.75.0
 BUF := $(TOOLS)/node_modules/.bin/buf
 
 .DEFAULT_GOAL := help
-.PHONY: help setup conformance-setup vllm-setup run test lint typecheck unit proto proto-check docs docs-check chart-render chart-check bench demo hf-demo vllm-demo gpu-test clean
+.PHONY: help setup native conformance-setup vllm-setup run test lint typecheck unit proto proto-check docs docs-check chart-render chart-check bench demo hf-demo vllm-demo gpu-test clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
 
 setup: $(STAMP) ## create .venv and install kvcache[dev,mooncake] (torch 2.13.0 CPU unless a torch is importable; libibverbs1)
 
-$(STAMP): pyproject.toml scripts/setup.sh scripts/ensure_libibverbs.sh
+$(STAMP): pyproject.toml setup.py $(wildcard cache_service/*/*.pxd) scripts/setup.sh scripts/ensure_libibverbs.sh
 	@bash scripts/setup.sh "$(PYTHON)" "$(VENV)"
 	@touch $@
+
+native: setup ## rebuild the compiled hot path in place after editing its modules (cache_service/native.py)
+	@$(PY) setup.py -q build_ext --inplace > $(VENV)/native-build.log 2>&1 || { tail -30 $(VENV)/native-build.log; exit 1; }
+	@$(PY) -c 'from cache_service import native; print(f"[native] hot path: {native.mode()}")'
 
 conformance-setup: $(CONFORMANCE)/.stamp ## NVIDIA Dynamo's KV indexer in its own venv (its pins clash with ours)
 

@@ -28,7 +28,7 @@ from cache_service.core.pages import PageAllocator
 from cache_service.core.radix import RadixTree
 from cache_service.core.sessions import SessionTable
 from cache_service.core.slot import CLOSING, IDLE, IN_TURN, SessionSlot, Slots, change
-from cache_service.core.types import EngineInfo
+from cache_service.core.types import EngineInfo, TokenBytes
 from cache_service.core.validate import check_count, check_id, check_salt, check_seconds
 
 
@@ -57,7 +57,7 @@ class Ops:
         check_salt(cache_salt)
         ps = self.config.page_size
         n = (len(tokens) >> 2) // ps * ps
-        match = self._radix.match(cache_salt, tokens[: n * 4], touch=False)
+        match = self._radix.match(cache_salt, tokens[: n * 4], lock=False, touch=False)
         return match.num_pages * ps, match.pages
 
     def open(self, session_id: str, streaming: bool, timeout_seconds: float | None, cache_salt: str,
@@ -83,7 +83,7 @@ class Ops:
             self._changes.append(change("opened", s))
         return s.id, s.epoch, timeout_seconds
 
-    def append(self, session_id: str, tokens: bytes, reserve_tokens: int, epoch: int, engine_id: str,
+    def append(self, session_id: str, tokens: TokenBytes, reserve_tokens: int, epoch: int, engine_id: str,
                identity: str | None) -> tuple[SessionSlot, tuple[int, int, int, int, bytes, int, int]]:
         """Start a turn (see `KVCacheCore.append`); returns the slot and `Slots.begin`'s outcome."""
         now = self._clock()
@@ -129,7 +129,7 @@ class Ops:
         self._by_id.move_to_end(session_id)
         return s, outcome
 
-    def commit(self, session_id: str, generated: bytes, kv_tokens: int | None, abort: bool, turn: int, epoch: int,
+    def commit(self, session_id: str, generated: TokenBytes, kv_tokens: int | None, abort: bool, turn: int, epoch: int,
                engine_id: str, identity: str | None) -> tuple[str, int, int, int, bool]:
         """End the turn in flight; returns (session id, context tokens, kv tokens, pages, closed)."""
         now = self._clock()

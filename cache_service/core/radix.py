@@ -98,6 +98,11 @@ class RadixInsert(NamedTuple):
     """The node ending exactly at the end of the key (None for an empty key)."""
 
 
+_new = tuple.__new__
+"""Builds a RadixMatch or RadixInsert from its fields: what the NamedTuple's constructor does, without its Python
+frame (two are made per turn)."""
+
+
 def token_key(tokens: TokenArray | bytes | bytearray, page_size: int, max_tokens: int | None = None) -> bytes:
     """The radix key of `tokens[:max_tokens]` (an int32 array, or int32 LE bytes), cut to whole pages."""
     if isinstance(tokens, bytes | bytearray):
@@ -169,34 +174,36 @@ class RadixTree:
                 yield node.salt or "", _last_page(node.parent), node.key, node.pages
                 stack.extend(node.children.values())
 
-    def match(self, salt: str, key: bytes, *, lock: bool = False, touch: bool = True) -> RadixMatch:
-        """Longest cached prefix of `key` (whole pages) under `salt`.
+    def match(self, salt: str, key: bytes | bytearray, *, lock: bool = False, touch: bool = True, end: int = -1
+              ) -> RadixMatch:
+        """Longest cached prefix of `key` (whole pages) under `salt`; `end` >= 0 matches `key[:end]` without
+        copying it (a session's token buffer).
 
         With lock=True the match is pinned and returned as `node` (splitting a node when the match ends
         inside it); the caller must `unlock(node)` exactly once. touch=False leaves LRU order alone (a
         read-only probe).
         """
         root = self._roots.get(salt)
-        if root is None or not key:
-            return RadixMatch(0, b"", None)
-        node, matched, into = self._walk(root, key, touch=touch)
+        if root is None or not (len(key) if end < 0 else end):
+            return _new(RadixMatch, (0, b"", None))
+        node, matched, into = self._walk(root, key, touch=touch, end=end)
         if matched == 0:
-            return RadixMatch(0, b"", None)
+            return _new(RadixMatch, (0, b"", None))
         pages = self._matched_pages(node, into, matched)
         if not lock:
-            return RadixMatch(matched, pages, None)
+            return _new(RadixMatch, (matched, pages, None))
         if into < node.num_pages:
             node = self._split(node, into)
         self.lock(node)
-        return RadixMatch(matched, pages, node)
+        return _new(RadixMatch, (matched, pages, node))
 
-    def matched_pages(self, salt: str, key: bytes) -> int:
-        """How many leading whole pages of `key` are cached under `salt`: `match(salt, key, touch=False)`'s
-        `num_pages` without gathering the pages (a read-only probe)."""
+    def matched_pages(self, salt: str, key: bytes | bytearray, end: int = -1) -> int:
+        """How many leading whole pages of `key` (`key[:end]` for `end` >= 0) are cached under `salt`:
+        `match(salt, key, touch=False, end=end)`'s `num_pages` without gathering the pages (a read-only probe)."""
         root = self._roots.get(salt)
-        if root is None or not key:
+        if root is None or not (len(key) if end < 0 else end):
             return 0
-        return self._walk(root, key, touch=False)[1]
+        return self._walk(root, key, touch=False, end=end)[1]
 
     def insert(self, salt: str, key: bytes, pages: bytes, *, below: RadixNode | None = None,
                src: int = EVICTABLE) -> RadixInsert:
@@ -217,7 +224,7 @@ class RadixTree:
                 f"radix insert needs whole pages: key has {len(key)} bytes, {len(pages) >> 2} pages given"
             )
         if num_pages == 0:
-            return RadixInsert(0, b"", below)
+            return _new(RadixInsert, (0, b"", below))
         if below is None:
             root = self._roots.get(salt)
             if root is None:
@@ -240,7 +247,7 @@ class RadixTree:
         else:
             existing = b""
         if matched == num_pages:
-            return RadixInsert(matched, existing, node)
+            return _new(RadixInsert, (matched, existing, node))
         new_key = key[matched * self.page_bytes :]
         new_pages = bytes(pages[matched * PAGE_ID_BYTES :])
         leaf = RadixNode(self._new_id(), new_key, new_pages, node)
@@ -254,7 +261,7 @@ class RadixTree:
         self._leaves.add(leaf)
         if self.changes is not None:
             self.changes.append((STORED, leaf.salt or "", _last_page(node), new_key, new_pages))
-        return RadixInsert(matched, existing + new_pages if matched else new_pages, leaf)
+        return _new(RadixInsert, (matched, existing + new_pages if matched else new_pages, leaf))
 
     # ------------------------------------------------------------------ locks
 
@@ -328,20 +335,22 @@ class RadixTree:
         self._next_id += 1
         return self._next_id - 1
 
-    def _walk(self, root: RadixNode, key: bytes, *, touch: bool) -> tuple[RadixNode, int, int]:
-        """Follow `key` down from `root`: (deepest node reached, pages matched, pages matched into it).
+    def _walk(self, root: RadixNode, key: bytes | bytearray, *, touch: bool, end: int = -1
+              ) -> tuple[RadixNode, int, int]:
+        """Follow `key` (`key[:end]` for `end` >= 0) down from `root`: (deepest node reached, pages matched,
+        pages matched into it).
 
         `into` equals the node's page count unless the match stops inside the node.
         """
         pb = self.page_bytes
-        n = len(key)
+        n = len(key) if end < 0 else end
         node = root
         pos = 0
         into = 0
         if touch:
             self._tick += 1
         while pos < n:
-            child = node.children.get(key[pos : pos + pb])
+            child = node.children.get(bytes(key[pos : pos + pb]))  # bytes of bytes: the same object
             if child is None:
                 break
             ckey = child.key
@@ -352,7 +361,7 @@ class RadixTree:
                 same = key.startswith(ckey, pos)
             else:
                 span = n - pos
-                same = ckey.startswith(memoryview(key)[pos:])
+                same = ckey.startswith(memoryview(key)[pos:n])
             common = span if same else self._common_pages(key, pos, ckey, span) * pb
             node = child
             into = common // pb
@@ -366,7 +375,7 @@ class RadixTree:
             self._leaves.push(node)  # its priority changed
         return node, pos // pb, into
 
-    def _common_pages(self, key: bytes, pos: int, other: bytes, span: int) -> int:
+    def _common_pages(self, key: bytes | bytearray, pos: int, other: bytes, span: int) -> int:
         """Leading whole pages where key[pos:pos+span] equals other[:span] (known to differ somewhere)."""
         pb = self.page_bytes
         # Page 0 matches (children are keyed by it); not all of them do, so the answer is < span // pb.

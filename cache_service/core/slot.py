@@ -33,7 +33,7 @@ from cache_service.core.events import SessionChange
 from cache_service.core.ledger import IN_FLIGHT, SESSION_HELD, Counters, PageLedger
 from cache_service.core.pages import PageAllocator
 from cache_service.core.radix import RadixNode, RadixTree
-from cache_service.core.types import SessionState
+from cache_service.core.types import SessionState, TokenBytes
 
 IDLE, IN_TURN, CLOSING = SessionState.IDLE, SessionState.IN_TURN, SessionState.CLOSING
 
@@ -187,7 +187,7 @@ class Slots:
 
     # ------------------------------------------------------------------ a turn
 
-    def begin(self, s: SessionSlot, tokens: bytes, reserve_tokens: int) -> AppendOutcome:
+    def begin(self, s: SessionSlot, tokens: TokenBytes, reserve_tokens: int) -> AppendOutcome:
         """Append `tokens` (int32 LE) to an idle slot's context and reserve `reserve_tokens` slots after it.
         Returns (cached_tokens, context_tokens, capacity_tokens, page_offset, new page ids, num_pages,
         prefix_hit_tokens).
@@ -206,7 +206,7 @@ class Slots:
             if s.lock_node is not None or s.pages:
                 raise InvariantError("a radix turn starts with no pages")
             n = (context - 1) // ps * ps
-            match = self._radix.match(s.cache_salt, _span(s.tokens, 0, n * 4), lock=True)
+            match = self._radix.match(s.cache_salt, s.tokens, lock=True, touch=True, end=n * 4)
             lock_node, matched = match.node, match.pages
             base_pages = match.num_pages
             cached = radix_hit = base_pages * ps
@@ -259,7 +259,7 @@ class Slots:
         s.synced_pages = total
         return total * ps, offset, delta, total
 
-    def commit(self, s: SessionSlot, generated: bytes, kv: int) -> None:
+    def commit(self, s: SessionSlot, generated: TokenBytes, kv: int) -> None:
         """Record `generated` (int32 LE) and take the first `kv` context tokens as having KV; free the
         unused reservation. A regular session hands all its full pages to the radix and keeps only tokens."""
         ps = self._ps
@@ -351,7 +351,7 @@ class Slots:
         """Leading tokens of `s`'s context that the radix holds (a read-only probe)."""
         ps = self._ps
         n = (len(s.tokens) >> 2) // ps * ps
-        return self._radix.matched_pages(s.cache_salt, _span(s.tokens, 0, n * 4)) * ps
+        return self._radix.matched_pages(s.cache_salt, s.tokens, n * 4) * ps
 
     # ------------------------------------------------------------------ pages
 

@@ -19,6 +19,8 @@ PageArray = npt.NDArray[np.int32]
 """A 1-D int32 array of page ids."""
 TokenArray = npt.NDArray[np.int32]
 """A 1-D int32 array of token ids."""
+TokenBytes = bytes | memoryview
+"""Token ids as int32 little-endian bytes, or a view of a request's bytes (a Step's op: no copy)."""
 
 EMPTY_PAGES: PageArray = np.zeros(0, dtype=np.int32)
 EMPTY_PAGES.setflags(write=False)

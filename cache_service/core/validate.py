@@ -11,7 +11,7 @@ import numpy as np
 import numpy.typing as npt
 
 from cache_service.core.errors import KVCacheError, Reason, invalid_argument
-from cache_service.core.types import TokenArray
+from cache_service.core.types import TokenArray, TokenBytes
 
 MAX_ID_CHARS = 128
 MAX_SALT_CHARS = 256
@@ -72,7 +72,7 @@ def token_bytes(values: npt.ArrayLike, field: str = "token_ids") -> bytes:
     return as_tokens(values, field).astype("<i4", copy=False).tobytes()
 
 
-def negative_token(tokens: bytes, field: str = "token_ids") -> KVCacheError | None:
+def negative_token(tokens: TokenBytes, field: str = "token_ids") -> KVCacheError | None:
     """The INVALID_TOKENS error `as_tokens` gives int32 LE `tokens` holding a negative id, else None."""
     arr = np.frombuffer(tokens, dtype="<i4")
     if not arr.size:

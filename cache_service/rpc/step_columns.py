@@ -17,6 +17,7 @@ from google.rpc import code_pb2
 
 from cache_service.core import KVCacheCore, KVCacheError, Reason
 from cache_service.core.errors import invalid_argument
+from cache_service.core.types import TokenBytes
 from cache_service.core.validate import negative_token
 from cache_service.log import get_logger
 from cache_service.rpc.errors import CODE_NAMES, add_status
@@ -81,8 +82,8 @@ def run_columns(core: KVCacheCore, cols: pb.StepColumns, default_engine: str, wh
     zero4 = bytes(4 * n)
     codes = array("i", zero4)
     r_epochs = array("Q", bytes(8 * n))
-    r_turns, r_cached, r_context, r_capacity, r_offsets, r_pages, r_hits, r_kv, r_page_counts = (
-        array("I", zero4) for _ in range(9))
+    r_turns, r_cached, r_context, r_capacity, r_offsets, r_pages, r_hits, r_kv, r_page_counts = [
+        array("I", zero4) for _ in range(9)]
     r_timeouts = array("d", bytes(8 * n))
     r_closed = bytearray(n)
     page_parts: list[bytes] = []
@@ -90,7 +91,7 @@ def run_columns(core: KVCacheCore, cols: pb.StepColumns, default_engine: str, wh
 
     ops = core.ops
     owner = who.owner
-    append, extend, commit, close = ops.append, ops.extend, ops.commit, ops.close
+    view = memoryview(tokens)  # an op's tokens are a view of the request's: no copy per op
     pos = 0
     for i in range(n):
         k = kinds[i]
@@ -99,15 +100,15 @@ def run_columns(core: KVCacheCore, cols: pb.StepColumns, default_engine: str, wh
         if ntok:
             start = pos
             pos += 4 * ntok
-            op_tokens = tokens[start:pos]
+            op_tokens = view[start:pos]
         else:
-            op_tokens = b""
+            op_tokens = view[0:0]
         try:
             engine = (engines[i] or default_engine) if engines is not None and k != MATCH else default_engine
             if ntok and (ntok > max_tokens or negative) and k != MATCH:
                 _check_tokens(op_tokens, ntok, max_tokens)
             if k == EXTEND:
-                s, (capacity, offset, pages, num) = extend(sid, counts[i], epochs[i], engine, owner)
+                s, (capacity, offset, pages, num) = ops.extend(sid, counts[i], epochs[i], engine, owner)
                 r_epochs[i] = s.epoch
                 r_turns[i] = s.turns + 1
                 r_capacity[i] = capacity
@@ -116,7 +117,7 @@ def run_columns(core: KVCacheCore, cols: pb.StepColumns, default_engine: str, wh
                 r_page_counts[i] = len(pages) >> 2
                 page_parts.append(pages)
             elif k == APPEND:
-                s, (cached, context, capacity, offset, pages, num, hit) = append(
+                s, (cached, context, capacity, offset, pages, num, hit) = ops.append(
                     sid, op_tokens, counts[i], epochs[i], engine, owner)
                 r_epochs[i] = s.epoch
                 r_turns[i] = s.turns + 1
@@ -130,14 +131,14 @@ def run_columns(core: KVCacheCore, cols: pb.StepColumns, default_engine: str, wh
                 page_parts.append(pages)
             elif k == COMMIT:
                 f = flags[i]
-                _, context, kv, num, closed = commit(sid, op_tokens, counts[i] if f & KV_TOKENS else None,
+                _, context, kv, num, closed = ops.commit(sid, op_tokens, counts[i] if f & KV_TOKENS else None,
                                                      bool(f & SET), turns[i], epochs[i], engine, owner)
                 r_context[i] = context
                 r_kv[i] = kv
                 r_pages[i] = num
                 r_closed[i] = closed
             elif k == CLOSE:
-                _, closed, cached = close(sid, bool(flags[i] & SET), epochs[i], engine, owner)
+                _, closed, cached = ops.close(sid, bool(flags[i] & SET), epochs[i], engine, owner)
                 r_closed[i] = closed
                 r_cached[i] = cached
             elif k == OPEN:
@@ -154,7 +155,7 @@ def run_columns(core: KVCacheCore, cols: pb.StepColumns, default_engine: str, wh
                 salt = who.salt(salts[i] if salts is not None else "")
                 if negative:
                     _check_tokens(op_tokens, ntok, max_tokens)
-                cached, pages = ops.match(op_tokens, salt)
+                cached, pages = ops.match(bytes(op_tokens), salt)
                 r_cached[i] = cached
                 r_page_counts[i] = len(pages) >> 2
                 page_parts.append(pages)
@@ -170,27 +171,28 @@ def run_columns(core: KVCacheCore, cols: pb.StepColumns, default_engine: str, wh
             codes[i] = code_pb2.INTERNAL
             errors.add(code=code_pb2.INTERNAL, message=f"internal error in Step op {i} ({kind}); see the service log")
             tally(kind, "INTERNAL")
-    out.codes = codes.tobytes()
-    out.epochs = r_epochs.tobytes()
-    out.turns = r_turns.tobytes()
-    out.cached_tokens = r_cached.tobytes()
-    out.context_tokens = r_context.tobytes()
-    out.capacity_tokens = r_capacity.tobytes()
-    out.page_offsets = r_offsets.tobytes()
-    out.num_pages = r_pages.tobytes()
-    out.prefix_hit_tokens = r_hits.tobytes()
-    out.kv_tokens = r_kv.tobytes()
+    # bytes() of each array (not .tobytes()): compiled, these names are typed views of the arrays
+    out.codes = bytes(codes)
+    out.epochs = bytes(r_epochs)
+    out.turns = bytes(r_turns)
+    out.cached_tokens = bytes(r_cached)
+    out.context_tokens = bytes(r_context)
+    out.capacity_tokens = bytes(r_capacity)
+    out.page_offsets = bytes(r_offsets)
+    out.num_pages = bytes(r_pages)
+    out.prefix_hit_tokens = bytes(r_hits)
+    out.kv_tokens = bytes(r_kv)
     out.closed = bytes(r_closed)
-    out.page_counts = r_page_counts.tobytes()
+    out.page_counts = bytes(r_page_counts)
     out.page_ids = b"".join(page_parts)
-    out.timeouts = r_timeouts.tobytes()
+    out.timeouts = bytes(r_timeouts)
     if opened:
         out.opened_ids.extend(opened)
     out.instance_id = instance_id
     return response
 
 
-def _check_tokens(tokens: bytes, ntok: int, max_tokens: int) -> None:
+def _check_tokens(tokens: TokenBytes, ntok: int, max_tokens: int) -> None:
     """The refusals a message's packed tokens get before the core sees them, in the same order."""
     if ntok > max_tokens:
         raise invalid_argument("token_ids", f"{ntok} tokens in one request exceed --max-request-tokens={max_tokens}")

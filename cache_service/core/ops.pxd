@@ -1,0 +1,52 @@
+# C types of ops.py for the compiled build (Cython pure-Python mode; see cache_service/native.py).
+cimport cython
+
+from cache_service.core.leases cimport Lease, LeaseTable
+from cache_service.core.ledger cimport Counters
+from cache_service.core.pages cimport PageAllocator
+from cache_service.core.radix cimport RadixTree
+from cache_service.core.sessions cimport SessionTable
+from cache_service.core.slot cimport SessionSlot, Slots
+
+
+@cython.final
+cdef class Ops:
+    cdef public object config, _clock, _by_id, _cap
+    cdef public LeaseTable _leases
+    cdef public PageAllocator _pages
+    cdef public RadixTree _radix
+    cdef public Slots _slots
+    cdef public SessionTable _sessions
+    cdef public Counters _c
+    cdef public list _changes
+    cdef public bint recording
+
+    @cython.locals(s=SessionSlot, lease=Lease)
+    cpdef tuple open(self, object session_id, bint streaming, object timeout_seconds, object cache_salt,
+                     object engine_id, object identity, object quota)
+
+    @cython.locals(s=SessionSlot, context=Py_ssize_t)
+    cpdef tuple append(self, object session_id, object tokens, object reserve_tokens, object epoch, object engine_id,
+                       object identity)
+
+    @cython.locals(s=SessionSlot, capacity=Py_ssize_t)
+    cpdef tuple extend(self, object session_id, object reserve_tokens, object epoch, object engine_id,
+                       object identity)
+
+    @cython.locals(s=SessionSlot, closed=bint)
+    cpdef tuple commit(self, object session_id, object generated, object kv_tokens, bint abort, object turn,
+                       object epoch, object engine_id, object identity)
+
+    @cython.locals(s=SessionSlot)
+    cpdef tuple close(self, object session_id, bint cache, object epoch, object engine_id, object identity)
+
+    @cython.locals(s=SessionSlot, lease=Lease)
+    cpdef SessionSlot session(self, object session_id, object epoch, object engine_id, object identity, object now)
+
+    cpdef check_turn(self, SessionSlot s, object turn)
+
+    @cython.locals(new_total=Py_ssize_t, capacity=Py_ssize_t, generated=Py_ssize_t)
+    cpdef Py_ssize_t _kv_after_commit(self, SessionSlot s, Py_ssize_t generated, object kv_tokens) except -1
+
+    @cython.locals(cached=Py_ssize_t)
+    cpdef Py_ssize_t finish_close(self, SessionSlot s, bint cache) except -1
