@@ -255,84 +255,42 @@ class StepBatch:
         return list(self._outcomes)
 
     # ------------------------------------------------------------------ ops
-    # Each op method appends its entries itself (a scheduler makes hundreds of ops a step: no helper call).
 
     def open(self, session_id: str = "", *, streaming: bool = True, timeout_seconds: float | None = None,
              cache_salt: str = "", engine_id: str = "", session: StepSession | None = None,
              ) -> StepOutcome[OpenedSession]:
         """Open a session in this Step. `session`, a session object not yet open, takes the result (its
         epoch); `Session.open_in` passes itself here."""
-        if self.sent:
-            raise _sent()
         sid = (session.session_id if session is not None else session_id) or uuid.uuid4().hex
-        i = len(self._kinds)
-        if session is not None:
-            session.session_id = sid
-            self._sessions[i] = session
         flags = _SET if streaming else 0
         if timeout_seconds is not None:
             flags |= _TIMEOUT
+        outcome: StepOutcome[OpenedSession] = self._add(OPEN, sid, 0, flags)
+        i = outcome.index
+        if session is not None:
+            session.session_id = sid
+            self._sessions[i] = session
+        if timeout_seconds is not None:
             self._timeouts[i] = timeout_seconds
         if cache_salt:
             self._salts[i] = cache_salt
         if engine_id:
             self._engines[i] = engine_id
-        outcome: StepOutcome[OpenedSession] = StepOutcome("open", i, self._answer)
-        self._kinds.append(OPEN)
-        self._sids.append(sid)
-        self._counts.append(0)
-        self._flags.append(flags)
-        self._outcomes.append(outcome)
         return outcome
 
     def append(self, session: SessionRef, tokens: TokensLike, reserve_tokens: int = 0) -> StepOutcome[AppendResult]:
-        if self.sent:
-            raise _sent()
-        i = len(self._kinds)
-        packed = codec.pack_tokens(tokens)
-        sid = session if isinstance(session, str) else self._named(i, session)
-        if packed:
-            self._token_counts[i] = len(packed) >> 2
-            self._tokens.append(packed)
-        outcome: StepOutcome[AppendResult] = StepOutcome("append", i, self._answer)
-        self._kinds.append(APPEND)
-        self._sids.append(sid)
-        self._counts.append(reserve_tokens)
-        self._flags.append(0)
-        self._outcomes.append(outcome)
-        return outcome
+        return self._add(APPEND, session, reserve_tokens, 0, codec.pack_tokens(tokens))
 
     def extend(self, session: SessionRef, reserve_tokens: int) -> StepOutcome[ExtendResult]:
-        if self.sent:
-            raise _sent()
-        i = len(self._kinds)
-        sid = session if isinstance(session, str) else self._named(i, session)
-        outcome: StepOutcome[ExtendResult] = StepOutcome("extend", i, self._answer)
-        self._kinds.append(EXTEND)
-        self._sids.append(sid)
-        self._counts.append(reserve_tokens)
-        self._flags.append(0)
-        self._outcomes.append(outcome)
-        return outcome
+        return self._add(EXTEND, session, reserve_tokens, 0)
 
     def commit(self, session: SessionRef, tokens: TokensLike = b"", *, kv_tokens: int | None = None,
                turn: int = 0) -> StepOutcome[CommitResult]:
-        if self.sent:
-            raise _sent()
-        i = len(self._kinds)
-        packed = codec.pack_tokens(tokens)
-        sid = session if isinstance(session, str) else self._named(i, session)
-        if packed:
-            self._token_counts[i] = len(packed) >> 2
-            self._tokens.append(packed)
+        outcome: StepOutcome[CommitResult] = self._add(COMMIT, session, kv_tokens or 0,
+                                                       0 if kv_tokens is None else _KV_TOKENS,
+                                                       codec.pack_tokens(tokens))
         if turn:
-            self._turns[i] = turn
-        outcome: StepOutcome[CommitResult] = StepOutcome("commit", i, self._answer)
-        self._kinds.append(COMMIT)
-        self._sids.append(sid)
-        self._counts.append(kv_tokens or 0)
-        self._flags.append(0 if kv_tokens is None else _KV_TOKENS)
-        self._outcomes.append(outcome)
+            self._turns[outcome.index] = turn
         return outcome
 
     def abort(self, session: SessionRef) -> StepOutcome[CommitResult]:
@@ -340,43 +298,30 @@ class StepBatch:
         return self._add(COMMIT, session, 0, _SET)
 
     def close(self, session: SessionRef, *, cache: bool = False) -> StepOutcome[CloseResult]:
-        if self.sent:
-            raise _sent()
-        i = len(self._kinds)
-        sid = session if isinstance(session, str) else self._named(i, session)
-        outcome: StepOutcome[CloseResult] = StepOutcome("close", i, self._answer)
-        self._kinds.append(CLOSE)
-        self._sids.append(sid)
-        self._counts.append(0)
-        self._flags.append(_SET if cache else 0)
-        self._outcomes.append(outcome)
-        return outcome
+        return self._add(CLOSE, session, 0, _SET if cache else 0)
 
     def match(self, tokens: TokensLike, cache_salt: str = "") -> StepOutcome[MatchResult]:
-        if self.sent:
-            raise _sent()
-        i = len(self._kinds)
-        packed = codec.pack_tokens(tokens)
+        outcome: StepOutcome[MatchResult] = self._add(MATCH, "", 0, 0, codec.pack_tokens(tokens))
         if cache_salt:
-            self._salts[i] = cache_salt
-        if packed:
-            self._token_counts[i] = len(packed) >> 2
-            self._tokens.append(packed)
-        return self._add(MATCH, "", 0, 0)
+            self._salts[outcome.index] = cache_salt
+        return outcome
 
-    def _named(self, i: int, session: StepSession) -> str:
-        """Op `i` names a session object: its epoch is sent and its result applied to it."""
-        if session.epoch:
-            self._epochs[i] = session.epoch
-        self._sessions[i] = session
-        return session.session_id
-
-    def _add(self, kind: int, session: SessionRef, count: int, flags: int) -> StepOutcome[Any]:
-        """An op without tokens (the rare kinds; see the methods above)."""
+    def _add(self, kind: int, session: SessionRef, count: int, flags: int, tokens: bytes = b"") -> StepOutcome[Any]:
+        """Op `kind` on `session` (an id, or a session object: its epoch is sent and its result applied to
+        it) with its packed `tokens`; the one place an op's entries are appended."""
         if self.sent:
             raise _sent()
         i = len(self._kinds)
-        sid = session if isinstance(session, str) else self._named(i, session)
+        if isinstance(session, str):
+            sid = session
+        else:
+            sid = session.session_id
+            if session.epoch:
+                self._epochs[i] = session.epoch
+            self._sessions[i] = session
+        if tokens:
+            self._token_counts[i] = len(tokens) >> 2
+            self._tokens.append(tokens)
         outcome: StepOutcome[Any] = StepOutcome(_KIND_NAMES[kind], i, self._answer)
         self._kinds.append(kind)
         self._sids.append(sid)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.conftest import ServerProcess, start_server  # noqa: F401  (fixtures used here)
+from tests.integration.conftest import ServerProcess, engines, start_server  # noqa: F401  (fixtures used here)
 
 
 def torch_cuda_unavailable() -> str:

@@ -6,7 +6,7 @@ through its own mapping of the pool (`map_pool`), and checks byte for byte what 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,7 @@ import torch
 from engine_client import KVCacheClient, map_pool
 from protos.kvcache.v1 import kvcache_pb2 as pb
 from tests.integration.conftest import ServerProcess
-from tests.tier.engine import TIER_ARGS, Engine, hit, prompt, write_then_evict
+from tests.tier.engine import TIER_ARGS, Engine, disk_tier, hit, prompt, write_then_evict
 
 from .conftest import cupy_unavailable
 
@@ -56,19 +56,10 @@ class GpuEngine(Engine):
         self.client.close()
 
 
-@pytest.fixture
-def engines() -> Iterator[list[Engine]]:
-    made: list[Engine] = []
-    yield made
-    for e in made:
-        e.close()
-
-
 def _flags(backend: str, tmp_path: Path) -> tuple[str, ...]:
     if backend == "cuda_ipc" and cupy_unavailable():
         pytest.skip(f"GPU test: {cupy_unavailable()}")
-    return (*TIER_ARGS, "--backend", backend, "--device", "0", "--tier", "disk", "--tier-dir", str(tmp_path / "tier"),
-            "--tier-bytes", "16Mi")
+    return (*TIER_ARGS, "--backend", backend, "--device", "0", *disk_tier(tmp_path))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from engine_client import ClientOptions
+from tests.tier.engine import Engine
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -150,6 +151,15 @@ def any_server(request: pytest.FixtureRequest, start_server: Callable[..., Serve
     """The same server on TCP and on a unix socket."""
     listen = "127.0.0.1:0" if request.param == "tcp" else f"unix:{tmp_path}/kvcache.sock"
     return start_server("--page-size", "4", "--num-pages", "256", listen=listen)
+
+
+@pytest.fixture
+def engines(start_server: Callable[..., ServerProcess]) -> Iterator[list[Engine]]:
+    """The tier tests' engines a test made (it appends them): closed at teardown, before its servers stop."""
+    made: list[Engine] = []
+    yield made
+    for e in made:
+        e.close()
 
 
 def run_engine(script: str, *args: str, timeout: float = 60) -> str:

@@ -15,7 +15,7 @@ import pytest
 from protos.kvcache.v1 import kvcache_pb2 as pb
 from tests.integration.conftest import ServerProcess
 from tests.tier.cluster import MooncakeCluster
-from tests.tier.engine import TIER_ARGS, Engine, hit, prompt, write_then_evict
+from tests.tier.engine import TIER_ARGS, Engine, disk_tier, hit, prompt, write_then_evict
 
 
 def _prompt(seed: int) -> list[int]:
@@ -31,18 +31,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeCluste
     c.stop()
 
 
-@pytest.fixture
-def engines() -> Iterator[list[Engine]]:
-    made: list[Engine] = []
-    yield made
-    for e in made:
-        e.close()
-
-
-def _disk(tmp_path: Path) -> tuple[str, ...]:
-    return ("--tier", "disk", "--tier-dir", str(tmp_path / "tier"), "--tier-bytes", "16Mi")
-
-
 def _mooncake(cluster: MooncakeCluster) -> tuple[str, ...]:
     return ("--tier", "mooncake", "--mooncake-master", cluster.address)
 
@@ -52,7 +40,7 @@ def test_an_evicted_prefix_is_served_again_byte_identical(start_server: Callable
                                                           engines: list[Engine], tmp_path: Path,
                                                           cluster: MooncakeCluster, tier: str) -> None:
     p = _prompt(1 + 100 * (tier == "mooncake"))
-    flags = _disk(tmp_path) if tier == "disk" else _mooncake(cluster)
+    flags = disk_tier(tmp_path) if tier == "disk" else _mooncake(cluster)
     a = Engine(start_server(*TIER_ARGS, *flags).target)
     engines.append(a)
     write_then_evict(a, p)
@@ -83,7 +71,7 @@ def test_a_restarted_service_hits_what_it_offloaded(start_server: Callable[..., 
                                                     cluster: MooncakeCluster, tier: str) -> None:
     """Nothing is evicted: the stop offloads what is resident, and the next instance (new instance id) finds it."""
     p = _prompt(3 + 100 * (tier == "mooncake"))
-    flags = _disk(tmp_path) if tier == "disk" else _mooncake(cluster)
+    flags = disk_tier(tmp_path) if tier == "disk" else _mooncake(cluster)
     first = start_server(*TIER_ARGS, *flags)
     a = Engine(first.target)
     a.turn(p)
@@ -102,7 +90,7 @@ def test_step_ops_load_from_the_tier_in_both_encodings(start_server: Callable[..
     from engine_client import KVCacheClient, StepBatch
 
     p = _prompt(4)
-    a = Engine(start_server(*TIER_ARGS, *_disk(tmp_path)).target)
+    a = Engine(start_server(*TIER_ARGS, *disk_tier(tmp_path)).target)
     engines.append(a)
     write_then_evict(a, p)
     with KVCacheClient(a.target) as client:
@@ -132,7 +120,7 @@ def test_step_ops_load_from_the_tier_in_both_encodings(start_server: Callable[..
 def test_a_corrupt_value_costs_only_the_hit(start_server: Callable[..., ServerProcess], engines: list[Engine],
                                             tmp_path: Path) -> None:
     p = _prompt(5)
-    a = Engine(start_server(*TIER_ARGS, *_disk(tmp_path)).target)
+    a = Engine(start_server(*TIER_ARGS, *disk_tier(tmp_path)).target)
     engines.append(a)
     write_then_evict(a, p)
     for f in (tmp_path / "tier").rglob("*.kv"):  # flip one payload byte of every value (sizes unchanged)
@@ -209,7 +197,7 @@ def test_bad_inputs_keep_their_reasons_with_a_tier(start_server: Callable[..., S
     from grpc_status import rpc_status
 
     p = _prompt(8)
-    a = Engine(start_server(*TIER_ARGS, *_disk(tmp_path)).target)
+    a = Engine(start_server(*TIER_ARGS, *disk_tier(tmp_path)).target)
     engines.append(a)
     write_then_evict(a, p)
     before = a.stats().tier

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -22,6 +23,11 @@ from protos.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 TIER_ARGS = ("--num-pages", "17", "--page-size", "4", "--num-layers", "2", "--num-kv-heads", "2", "--head-dim",
              "8", "--dtype", "float16", "--tier-timeout", "5", "--model-name", "tier-e2e")
 """16 usable pages of 4 tokens (a 576-byte value), the same namespace on every node."""
+
+
+def disk_tier(tmp_path: Path) -> tuple[str, ...]:
+    """The serve flags of a 16 MiB disk tier under `tmp_path` (the same directory across a restart)."""
+    return ("--tier", "disk", "--tier-dir", str(tmp_path / "tier"), "--tier-bytes", "16Mi")
 
 
 def prompt(seed: int, tokens: int) -> list[int]:
