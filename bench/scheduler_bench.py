@@ -30,8 +30,9 @@ The second table is the handler in this process, without a transport (decode, in
 encode), per op kind: the same steps split into one Step per kind, in the order that keeps them valid.
 
 With `--against REV` the server table is measured for the service and client of commit REV (exported with
-`git archive` into a temporary directory, with this harness copied in) and for this tree, in alternating
-rounds of fresh processes, so both see the same machine; each row is the median over all rounds' steps.
+`git archive` into a temporary directory, with this harness copied in; its compiled hot path built first, as
+`make setup` builds this tree's, unless `--no-build`) and for this tree, in alternating rounds of fresh
+processes, so both see the same machine; each row is the median over all rounds' steps.
 """
 
 from __future__ import annotations
@@ -370,18 +371,16 @@ def step_bytes(ops: list[tuple[str, str, Any]], engine_id: str) -> bytes:
 
 
 def in_process_table(steps: int, warmup: int, profile: bool) -> tuple[dict[str, list[float]], str]:
-    """Microseconds per step (decode, handle, encode) and per op kind (handle only), median of steps. Logs go
-    to /dev/null at the service's level (warning) meanwhile; the process's logging is restored after."""
-    import os
-
+    """Microseconds per step (decode, handle, encode; the handle of an empty and of a refusal Step) and per op
+    kind (handle only), median of steps. Logs go to /dev/null as the service writes them (JSON lines, warning
+    and up: a refusal Step's one line is rendered); the process's logging is restored after."""
     import structlog
 
-    from cache_service.log import _LEVELS
+    from cache_service.log import configure_logging
 
     saved = structlog.get_config()
     with open(os.devnull, "w") as devnull:
-        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(_LEVELS["warning"]),
-                            logger_factory=structlog.PrintLoggerFactory(devnull), cache_logger_on_first_use=True)
+        configure_logging("warning", "json", devnull)
         try:
             return _in_process_table(steps, warmup, profile)
         finally:
@@ -395,7 +394,10 @@ def _in_process_table(steps: int, warmup: int, profile: bool) -> tuple[dict[str,
         out = encode(handle(decode(step_bytes(trace.step(), engine))))
     whole = [step_bytes(trace.step(), engine) for _ in range(steps)]
     empty = step_bytes([], engine)
-    samples: dict[str, list[float]] = {k: [] for k in ("decode", "handle", "encode", "empty", *KINDS)}
+    live = [f"idle{i}" for i in range(PER_STEP)]  # open all along: opening them again is refused
+    handle(decode(step_bytes([("open", sid, None) for sid in live], engine)))
+    refused = decode(step_bytes(refusals(live), engine))
+    samples: dict[str, list[float]] = {k: [] for k in ("decode", "handle", "encode", "empty", "refusal", *KINDS)}
     gc.collect()
     gc.freeze()
     for data in whole:  # the same trace, whole steps: decode, handle, encode
@@ -410,6 +412,9 @@ def _in_process_table(steps: int, warmup: int, profile: bool) -> tuple[dict[str,
         samples["handle"].append((t2 - t1) * 1e6)
         samples["encode"].append((t3 - t2) * 1e6)
         del out
+        t0 = time.perf_counter()
+        handle(refused)
+        samples["refusal"].append((time.perf_counter() - t0) * 1e6)
     # Per kind: the next steps split into one Step per kind (commits, closes, extends, opens, appends).
     for _ in range(steps):
         ops = trace.step()
@@ -453,11 +458,13 @@ def report(phases: dict[str, Phase], inproc: dict[str, list[float]]) -> Iterator
                f"{_median(p.build):>7.0f} "
                f"{_median(p.encode):>7.0f} {_median(p.decode):>7.0f} {_median(p.read):>7.0f} {share:>12.0f}")
     yield ""
-    yield "In this process (no transport), us: one §9 Step, and per op by kind (handler only)"
-    yield (f"{'decode':>7} {'handle':>7} {'encode':>7} {'empty':>7} | "
+    yield ("In this process (no transport), us: one §9 Step (decode, handle, encode), the handle of an empty and "
+           "of a refusal Step, and per op by kind (handle only)")
+    yield (f"{'decode':>7} {'handle':>7} {'encode':>7} {'empty':>7} {'refusal':>7} | "
            + " ".join(f"{k:>7}" for k in KINDS))
     yield (f"{_median(inproc['decode']):>7.0f} {_median(inproc['handle']):>7.0f} {_median(inproc['encode']):>7.0f} "
-           f"{_median(inproc['empty']):>7.0f} | " + " ".join(f"{_median(inproc[k]):>7.1f}" for k in KINDS))
+           f"{_median(inproc['empty']):>7.0f} {_median(inproc['refusal']):>7.0f} | "
+           + " ".join(f"{_median(inproc[k]):>7.1f}" for k in KINDS))
 
 
 # ----------------------------------------------------------------------------------- against a commit
@@ -477,8 +484,27 @@ def _merge(into: dict[str, Phase], data: dict[str, dict[str, Any]]) -> None:
                 setattr(p, key, getattr(p, key) + value)
 
 
-def against(rev: str, steps: int, rounds: int) -> int:
-    """The server table of commit `rev` and of this tree, from alternating rounds of fresh processes."""
+def _build_native(tree: str, label: str) -> bool:
+    """Compile the exported tree's hot path in place, as its `make setup` would (a tree from before the compiled
+    path has nothing to build). False, with the build's last lines, when it fails."""
+    if not os.path.exists(os.path.join(tree, "cache_service", "native.py")):
+        return True
+    print(f"  ... building {label}'s compiled hot path (about a minute)", file=sys.stderr, flush=True)
+    done = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=tree,
+                          capture_output=True, text=True, check=False)
+    mode = subprocess.run([sys.executable, "-c", "from cache_service import native; print(native.mode())"],
+                          cwd=tree, capture_output=True, text=True, check=False).stdout.strip()
+    if done.returncode or mode != "compiled":
+        print(f"scheduler_bench: {label} did not build (mode {mode or '?'}): {(done.stderr or done.stdout)[-500:]}",
+              file=sys.stderr)
+        return False
+    return True
+
+
+def against(rev: str, steps: int, rounds: int, build: bool = True) -> int:
+    """The server table of commit `rev` and of this tree, from alternating rounds of fresh processes. With
+    `build`, REV's compiled hot path is built first (as this tree's is by `make setup`), else REV runs as
+    Python."""
     tmp = tempfile.mkdtemp(prefix="kvcache-bench-")
     try:
         archive = subprocess.run(["git", "-C", str(REPO), "archive", rev], capture_output=True, check=False)
@@ -488,6 +514,8 @@ def against(rev: str, steps: int, rounds: int) -> int:
         subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
         for name in ("__init__.py", "common.py", "scheduler_bench.py"):  # this harness, that code
             shutil.copy(REPO / "bench" / name, os.path.join(tmp, "bench", name))
+        if build and not _build_native(tmp, rev):
+            return 1
         trees = {f"before ({rev})": tmp, "this tree": str(REPO)}
         merged: dict[str, dict[str, Phase]] = {label: {} for label in trees}
         loads: list[float] = []
@@ -524,11 +552,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", choices=["server", "in-process"])
     ap.add_argument("--against", metavar="REV", help="compare with commit REV (server table, alternating rounds)")
     ap.add_argument("--rounds", type=int, default=4, help="rounds per tree with --against")
+    ap.add_argument("--no-build", action="store_true",
+                    help="with --against: run REV's .py files (do not compile its hot path first)")
     ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # --against's child processes
     args = ap.parse_args(argv)
     steps, warmup = (8, 6) if args.quick else (args.steps, 20)
     if args.against:
-        return against(args.against, steps, args.rounds)
+        return against(args.against, steps, args.rounds, build=not args.no_build)
     if args.json:
         print(_phases_json(server_table(steps, warmup)))
         return 0
@@ -537,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({machine_load()})")
     phases = server_table(steps, warmup) if args.only in (None, "server") else {}
     inproc, prof = in_process_table(steps, warmup, args.profile) if args.only in (None, "in-process") else ({
-        k: [] for k in ("decode", "handle", "encode", "empty", *KINDS)}, "")
+        k: [] for k in ("decode", "handle", "encode", "empty", "refusal", *KINDS)}, "")
     for line in report(phases, inproc):
         print(line)
     print("target: the §9 Step's client wall at most 1,300 us (moonshot 1,000 us); a refusal Step no dearer")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import grpc
 from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
@@ -31,19 +29,21 @@ _INFO_HEAD: dict[str, bytes] = {
 
 def _error_info(err: KVCacheError) -> bytes:
     """The serialized ErrorInfo of `err`. Serialized messages concatenate into their merge, so this is the
-    reason's head followed by one map entry per metadata item; short entries (the usual ids and fields) are
-    written here (a refused op inside a Step pays for this), longer ones by protobuf."""
+    reason's head (made once by protobuf) followed by one map entry per metadata item, written here (a refused
+    op inside a Step pays for this): field 3 {field 1: key, field 2: value}."""
     head = _INFO_HEAD[err.reason._value_]
-    if not err.metadata:
+    metadata = err.metadata
+    if not metadata:
         return head
     parts = [head]
-    for key, value in err.metadata.items():
-        k, v = key.encode(), value.encode()
-        size = len(k) + len(v) + 4
-        if size < 128:  # every length fits one varint byte: entry = field 3 {field 1: key, field 2: value}
-            parts.append(b"\x1a" + bytes((size, 0x0A, len(k))) + k + bytes((0x12, len(v))) + v)
-        else:
-            parts.append(error_details_pb2.ErrorInfo(metadata={key: value}).SerializeToString())
+    for key, value in metadata.items():
+        k = _KEYS.get(key)
+        if k is None:
+            k = _key(key)
+        v = value.encode()
+        n_v = len(v)
+        n_entry = len(k) + _varint_len(n_v) + n_v
+        parts += (b"\x1a", _varint(n_entry), k, _varint(n_v), v)
     return b"".join(parts)
 
 
@@ -53,12 +53,66 @@ def status_proto(err: KVCacheError) -> status_pb2.Status:
                              details=[any_pb2.Any(type_url=ERROR_INFO_URL, value=_error_info(err))])
 
 
-def add_status(statuses: Any, err: KVCacheError) -> int:
-    """Append `status_proto(err)` to `statuses` (a repeated google.rpc.Status field), built in place; returns
-    its code. A refused op inside a Step costs this and no more."""
+_VARINT1 = tuple(bytes((n,)) for n in range(128))
+"""The one-byte varints (every code and most lengths a refusal has)."""
+
+
+def _varint(n: int) -> bytes:
+    """Protobuf's varint of `n` >= 0."""
+    if n < 128:
+        return _VARINT1[n]
+    out = bytearray()
+    while n >= 128:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _varint_len(n: int) -> int:
+    size = 1
+    while n >= 128:
+        n >>= 7
+        size += 1
+    return size
+
+
+_KEYS: dict[str, bytes] = {}
+"""A metadata key's map-entry head (field 1: the key, then field 2's tag), by key: the keys are the code's own
+(`session_id`, `field`, ...), a few dozen at most."""
+
+
+def _key(key: str) -> bytes:
+    k = key.encode()
+    head = _KEYS[key] = b"\x0a" + _varint(len(k)) + k + b"\x12"
+    return head
+
+
+_URL = ERROR_INFO_URL.encode()
+_ANY_HEAD = b"\x0a" + _varint(len(_URL)) + _URL + b"\x12"
+"""Any.type_url (field 1) and the tag of Any.value (field 2)."""
+
+
+def add_status(entries: list[bytes], err: KVCacheError) -> int:
+    """Append `status_proto(err)` to `entries`, serialized as one entry of a repeated google.rpc.Status field
+    numbered 2 (StepColumnResults.errors), for one `MergeFromString` of them all; returns its code. Written
+    here, not by protobuf: a refused op inside a Step costs one join and its share of that parse."""
     code = _CODE_OF_REASON[err.reason._value_]
-    statuses.add(code=code, message=err.message).details.add(type_url=ERROR_INFO_URL, value=_error_info(err))
+    message = err.message.encode()
+    info = _error_info(err)
+    n_info = len(info)
+    n_any = len(_ANY_HEAD) + _varint_len(n_info) + n_info
+    n_msg = len(message)
+    n_status = 3 + _varint_len(code) + _varint_len(n_msg) + n_msg + _varint_len(n_any) + n_any
+    entries.append(b"".join((b"\x12", _varint(n_status), b"\x08", _varint(code), b"\x12", _varint(n_msg), message,
+                             b"\x1a", _varint(n_any), _ANY_HEAD, _varint(n_info), info)))
     return code
+
+
+def add_status_proto(entries: list[bytes], status: status_pb2.Status) -> None:
+    """`add_status` for a Status protobuf built (an internal error's)."""
+    data = status.SerializeToString()
+    entries.append(b"\x12" + _varint(len(data)) + data)
 
 
 def status_for(err: KVCacheError) -> grpc.Status:

@@ -360,7 +360,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         if columns:
             kinds = request.columns.kinds
             response = run_columns(self.core, request.columns, request.engine_id, who, self._max_tokens,
-                                   self.instance_id, tally)
+                                   self.instance_id, refused)
             failed = _failed(response.columns.codes)
             errors = response.columns.errors
             if len(errors) != len(failed):

@@ -15,4 +15,4 @@ from cache_service.core.slot cimport SessionSlot
                r_context=cython.uint[:], r_capacity=cython.uint[:], r_offsets=cython.uint[:], r_pages=cython.uint[:],
                r_hits=cython.uint[:], r_kv=cython.uint[:], r_page_counts=cython.uint[:], r_timeouts=cython.double[:],
                r_closed=bytearray)
-cpdef run_columns(core, cols, default_engine, who, Py_ssize_t max_tokens, instance_id, tally)
+cpdef run_columns(core, cols, default_engine, who, Py_ssize_t max_tokens, instance_id, dict refused)

@@ -10,17 +10,16 @@ written into preallocated little-endian arrays that become the response's bytes 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable
 from typing import Any
 
-from google.rpc import code_pb2
+from google.rpc import code_pb2, status_pb2
 
 from cache_service.core import KVCacheCore, KVCacheError, Reason
 from cache_service.core.errors import invalid_argument
 from cache_service.core.types import TokenBytes
 from cache_service.core.validate import negative_token
 from cache_service.log import get_logger
-from cache_service.rpc.errors import CODE_NAMES, add_status
+from cache_service.rpc.errors import CODE_NAMES, add_status, add_status_proto
 from cache_service.rpc.identity import Identity
 from protos.kvcache.v1 import kvcache_pb2 as pb
 
@@ -30,8 +29,8 @@ SET, KV_TOKENS, TIMEOUT = pb.STEP_FLAG_SET, pb.STEP_FLAG_KV_TOKENS, pb.STEP_FLAG
 
 _log = get_logger("kvcache.rpc")
 
-Tally = Callable[[str, str], None]
-"""(op kind, code) of a refused op: counted and logged once per Step by the caller."""
+Refused = dict[tuple[str, str], int]
+"""Refused ops by (op kind, code): counted here, logged once per Step by the caller."""
 
 
 def _numbers(data: bytes, typecode: str, n: int, name: str) -> Any:
@@ -53,7 +52,7 @@ def _strings(values: Any, n: int, name: str, *, optional: bool) -> list[str] | N
 
 
 def run_columns(core: KVCacheCore, cols: pb.StepColumns, default_engine: str, who: Identity, max_tokens: int,
-                instance_id: str, tally: Tally) -> pb.StepResponse:
+                instance_id: str, refused: Refused) -> pb.StepResponse:
     """Apply the ops of `cols` in order and answer their results as columns. Malformed columns (lengths that
     do not fit the number of ops) fail the whole call INVALID_ARGUMENT, naming the column."""
     kinds = cols.kinds
@@ -78,7 +77,7 @@ def run_columns(core: KVCacheCore, cols: pb.StepColumns, default_engine: str, wh
 
     response = pb.StepResponse()
     out = response.columns
-    errors = out.errors
+    errors: list[bytes] = []  # the refused ops' statuses, serialized: parsed into out.errors at once
     zero4 = bytes(4 * n)
     codes = array("i", zero4)
     r_epochs = array("Q", bytes(8 * n))
@@ -164,13 +163,17 @@ def run_columns(core: KVCacheCore, cols: pb.StepColumns, default_engine: str, wh
                                    f"{', '.join(KIND_NAMES.values())})", field="ops", index=i)
         except KVCacheError as e:
             code = codes[i] = add_status(errors, e)
-            tally(KIND_NAMES.get(k, "none"), CODE_NAMES[code])
+            key = (KIND_NAMES.get(k, "none"), CODE_NAMES[code])
+            refused[key] = refused.get(key, 0) + 1
         except Exception:
             kind = KIND_NAMES.get(k, "none")
             _log.exception("rpc_internal_error", method=f"Step.{kind}", op=i, session_id=sid)
             codes[i] = code_pb2.INTERNAL
-            errors.add(code=code_pb2.INTERNAL, message=f"internal error in Step op {i} ({kind}); see the service log")
-            tally(kind, "INTERNAL")
+            add_status_proto(errors, status_pb2.Status(
+                code=code_pb2.INTERNAL, message=f"internal error in Step op {i} ({kind}); see the service log"))
+            refused[kind, "INTERNAL"] = refused.get((kind, "INTERNAL"), 0) + 1
+    if errors:
+        out.MergeFromString(b"".join(errors))
     # bytes() of each array (not .tobytes()): compiled, these names are typed views of the arrays
     out.codes = bytes(codes)
     out.epochs = bytes(r_epochs)

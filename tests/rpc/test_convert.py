@@ -12,7 +12,7 @@ from google.rpc import error_details_pb2, status_pb2
 from cache_service.core import CoreConfig, KVCacheCore, KVCacheError, Reason, SessionInfo, Stats
 from cache_service.core.errors import invalid_argument
 from cache_service.rpc.convert import SERVICE_STATS_FIELDS, request_tokens, session_info, stats, tier_stats
-from cache_service.rpc.errors import status_for
+from cache_service.rpc.errors import add_status, add_status_proto, status_for, status_proto
 from cache_service.tier.stats import TierStats
 from protos.kvcache.v1 import kvcache_pb2 as pb
 
@@ -62,6 +62,36 @@ def test_error_info_parses_to_what_protobuf_would_build(metadata: dict[str, obje
     assert status.details[0].Unpack(info)
     assert info == error_details_pb2.ErrorInfo(reason="SESSION_NOT_FOUND", domain="kvcache.v1",
                                                metadata={k: str(v) for k, v in metadata.items()})
+
+
+@pytest.mark.parametrize(("message", "metadata"), [
+    ("session 'gone1' not found", {"session_id": "gone1"}),
+    ("", {}),
+    ("m" * 127, {"field": "ops", "index": 7}),
+    ("m" * 128, {"session_id": "s" * 128}),
+    ("é" * 100, {"k" * 200: "v" * 20000, "ü": ""}),
+])
+def test_step_status_entries_parse_to_the_status_a_unary_call_sends(message: str, metadata: dict[str, object]
+                                                                     ) -> None:
+    """A refused Step op's status is written as bytes (one entry of StepColumnResults.errors each) and parsed
+    once: every entry must parse to `status_proto`'s message, whatever the lengths, in order, with an internal
+    error's protobuf-built entry between them."""
+    errors = [KVCacheError(Reason.SESSION_NOT_FOUND, message, **metadata), invalid_argument("ops", message)]
+    entries: list[bytes] = []
+    codes = [add_status(entries, errors[0])]
+    internal = status_pb2.Status(code=13, message="internal error in Step op 1 (open); see the service log")
+    add_status_proto(entries, internal)
+    codes.append(add_status(entries, errors[1]))
+    parsed = pb.StepColumnResults.FromString(b"".join(entries)).errors
+    assert list(parsed) == [status_proto(errors[0]), internal, status_proto(errors[1])]
+    assert codes == [5, 3]  # NOT_FOUND, INVALID_ARGUMENT
+
+
+def test_kvcache_error_reads_as_its_message_with_string_metadata() -> None:
+    err = KVCacheError(Reason.INVALID_ARGUMENT, "ops[3]: bad", field="ops", index=3, flag=True)
+    assert (str(err), err.args, err.message) == ("ops[3]: bad", ("ops[3]: bad",), "ops[3]: bad")
+    assert err.metadata == {"field": "ops", "index": "3", "flag": "True"}
+    assert err.reason is Reason.INVALID_ARGUMENT and repr(err) == "KVCacheError(INVALID_ARGUMENT: ops[3]: bad)"
 
 
 @pytest.mark.parametrize("reason", list(Reason))
