@@ -361,8 +361,10 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             kinds = request.columns.kinds
             response = run_columns(self.core, request.columns, request.engine_id, who, self._max_tokens,
                                    self.instance_id, refused)
-            failed = _failed(response.columns.codes)
             errors = response.columns.errors
+            codes = response.columns.codes
+            # Only a Step with refusals reads its codes one by one.
+            failed = _failed(codes) if len(errors) or codes.count(0) != len(codes) else []
             if len(errors) != len(failed):
                 raise InvariantError(f"Step columns: {len(errors)} statuses for {len(failed)} refused ops")
             # Only the first refusal is logged: no Python wrapper is made for the others' statuses.

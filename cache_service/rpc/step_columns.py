@@ -77,6 +77,9 @@ def run_columns(core: KVCacheCore, cols: pb.StepColumns, default_engine: str, wh
 
     response = pb.StepResponse()
     out = response.columns
+    out.instance_id = instance_id
+    if not n:  # no ops (and no column holds any): every result column is empty
+        return response
     errors: list[bytes] = []  # the refused ops' statuses, serialized: parsed into out.errors at once
     zero4 = bytes(4 * n)
     codes = array("i", zero4)
@@ -191,7 +194,6 @@ def run_columns(core: KVCacheCore, cols: pb.StepColumns, default_engine: str, wh
     out.timeouts = bytes(r_timeouts)
     if opened:
         out.opened_ids.extend(opened)
-    out.instance_id = instance_id
     return response
 
 
