@@ -51,6 +51,7 @@ from engine_client.types import (
     OpenedSession,
     PageIds,
 )
+from kvcache_common.protowire import varint
 from protos.kvcache.v1 import kvcache_pb2 as pb
 
 T = TypeVar("T")
@@ -210,16 +211,6 @@ def _column(typecode: str, values: dict[int, Any], n: int) -> bytes:
     return column.tobytes()
 
 
-def _varint(value: int) -> bytes:
-    """A non-negative integer as a protobuf varint (a length, on the wire)."""
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 class StepBatch:
     """Ops for one `Step`, in the order they will apply. Send once; outcomes fill in place."""
 
@@ -371,12 +362,12 @@ class StepBatch:
         tokens = self._tokens
         if tokens:
             size = 4 * sum(self._token_counts.values())
-            size_bytes = _varint(size)
+            size_bytes = varint(size)
             cols_size = len(head) + 1 + len(size_bytes) + size
-            parts = [pb.StepRequest(engine_id=engine_id).SerializeToString(), _COLUMNS_TAG, _varint(cols_size),
+            parts = [pb.StepRequest(engine_id=engine_id).SerializeToString(), _COLUMNS_TAG, varint(cols_size),
                      head, _TOKEN_IDS_TAG, size_bytes, *tokens]
         else:
-            parts = [pb.StepRequest(engine_id=engine_id).SerializeToString(), _COLUMNS_TAG, _varint(len(head)),
+            parts = [pb.StepRequest(engine_id=engine_id).SerializeToString(), _COLUMNS_TAG, varint(len(head)),
                      head]
         return StepWire(b"".join(parts))
 

@@ -8,6 +8,8 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from cache_service.core import ErrorCode, KVCacheError, Reason
+from kvcache_common.protowire import ONE_BYTE as _ONE_BYTE
+from kvcache_common.protowire import varint
 
 DOMAIN = "kvcache.v1"
 
@@ -41,9 +43,8 @@ def _error_info(err: KVCacheError) -> bytes:
         if k is None:
             k = _key(key)
         v = value.encode()
-        n_v = len(v)
-        n_entry = len(k) + _varint_len(n_v) + n_v
-        parts += (b"\x1a", _varint(n_entry), k, _varint(n_v), v)
+        v_len = _varint(len(v))
+        parts += (b"\x1a", _varint(len(k) + len(v_len) + len(v)), k, v_len, v)
     return b"".join(parts)
 
 
@@ -53,28 +54,11 @@ def status_proto(err: KVCacheError) -> status_pb2.Status:
                              details=[any_pb2.Any(type_url=ERROR_INFO_URL, value=_error_info(err))])
 
 
-_VARINT1 = tuple(bytes((n,)) for n in range(128))
-"""The one-byte varints (every code and most lengths a refusal has)."""
-
-
 def _varint(n: int) -> bytes:
-    """Protobuf's varint of `n` >= 0."""
+    """`protowire.varint`, with its one-byte case a C lookup here (compiled: a refused op writes four or five)."""
     if n < 128:
-        return _VARINT1[n]
-    out = bytearray()
-    while n >= 128:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def _varint_len(n: int) -> int:
-    size = 1
-    while n >= 128:
-        n >>= 7
-        size += 1
-    return size
+        return _ONE_BYTE[n]
+    return varint(n)
 
 
 _KEYS: dict[str, bytes] = {}
@@ -100,12 +84,12 @@ def add_status(entries: list[bytes], err: KVCacheError) -> int:
     code = _CODE_OF_REASON[err.reason._value_]
     message = err.message.encode()
     info = _error_info(err)
-    n_info = len(info)
-    n_any = len(_ANY_HEAD) + _varint_len(n_info) + n_info
-    n_msg = len(message)
-    n_status = 3 + _varint_len(code) + _varint_len(n_msg) + n_msg + _varint_len(n_any) + n_any
-    entries.append(b"".join((b"\x12", _varint(n_status), b"\x08", _varint(code), b"\x12", _varint(n_msg), message,
-                             b"\x1a", _varint(n_any), _ANY_HEAD, _varint(n_info), info)))
+    v_code, v_msg, v_info = _varint(code), _varint(len(message)), _varint(len(info))
+    n_any = len(_ANY_HEAD) + len(v_info) + len(info)
+    v_any = _varint(n_any)
+    n_status = 3 + len(v_code) + len(v_msg) + len(message) + len(v_any) + n_any
+    entries.append(b"".join((b"\x12", _varint(n_status), b"\x08", v_code, b"\x12", v_msg, message, b"\x1a", v_any,
+                             _ANY_HEAD, v_info, info)))
     return code
 
 
