@@ -439,8 +439,12 @@ class StepBatch:
     def opened_instance_ids(self) -> list[str]:
         """The distinct instance ids the successful opens of the answered batch carry, in order."""
         results = self._answer.results
-        if results is None:
-            return opened_instance_ids(self._outcomes)
+        if results is None:  # answered as messages (or not yet): each open's value carries its own
+            ids: list[str] = []
+            for outcome in self._outcomes:
+                if outcome.kind == "open" and outcome.ok and outcome.value.instance_id not in ids:
+                    ids.append(outcome.value.instance_id)
+            return ids
         if OPEN not in self._kinds:
             return []
         if results.failed:
@@ -558,18 +562,3 @@ class _ColumnResults:
             return _opened(opened[i], self._epochs[i], self._timeouts[i], self.instance_id)
         ends = self._ends
         return _matched(self._cached[i], pages[ends[i]:ends[i + 1]], self._tier[i])
-
-
-def opened_instance_ids(outcomes: list[StepOutcome[Any]]) -> list[str]:
-    """The distinct `value.instance_id`s of the successful opens, in order, without building the values of
-    a columns answer (its opens all carry the answer's one instance id)."""
-    ids: list[str] = []
-    for outcome in outcomes:
-        if outcome.kind == "open" and outcome.ok:
-            results = outcome._answer.results
-            iid = results.instance_id if results is not None and outcome._value is _PENDING else \
-                outcome.value.instance_id
-            if iid not in ids:
-                ids.append(iid)
-    return ids
-

@@ -378,6 +378,21 @@ def test_the_instance_id_is_learnt_from_an_open_that_succeeded() -> None:
     assert both_refused.opened_instance_ids() == []
 
 
+def test_an_answer_as_messages_teaches_each_distinct_instance_id_of_its_successful_opens() -> None:
+    batch = StepBatch(columns=False)
+    for sid in ("s", "t", "u", "v"):
+        batch.open(sid)
+    batch.request("e")
+    assert batch.opened_instance_ids() == []  # not answered yet
+    batch.apply(pb.StepResponse(results=[
+        pb.StepResult(open=pb.OpenSessionResponse(session_id="s", epoch=1, instance_id="i9")),
+        pb.StepResult(status=error_status(code_pb2.ALREADY_EXISTS, "SESSION_EXISTS", "exists")),
+        pb.StepResult(open=pb.OpenSessionResponse(session_id="u", epoch=1, instance_id="i9")),
+        pb.StepResult(open=pb.OpenSessionResponse(session_id="v", epoch=1, instance_id="i10")),
+    ]))
+    assert batch.opened_instance_ids() == ["i9", "i10"]
+
+
 def test_an_answer_with_the_wrong_number_of_opened_ids_is_refused_when_read() -> None:
     batch = StepBatch()
     opened = batch.open("s")
