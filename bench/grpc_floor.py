@@ -76,7 +76,10 @@ def echo_table(calls: int, warmup: int) -> dict[str, float]:
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdin is not None and proc.stdout is not None
     try:
-        port = int(proc.stdout.readline())
+        line = proc.stdout.readline().strip()
+        if not line.isdigit():
+            raise SystemExit(f"grpc_floor: the echo server did not start (it printed {line!r})")
+        port = int(line)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             echo = channel.unary_unary("/bench.Echo/Call", request_serializer=_same, response_deserializer=_same)
             sends = {f"echo, request {size // 1000} KB": functools.partial(echo, bytes(size)) for size in REQUEST_SIZES}

@@ -359,17 +359,15 @@ class StepBatch:
         if self._salts:
             cols.cache_salts.extend(self._salts.get(i, "") for i in range(n))
         head = cols.SerializeToString()
+        request = pb.StepRequest(engine_id=engine_id).SerializeToString()
         tokens = self._tokens
-        if tokens:
-            size = 4 * sum(self._token_counts.values())
-            size_bytes = varint(size)
-            cols_size = len(head) + 1 + len(size_bytes) + size
-            parts = [pb.StepRequest(engine_id=engine_id).SerializeToString(), _COLUMNS_TAG, varint(cols_size),
-                     head, _TOKEN_IDS_TAG, size_bytes, *tokens]
-        else:
-            parts = [pb.StepRequest(engine_id=engine_id).SerializeToString(), _COLUMNS_TAG, varint(len(head)),
-                     head]
-        return StepWire(b"".join(parts))
+        if not tokens:
+            return StepWire(b"".join((request, _COLUMNS_TAG, varint(len(head)), head)))
+        size = 4 * sum(self._token_counts.values())
+        size_bytes = varint(size)
+        cols_size = len(head) + 1 + len(size_bytes) + size
+        return StepWire(b"".join((request, _COLUMNS_TAG, varint(cols_size), head, _TOKEN_IDS_TAG, size_bytes,
+                                  *tokens)))
 
     def _mark_sent(self) -> None:
         if self.sent:
