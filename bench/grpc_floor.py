@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import statistics
 import subprocess
 import sys
 import time
@@ -66,7 +67,7 @@ def _medians_us(calls: Mapping[str, Callable[[], object]], n: int, warmup: int) 
             call()
             if i >= warmup:
                 samples[name].append(time.perf_counter() - t0)
-    return {name: sorted(v)[len(v) // 2] * 1e6 for name, v in samples.items()}
+    return {name: statistics.median(v) * 1e6 for name, v in samples.items()}
 
 
 def echo_table(calls: int, warmup: int) -> dict[str, float]:
@@ -102,16 +103,14 @@ def service_table(calls: int, warmup: int) -> dict[str, float]:
         client.register_engine("floor-engine", ttl_seconds=600.0, hold=False)
         empty = StepBatch().request("floor-engine")
         check = health_pb2.HealthCheckRequest()
-        with grpc.insecure_channel(target) as channel:
+        with client, grpc.insecure_channel(target) as channel:
             stub = pb_grpc.KVCacheServiceStub(channel)  # type: ignore[no-untyped-call]
             health = health_pb2_grpc.HealthStub(channel)
-            rows = _medians_us({
+            return _medians_us({
                 "Health/Check (stub)": lambda: health.Check(check),
                 "empty Step (stub)": lambda: stub.Step(empty),
                 "empty Step (KVCacheClient)": lambda: client.step(StepBatch()),
             }, calls, warmup)
-        client.close()
-        return rows
     finally:
         stop_server(proc)
 
