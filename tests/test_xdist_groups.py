@@ -25,18 +25,14 @@ def test_grouped(i):
 '''
 
 FREE = '''
-import os
-import time
-
 import pytest
 
 
 @pytest.mark.parametrize("i", range(6))
 def test_free(i):
-    time.sleep(0.05)
-    with open(os.path.join(os.environ["GROUPS_OUT"], f"free-{i}"), "w") as f:
-        f.write(os.environ["PYTEST_XDIST_WORKER"])
+    pass
 '''
+"""Ungrouped tests beside the group, so that both workers get work."""
 
 
 def test_an_xdist_group_runs_on_one_worker(tmp_path: Path) -> None:
@@ -54,7 +50,6 @@ def test_an_xdist_group_runs_on_one_worker(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "12 passed" in done.stdout
     grouped = {(out / f"grouped-{i}").read_text() for i in range(6)}
-    free = {(out / f"free-{i}").read_text() for i in range(6)}
     assert len(grouped) == 1, f"the group ran on workers {sorted(grouped)}: `--dist loadgroup` is not grouping " \
                               f"with this pytest and pytest-xdist (see pyproject.toml's pin)"
-    assert grouped <= {"gw0", "gw1"} and free <= {"gw0", "gw1"}
+    assert grouped <= {"gw0", "gw1"}
