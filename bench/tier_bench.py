@@ -5,8 +5,13 @@ copy of the same bytes beside them for scale.
     python -m bench.tier_bench            # Llama-3-8B-shaped pages (32 layers, 8 KV heads x 128, bf16,
                                           #   16 tokens: 2 MiB values), 5 rounds
     python -m bench.tier_bench --quick    # small pages, 2 rounds (the smoke test)
+    python -m bench.tier_bench --pool cuda_vmm --backends disk
+                                          # on a GPU: pages staged through pinned host memory, each page's
+                                          #   chunks in one strided copy against one copy a chunk
 
-The pool is a real host_shm pool in /dev/shm; the disk tier writes under --dir (default: a temporary
+The pool is a real host_shm pool in /dev/shm (or, with --pool cuda_vmm/cuda_ipc, a real GPU pool whose pages the
+tier stages through pinned host memory: the table then has a per-chunk row for each backend, the staging's
+copies made one a chunk, and a staging table without the store); the disk tier writes under --dir (default: a temporary
 directory; reads come from the page cache, as for a value written recently or read by a restarted service
 before the cache dropped it); Mooncake Store is a local `mooncake_master` and a standalone
 `mooncake_client` holding the memory, over loopback TCP. Medians over rounds; nothing is asserted on time.
@@ -25,7 +30,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -33,10 +38,10 @@ import numpy as np
 from bench.common import machine_load
 from cache_service.core.tier_keys import Namespace, chain
 from cache_service.memory import HostShmPool, PoolLayout
-from cache_service.memory.base import format_bytes
+from cache_service.memory.base import PoolBackend, format_bytes
 from cache_service.tier import DiskTier, MooncakeTier, TierService, page_memory
 from cache_service.tier.backend import TierBackend
-from cache_service.tier.memory import geometry
+from cache_service.tier.memory import CudaCopier, DevicePoolMemory, PageMemory, geometry
 from cache_service.tier.service import OffloadResult
 
 LLAMA = PoolLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16", page_size=16, num_pages=161)
@@ -92,19 +97,62 @@ def copy_rows(layout: PoolLayout, rounds: int) -> list[tuple[str, int, float]]:
     return rows
 
 
-async def run_backend(backend: TierBackend, pool: HostShmPool, layout: PoolLayout, rounds: int,
+def per_chunk_memory(pool: PoolBackend) -> PageMemory:
+    """A GPU pool's staging with one copy a chunk (the copier's fallback), for the comparison."""
+    copier = CudaCopier(pool.device_index)  # type: ignore[attr-defined]
+    copier.max_pitch = 0
+    return DevicePoolMemory(pool.layout, pool.device_address(), copier)  # type: ignore[attr-defined]
+
+
+def staging_rows(memory: PageMemory, rounds: int) -> list[tuple[str, int, float]]:
+    """Stage out, and stage in with every page sound, without a store: the copies alone."""
+    rows = []
+    try:
+        for batch in BATCHES:
+            pages = list(range(1, batch + 1))
+            out_s, in_s = [], []
+            for _ in range(max(rounds, 3)):
+                t0 = time.perf_counter()
+                memory.stage_out(pages).finish([True] * batch)
+                out_s.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                memory.stage_in(pages).finish([True] * batch)
+                in_s.append(time.perf_counter() - t0)
+            rows += [("stage out", batch, statistics.median(out_s)), ("stage in", batch, statistics.median(in_s))]
+    finally:
+        memory.close()
+    return rows
+
+
+async def run_backend(backend: TierBackend, memory: PageMemory, layout: PoolLayout, rounds: int,
                       seed: int) -> list[tuple[str, int, float]]:
-    tier = TierService(backend, page_memory(pool), timeout_seconds=60, queue_pages=256)
+    tier = TierService(backend, memory, timeout_seconds=60, queue_pages=256)
     tier.start(asyncio.get_running_loop())
     try:
         if not await asyncio.to_thread(tier.wait_up, 30):
             raise SystemExit(f"tier_bench: the {backend.name} tier did not come up")
-        kv = np.memmap(pool.path, dtype=np.uint8, mode="r+", shape=(layout.size_bytes,))
-        kv[:] = 7  # pages with content (a fresh pool would be all zeros)
-        del kv
         return await measure(tier, layout, rounds, seed)
     finally:
         await asyncio.to_thread(tier.close)
+
+
+def make_pool(kind: str, layout: PoolLayout) -> PoolBackend:
+    """The pool, its pages written with content where a fresh one would be all zeros (host pools)."""
+    if kind == "host_shm":
+        pool = HostShmPool(layout, shm_dir="/dev/shm", prefix="kvbench-tier", instance_id=uuid.uuid4().hex[:12])
+        kv = np.memmap(pool.path, dtype=np.uint8, mode="r+", shape=(layout.size_bytes,))
+        kv[:] = 7
+        del kv
+        return pool
+    if kind == "cuda_vmm":
+        from cache_service.memory.cuda_vmm import CudaVmmPool
+
+        return CudaVmmPool(layout, device="0")
+    if kind == "cuda_ipc":
+        from cache_service.memory.cuda_ipc import CudaIpcPool
+
+        return CudaIpcPool(layout, device="0")
+    raise SystemExit(f"tier_bench: unknown pool {kind!r} (host_shm, cuda_vmm, cuda_ipc)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -113,40 +161,52 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=0)
     ap.add_argument("--dir", default="", help="disk tier directory (default: a temporary one)")
     ap.add_argument("--backends", default="disk,mooncake", help="comma-separated: disk, mooncake")
+    ap.add_argument("--pool", default="host_shm", help="host_shm (default), or on a GPU cuda_vmm or cuda_ipc")
     args = ap.parse_args(argv)
     layout = SMALL if args.quick else LLAMA
     rounds = args.rounds or (2 if args.quick else 5)
     value = geometry(layout).value_bytes
+    gpu = args.pool != "host_shm"
     results: dict[str, list[tuple[str, int, float]]] = {}
     with tempfile.TemporaryDirectory(prefix="kvcache-tier-bench-") as tmp:
-        pool = HostShmPool(layout, shm_dir="/dev/shm", prefix="kvbench-tier", instance_id=uuid.uuid4().hex[:12])
+        pool = make_pool(args.pool, layout)
+        memories: dict[str, Callable[[PoolBackend], PageMemory]] = {"": page_memory}
+        if gpu:
+            memories["per-chunk"] = per_chunk_memory
+            for how, memory in memories.items():
+                print(f"[tier_bench] staging{' ' + how if how else ''}", file=sys.stderr, flush=True)
+                results[f"staging{' ' + how if how else ''}"] = staging_rows(memory(pool), rounds)
         try:
             for name in args.backends.split(","):
-                print(f"[tier_bench] {name}: {rounds} rounds of {', '.join(map(str, BATCHES))}-page batches",
-                      file=sys.stderr, flush=True)
-                if name == "disk":
-                    backend: TierBackend = DiskTier(Path(args.dir or tmp) / "disk", 0, geometry(layout))
-                    results["disk"] = asyncio.run(run_backend(backend, pool, layout, rounds, 1))
-                elif name == "mooncake":
-                    from tests.tier.cluster import MooncakeCluster  # the test suite's loopback store
+                for how, memory in memories.items():
+                    label = f"{name} {how}".strip()
+                    print(f"[tier_bench] {label}: {rounds} rounds of {', '.join(map(str, BATCHES))}-page batches",
+                          file=sys.stderr, flush=True)
+                    seed = len(results)
+                    if name == "disk":
+                        backend: TierBackend = DiskTier(Path(args.dir or tmp) / f"disk{seed}", 0, geometry(layout))
+                        results[label] = asyncio.run(run_backend(backend, memory(pool), layout, rounds, seed))
+                    elif name == "mooncake":
+                        from tests.tier.cluster import MooncakeCluster  # the test suite's loopback store
 
-                    cluster = MooncakeCluster(Path(tmp), segment="2GB")
-                    try:
-                        backend = MooncakeTier(cluster.address, geometry(layout))
-                        results["mooncake"] = asyncio.run(run_backend(backend, pool, layout, rounds, 2))
-                    finally:
-                        cluster.stop()
-                else:
-                    raise SystemExit(f"tier_bench: unknown backend {name!r} (disk, mooncake)")
+                        cluster = MooncakeCluster(Path(tmp), segment="2GB")
+                        try:
+                            backend = MooncakeTier(cluster.address, geometry(layout))
+                            results[label] = asyncio.run(run_backend(backend, memory(pool), layout, rounds, seed))
+                        finally:
+                            cluster.stop()
+                    else:
+                        raise SystemExit(f"tier_bench: unknown backend {name!r} (disk, mooncake)")
         finally:
             pool.close()
     results["memcpy"] = copy_rows(layout, rounds)
-    print(f"tier I/O, {layout.describe()}: {format_bytes(value)} a value; medians of {rounds} rounds; "
-          f"{machine_load()}")
-    print(f"{'backend':<9} {'op':<8} {'pages':>5} {'ms/call':>9} {'ms/page':>9} {'GB/s':>7}")
+    print(f"tier I/O, {args.pool} pool, {layout.describe()}: {format_bytes(value)} a value; medians of {rounds} "
+          f"rounds; {machine_load()}")
+    width = max(len(name) for name in results)
+    print(f"{'backend':<{width}} {'op':<9} {'pages':>5} {'ms/call':>9} {'ms/page':>9} {'GB/s':>7}")
     for name, rows in results.items():
         for op, batch, seconds in rows:
-            print(f"{name:<9} {op:<8} {batch:>5} {seconds * 1e3:>9.3f} {seconds * 1e3 / batch:>9.3f} "
+            print(f"{name:<{width}} {op:<9} {batch:>5} {seconds * 1e3:>9.3f} {seconds * 1e3 / batch:>9.3f} "
                   f"{batch * value / seconds / 1e9:>7.2f}")
     return 0
 

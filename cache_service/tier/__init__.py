@@ -47,7 +47,7 @@ def _host_memfd_memory(pool: PoolBackend) -> PageMemory:
 
 
 def _device_memory(pool: PoolBackend) -> PageMemory:
-    """GPU pools: the service's own mapping of the pool, through pinned staging (untested on a GPU)."""
+    """GPU pools: the service's own mapping of the pool, through pinned staging."""
     index: int = pool.device_index  # type: ignore[attr-defined]
     return DevicePoolMemory(pool.layout, pool.device_address(), CudaCopier(index))  # type: ignore[attr-defined]
 

@@ -9,9 +9,10 @@ memory. Nothing is copied in between.
 A GPU pool cannot be read by `preadv` or (without GPUDirect) by Mooncake's TCP transport, so its pages go
 through a pinned host staging area of `slots` pages, laid out page-major (a slot's chunks are contiguous):
 an offload copies the page's chunks device-to-host into a slot and stores the slot; a load gets into a slot,
-is verified there, and only then copied host-to-device into the page. The staging path is written against
-cuda-python's driver API; its slot handling is tested on CPU with a host-to-host copier, and the whole path
-with real GPU pools by `tests/gpu/test_tier_cuda.py` (`make gpu-test`, run on an H100).
+is verified there, and only then copied host-to-device into the page, each page in one strided copy of its
+chunks. The staging path is written against cuda-python's driver API; its slot handling is tested on CPU with
+a host-to-host copier, and the whole path with real GPU pools by `tests/gpu/test_tier_cuda.py` (`make gpu-test`,
+run on an H100 and an H200).
 
 `stage_out(pages)` and `stage_in(pages)` hand the tier one `PageBuffers` per page; `Staging.finish(ok)`
 ends the batch (for loads into a GPU pool: copies the pages whose value was sound into the pool).
@@ -166,14 +167,19 @@ class DeviceCopier(Protocol):
 
     def free_pinned(self, address: int) -> None: ...
 
-    def to_host(self, host: int, device: int, nbytes: int) -> None: ...
+    def gather(self, host: int, device: int, chunk: int, pitch: int, count: int) -> None:
+        """Device to host: `count` chunks of `chunk` bytes, `pitch` apart from `device`, into contiguous host
+        memory at `host`."""
 
-    def to_device(self, device: int, host: int, nbytes: int) -> None: ...
+    def scatter(self, device: int, host: int, chunk: int, pitch: int, count: int) -> None:
+        """Host to device: contiguous `count * chunk` bytes at `host` into chunks `pitch` apart from `device`."""
 
 
 class CudaCopier:
     """DeviceCopier over cuda-python's driver API in the device's primary context (the one cupy, torch and
-    the pool backends use). NOT run on a GPU yet: no GPU was available when it was written."""
+    the pool backends use). A page's chunks go in one strided copy (`cuMemcpy2D`) where the pool's plane is
+    within the device's maximum pitch, else one copy a chunk; `max_pitch = 0` forces the latter (the benchmark's
+    comparison)."""
 
     def __init__(self, device_index: int) -> None:
         from cuda.bindings import driver  # optional dependency (kvcache[cuda])
@@ -184,6 +190,8 @@ class CudaCopier:
         self._ctx = self._check("cuDevicePrimaryCtxRetain", driver.cuDevicePrimaryCtxRetain(device))
         self._device = device
         self._lock = threading.Lock()
+        self.max_pitch: int = self._check("cuDeviceGetAttribute", driver.cuDeviceGetAttribute(
+            driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_PITCH, device))
 
     def _check(self, call: str, result: Any) -> Any:
         err, *values = result if isinstance(result, tuple) else (result,)
@@ -206,11 +214,39 @@ class CudaCopier:
     def free_pinned(self, address: int) -> None:
         self._in_context("cuMemFreeHost", self._cu.cuMemFreeHost, address)
 
-    def to_host(self, host: int, device: int, nbytes: int) -> None:
-        self._in_context("cuMemcpyDtoH", self._cu.cuMemcpyDtoH, host, self._cu.CUdeviceptr(device), nbytes)
+    def _strided(self, chunk: int, pitch: int, count: int) -> Any:
+        """A cuMemcpy2D description of `count` rows of `chunk` bytes, or None where one copy a chunk is due."""
+        if count < 2 or pitch > self.max_pitch:
+            return None
+        copy = self._cu.CUDA_MEMCPY2D()
+        copy.WidthInBytes, copy.Height = chunk, count
+        return copy
 
-    def to_device(self, device: int, host: int, nbytes: int) -> None:
-        self._in_context("cuMemcpyHtoD", self._cu.cuMemcpyHtoD, self._cu.CUdeviceptr(device), host, nbytes)
+    def gather(self, host: int, device: int, chunk: int, pitch: int, count: int) -> None:
+        cu = self._cu
+        copy = self._strided(chunk, pitch, count)
+        if copy is None:
+            for i in range(count):
+                self._in_context("cuMemcpyDtoH", cu.cuMemcpyDtoH, host + i * chunk, cu.CUdeviceptr(device + i * pitch),
+                                 chunk)
+            return
+        copy.srcMemoryType, copy.srcDevice, copy.srcPitch = cu.CUmemorytype.CU_MEMORYTYPE_DEVICE, \
+            cu.CUdeviceptr(device), pitch
+        copy.dstMemoryType, copy.dstHost, copy.dstPitch = cu.CUmemorytype.CU_MEMORYTYPE_HOST, host, chunk
+        self._in_context("cuMemcpy2D", cu.cuMemcpy2D, copy)
+
+    def scatter(self, device: int, host: int, chunk: int, pitch: int, count: int) -> None:
+        cu = self._cu
+        copy = self._strided(chunk, pitch, count)
+        if copy is None:
+            for i in range(count):
+                self._in_context("cuMemcpyHtoD", cu.cuMemcpyHtoD, cu.CUdeviceptr(device + i * pitch), host + i * chunk,
+                                 chunk)
+            return
+        copy.srcMemoryType, copy.srcHost, copy.srcPitch = cu.CUmemorytype.CU_MEMORYTYPE_HOST, host, chunk
+        copy.dstMemoryType, copy.dstDevice, copy.dstPitch = cu.CUmemorytype.CU_MEMORYTYPE_DEVICE, \
+            cu.CUdeviceptr(device), pitch
+        self._in_context("cuMemcpy2D", cu.cuMemcpy2D, copy)
 
     def close(self) -> None:
         self._check("cuDevicePrimaryCtxRelease", self._cu.cuDevicePrimaryCtxRelease(self._device))
@@ -287,17 +323,13 @@ class DevicePoolMemory:
             self._free.extend(slots)
             self._cond.notify_all()
 
-    def _page_chunks(self, page: int) -> list[int]:
-        return [self._device_base + o for o in chunk_offsets(self.layout, page)]
-
     def stage_out(self, pages: Sequence[int]) -> Staging:
         slots = self._take(len(pages))
-        chunk = self.geometry.chunk_bytes
+        g, plane = self.geometry, self.layout.num_pages * self.layout.page_bytes
         try:
             for page, slot in zip(pages, slots, strict=True):
-                host = self._host + slot * self._slot_bytes
-                for i, device in enumerate(self._page_chunks(page)):
-                    self._copier.to_host(host + i * chunk, device, chunk)
+                self._copier.gather(self._host + slot * self._slot_bytes, self._device_base + page * g.chunk_bytes,
+                                    g.chunk_bytes, plane, g.num_chunks)
         except BaseException:
             self.release(slots)
             raise
@@ -307,10 +339,9 @@ class DevicePoolMemory:
         return _Slots(self, pages, self._take(len(pages)), inbound=True)
 
     def copy_slot_to_page(self, slot: int, page: int) -> None:
-        chunk = self.geometry.chunk_bytes
-        host = self._host + slot * self._slot_bytes
-        for i, device in enumerate(self._page_chunks(page)):
-            self._copier.to_device(device, host + i * chunk, chunk)
+        g, plane = self.geometry, self.layout.num_pages * self.layout.page_bytes
+        self._copier.scatter(self._device_base + page * g.chunk_bytes, self._host + slot * self._slot_bytes,
+                             g.chunk_bytes, plane, g.num_chunks)
 
     def close(self) -> None:
         if self._view is None:

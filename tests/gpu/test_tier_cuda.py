@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 import torch
 
+from cache_service.tier.memory import CudaCopier, DevicePoolMemory, chunk_offsets
 from engine_client import KVCacheClient, map_pool
+from kvcache_common.layout import PoolLayout
 from protos.kvcache.v1 import kvcache_pb2 as pb
 from tests.integration.conftest import ServerProcess
 from tests.tier.engine import TIER_ARGS, Engine, disk_tier, hit, prompt, write_then_evict
@@ -92,3 +94,36 @@ def test_a_restarted_gpu_service_loads_what_it_offloaded_at_stop(
     b = GpuEngine(second.target)
     engines.append(b)
     hit(b, p)
+
+
+def test_strided_and_per_chunk_staging_move_the_same_bytes() -> None:
+    """A page's chunks in one cuMemcpy2D each way, against one copy a chunk (`max_pitch = 0`), on device memory
+    torch allocated in the same primary context: the bytes staged out are the page's, and a load changes that
+    page only."""
+    layout = PoolLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype="bfloat16", page_size=16, num_pages=9)
+    kv = torch.randint(0, 256, (layout.size_bytes,), dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+
+    def page_bytes(page: int) -> bytes:
+        return b"".join(kv[o:o + layout.page_bytes].cpu().numpy().tobytes() for o in chunk_offsets(layout, page))
+
+    copiers = [CudaCopier(0), CudaCopier(0)]
+    copiers[1].max_pitch = 0
+    assert copiers[0].max_pitch >= layout.num_pages * layout.page_bytes
+    for n, copier in enumerate(copiers):
+        memory = DevicePoolMemory(layout, kv.data_ptr(), copier, slots=4)
+        out = memory.stage_out([3, 7])
+        assert [b"".join(bytes(v) for v in b.views) for b in out.buffers] == [page_bytes(3), page_bytes(7)]
+        out.finish([True, True])
+        before = {p: page_bytes(p) for p in range(1, layout.num_pages)}
+        load = memory.stage_in([2, 5])
+        for i, buffers in enumerate(load.buffers):
+            for view in buffers.views:
+                view[:] = bytes([0x40 + 16 * n + i]) * len(view)
+        load.finish([True, False])
+        torch.cuda.synchronize()
+        after = {p: page_bytes(p) for p in range(1, layout.num_pages)}
+        assert after[2] == bytes([0x40 + 16 * n]) * (2 * layout.num_layers * layout.page_bytes)
+        assert {p: b for p, b in after.items() if p != 2} == {p: b for p, b in before.items() if p != 2}
+        memory.close()
+        copier.close()

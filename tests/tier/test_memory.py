@@ -64,7 +64,8 @@ class HostCopier:
 
     def __init__(self) -> None:
         self.pinned: dict[int, ctypes.Array[ctypes.c_char]] = {}
-        self.copies: list[tuple[str, int]] = []
+        self.copies: list[tuple[str, int, int, int]] = []
+        """(direction, chunk bytes, pitch, chunks) of each copy call."""
 
     def alloc_pinned(self, nbytes: int) -> int:
         buf = ctypes.create_string_buffer(nbytes)
@@ -74,13 +75,15 @@ class HostCopier:
     def free_pinned(self, address: int) -> None:
         del self.pinned[address]
 
-    def to_host(self, host: int, device: int, nbytes: int) -> None:
-        self.copies.append(("d2h", nbytes))
-        ctypes.memmove(host, device, nbytes)
+    def gather(self, host: int, device: int, chunk: int, pitch: int, count: int) -> None:
+        self.copies.append(("d2h", chunk, pitch, count))
+        for i in range(count):
+            ctypes.memmove(host + i * chunk, device + i * pitch, chunk)
 
-    def to_device(self, device: int, host: int, nbytes: int) -> None:
-        self.copies.append(("h2d", nbytes))
-        ctypes.memmove(device, host, nbytes)
+    def scatter(self, device: int, host: int, chunk: int, pitch: int, count: int) -> None:
+        self.copies.append(("h2d", chunk, pitch, count))
+        for i in range(count):
+            ctypes.memmove(device + i * pitch, host + i * chunk, chunk)
 
 
 @pytest.fixture
@@ -105,7 +108,7 @@ def test_staging_out_copies_each_chunk_into_a_page_major_slot(device: tuple[
     slot = staging.buffers[0]
     assert slot.addresses == [slot.addresses[0] + i * 128 for i in range(4)]  # contiguous within a slot
     assert all(host <= a < host + size for b in staging.buffers for a in b.addresses)
-    assert copier.copies == [("d2h", 128)] * 8
+    assert copier.copies == [("d2h", 128, LAYOUT.num_pages * 128, 4)] * 2  # one strided copy a page
     staging.finish([True, True])
 
 
@@ -121,9 +124,9 @@ def test_a_load_reaches_the_device_only_for_sound_pages(device: tuple[
     staging.finish([True, False])
     assert _page_bytes(pool, 5) == b"\xa0" * 512
     assert _page_bytes(pool, 6) == _page_bytes(before, 6)
-    assert copier.copies == [("h2d", 128)] * 4
+    assert copier.copies == [("h2d", 128, LAYOUT.num_pages * 128, 4)]  # page 5 only, in one copy
     staging.finish([True, True])  # once only
-    assert copier.copies == [("h2d", 128)] * 4
+    assert copier.copies == [("h2d", 128, LAYOUT.num_pages * 128, 4)]
 
 
 def test_a_batch_waits_for_free_slots(device: tuple[npt.NDArray[np.uint8], DevicePoolMemory, HostCopier]) -> None:
