@@ -166,17 +166,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     layout = SMALL if args.quick else LLAMA
     rounds = args.rounds or (2 if args.quick else 5)
     value = geometry(layout).value_bytes
-    gpu = args.pool != "host_shm"
     results: dict[str, list[tuple[str, int, float]]] = {}
     with tempfile.TemporaryDirectory(prefix="kvcache-tier-bench-") as tmp:
         pool = make_pool(args.pool, layout)
         memories: dict[str, Callable[[PoolBackend], PageMemory]] = {"": page_memory}
-        if gpu:
-            memories["per-chunk"] = per_chunk_memory
-            for how, memory in memories.items():
-                print(f"[tier_bench] staging{' ' + how if how else ''}", file=sys.stderr, flush=True)
-                results[f"staging{' ' + how if how else ''}"] = staging_rows(memory(pool), rounds)
         try:
+            if args.pool != "host_shm":
+                memories["per-chunk"] = per_chunk_memory
+                for how, memory in memories.items():
+                    label = f"staging {how}".strip()
+                    print(f"[tier_bench] {label}", file=sys.stderr, flush=True)
+                    results[label] = staging_rows(memory(pool), rounds)
             for name in args.backends.split(","):
                 for how, memory in memories.items():
                     label = f"{name} {how}".strip()

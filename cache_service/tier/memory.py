@@ -214,39 +214,34 @@ class CudaCopier:
     def free_pinned(self, address: int) -> None:
         self._in_context("cuMemFreeHost", self._cu.cuMemFreeHost, address)
 
-    def _strided(self, chunk: int, pitch: int, count: int) -> Any:
-        """A cuMemcpy2D description of `count` rows of `chunk` bytes, or None where one copy a chunk is due."""
-        if count < 2 or pitch > self.max_pitch:
-            return None
-        copy = self._cu.CUDA_MEMCPY2D()
+    def _copy(self, to_host: bool, host: int, device: int, chunk: int, pitch: int, count: int) -> None:
+        """`count` chunks between contiguous host memory and device memory `pitch` apart: one cuMemcpy2D, or one
+        copy a chunk where the pitch exceeds the device's maximum."""
+        cu = self._cu
+        if pitch > self.max_pitch:
+            for i in range(count):
+                h, d = host + i * chunk, cu.CUdeviceptr(device + i * pitch)
+                if to_host:
+                    self._in_context("cuMemcpyDtoH", cu.cuMemcpyDtoH, h, d, chunk)
+                else:
+                    self._in_context("cuMemcpyHtoD", cu.cuMemcpyHtoD, d, h, chunk)
+            return
+        copy = cu.CUDA_MEMCPY2D()
         copy.WidthInBytes, copy.Height = chunk, count
-        return copy
+        on_host, on_device = cu.CUmemorytype.CU_MEMORYTYPE_HOST, cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
+        if to_host:
+            copy.srcMemoryType, copy.srcDevice, copy.srcPitch = on_device, cu.CUdeviceptr(device), pitch
+            copy.dstMemoryType, copy.dstHost, copy.dstPitch = on_host, host, chunk
+        else:
+            copy.srcMemoryType, copy.srcHost, copy.srcPitch = on_host, host, chunk
+            copy.dstMemoryType, copy.dstDevice, copy.dstPitch = on_device, cu.CUdeviceptr(device), pitch
+        self._in_context("cuMemcpy2D", cu.cuMemcpy2D, copy)
 
     def gather(self, host: int, device: int, chunk: int, pitch: int, count: int) -> None:
-        cu = self._cu
-        copy = self._strided(chunk, pitch, count)
-        if copy is None:
-            for i in range(count):
-                self._in_context("cuMemcpyDtoH", cu.cuMemcpyDtoH, host + i * chunk, cu.CUdeviceptr(device + i * pitch),
-                                 chunk)
-            return
-        copy.srcMemoryType, copy.srcDevice, copy.srcPitch = cu.CUmemorytype.CU_MEMORYTYPE_DEVICE, \
-            cu.CUdeviceptr(device), pitch
-        copy.dstMemoryType, copy.dstHost, copy.dstPitch = cu.CUmemorytype.CU_MEMORYTYPE_HOST, host, chunk
-        self._in_context("cuMemcpy2D", cu.cuMemcpy2D, copy)
+        self._copy(True, host, device, chunk, pitch, count)
 
     def scatter(self, device: int, host: int, chunk: int, pitch: int, count: int) -> None:
-        cu = self._cu
-        copy = self._strided(chunk, pitch, count)
-        if copy is None:
-            for i in range(count):
-                self._in_context("cuMemcpyHtoD", cu.cuMemcpyHtoD, cu.CUdeviceptr(device + i * pitch), host + i * chunk,
-                                 chunk)
-            return
-        copy.srcMemoryType, copy.srcHost, copy.srcPitch = cu.CUmemorytype.CU_MEMORYTYPE_HOST, host, chunk
-        copy.dstMemoryType, copy.dstDevice, copy.dstPitch = cu.CUmemorytype.CU_MEMORYTYPE_DEVICE, \
-            cu.CUdeviceptr(device), pitch
-        self._in_context("cuMemcpy2D", cu.cuMemcpy2D, copy)
+        self._copy(False, host, device, chunk, pitch, count)
 
     def close(self) -> None:
         self._check("cuDevicePrimaryCtxRelease", self._cu.cuDevicePrimaryCtxRelease(self._device))
@@ -288,6 +283,7 @@ class DevicePoolMemory:
         self._device_base = device_base
         self._copier = copier
         self._slot_bytes = self.geometry.payload_bytes
+        self._plane = layout.num_pages * layout.page_bytes  # a page's chunks are this far apart in the pool
         self._nslots = slots
         self._host = copier.alloc_pinned(slots * self._slot_bytes)
         self._view: memoryview | None = memoryview(
@@ -325,11 +321,11 @@ class DevicePoolMemory:
 
     def stage_out(self, pages: Sequence[int]) -> Staging:
         slots = self._take(len(pages))
-        g, plane = self.geometry, self.layout.num_pages * self.layout.page_bytes
+        g = self.geometry
         try:
             for page, slot in zip(pages, slots, strict=True):
                 self._copier.gather(self._host + slot * self._slot_bytes, self._device_base + page * g.chunk_bytes,
-                                    g.chunk_bytes, plane, g.num_chunks)
+                                    g.chunk_bytes, self._plane, g.num_chunks)
         except BaseException:
             self.release(slots)
             raise
@@ -339,9 +335,9 @@ class DevicePoolMemory:
         return _Slots(self, pages, self._take(len(pages)), inbound=True)
 
     def copy_slot_to_page(self, slot: int, page: int) -> None:
-        g, plane = self.geometry, self.layout.num_pages * self.layout.page_bytes
+        g = self.geometry
         self._copier.scatter(self._device_base + page * g.chunk_bytes, self._host + slot * self._slot_bytes,
-                             g.chunk_bytes, plane, g.num_chunks)
+                             g.chunk_bytes, self._plane, g.num_chunks)
 
     def close(self) -> None:
         if self._view is None:
