@@ -5,6 +5,7 @@
     python -m bench.scheduler_bench --quick         # small counts (used by the smoke test)
     python -m bench.scheduler_bench --against 892c43c   # the server table of that commit and of this tree,
                                                         # side by side, rounds interleaved
+    python -m bench.scheduler_bench --transport both    # over TCP loopback and a unix socket, rounds interleaved
 
 The trace: page 16; 8 system prompts of 2,048 tokens; each request is a regular session whose prompt is one
 system prompt + 256 unique tokens (2,304 tokens), with 64 tokens generated over 4 steps: the engine reserves
@@ -141,10 +142,11 @@ def refusals(live: list[str]) -> list[tuple[str, str, Any]]:
 # ----------------------------------------------------------------------------------- the real server
 
 
-def start_server(*extra: str) -> tuple[subprocess.Popen[str], str, int]:
-    """A service process on TCP loopback with its metrics port; its log (warnings) goes to /dev/null."""
+def start_server(*extra: str, listen: str = "127.0.0.1:0") -> tuple[subprocess.Popen[str], str, int]:
+    """A service process on `listen` (TCP loopback, or unix:/path) with its metrics port; its log (warnings) goes
+    to /dev/null."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cache_service", "serve", "--listen", "127.0.0.1:0", "--num-pages", str(NUM_PAGES),
+        [sys.executable, "-m", "cache_service", "serve", "--listen", listen, "--num-pages", str(NUM_PAGES),
          "--page-size", str(PAGE), "--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "8",
          "--session-budget-fraction", "0", "--log-level", "warning", "--shm-prefix", "kvbench",
          "--metrics-port", "0", "--reap-interval", "3600", *extra],
@@ -199,7 +201,7 @@ class Phase:
         return self.handler_sum / self.handler_count * 1e6 if self.handler_count else float("nan")
 
 
-def server_table(steps: int, warmup: int) -> dict[str, Phase]:
+def server_table(steps: int, warmup: int, transport: str = "tcp") -> dict[str, Phase]:
     from engine_client import KVCacheClient, StepBatch
     from protos.kvcache.v1 import kvcache_pb2 as pb
 
@@ -242,7 +244,9 @@ def server_table(steps: int, warmup: int) -> dict[str, Phase]:
                     assert delta.size or o.kind == "append"
         return ok
 
-    proc, target, metrics_port = start_server()
+    sockdir = tempfile.mkdtemp(prefix="kvsched-") if transport == "unix" else None
+    listen = f"unix:{sockdir}/kvcache.sock" if sockdir else "127.0.0.1:0"
+    proc, target, metrics_port = start_server(listen=listen)
     phases = {name: Phase() for name in ("§9 Step", "empty Step", "refusal Step")}
     try:
         client = KVCacheClient(target)
@@ -309,6 +313,8 @@ def server_table(steps: int, warmup: int) -> dict[str, Phase]:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+        if sockdir:
+            shutil.rmtree(sockdir, ignore_errors=True)
     return phases
 
 
@@ -501,7 +507,7 @@ def _build_native(tree: str, label: str) -> bool:
     return True
 
 
-def against(rev: str, steps: int, rounds: int, build: bool = True) -> int:
+def against(rev: str, steps: int, rounds: int, build: bool = True, transport: str = "tcp") -> int:
     """The server table of commit `rev` and of this tree, from alternating rounds of fresh processes. With
     `build`, REV's compiled hot path is built first (as this tree's is by `make setup`), else REV runs as
     Python."""
@@ -516,32 +522,38 @@ def against(rev: str, steps: int, rounds: int, build: bool = True) -> int:
             shutil.copy(REPO / "bench" / name, os.path.join(tmp, "bench", name))
         if build and not _build_native(tmp, rev):
             return 1
-        trees = {f"before ({rev})": tmp, "this tree": str(REPO)}
-        merged: dict[str, dict[str, Phase]] = {label: {} for label in trees}
-        loads: list[float] = []
-        for r in range(rounds):
-            for label, cwd in trees.items():
-                loads.append(os.getloadavg()[0])
-                done = subprocess.run([sys.executable, "-m", "bench.scheduler_bench", "--only", "server", "--steps",
-                                       str(steps), "--json"], cwd=cwd, capture_output=True, text=True, check=False)
-                if done.returncode:
-                    print(f"scheduler_bench: {label} failed: {done.stderr.strip()[-500:]}", file=sys.stderr)
-                    return 1
-                _merge(merged[label], json.loads(done.stdout.splitlines()[-1]))
-                print(f"  ... round {r + 1}/{rounds}: {label}", file=sys.stderr, flush=True)
-        print(f"§9 scheduler trace, server table: {rounds} alternating rounds of {steps} steps each, medians of "
-              f"all, microseconds (load average {min(loads):.2f}..{max(loads):.2f} on {os.cpu_count()} cores)")
-        for label, phases in merged.items():
-            print(f"\n{label}")
-            for line in report(phases, {}):
-                if line.startswith("In this process"):
-                    break
-                if line:
-                    print(line)
-        print("target: the §9 Step's client wall at most 1,300 us (moonshot 1,000 us); a refusal Step no dearer")
-        return 0
+        return alternate({f"before ({rev})": (tmp, transport), "this tree": (str(REPO), transport)}, steps, rounds)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def alternate(runs: dict[str, tuple[str, str]], steps: int, rounds: int) -> int:
+    """The server table of each run (label -> (tree, transport)), from alternating rounds of fresh processes;
+    each row the median over all of that run's rounds."""
+    merged: dict[str, dict[str, Phase]] = {label: {} for label in runs}
+    loads: list[float] = []
+    for r in range(rounds):
+        for label, (cwd, transport) in runs.items():
+            loads.append(os.getloadavg()[0])
+            done = subprocess.run([sys.executable, "-m", "bench.scheduler_bench", "--only", "server", "--steps",
+                                   str(steps), "--transport", transport, "--json"],
+                                  cwd=cwd, capture_output=True, text=True, check=False)
+            if done.returncode:
+                print(f"scheduler_bench: {label} failed: {done.stderr.strip()[-500:]}", file=sys.stderr)
+                return 1
+            _merge(merged[label], json.loads(done.stdout.splitlines()[-1]))
+            print(f"  ... round {r + 1}/{rounds}: {label}", file=sys.stderr, flush=True)
+    print(f"§9 scheduler trace, server table: {rounds} alternating rounds of {steps} steps each, medians of "
+          f"all, microseconds (load average {min(loads):.2f}..{max(loads):.2f} on {os.cpu_count()} cores)")
+    for label, phases in merged.items():
+        print(f"\n{label}")
+        for line in report(phases, {}):
+            if line.startswith("In this process"):
+                break
+            if line:
+                print(line)
+    print("target: the §9 Step's client wall at most 1,300 us (moonshot 1,000 us); a refusal Step no dearer")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -551,21 +563,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="print a cProfile of the handler (in this process)")
     ap.add_argument("--only", choices=["server", "in-process"])
     ap.add_argument("--against", metavar="REV", help="compare with commit REV (server table, alternating rounds)")
-    ap.add_argument("--rounds", type=int, default=4, help="rounds per tree with --against")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds per tree with --against or --transport both")
     ap.add_argument("--no-build", action="store_true",
                     help="with --against: run REV's .py files (do not compile its hot path first)")
-    ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # --against's child processes
+    ap.add_argument("--transport", choices=["tcp", "unix", "both"], default="tcp",
+                    help="the server table over TCP loopback, a unix socket, or both (alternating rounds)")
+    ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # alternating rounds' child processes
     args = ap.parse_args(argv)
     steps, warmup = (8, 6) if args.quick else (args.steps, 20)
     if args.against:
-        return against(args.against, steps, args.rounds, build=not args.no_build)
+        if args.transport == "both":
+            ap.error("--against compares trees on one transport: pick tcp or unix")
+        return against(args.against, steps, args.rounds, build=not args.no_build, transport=args.transport)
+    if args.transport == "both":
+        return alternate({"TCP loopback": (str(REPO), "tcp"), "unix socket": (str(REPO), "unix")}, steps,
+                         args.rounds)
     if args.json:
-        print(_phases_json(server_table(steps, warmup)))
+        print(_phases_json(server_table(steps, warmup, args.transport)))
         return 0
     print(f"§9 scheduler trace: {PER_STEP} admissions of {SYSTEM_TOKENS + UNIQUE_TOKENS}-token prompts + "
           f"{PER_STEP} finishes a step, 224 ops a Step, page {PAGE}; medians of {steps} steps, microseconds "
           f"({machine_load()})")
-    phases = server_table(steps, warmup) if args.only in (None, "server") else {}
+    phases = server_table(steps, warmup, args.transport) if args.only in (None, "server") else {}
     inproc, prof = in_process_table(steps, warmup, args.profile) if args.only in (None, "in-process") else ({
         k: [] for k in ("decode", "handle", "encode", "empty", "refusal", *KINDS)}, "")
     for line in report(phases, inproc):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bench import scheduler_bench
@@ -44,3 +46,20 @@ def test_against_a_commit_prints_both_server_tables(capsys: pytest.CaptureFixtur
 def test_against_an_unknown_commit_says_why(capsys: pytest.CaptureFixture[str]) -> None:
     assert scheduler_bench.main(["--against", "no-such-rev-xyz", "--quick"]) == 2
     assert "cannot export no-such-rev-xyz" in capsys.readouterr().err
+
+
+def test_transport_both_measures_tcp_and_a_unix_socket_and_leaves_no_socket(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the child processes make their socket's directory here
+    assert scheduler_bench.main(["--transport", "both", "--quick", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if line in ("TCP loopback", "unix socket")] == ["TCP loopback", "unix socket"]
+    assert sum(line.startswith("§9 Step") for line in out) == 2
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_against_on_both_transports_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        scheduler_bench.main(["--against", "HEAD", "--transport", "both", "--quick"])
+    assert e.value.code == 2
+    assert "--against compares trees on one transport: pick tcp or unix" in capsys.readouterr().err
