@@ -249,6 +249,8 @@ def server_table(steps: int, warmup: int, transport: str = "tcp") -> dict[str, P
     proc, target, metrics_port = start_server(listen=listen)
     phases = {name: Phase() for name in ("§9 Step", "empty Step", "refusal Step")}
     try:
+        if sockdir and not target.startswith("unix:"):
+            raise SystemExit(f"scheduler_bench: asked for a unix socket, the service listens on {target}")
         client = KVCacheClient(target)
         client.register_engine("bench-engine", ttl_seconds=600.0, hold=False)
         trace = Trace()

@@ -36,9 +36,11 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import machine_load
+from cache_service.config import GPU_BACKENDS, ServiceConfig
 from cache_service.core.tier_keys import Namespace, chain
 from cache_service.memory import HostShmPool, PoolLayout
 from cache_service.memory.base import PoolBackend, format_bytes
+from cache_service.memory.select import BACKENDS
 from cache_service.tier import DiskTier, MooncakeTier, TierService, page_memory
 from cache_service.tier.backend import TierBackend
 from cache_service.tier.memory import CudaCopier, DevicePoolMemory, PageMemory, geometry
@@ -137,22 +139,15 @@ async def run_backend(backend: TierBackend, memory: PageMemory, layout: PoolLayo
 
 
 def make_pool(kind: str, layout: PoolLayout) -> PoolBackend:
-    """The pool, its pages written with content where a fresh one would be all zeros (host pools)."""
-    if kind == "host_shm":
-        pool = HostShmPool(layout, shm_dir="/dev/shm", prefix="kvbench-tier", instance_id=uuid.uuid4().hex[:12])
+    """The pool, made as the service makes it; a host_shm pool's pages written with content where a fresh one
+    would be all zeros."""
+    config = ServiceConfig(backend=kind, shm_dir="/dev/shm", shm_prefix="kvbench-tier")
+    pool = BACKENDS[kind](config, layout, uuid.uuid4().hex[:12])
+    if isinstance(pool, HostShmPool):
         kv = np.memmap(pool.path, dtype=np.uint8, mode="r+", shape=(layout.size_bytes,))
         kv[:] = 7
         del kv
-        return pool
-    if kind == "cuda_vmm":
-        from cache_service.memory.cuda_vmm import CudaVmmPool
-
-        return CudaVmmPool(layout, device="0")
-    if kind == "cuda_ipc":
-        from cache_service.memory.cuda_ipc import CudaIpcPool
-
-        return CudaIpcPool(layout, device="0")
-    raise SystemExit(f"tier_bench: unknown pool {kind!r} (host_shm, cuda_vmm, cuda_ipc)")
+    return pool
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -161,7 +156,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=0)
     ap.add_argument("--dir", default="", help="disk tier directory (default: a temporary one)")
     ap.add_argument("--backends", default="disk,mooncake", help="comma-separated: disk, mooncake")
-    ap.add_argument("--pool", default="host_shm", help="host_shm (default), or on a GPU cuda_vmm or cuda_ipc")
+    ap.add_argument("--pool", default="host_shm", choices=("host_shm", *GPU_BACKENDS),
+                    help="the pool backend (default host_shm; on a GPU cuda_vmm or cuda_ipc)")
     args = ap.parse_args(argv)
     layout = SMALL if args.quick else LLAMA
     rounds = args.rounds or (2 if args.quick else 5)
@@ -171,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         pool = make_pool(args.pool, layout)
         memories: dict[str, Callable[[PoolBackend], PageMemory]] = {"": page_memory}
         try:
-            if args.pool != "host_shm":
+            if args.pool in GPU_BACKENDS:
                 memories["per-chunk"] = per_chunk_memory
                 for how, memory in memories.items():
                     label = f"staging {how}".strip()

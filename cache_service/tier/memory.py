@@ -45,10 +45,12 @@ def geometry(layout: PoolLayout) -> Geometry:
     return Geometry(num_chunks=2 * layout.num_layers, chunk_bytes=layout.page_bytes)
 
 
-def chunk_offsets(layout: PoolLayout, page: int) -> list[int]:
-    """Byte offsets in the pool of a page's chunks, in value order."""
+def chunk_offsets(layout: PoolLayout, page: int) -> range:
+    """Byte offsets in the pool of a page's chunks, in value order: `start` the first, `step` the distance
+    between two (a K or V plane of the pool), one a layer's K and V."""
     plane = layout.num_pages * layout.page_bytes
-    return [plane * i + page * layout.page_bytes for i in range(2 * layout.num_layers)]
+    start = page * layout.page_bytes
+    return range(start, start + 2 * layout.num_layers * plane, plane)
 
 
 class PageBuffers(NamedTuple):
@@ -115,9 +117,6 @@ class HostPoolMemory:
             raise TierMemoryError(f"cannot map the pool for the tier: {e}") from None
         self._array: npt.NDArray[np.uint8] | None = np.frombuffer(self._mmap, dtype=np.uint8)
         self._base = int(self._array.ctypes.data)
-        self._plane = layout.num_pages * layout.page_bytes
-        self._chunk = layout.page_bytes
-        self._num_chunks = 2 * layout.num_layers
 
     @property
     def base_address(self) -> int:
@@ -137,9 +136,8 @@ class HostPoolMemory:
             raise TierMemoryError("the tier's pool mapping is closed")
         if not 0 < page < self.layout.num_pages:
             raise ValueError(f"page {page} is outside the pool (1..{self.layout.num_pages - 1})")
-        start = page * self._chunk
-        offsets = range(start, start + self._num_chunks * self._plane, self._plane)
-        size = self._chunk
+        offsets = chunk_offsets(self.layout, page)
+        size = self.layout.page_bytes
         return PageBuffers([array[o:o + size].data for o in offsets], [self._base + o for o in offsets])
 
     def stage_out(self, pages: Sequence[int]) -> Staging:
@@ -283,7 +281,6 @@ class DevicePoolMemory:
         self._device_base = device_base
         self._copier = copier
         self._slot_bytes = self.geometry.payload_bytes
-        self._plane = layout.num_pages * layout.page_bytes  # a page's chunks are this far apart in the pool
         self._nslots = slots
         self._host = copier.alloc_pinned(slots * self._slot_bytes)
         self._view: memoryview | None = memoryview(
@@ -321,11 +318,12 @@ class DevicePoolMemory:
 
     def stage_out(self, pages: Sequence[int]) -> Staging:
         slots = self._take(len(pages))
-        g = self.geometry
+        chunk = self.geometry.chunk_bytes
         try:
             for page, slot in zip(pages, slots, strict=True):
-                self._copier.gather(self._host + slot * self._slot_bytes, self._device_base + page * g.chunk_bytes,
-                                    g.chunk_bytes, self._plane, g.num_chunks)
+                c = chunk_offsets(self.layout, page)
+                self._copier.gather(self._host + slot * self._slot_bytes, self._device_base + c.start, chunk, c.step,
+                                    len(c))
         except BaseException:
             self.release(slots)
             raise
@@ -335,9 +333,9 @@ class DevicePoolMemory:
         return _Slots(self, pages, self._take(len(pages)), inbound=True)
 
     def copy_slot_to_page(self, slot: int, page: int) -> None:
-        g = self.geometry
-        self._copier.scatter(self._device_base + page * g.chunk_bytes, self._host + slot * self._slot_bytes,
-                             g.chunk_bytes, self._plane, g.num_chunks)
+        c = chunk_offsets(self.layout, page)
+        self._copier.scatter(self._device_base + c.start, self._host + slot * self._slot_bytes,
+                             self.geometry.chunk_bytes, c.step, len(c))
 
     def close(self) -> None:
         if self._view is None:

@@ -22,7 +22,7 @@ def test_geometry_and_chunk_offsets_follow_the_pool_layout() -> None:
     g = geometry(LAYOUT)
     assert (g.num_chunks, g.chunk_bytes, g.value_bytes) == (4, 128, 64 + 512)
     plane = LAYOUT.num_pages * 128
-    assert chunk_offsets(LAYOUT, 5) == [5 * 128, plane + 5 * 128, 2 * plane + 5 * 128, 3 * plane + 5 * 128]
+    assert list(chunk_offsets(LAYOUT, 5)) == [5 * 128, plane + 5 * 128, 2 * plane + 5 * 128, 3 * plane + 5 * 128]
 
 
 def test_a_pages_chunks_are_the_engines_k_and_v_in_layer_order(pool: Pool) -> None:
