@@ -238,8 +238,8 @@ def error_server(tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
 
     verify_stats(server.target, TOKEN)
     code, _ = server.terminate()
-    server.close()
     assert code == 0 and not server.pool_files
+    server.close()
 
 
 @pytest.mark.parametrize(("reason", "code", "scenario"), CASES, ids=[c[0] for c in CASES])

@@ -7,12 +7,13 @@ import signal
 import socket
 import subprocess
 import sys
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 from engine_client import KVCacheClient
 
-from .conftest import REPO, ServerProcess
+from .conftest import REPO, SHM_DIR, ServerProcess
 
 
 def test_sigterm_drains_releases_sessions_and_leaves_no_pool_file(
@@ -65,15 +66,18 @@ def test_a_live_services_pool_file_is_never_taken_for_stale(start_server: Callab
         assert Path(client.get_pool_info().shm_path).exists()
 
 
-def serve_and_fail(listen: str) -> subprocess.CompletedProcess[str]:
+def serve_and_fail(listen: str) -> tuple[subprocess.CompletedProcess[str], str]:
+    """A second service on `listen`, which must refuse to start: (the finished process, its shm prefix). Each
+    call's prefix is its own, so a refused start of another test running beside this one is never seen here."""
+    prefix = f"kvtest-second-{uuid.uuid4().hex[:8]}"
     return subprocess.run([sys.executable, "-m", "cache_service", "serve", "--listen", listen, "--shm-prefix",
-                           "kvtest-second"], cwd=REPO, capture_output=True, text=True, timeout=30)
+                           prefix], cwd=REPO, capture_output=True, text=True, timeout=30), prefix
 
 
 def test_a_busy_port_is_one_line_and_the_first_service_keeps_serving(
         start_server: Callable[..., ServerProcess]) -> None:
     first = start_server()
-    second = serve_and_fail(first.address)
+    second, prefix = serve_and_fail(first.address)
     port = first.address.rpartition(":")[2]
     assert second.returncode == 1
     assert second.stderr.splitlines() == [  # ours alone: grpc never got to log its own error first
@@ -81,12 +85,13 @@ def test_a_busy_port_is_one_line_and_the_first_service_keeps_serving(
         f"kvcache-service?); stop it, or pick another port (--listen 127.0.0.1:0 picks a free one)"]
     with KVCacheClient(first.target) as client:
         assert client.get_pool_info().instance_id == first.instance_id
+    assert not list(Path(SHM_DIR).glob(f"{prefix}-*.pool"))  # the refused start left no pool file
 
 
 def test_a_live_unix_socket_is_never_stolen(start_server: Callable[..., ServerProcess], tmp_path: Path) -> None:
     sock = tmp_path / "kv.sock"
     first = start_server(listen=f"unix:{sock}")
-    second = serve_and_fail(f"unix:{sock}")
+    second, prefix = serve_and_fail(f"unix:{sock}")
     assert second.returncode == 1
     assert second.stderr.splitlines() == [
         f"kvcache-service: error: cannot listen on unix:{sock}: a running process serves it (another "
@@ -94,7 +99,7 @@ def test_a_live_unix_socket_is_never_stolen(start_server: Callable[..., ServerPr
     assert sock.is_socket()
     with KVCacheClient(first.target) as client:  # still reachable at its path, still the same instance
         assert client.get_pool_info().instance_id == first.instance_id
-    assert not list(Path("/dev/shm").glob("kvtest-second-*.pool"))  # the refused start left no pool file
+    assert not list(Path(SHM_DIR).glob(f"{prefix}-*.pool"))  # the refused start left no pool file
 
 
 def test_a_stale_unix_socket_file_is_removed_and_logged(start_server: Callable[..., ServerProcess],

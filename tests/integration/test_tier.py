@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import urllib.request
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import pytest
 
 from protos.kvcache.v1 import kvcache_pb2 as pb
 from protos.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
-from tests.integration.conftest import PYTHON, REPO, ServerProcess
+from tests.integration.conftest import PYTHON, REPO, SHM_DIR, ServerProcess
 from tests.loopback import free_port
 from tests.tier.cluster import MooncakeCluster
 
@@ -99,11 +100,12 @@ def test_bad_tier_flags_stop_the_start_with_one_line(args: list[str], message: s
 def test_a_tier_directory_in_use_is_refused(start_server: Callable[..., ServerProcess], tmp_path: Path) -> None:
     tier = tmp_path / "tier"
     start_server("--tier", "disk", "--tier-dir", str(tier))
+    prefix = f"kvtest-second-{uuid.uuid4().hex[:8]}"  # its own: no other test's refused start is seen here
     proc = subprocess.run([PYTHON, "-m", "cache_service", "serve", "--listen", "127.0.0.1:0", "--shm-prefix",
-                           "kvtest-second", "--tier", "disk", "--tier-dir", str(tier)], cwd=REPO, capture_output=True,
+                           prefix, "--tier", "disk", "--tier-dir", str(tier)], cwd=REPO, capture_output=True,
                           text=True, timeout=30)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
         f"kvcache-service: error: --tier-dir {tier}: another kvcache-service uses this directory; give each service "
         "its own")
-    assert not list(Path("/dev/shm").glob("kvtest-second-*.pool"))  # the pool was released
+    assert not list(Path(SHM_DIR).glob(f"{prefix}-*.pool"))  # the pool was released
