@@ -11,10 +11,11 @@ themselves is tested without a GPU.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from cache_service.memory.base import PoolError, PoolHandle
+from kvcache_common.cuda_driver import CudaDriver
 from kvcache_common.cuda_driver import format_uuid as uuid_of_bytes
 from kvcache_common.layout import PoolLayout
 
@@ -73,15 +74,29 @@ class IpcRuntime(Protocol):
         ...
 
 
+def _driver_uuid(index: int) -> str:
+    """Device `index`'s UUID from the CUDA driver (cuDeviceGetUuid through cuda-python, part of kvcache[cuda])."""
+    try:
+        driver = CudaDriver()
+    except ImportError:
+        raise PoolError(f"GPU {index}'s UUID has a zero byte, which cupy cuts off; install cuda-python to read it "
+                        "(pip install 'kvcache[cuda]')") from None
+    try:
+        return driver.device_uuid(index)
+    finally:
+        driver.close()
+
+
 class CupyDriver:
     """IpcRuntime over cupy's runtime bindings (plain cudaMalloc, not cupy's memory pool: an IPC handle
     must name the allocation's base)."""
 
-    def __init__(self) -> None:
+    def __init__(self, driver_uuid: Callable[[int], str] | None = None) -> None:
         import cupy  # optional dependency (kvcache[cuda])
 
         self._cupy: Any = cupy
         self._rt: Any = cupy.cuda.runtime
+        self._driver_uuid = driver_uuid if driver_uuid is not None else _driver_uuid
 
     def device_count(self) -> int:
         return int(self._rt.getDeviceCount())
@@ -90,7 +105,12 @@ class CupyDriver:
         props = self._rt.getDeviceProperties(index)
         if "uuid" not in props:
             raise PoolError("this cupy does not report device UUIDs; install cupy >= 13 (pip install 'kvcache[cuda]')")
-        return format_uuid(props["uuid"])
+        raw = props["uuid"]
+        if isinstance(raw, bytes) and len(raw) < 16:
+            # cupy hands the runtime's char[16] over as a C string: a UUID with a zero byte comes back cut at it
+            # (seen on an H200), so the driver is asked for all 16 bytes.
+            return self._driver_uuid(index)
+        return format_uuid(raw)
 
     def malloc(self, index: int, nbytes: int) -> int:
         with self._cupy.cuda.Device(index):

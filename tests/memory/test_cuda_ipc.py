@@ -11,7 +11,7 @@ import pytest
 from cache_service.config import ServiceConfig
 from cache_service.memory import PoolError, PoolLayout
 from cache_service.memory import select as select_mod
-from cache_service.memory.cuda_ipc import CudaIpcPool, format_uuid, resolve_device
+from cache_service.memory.cuda_ipc import CudaIpcPool, CupyDriver, format_uuid, resolve_device
 from cache_service.memory.select import CudaProbe, create_pool, probe_cuda
 from tests.fakes import UUIDS, FakeDriver
 
@@ -140,3 +140,40 @@ def test_probe_without_cupy_driver_or_device(monkeypatch: pytest.MonkeyPatch) ->
     assert probe_cuda() == CudaProbe(False, "no CUDA device is visible")
     monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(lambda: 2))
     assert probe_cuda() == CudaProbe(True, "2 CUDA device(s) visible")
+
+
+def _cupy_reporting(uuids: list[bytes]) -> types.ModuleType:
+    """A cupy whose getDeviceProperties reports `uuids` the way cupy 13 does: the runtime's char[16] as a C
+    string, so a UUID with a zero byte comes back cut just before it."""
+    runtime = types.SimpleNamespace(getDeviceCount=lambda: len(uuids),
+                                    getDeviceProperties=lambda i: {"uuid": uuids[i].split(b"\0")[0]})
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = types.SimpleNamespace(runtime=runtime)  # type: ignore[attr-defined]
+    return cupy
+
+
+WHOLE = bytes.fromhex("8f3e1b7c11112233445566778899aabb")
+CUT = bytes.fromhex("c2a45b0019f6a1b2c3d4e5f60718293a")  # byte 3 is zero, as on the H200 that found this
+
+
+def test_a_uuid_that_cupy_cuts_at_a_zero_byte_is_read_from_the_driver(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "cupy", _cupy_reporting([WHOLE, CUT]))
+    asked: list[int] = []
+
+    def driver_uuid(index: int) -> str:
+        asked.append(index)
+        return format_uuid(CUT)
+
+    rt = CupyDriver(driver_uuid=driver_uuid)
+    assert [rt.device_uuid(i) for i in range(rt.device_count())] == [
+        "GPU-8f3e1b7c-1111-2233-4455-66778899aabb", "GPU-c2a45b00-19f6-a1b2-c3d4-e5f60718293a"]
+    assert asked == [1]  # a whole UUID is taken from cupy; only the cut one costs a driver call
+
+
+def test_a_cut_uuid_without_cuda_python_is_a_one_line_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "cupy", _cupy_reporting([CUT]))
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)  # from cuda.bindings import driver -> ImportError
+    with pytest.raises(PoolError) as err:
+        CupyDriver().device_uuid(0)
+    assert str(err.value) == ("GPU 0's UUID has a zero byte, which cupy cuts off; install cuda-python to read it "
+                              "(pip install 'kvcache[cuda]')")
