@@ -11,7 +11,7 @@ themselves is tested without a GPU.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from cache_service.memory.base import PoolError, PoolHandle
@@ -91,12 +91,11 @@ class CupyDriver:
     """IpcRuntime over cupy's runtime bindings (plain cudaMalloc, not cupy's memory pool: an IPC handle
     must name the allocation's base)."""
 
-    def __init__(self, driver_uuid: Callable[[int], str] | None = None) -> None:
+    def __init__(self) -> None:
         import cupy  # optional dependency (kvcache[cuda])
 
         self._cupy: Any = cupy
         self._rt: Any = cupy.cuda.runtime
-        self._driver_uuid = driver_uuid if driver_uuid is not None else _driver_uuid
 
     def device_count(self) -> int:
         return int(self._rt.getDeviceCount())
@@ -109,7 +108,7 @@ class CupyDriver:
         if isinstance(raw, bytes) and len(raw) < 16:
             # cupy hands the runtime's char[16] over as a C string: a UUID with a zero byte comes back cut at it
             # (seen on an H200), so the driver is asked for all 16 bytes.
-            return self._driver_uuid(index)
+            return _driver_uuid(index)
         return format_uuid(raw)
 
     def malloc(self, index: int, nbytes: int) -> int:

@@ -46,8 +46,8 @@ def geometry(layout: PoolLayout) -> Geometry:
 
 
 def chunk_offsets(layout: PoolLayout, page: int) -> range:
-    """Byte offsets in the pool of a page's chunks, in value order: `start` the first, `step` the distance
-    between two (a K or V plane of the pool), one a layer's K and V."""
+    """Byte offsets in the pool of a page's chunks, in value order (each layer's K, then its V): `start` is the
+    first, `step` the distance between two (one K or V plane of the pool)."""
     plane = layout.num_pages * layout.page_bytes
     start = page * layout.page_bytes
     return range(start, start + 2 * layout.num_layers * plane, plane)

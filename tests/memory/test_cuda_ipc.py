@@ -10,6 +10,7 @@ import pytest
 
 from cache_service.config import ServiceConfig
 from cache_service.memory import PoolError, PoolLayout
+from cache_service.memory import cuda_ipc as cuda_ipc_mod
 from cache_service.memory import select as select_mod
 from cache_service.memory.cuda_ipc import CudaIpcPool, CupyDriver, format_uuid, resolve_device
 from cache_service.memory.select import CudaProbe, create_pool, probe_cuda
@@ -164,7 +165,8 @@ def test_a_uuid_that_cupy_cuts_at_a_zero_byte_is_read_from_the_driver(monkeypatc
         asked.append(index)
         return format_uuid(CUT)
 
-    rt = CupyDriver(driver_uuid=driver_uuid)
+    monkeypatch.setattr(cuda_ipc_mod, "_driver_uuid", driver_uuid)
+    rt = CupyDriver()
     assert [rt.device_uuid(i) for i in range(rt.device_count())] == [
         "GPU-8f3e1b7c-1111-2233-4455-66778899aabb", "GPU-c2a45b00-19f6-a1b2-c3d4-e5f60718293a"]
     assert asked == [1]  # a whole UUID is taken from cupy; only the cut one costs a driver call
