@@ -141,7 +141,8 @@ async def run_trace(cfg: ServiceConfig, requests: list[tuple[list[int], list[int
         await server.stop(grace=0)
 
 
-def config(tier: str, pool_pages: int, tmp: Path, master: str) -> ServiceConfig:
+def config(tier: str, pool_pages: int, tmp: Path, master: str, **settings: float) -> ServiceConfig:
+    """The service of one run; `settings` are further ServiceConfig fields (the tier's watermark, pin share)."""
     extra: dict[str, object] = {}
     if tier == "disk":
         extra = {"tier": "disk", "tier_dir": str(tmp / f"disk-{uuid.uuid4().hex[:8]}"), "tier_bytes": 1 << 30}
@@ -150,7 +151,7 @@ def config(tier: str, pool_pages: int, tmp: Path, master: str) -> ServiceConfig:
     return ServiceConfig(listen="127.0.0.1:0", num_pages=pool_pages + 1, backend="host_shm", shm_dir="/dev/shm",
                          shm_prefix="kvbench-trace", log_level="error", reap_interval=60, tier_timeout=5.0,
                          model_name=f"trace-{uuid.uuid4().hex[:8]}",  # a fresh namespace: no hits from earlier runs
-                         **LAYOUT, **extra)  # type: ignore[arg-type]
+                         **LAYOUT, **extra, **settings)  # type: ignore[arg-type]
 
 
 def plot(runs: list[Run], bound: float, working_set: int, path: Path) -> None:
@@ -186,11 +187,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="the emulated engine's prefill speed, tokens/s: it waits (uncached tokens / this) after "
                          "each append, as an engine computing them would (0: no wait, the tier's worst case)")
     ap.add_argument("--plot", default=str(OUT / "tier_hit_ratio.png"), help="PNG path ('' for none)")
+    ap.add_argument("--pools", default="",
+                    help="comma-separated pool sizes as shares of the working set (default 0.05,0.1,0.2,0.5)")
+    ap.add_argument("--tier-watermark", type=float, default=ServiceConfig.tier_watermark,
+                    help="the services' --tier-watermark")
+    ap.add_argument("--tier-pin-fraction", type=float, default=ServiceConfig.tier_pin_fraction,
+                    help="the services' --tier-pin-fraction")
     args = ap.parse_args(argv)
     conversations, turns = (24, 3) if args.quick else (48, 6)
     requests = trace(conversations, turns)
     ws = working_set_pages(requests)
-    fractions = (0.1, 0.5) if args.quick else (0.05, 0.1, 0.2, 0.5)
+    fractions = [float(f) for f in args.pools.split(",") if f] or ((0.1, 0.5) if args.quick else (0.05, 0.1, 0.2, 0.5))
     bound_cached, total = infinite(requests)
     bound = bound_cached / total
     tiers = [t for t in args.tiers.split(",") if t]
@@ -207,7 +214,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for tier in tiers:
                     print(f"[tier_trace_bench] {tier}: pool {pool} pages ({fraction:g} of the working set), "
                           f"{len(requests)} requests", file=sys.stderr, flush=True)
-                    cfg = config(tier, pool, Path(tmp), cluster.address if cluster else "")
+                    cfg = config(tier, pool, Path(tmp), cluster.address if cluster else "",
+                                 tier_watermark=args.tier_watermark, tier_pin_fraction=args.tier_pin_fraction)
                     runs.append(asyncio.run(run_trace(cfg, requests, tier, args.prefill_tps)))
         finally:
             if cluster is not None:
@@ -217,7 +225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"tokens), working set {ws} pages of {PAGE} tokens ({value // 1024} KiB of KV a page); {machine_load()}")
     print(f"engine prefill emulated at {args.prefill_tps:,.0f} tokens/s" if args.prefill_tps else
           "no engine time between requests (the tier's worst case)")
-    print(f"infinite cache: hit ratio {bound:.3f}, {bound_cached:,} prefill tokens saved")
+    print(f"infinite cache: hit ratio {bound:.3f}, {bound_cached:,} prefill tokens saved; tier watermark "
+          f"{args.tier_watermark:g}, pin share {args.tier_pin_fraction:g}")
     print(f"{'tier':<9} {'pool':>5} {'ws/pool':>7} {'hit':>6} {'of inf':>7} {'saved':>8} {'from tier':>9} "
           f"{'ms/page':>8} {'offl MB/s':>9} {'offl pg':>7} {'dropped':>7} {'lost':>5}")
     for r in runs:

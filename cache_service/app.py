@@ -58,6 +58,8 @@ def core_config(config: ServiceConfig, num_pages: int) -> CoreConfig:
         quarantine_seconds=config.quarantine_seconds,
         eviction_policy=config.eviction_policy,
         demote_idle_sessions=config.demote_idle_sessions,
+        tier_watermark=config.tier_watermark,
+        tier_pin_fraction=config.tier_pin_fraction,
     )
 
 
@@ -265,7 +267,8 @@ class KVCacheServer:
             tier.close(0.0)
             raise ConfigError(str(e)) from None
         self._log.info("tier", backend=backend.name, description=backend.describe(),
-                       timeout_seconds=cfg.tier_timeout, queue_pages=cfg.tier_queue_pages)
+                       timeout_seconds=cfg.tier_timeout, queue_pages=cfg.tier_queue_pages,
+                       watermark=cfg.tier_watermark, pin_fraction=cfg.tier_pin_fraction)
         return tier
 
     async def _await_tier(self) -> None:

@@ -215,8 +215,10 @@ def _tier_lines(server: Any) -> list[str]:
     tier = server.tier
     if tier is None:
         return []
+    cfg: ServiceConfig = server.config
     state = "up" if tier.up else "DOWN (misses until the store answers; the service reconnects)"
-    return [f"  tier     {tier.backend.describe()}; {state}; loads wait at most {server.config.tier_timeout:g} s"]
+    return [f"  tier     {tier.backend.describe()}; {state}; loads wait at most {cfg.tier_timeout:g} s; offloads "
+            f"while under {cfg.tier_watermark * 100:g}% free, pinning at most {cfg.tier_pin_fraction * 100:g}%"]
 
 
 def _auth_line(server: Any) -> str:

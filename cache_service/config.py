@@ -159,6 +159,11 @@ class ServiceConfig:
     tier_queue_pages: int = setting(256, "most pages waiting to be offloaded (resident pages copied to the tier "
                                     "ahead of eviction); beyond, pages are not offloaded (eviction never waits; "
                                     "counted)", metavar="PAGES", at_least=1)
+    tier_watermark: float = setting(_CORE["tier_watermark"], "with a tier: offload pages ahead of eviction while "
+                                    "fewer than this share of the pool's pages is free", above=0, at_most=1)
+    tier_pin_fraction: float = setting(_CORE["tier_pin_fraction"], "with a tier: most share of the pool's pages "
+                                       "that offloads in progress may pin (a pinned page is not evicted)", above=0,
+                                       at_most=1)
     mooncake_master: str = setting("", "mooncake tier: the master's host:port (mooncake_master --rpc_port)",
                                    metavar="ADDR")
     mooncake_metadata: str = setting("P2PHANDSHAKE", "mooncake tier: metadata service, P2PHANDSHAKE or an "
@@ -334,6 +339,8 @@ class Flag:
         finite = not isinstance(value, float) or math.isfinite(value)
         if spec.at_least is not None and spec.at_most is not None:
             bound, ok = f"in [{_num(spec.at_least)}, {_num(spec.at_most)}]", spec.at_least <= value <= spec.at_most
+        elif spec.above is not None and spec.at_most is not None:
+            bound, ok = f"in ({_num(spec.above)}, {_num(spec.at_most)}]", spec.above < value <= spec.at_most
         elif spec.at_least is not None:
             bound, ok = f">= {_num(spec.at_least)}", value >= spec.at_least
         elif spec.above is not None:

@@ -31,6 +31,10 @@ class CoreConfig:
     """Most sessions open at once; 0 means no bound beyond memory."""
     max_lease_ttl_seconds: float = 0.0
     """Largest TTL a lease may ask for; 0 means no bound."""
+    tier_watermark: float = 0.5
+    """With a tier: offload radix pages ahead of eviction while fewer than this share of the usable pages is free."""
+    tier_pin_fraction: float = 0.25
+    """With a tier: most share of the usable pages that offloads in progress may pin (pinned pages are not evicted)."""
 
     def __post_init__(self) -> None:
         if self.num_pages < 2:
@@ -52,6 +56,9 @@ class CoreConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_sessions < 0:
             raise ValueError(f"max_sessions must be >= 0, got {self.max_sessions}")
+        for name in ("tier_watermark", "tier_pin_fraction"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
         if self.max_lease_ttl_seconds and self.lease_ttl_seconds > self.max_lease_ttl_seconds:
             raise ValueError(f"lease_ttl_seconds {self.lease_ttl_seconds} is above max_lease_ttl_seconds "
                              f"{self.max_lease_ttl_seconds}")

@@ -16,12 +16,12 @@ may still write; until the waiter's `release` the new pages stay pinned, so the 
 finds them.
 
 Offloads (`plan_offload` -> the store's put -> `offload_done`). Eviction never waits for the tier: pages are
-written ahead of it. While fewer than half the pool's pages are free (a low watermark), the pages the tier
-lacks on the paths of the least recently used evictable leaves are handed to the store, root side first;
-each path is pinned (a radix lock the tier holds) down to its last such page, within a pin limit of a
-quarter of the pool; the pin ends when the store is done reading, which marks the stored pages. Eviction
-then takes the same LRU leaves, already stored; a page evicted before the tier held it is lost (counted in
-`evicted_unstored_pages`).
+written ahead of it. While fewer than half the pool's pages are free (a low watermark, `--tier-watermark`),
+the pages the tier lacks on the paths of the least recently used evictable leaves are handed to the store,
+root side first; each path is pinned (a radix lock the tier holds) down to its last such page, within a pin
+limit of a quarter of the pool (`--tier-pin-fraction`); the pin ends when the store is done reading, which
+marks the stored pages. Eviction then takes the same LRU leaves, already stored; a page evicted before the
+tier held it is lost (counted in `evicted_unstored_pages`).
 """
 
 from __future__ import annotations
@@ -135,9 +135,9 @@ class TierIndex:
         self.pinned_pages = 0
         """Radix pages held by offload pins (paths overlapping between offloads count once per offload)."""
         self.evicted_unstored_pages = 0
-        self.low_watermark = max(1, config.usable_pages // 2)
+        self.low_watermark = max(1, int(config.usable_pages * config.tier_watermark))
         """Offload ahead of eviction while fewer pages than this are free."""
-        self.pin_limit = max(1, config.usable_pages // 4)
+        self.pin_limit = max(1, int(config.usable_pages * config.tier_pin_fraction))
         """Most pages offloads may pin at once (pinned pages cannot be evicted)."""
         self.loads: set[Load] = set()
         """Loads not finished (their pages are LOADING)."""
@@ -302,7 +302,7 @@ class TierIndex:
     def plan_offload(self, room: int, *, force: bool = False) -> list[Offload]:
         """Name the radix pages the tier lacks on the paths of the LRU evictable leaves, root side first, up to
         `room` pages (the offload queue's room), and pin each path only down to its last such page (a radix
-        lock on a node ending there). Pinned pages count against the pin limit (a quarter of the pool), so
+        lock on a node ending there). Pinned pages count against the pin limit (a share of the pool), so
         offloads never hold what an allocation needs. Only while free pages are under the low watermark (the
         scan skips stored pages, and is not repeated while nothing changed), unless `force` (at stop: offload
         what is resident; no pin limit). Each pin ends at `offload_done`."""

@@ -3,6 +3,7 @@ the invariant after every call (CheckedCore checks the core's and the tier index
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -138,6 +139,23 @@ def test_an_offload_pins_the_pages_it_reads_until_done(make: Callable[..., Check
     assert (st.offloading_pages, st.tier_stored_pages, st.evictable_pages) == (0, 2, 4)
     core.evict(16)
     assert core.stats().evicted_unstored_pages == 7  # 5 + the 2 of the 4 the tier did not take
+
+
+def test_the_watermark_and_the_pin_limit_are_shares_of_the_pool(make: Callable[..., CheckedCore]) -> None:
+    core = make(tier_watermark=0.75, tier_pin_fraction=0.125)
+    tier = _tier(core)
+    assert (tier.low_watermark, tier.pin_limit) == (12, 2)  # of 16 usable pages
+    for i in range(2):
+        _turn(core, f"s{i}", toks(range(100 * i, 100 * i + 13)))  # 3 radix pages each
+    jobs = tier.plan_offload(100)  # 10 free of 16: under this watermark (12), unlike the default's (8)
+    assert [(j.pages, j.pinned) for j in jobs] == [([1, 2], 2)]  # the LRU path's root side, within the pin limit
+    tier.offload_done(jobs[0], [True, True])
+    assert (core.stats().offloading_pages, core.stats().tier_stored_pages) == (0, 2)
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match=re.escape(f"tier_watermark must be in (0, 1], got {bad}")):
+            CoreConfig(num_pages=17, page_size=4, tier_watermark=bad)
+    with pytest.raises(ValueError, match=re.escape("tier_pin_fraction must be in (0, 1], got -0.25")):
+        CoreConfig(num_pages=17, page_size=4, tier_pin_fraction=-0.25)
 
 
 def test_a_refused_part_of_an_offload_is_released_at_once(make: Callable[..., CheckedCore]) -> None:

@@ -101,6 +101,8 @@ def test_tier_values_that_cannot_work_fail_with_a_reason(chart: helm.Chart, valu
     ({"config": {"tierDir": "relative"}}, "- at '/config/tierDir': 'relative' does not match pattern"),
     ({"config": {"tierTimeout": 0}}, "- at '/config/tierTimeout': exclusiveMinimum: got 0, want 0"),
     ({"config": {"tierQueuePages": 0}}, "- at '/config/tierQueuePages': minimum: got 0, want 1"),
+    ({"config": {"tierWatermark": 0}}, "- at '/config/tierWatermark': exclusiveMinimum: got 0, want 0"),
+    ({"config": {"tierPinFraction": 1.5}}, "- at '/config/tierPinFraction': maximum: got 1.5, want 1"),
     ({"config": {"mooncakeMaster": "nohost"}}, "- at '/config/mooncakeMaster': 'nohost' does not match pattern"),
     ({"config": {"mooncakeMetadata": "etcd"}}, "- at '/config/mooncakeMetadata': 'etcd' does not match pattern"),
     ({"tierVolume": {"hostPath": "mnt"}}, "- at '/tierVolume/hostPath': 'mnt' does not match pattern"),

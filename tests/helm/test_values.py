@@ -295,6 +295,8 @@ FLAG_CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "tier-bytes": ({"config": {"tier": "disk", "tierDir": "/t", "tierBytes": "5Gi"}}, {"value": "5Gi"}),
     "tier-timeout": ({"config": {"tierTimeout": 0.25}}, {"value": "0.25"}),
     "tier-queue-pages": ({"config": {"tierQueuePages": 1024}}, {"value": "1024"}),
+    "tier-watermark": ({"config": {"tierWatermark": 0.75}}, {"value": "0.75"}),
+    "tier-pin-fraction": ({"config": {"tierPinFraction": 0.125}}, {"value": "0.125"}),
     "mooncake-master": ({"config": {"tier": "mooncake", "mooncakeMaster": "mc.kv.svc:50051"}},
                         {"value": "mc.kv.svc:50051"}),
     "mooncake-metadata": ({"config": {"mooncakeMetadata": "http://meta:8080/metadata"}},
