@@ -37,7 +37,7 @@ import numpy as np
 
 from bench.common import machine_load
 from cache_service.app import build_server
-from cache_service.config import ServiceConfig
+from cache_service.config import ConfigError, ServiceConfig
 from cache_service.log import configure_logging
 from protos.kvcache.v1 import kvcache_pb2 as pb
 from protos.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
@@ -194,6 +194,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--tier-pin-fraction", type=float, default=ServiceConfig.tier_pin_fraction,
                     help="the services' --tier-pin-fraction")
     args = ap.parse_args(argv)
+    try:  # the service's own check of the two shares, as one line, before any run starts
+        ServiceConfig(tier_watermark=args.tier_watermark, tier_pin_fraction=args.tier_pin_fraction)
+    except ConfigError as e:
+        ap.error(str(e))
     conversations, turns = (24, 3) if args.quick else (48, 6)
     requests = trace(conversations, turns)
     ws = working_set_pages(requests)

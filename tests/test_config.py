@@ -109,12 +109,12 @@ def test_every_flag_is_a_config_field_with_a_kvcache_env_var() -> None:
 
 
 def test_tier_flags_parse_from_the_command_line_and_the_environment() -> None:
-    cfg = parse(["--tier", "disk", "--tier-dir", "/var/lib/kv", "--tier-bytes", "50Gi"],
+    cfg = parse(["--tier", "disk", "--tier-dir", "/var/lib/kv", "--tier-bytes", "50Gi", "--tier-pin-fraction", "0.5"],
                 {"KVCACHE_TIER_TIMEOUT": "0.25", "KVCACHE_TIER_QUEUE_PAGES": "64", "KVCACHE_TIER_WATERMARK": "0.75"})
     assert (cfg.tier, cfg.tier_dir, cfg.tier_bytes, cfg.tier_timeout, cfg.tier_queue_pages, cfg.tier_watermark,
-            cfg.tier_pin_fraction) == ("disk", "/var/lib/kv", 50 * 2**30, 0.25, 64, 0.75, 0.25)
-    core = core_config(cfg, 1024)
-    assert (core.tier_watermark, core.tier_pin_fraction) == (0.75, 0.25)
+            cfg.tier_pin_fraction) == ("disk", "/var/lib/kv", 50 * 2**30, 0.25, 64, 0.75, 0.5)
+    core = core_config(cfg, 1024)  # both shares reach the core (neither is its default here)
+    assert (core.tier_watermark, core.tier_pin_fraction) == (0.75, 0.5)
     cfg = parse(["--tier", "mooncake", "--mooncake-master", "10.0.0.2:50051", "--mooncake-segment-bytes", "1Gi"],
                 {"KVCACHE_MOONCAKE_LOCAL_HOSTNAME": "10.0.0.9", "KVCACHE_MOONCAKE_PROTOCOL": "rdma"})
     assert (cfg.mooncake_master, cfg.mooncake_segment_bytes, cfg.mooncake_local_hostname, cfg.mooncake_protocol,

@@ -25,3 +25,12 @@ def test_tier_trace_bench_quick(capsys: pytest.CaptureFixture[str], tmp_path: Pa
             assert r[6] == "0"  # nothing comes from a tier that is not there
     assert any(r[0] != "none" and r[6] != "0" for r in rows)  # the tiers served hits
     assert png.stat().st_size > 0
+
+
+def test_a_share_outside_the_range_is_refused_before_any_run(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        tier_trace_bench.main(["--quick", "--tier-pin-fraction", "1.5"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].endswith(": error: --tier-pin-fraction: must be in (0, 1], got 1.5")  # after the prog
+    assert "[tier_trace_bench]" not in err  # no run started
