@@ -32,6 +32,7 @@ from cache_service.rpc.identity import Identities, load_tenants
 from cache_service.rpc.kv_events import EventHub, ZmqPublisher, default_topic
 from cache_service.rpc.pool_socket import PoolSocketServer, parse_uids
 from cache_service.rpc.server import RpcServer, RpcSettings, ServerTls
+from cache_service.rpc.step_lane import StepLaneServer, parse_group
 from cache_service.tier import TierConfigError, TierService, create_backend, page_memory
 from cache_service.tier.memory import TierMemoryError
 
@@ -76,7 +77,7 @@ def identities(config: ServiceConfig) -> Identities:
 def rpc_settings(config: ServiceConfig, who: Identities, tls: ServerTls | None = None) -> RpcSettings:
     return RpcSettings(listen=config.listen, identities=who,
                        max_request_tokens=config.max_request_tokens, max_step_ops=config.max_step_ops,
-                       max_message_bytes=config.max_message_bytes, tls=tls)
+                       max_message_bytes=config.max_message_bytes, tls=tls, step_socket=config.step_socket)
 
 
 class _EncryptedKey(Exception):
@@ -164,6 +165,8 @@ class KVCacheServer:
         self._stopped = False
         self.events: EventHub | None = None
         self.pool_socket: PoolSocketServer | None = None
+        self.step_lane: StepLaneServer | None = None
+        """The step lane (--step-socket), None without one."""
         self.tier: TierService | None = None
         """The tier beyond the pool (--tier), None with --tier none."""
 
@@ -199,6 +202,8 @@ class KVCacheServer:
                 self.events.close()
             if self.pool_socket is not None:
                 self.pool_socket.close()
+            if self.step_lane is not None:
+                await self.step_lane.close()
             if self.tier is not None:
                 await asyncio.to_thread(self.tier.close, 0.0)
             self.pool.close()
@@ -240,6 +245,8 @@ class KVCacheServer:
             self._log.info("kv_events", endpoint=self.events.publisher.endpoint,
                            replay_endpoint=self.events.publisher.replay_endpoint,
                            topic=self.events.publisher.topic.decode(), first_seq=self.events.last_seq)
+        if cfg.step_socket:
+            self.step_lane = await self._step_lane(rpc)
         await rpc.start()
         self._rpc = rpc
         self._reaper = asyncio.create_task(self._reap_forever(), name="kvcache-reaper")
@@ -289,6 +296,24 @@ class KVCacheServer:
         self._log.info("pool_socket", address=server.address, uids=cfg.pool_socket_uids or "own")
         return server
 
+    async def _step_lane(self, rpc: RpcServer) -> StepLaneServer:
+        """Serve Step on --step-socket through the gRPC server's own Step handler."""
+        cfg = self.config
+        try:
+            group = parse_group(cfg.step_socket_group)
+        except ValueError as e:
+            raise ConfigError(f"--step-socket-group: {e}") from None
+        lane = StepLaneServer(cfg.step_socket, rpc.step_method, identities=self.identities,
+                              instance_id=self.instance_id, max_message_bytes=cfg.max_message_bytes, group=group,
+                              max_connections=cfg.step_socket_max_connections,
+                              timeout_seconds=cfg.step_socket_timeout)
+        await lane.start()
+        if lane.removed_stale_socket:
+            self._log.warning("removed_stale_socket", path=lane.removed_stale_socket)
+        self._log.info("step_lane", path=lane.path, mode="0660" if group is not None else "0600",
+                       group=cfg.step_socket_group or None, max_connections=lane.max_connections)
+        return lane
+
     def _event_hub(self) -> EventHub:
         """The change feed's hub, with a ZMQ publisher when --kv-events-endpoint is set."""
         cfg = self.config
@@ -326,6 +351,8 @@ class KVCacheServer:
         self._stopped = True
         grace = self.config.grace_period if grace is None else grace
         self._log.info("draining", grace_seconds=grace)
+        if self.step_lane is not None:  # no new Steps: engines fall back to gRPC until it stops too
+            await self.step_lane.close()
         if self._rpc is not None:
             await self._rpc.stop(grace)
         if self._reaper is not None:

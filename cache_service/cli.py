@@ -153,6 +153,7 @@ def _banner(server: Any) -> str:
         f"{format_bytes(layout.size_bytes)} ({layout.describe()})",
         f"  metrics  {metrics}",
         f"  auth     {_auth_line(server)}",
+        *([f"  lane     Step also on {server.step_lane.path} (--step-socket)"] if server.step_lane is not None else []),
         *_events_lines(server),
         *_tier_lines(server),
     ]

@@ -124,6 +124,15 @@ class ServiceConfig:
                                "@name in the abstract namespace (default @kvcache-<instance id>)", metavar="ADDR")
     pool_socket_uids: str = setting("", "peer uids the pool socket serves, comma-separated; * for any (default: "
                                     "this process's uid only)", metavar="UIDS")
+    step_socket: str = setting("", "unix socket path of the step lane: Step in length-prefixed frames, for engines "
+                               "that share the pod or node (GetPoolInfo announces it; off when empty)",
+                               metavar="PATH")
+    step_socket_group: str = setting("", "group (name or gid) that may use the step lane: its socket becomes mode "
+                                     "0660 (default: 0600, this process's user only)", metavar="GROUP")
+    step_socket_max_connections: int = setting(64, "most step lane connections open at once (more are closed at "
+                                               "once)", at_least=1)
+    step_socket_timeout: float = setting(5.0, "seconds a step lane hello, or a frame once begun, has to arrive "
+                                         "whole, and an answer to be read", above=0, **SECONDS)
     shm_prefix: str = setting("kvcache", "pool file name prefix; stale files with it are removed at start")
     session_timeout: float = setting(_CORE["session_timeout_seconds"], "default sliding session timeout in seconds "
                                      "(0 = never)", at_least=0, **SECONDS)
@@ -252,6 +261,10 @@ class ServiceConfig:
              f"{self.pool_socket!r} is not an absolute path or @name")
         need(_valid_uids(self.pool_socket_uids), "pool-socket-uids",
              f"{self.pool_socket_uids!r} is not a comma-separated list of uids or *")
+        need(not self.step_socket or self.step_socket.startswith("/"), "step-socket",
+             f"{self.step_socket!r} is not an absolute path")
+        need(not self.step_socket_group or bool(self.step_socket), "step-socket-group",
+             "needs --step-socket (the socket it opens to the group)")
         need(not (self.num_pages and self.pool_bytes), "pool-bytes", "set --num-pages or --pool-bytes, not both")
         need(not (self.gpu_memory_fraction and (self.num_pages or self.pool_bytes)), "gpu-memory-fraction",
              "set one of --num-pages, --pool-bytes and --gpu-memory-fraction")

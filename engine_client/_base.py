@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from engine_client._lane import LaneChoice
 from engine_client.errors import restarted
 from engine_client.options import ClientOptions
 from kvcache_common.heap import keep_heap
@@ -34,6 +35,8 @@ class ClientBase:
         token = self.options.auth_token
         self._base_md: Metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._md: Metadata = self._base_md
+        self._lane_choice = LaneChoice()
+        """Whether Steps take the step lane (learnt from GetPoolInfo; see `_lane`)."""
         keep_heap()  # once per process: large Step messages reuse freed heap (kvcache_common/heap.py)
 
     def _metadata(self, pinned: bool) -> Metadata:

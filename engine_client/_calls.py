@@ -85,8 +85,14 @@ def registered(client: ClientBase, lease: EngineLease) -> None:
 # ---------------------------------------------------------------------- pool and leases
 
 
+def _learn_pool(client: ClientBase, info: PoolInfo) -> None:
+    """The step lane the service announces (the client's Steps take it where it can open it), and the instance."""
+    client._lane_choice.learn(info.step_socket)
+    client._learn(info.instance_id)
+
+
 def get_pool_info() -> Call[pb.GetPoolInfoResponse, PoolInfo]:
-    return Call("GetPoolInfo", pb.GetPoolInfoRequest(), codec.pool_info, pinned=False, after=_learn_instance)
+    return Call("GetPoolInfo", pb.GetPoolInfoRequest(), codec.pool_info, pinned=False, after=_learn_pool)
 
 
 def register_engine(engine_id: str, ttl_seconds: float) -> Call[pb.RegisterEngineResponse, EngineLease]:

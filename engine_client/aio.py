@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import grpc
 import grpc.aio
@@ -18,9 +18,10 @@ from engine_client import _codec as codec
 from engine_client._base import ClientBase
 from engine_client._calls import Call
 from engine_client._codec import TokensLike
+from engine_client._lane import AsyncStepLane
 from engine_client.errors import KVCacheClientError, LeaseExpired, ServiceUnavailable, error_from_rpc
 from engine_client.options import ClientOptions, open_channel
-from engine_client.step import StepBatch, StepOutcome, step_method
+from engine_client.step import StepBatch, StepOutcome, StepWire, step_method
 from engine_client.types import (
     AppendResult,
     CloseResult,
@@ -51,6 +52,9 @@ class AsyncKVCacheClient(ClientBase):
         self._heartbeat: asyncio.Task[None] | None = None
         self._holder: asyncio.Task[None] | None = None
         self._held_call: Any = None
+        self._lane: AsyncStepLane | None = None
+        self._lane_lock = asyncio.Lock()
+        """One Step at a time on the lane's connection."""
         self.lease_error: KVCacheClientError | None = None
         """Why the lease is lost, if it is (see KVCacheClient.lease_error)."""
 
@@ -147,8 +151,39 @@ class AsyncKVCacheClient(ClientBase):
 
     async def step(self, batch: StepBatch) -> list[StepOutcome[Any]]:
         """Send `batch` as one Step: every op's outcome (result or typed error) fills in place and is returned;
-        only a request-level failure (auth, a restarted service, too many ops) raises."""
-        return await self._run(calls.step(self, batch))
+        only a request-level failure (auth, a restarted service, too many ops) raises. It takes the step lane
+        as KVCacheClient.step does."""
+        call = calls.step(self, batch)
+        if self.options.step_lane:
+            if self._lane_choice.path is None:
+                with contextlib.suppress(KVCacheClientError):  # a failure leaves the Step to gRPC's answer
+                    await self.get_pool_info()
+            if self._lane_choice.path:
+                async with self._lane_lock:
+                    lane = await self._lane_connected()
+                    if lane is not None:
+                        response = await lane.step(cast(StepWire, call.request).data, self.instance_id,
+                                                   self.options.timeout_seconds)
+                        return call.finish(self, response)
+        return await self._run(call)
+
+    async def _lane_connected(self) -> AsyncStepLane | None:
+        """As KVCacheClient._lane_connected."""
+        lane = self._lane
+        if lane is not None and lane.connected:
+            return lane
+        choice = self._lane_choice
+        if not choice.may_connect():
+            return None
+        assert choice.path
+        lane = AsyncStepLane(choice.path)
+        try:
+            await lane.connect(self.options.auth_token, self.options.timeout_seconds)
+        except (OSError, ValueError, asyncio.IncompleteReadError):
+            choice.connect_failed()
+            return None
+        self._lane = lane
+        return lane
 
     async def commit_session(self, session_id: str, tokens: TokensLike = b"", *, kv_tokens: int | None = None,
                              abort: bool = False, turn: int = 0, epoch: int = 0) -> CommitResult:
@@ -217,6 +252,8 @@ class AsyncKVCacheClient(ClientBase):
     async def close(self) -> None:
         await self.stop_heartbeats()
         await self._stop_holding()
+        if self._lane is not None:
+            self._lane.close()
         await self._channel.close()
 
     async def __aenter__(self) -> AsyncKVCacheClient:

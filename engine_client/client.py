@@ -11,9 +11,10 @@ lasts exactly as long as this client (or its process) does, and a stopped proces
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import grpc
 
@@ -22,9 +23,10 @@ from engine_client import _codec as codec
 from engine_client._base import ClientBase
 from engine_client._calls import Call
 from engine_client._codec import TokensLike
+from engine_client._lane import StepLane
 from engine_client.errors import KVCacheClientError, LeaseExpired, ServiceUnavailable, error_from_rpc
 from engine_client.options import ClientOptions, open_channel
-from engine_client.step import StepBatch, StepOutcome, step_method
+from engine_client.step import StepBatch, StepOutcome, StepWire, step_method
 from engine_client.types import (
     AppendResult,
     CloseResult,
@@ -54,6 +56,9 @@ class KVCacheClient(ClientBase):
         self._stub.Step = step_method(self._channel)  # sends a StepBatch's wire bytes as they are
         self._heartbeat: _HeartbeatThread | None = None
         self._holder: _LeaseHolder | None = None
+        self._lane: StepLane | None = None
+        self._lane_lock = threading.Lock()
+        """One Step at a time on the lane's connection (the client is thread-safe)."""
 
     def _run(self, call: Call[Any, T]) -> T:
         rpc = getattr(self._stub, call.method)
@@ -114,8 +119,45 @@ class KVCacheClient(ClientBase):
 
     def step(self, batch: StepBatch) -> list[StepOutcome[Any]]:
         """Send `batch` as one Step: every op's outcome (result or typed error) fills in place and is returned;
-        only a request-level failure (auth, a restarted service, too many ops) raises."""
-        return self._run(calls.step(self, batch))
+        only a request-level failure (auth, a restarted service, too many ops) raises.
+
+        It goes over the step lane when the service announces one and it can be opened (see `_lane`), else
+        over gRPC; a lane that breaks mid-call raises `StepLaneBroken` (a ServiceUnavailable)."""
+        call = calls.step(self, batch)
+        if self.options.step_lane:
+            if self._lane_choice.path is None:
+                self._probe_lane()
+            if self._lane_choice.path:
+                with self._lane_lock:
+                    lane = self._lane_connected()
+                    if lane is not None:
+                        response = lane.step(cast(StepWire, call.request).data, self.instance_id,
+                                             self.options.timeout_seconds)
+                        return call.finish(self, response)
+        return self._run(call)
+
+    def _probe_lane(self) -> None:
+        """Ask GetPoolInfo once whether the service has a lane (a failure leaves the Step to gRPC's answer)."""
+        with contextlib.suppress(KVCacheClientError):
+            self.get_pool_info()
+
+    def _lane_connected(self) -> StepLane | None:
+        """The lane's connection, connecting when there is none and a connect may be tried; None: use gRPC."""
+        lane = self._lane
+        if lane is not None and lane.connected:
+            return lane
+        choice = self._lane_choice
+        if not choice.may_connect():
+            return None
+        assert choice.path
+        lane = StepLane(choice.path)
+        try:
+            lane.connect(self.options.auth_token, self.options.timeout_seconds)
+        except (OSError, ValueError):
+            choice.connect_failed()
+            return None
+        self._lane = lane
+        return lane
 
     def commit_session(self, session_id: str, tokens: TokensLike = b"", *, kv_tokens: int | None = None,
                        abort: bool = False, turn: int = 0, epoch: int = 0) -> CommitResult:
@@ -194,6 +236,9 @@ class KVCacheClient(ClientBase):
         """Stop heartbeats, let go of a held lease (the service releases its sessions at once), close."""
         self.stop_heartbeats()
         self._stop_holding()
+        with self._lane_lock:
+            if self._lane is not None:
+                self._lane.close()
         self._channel.close()
 
     def __enter__(self) -> KVCacheClient:

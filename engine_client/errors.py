@@ -54,6 +54,9 @@ class ServiceUnavailable(KVCacheClientError):
     """The service could not be reached or did not answer in time; also a failed TLS handshake (a CA that
     did not sign the service's certificate, a client certificate missing or refused under mutual TLS, TLS
     against a plaintext service or the reverse), with gRPC's message."""
+class StepLaneBroken(ServiceUnavailable):
+    """The step lane's connection broke (or outlived the call's deadline) mid-call: the Step may or may not
+    have been applied. The client's next call connects again, or goes over gRPC."""
 class InternalError(KVCacheClientError): ...
 
 

@@ -38,6 +38,9 @@ class ClientOptions:
     max_message_bytes: int = 64 << 20
     auth_token: str = ""
     """Sent as 'authorization: Bearer <token>' when the service runs with --auth-token."""
+    step_lane: bool = True
+    """Send Steps over the service's step lane (a unix socket, `GetPoolInfo.step_socket`) when it announces one
+    and this process can open it; False: always gRPC."""
     wait_for_ready: bool = False
     """Queue calls while the channel connects instead of failing fast with UNAVAILABLE."""
     tls_ca_file: str = ""

@@ -32,6 +32,8 @@ class PoolInfo:
     server_version: str
     pool_socket: str = ""
     """host_memfd, cuda_vmm: the unix socket that hands the pool over (a path, or @name)."""
+    step_socket: str = ""
+    """The step lane's unix socket path ("" when the service serves none): the clients' Steps take it."""
 
 
 @dataclass(frozen=True, slots=True)

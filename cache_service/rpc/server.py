@@ -13,6 +13,7 @@ import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import grpc
 import grpc.aio
@@ -86,6 +87,14 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
 ]
 
 
+class _MethodDetails:
+    """What a generic handler is asked for a method by (a grpc.HandlerCallDetails)."""
+
+    def __init__(self, method: str) -> None:
+        self.method = method
+        self.invocation_metadata = ()
+
+
 @dataclass(frozen=True, repr=False)
 class ServerTls:
     """PEM material of a TLS listener, read and checked by start-up. With `client_ca`, clients must present a
@@ -124,6 +133,8 @@ class RpcSettings:
     """Who may call (no tokens: everyone, as the anonymous admin)."""
     tls: ServerTls | None = None
     """None: plaintext (`add_insecure_port`)."""
+    step_socket: str = ""
+    """The step lane's socket path GetPoolInfo announces ("": no lane); start-up serves it (step_lane.py)."""
 
 
 class RpcServer:
@@ -140,7 +151,7 @@ class RpcServer:
         self.servicer = servicer = KVCacheServicer(core, layout, handle, instance_id=instance_id,
                                    max_request_tokens=settings.max_request_tokens,
                                    max_step_ops=settings.max_step_ops, metrics=metrics, events=events, clock=clock,
-                                   tier=tier)
+                                   tier=tier, step_socket=settings.step_socket)
         interceptor = ServiceInterceptor(metrics, instance_id=instance_id, identities=settings.identities,
                                          after=events.poke)
         self._server = grpc.aio.server(options=[
@@ -148,7 +159,11 @@ class RpcServer:
             ("grpc.max_receive_message_length", settings.max_message_bytes),
             ("grpc.max_send_message_length", settings.max_message_bytes),
         ])
-        self._server.add_generic_rpc_handlers((interceptor.service_handler(servicer),))
+        handlers = interceptor.service_handler(servicer)
+        self._server.add_generic_rpc_handlers((handlers,))
+        self.step_method: grpc.RpcMethodHandler = handlers.service(
+            cast(grpc.HandlerCallDetails, _MethodDetails(f"/{SERVICE_NAME}/Step")))
+        """Step as the gRPC server runs it (decoding, the interceptor, the handler): the step lane runs it too."""
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection((SERVICE_NAME, HEALTH_NAME, reflection.SERVICE_NAME), self._server)
 

@@ -51,7 +51,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
     def __init__(self, core: KVCacheCore, layout: PoolLayout, handle: PoolHandle, *, instance_id: str,
                  max_request_tokens: int, events: EventHub, max_step_ops: int = 4096,
                  metrics: Metrics | None = None, clock: Callable[[], float] = time.monotonic,
-                 tier: TierService | None = None) -> None:
+                 tier: TierService | None = None, step_socket: str = "") -> None:
         self.core = core
         self.tier = tier
         """The tier beyond the pool (--tier), None without one; GetStats reports it."""
@@ -72,7 +72,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             backend=handle.backend, shm_path=handle.shm_path, cuda_ipc_handle=handle.cuda_ipc_handle,
             device_uuid=handle.device_uuid, size_bytes=handle.size_bytes, instance_id=instance_id,
             offset_bytes=handle.offset_bytes, page_bytes=layout.page_bytes, server_version=__version__,
-            pool_socket=handle.pool_socket,
+            pool_socket=handle.pool_socket, step_socket=step_socket,
         )
         self._fills: dict[str, Fill] = {"open": self._open, "append": self._append, "extend": self._extend,
                                         "commit": self._commit, "close": self._close, "match": self._match}

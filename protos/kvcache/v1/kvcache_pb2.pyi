@@ -95,7 +95,7 @@ class GetPoolInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetPoolInfoResponse(_message.Message):
-    __slots__ = ("layout", "backend", "shm_path", "cuda_ipc_handle", "device_uuid", "size_bytes", "instance_id", "offset_bytes", "page_bytes", "server_version", "pool_socket")
+    __slots__ = ("layout", "backend", "shm_path", "cuda_ipc_handle", "device_uuid", "size_bytes", "instance_id", "offset_bytes", "page_bytes", "server_version", "pool_socket", "step_socket")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class GetPoolInfoResponse(_message.Message):
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     POOL_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    STEP_SOCKET_FIELD_NUMBER: _ClassVar[int]
     layout: PoolLayout
     backend: str
     shm_path: str
@@ -118,7 +119,8 @@ class GetPoolInfoResponse(_message.Message):
     page_bytes: int
     server_version: str
     pool_socket: str
-    def __init__(self, layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., backend: _Optional[str] = ..., shm_path: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., device_uuid: _Optional[str] = ..., size_bytes: _Optional[int] = ..., instance_id: _Optional[str] = ..., offset_bytes: _Optional[int] = ..., page_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., pool_socket: _Optional[str] = ...) -> None: ...
+    step_socket: str
+    def __init__(self, layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., backend: _Optional[str] = ..., shm_path: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., device_uuid: _Optional[str] = ..., size_bytes: _Optional[int] = ..., instance_id: _Optional[str] = ..., offset_bytes: _Optional[int] = ..., page_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., pool_socket: _Optional[str] = ..., step_socket: _Optional[str] = ...) -> None: ...
 
 class RegisterEngineRequest(_message.Message):
     __slots__ = ("engine_id", "ttl_seconds")

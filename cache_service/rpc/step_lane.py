@@ -1,0 +1,357 @@
+"""The step lane: `Step` over a unix-domain socket of the service (DESIGN §10, `--step-socket`).
+
+Frames are `kvcache_common.step_lane`'s: a hello, then STEP frames carrying the gRPC method's own request
+bytes, each answered before the next is read. A Step that arrives here runs through the very handler the gRPC
+server runs for `Step` (`ServiceInterceptor`'s wrapping of `KVCacheServicer.Step`: decoding, the instance pin,
+the caller's identity from the hello's bearer token, `--max-step-ops`, refusals, metrics, logs); only the
+transport differs. A request-level refusal comes back as the google.rpc.Status the gRPC call would abort with.
+
+Who may connect: the socket file's mode (0600, or 0660 with `group`); with tokens configured, the first
+frame's bearer token must resolve to an identity, or the connection gets BAD_TOKEN and is closed: nothing is
+applied before a valid hello. Each connection's peer credentials (SO_PEERCRED) are logged when it opens and
+closes.
+
+Bounds: at most `max_connections` at once (more are closed at accept); a hello must arrive within
+`timeout_seconds` of the connection, and each later frame within `timeout_seconds` of its first byte (a
+connection may idle between frames); a frame longer than `max_message_bytes` is refused RESOURCE_EXHAUSTED
+and its connection closed unread; an answer the peer does not read within `timeout_seconds` closes it. A
+frame that breaks the protocol closes its connection with one logged reason and changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import grp
+import os
+import socket
+import struct
+from typing import Any
+
+import grpc
+from google.rpc import code_pb2, status_pb2
+
+from cache_service.core import KVCacheError, Reason
+from cache_service.log import get_logger
+from cache_service.rpc.errors import status_proto
+from cache_service.rpc.identity import Identities
+from cache_service.rpc.interceptor import AUTH_HEADER, INSTANCE_HEADER
+from cache_service.rpc.server import claim_unix_path
+from kvcache_common import step_lane as wire
+
+_UCRED = struct.Struct("3i")
+_STATUS_DETAILS_KEY = "grpc-status-details-bin"
+
+
+def parse_group(text: str) -> int | None:
+    """--step-socket-group: "" -> None (the service's own group, mode 0600), else a group name or gid."""
+    text = text.strip()
+    if not text:
+        return None
+    if text.isdigit():
+        return int(text)
+    try:
+        return grp.getgrnam(text).gr_gid
+    except KeyError:
+        raise ValueError(f"no group named {text!r} on this host") from None
+
+
+class _Refused(Exception):
+    """What the lane's context raises where a gRPC context would abort: the status to send back."""
+
+    def __init__(self, status: bytes) -> None:
+        self.status = status
+
+
+class _LaneContext:
+    """The part of a grpc.aio context the interceptor's wrapping uses: the call's metadata (the hello's bearer
+    token and the frame's instance pin) and the two ways it aborts, which become a REFUSED frame."""
+
+    __slots__ = ("metadata",)
+
+    def __init__(self, metadata: tuple[tuple[str, Any], ...]) -> None:
+        self.metadata = metadata
+
+    def invocation_metadata(self) -> tuple[tuple[str, Any], ...]:
+        return self.metadata
+
+    async def abort_with_status(self, status: grpc.Status) -> None:
+        for key, value in status.trailing_metadata or ():
+            if key == _STATUS_DETAILS_KEY:
+                raise _Refused(value)
+        raise _Refused(status_pb2.Status(code=status.code.value[0], message=status.details).SerializeToString())
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise _Refused(status_pb2.Status(code=code.value[0], message=details).SerializeToString())
+
+
+class _Connection(asyncio.BufferedProtocol):
+    """One peer of the lane. Frames are read straight into their own buffers (the header's 8 bytes, then a
+    bytearray of the payload's length), so nothing is buffered beyond the frame being read; while a Step runs
+    and until its answer is written out, the connection reads nothing (one request at a time). Timers, not
+    tasks, bound the hello and each frame; a Step runs as a task on the loop."""
+
+    def __init__(self, lane: StepLaneServer) -> None:
+        self._lane = lane
+        self._loop = asyncio.get_running_loop()
+        self._transport: asyncio.Transport | None = None
+        self._peer: dict[str, int] = {}
+        self._head = bytearray(wire.HEADER_BYTES)
+        self._view = memoryview(self._head)
+        self._got = 0
+        """Bytes of the current header (in `_head`) or payload (in `_payload`) read so far."""
+        self._kind = self._pin = 0
+        self._payload: bytearray | None = None
+        """The payload being read (None: a header is being read)."""
+        self._auth = b""
+        self._metadata: tuple[tuple[str, Any], ...] = ()
+        self._hello_done = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._closed = False
+        self._drained: asyncio.Future[None] | None = None
+
+    # ------------------------------------------------------------------ the transport's callbacks
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        lane = self._lane
+        sock = transport.get_extra_info("socket")
+        pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+        self._peer = {"peer_pid": pid, "peer_uid": uid, "peer_gid": gid}
+        if len(lane.connections) >= lane.max_connections:
+            self._close("too_many_connections", f"{len(lane.connections)} connections are open, the most "
+                        "--step-socket-max-connections allows")
+            return
+        lane.connections.add(self)
+        self._arm("a hello did not arrive whole")
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        payload = self._payload
+        if payload is None:
+            return self._view[self._got:]
+        return memoryview(payload)[self._got:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._closed:
+            return
+        self._got += nbytes
+        payload = self._payload
+        if payload is None:
+            if self._timer is None:  # the first bytes of a frame: the rest must follow in time
+                self._arm("a frame did not arrive whole")
+            if self._got < wire.HEADER_BYTES:
+                return
+            self._header()
+        elif self._got == len(payload):
+            self._frame(payload)
+
+    def pause_writing(self) -> None:
+        self._drained = self._loop.create_future()
+
+    def resume_writing(self) -> None:
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+        self._drained = None
+
+    def eof_received(self) -> bool:
+        return False  # close the transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self._closed:
+            self._closed = True
+            mid_frame = self._got or self._payload is not None
+            if mid_frame:
+                part = "payload" if self._payload is not None else "header"
+                self._lane.log.warning("step_lane_closed", reason="truncated", message=f"the peer closed the "
+                                       f"connection inside a frame ({self._got} bytes of its {part} read)",
+                                       **self._peer)
+            else:
+                self._lane.log.info("step_lane_disconnected", **self._peer)
+        self._disarm()
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+        self._lane.connections.discard(self)
+
+    # ------------------------------------------------------------------ frames
+
+    def _header(self) -> None:
+        expect = (wire.STEP,) if self._hello_done else (wire.HELLO, wire.STEP)
+        try:
+            kind, pin, length = wire.parse_header(self._head, expect=expect, max_length=self._lane.max_message_bytes)
+        except wire.TooLarge as e:
+            self._close("too_large", str(e), _status(code_pb2.RESOURCE_EXHAUSTED, str(e)))
+            return
+        except wire.FrameError as e:
+            self._close("bad_frame", str(e))
+            return
+        if kind == wire.HELLO and length > wire.MAX_HELLO:
+            self._close("bad_hello", f"a hello of {length} bytes (at most {wire.MAX_HELLO})")
+            return
+        self._kind, self._pin = kind, pin
+        self._got = 0
+        payload = self._payload = bytearray(length)
+        if not length:
+            self._frame(payload)
+
+    def _frame(self, payload: bytearray) -> None:
+        """A whole frame arrived: the hello, or a Step to run."""
+        self._disarm()
+        self._payload = None
+        self._got = 0
+        if not self._hello_done:
+            self._hello(payload)
+            return
+        pin = self._pin
+        metadata = self._metadata
+        request: bytearray | memoryview = payload
+        if pin:
+            metadata = (*metadata, (INSTANCE_HEADER, payload[:pin].decode("ascii", "replace")))
+            request = memoryview(payload)[pin:]
+        transport = self._transport
+        assert transport is not None
+        transport.pause_reading()  # one request at a time: nothing more is read until this one is answered
+        self._loop.create_task(self._step(request, metadata))
+
+    def _hello(self, token: bytearray) -> None:
+        lane = self._lane
+        if self._kind != wire.HELLO:
+            if not lane.identities.open:
+                err = KVCacheError(Reason.BAD_TOKEN, "the first frame on the step lane must be a hello carrying "
+                                   "the bearer token")
+            else:
+                err = KVCacheError(Reason.INVALID_ARGUMENT, "the first frame on the step lane must be a hello",
+                                   field="hello")
+            self._close("no_hello", err.message, status_proto(err).SerializeToString())
+            return
+        auth = b"Bearer " + token if token else b""
+        try:
+            lane.identities.resolve(auth)
+        except KVCacheError as e:
+            self._close("bad_token", e.message, status_proto(e).SerializeToString())
+            return
+        self._hello_done = True
+        self._metadata = ((AUTH_HEADER, auth),) if auth else ()
+        assert self._transport is not None
+        self._transport.write(lane.ready)
+        lane.log.info("step_lane_connected", **self._peer)
+
+    async def _step(self, request: bytearray | memoryview, metadata: tuple[tuple[str, Any], ...]) -> None:
+        lane = self._lane
+        try:
+            out = lane.encode(await lane.handle(lane.decode(request), _LaneContext(metadata)))
+            kind = wire.ANSWER
+        except _Refused as r:
+            out, kind = r.status, wire.REFUSED
+        except Exception:  # the handler maps every error to a status: this is the lane's own bug
+            lane.log.exception("step_lane_internal_error", **self._peer)
+            self._close("internal", "the lane failed to answer a Step; see the traceback above")
+            return
+        transport = self._transport
+        if self._closed or transport is None:
+            return
+        transport.write(wire.header(kind, len(out)))
+        transport.write(out)
+        if self._drained is not None:  # the peer is not reading: wait, but not for ever
+            self._arm("the peer did not read its answer", reason="not_reading")
+            await self._drained
+            self._disarm()
+        if not self._closed:
+            transport.resume_reading()
+
+    # ------------------------------------------------------------------ timers and closing
+
+    def _arm(self, what: str, reason: str = "timeout") -> None:
+        self._disarm()
+        timeout = self._lane.timeout_seconds
+        self._timer = self._loop.call_later(timeout, self._close, reason,
+                                            f"{what} within {timeout:g} s (--step-socket-timeout)")
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _close(self, reason: str, message: str, reply: bytes = b"") -> None:
+        """End the connection with one log line: `reason` (a short stable word) and `message`; `reply`, a
+        status, is sent first as a REFUSED frame."""
+        if self._closed:
+            return
+        self._closed = True
+        self._disarm()
+        transport = self._transport
+        assert transport is not None
+        if reply:
+            transport.write(wire.header(wire.REFUSED, len(reply)) + reply)
+            transport.close()  # what is written goes out first
+        else:
+            transport.abort()
+        self._lane.log.warning("step_lane_closed", reason=reason, message=message, **self._peer)
+        self._lane.connections.discard(self)
+
+    def abort(self) -> None:
+        self._closed = True
+        self._disarm()
+        if self._transport is not None:
+            self._transport.abort()
+
+
+class StepLaneServer:
+    """Serves `step` (the gRPC server's wrapped Step method handler) on the unix socket `path`, on the running
+    event loop. `start()`, then `close()`."""
+
+    def __init__(self, path: str, step: grpc.RpcMethodHandler, *, identities: Identities, instance_id: str,
+                 max_message_bytes: int, group: int | None = None, max_connections: int = 64,
+                 timeout_seconds: float = 5.0) -> None:
+        self.path = path
+        self.group = group
+        self.max_connections = max_connections
+        self.timeout_seconds = timeout_seconds
+        self.max_message_bytes = max_message_bytes
+        self.decode = step.request_deserializer
+        self.handle = step.unary_unary
+        self.encode = step.response_serializer
+        self.identities = identities
+        self.ready = wire.header(wire.READY, len(instance_id)) + instance_id.encode()
+        self.connections: set[_Connection] = set()
+        self.log = get_logger("kvcache.step_lane")
+        self.removed_stale_socket = ""
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> None:
+        """Bind `path` (mode 0600, or 0660 owned by `group`; a stale socket file is replaced, a live one
+        refused with OSError naming the path) and accept connections."""
+        self.removed_stale_socket = claim_unix_path(self.path, f"serve the step lane on {self.path}")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            old = os.umask(0o177)  # the socket file is 0600 from the moment it exists
+            try:
+                sock.bind(self.path)
+            finally:
+                os.umask(old)
+            if self.group is not None:
+                os.chown(self.path, -1, self.group)
+                os.chmod(self.path, 0o660)
+            sock.listen(max(16, self.max_connections))
+        except OSError as e:
+            sock.close()
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            raise OSError(f"cannot serve the step lane on {self.path}: {e.strerror}") from None
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(lambda: _Connection(self), sock=sock)
+
+    async def close(self) -> None:
+        """Stop accepting, end every connection, remove the socket file."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for connection in list(self.connections):
+            connection.abort()
+        self.connections.clear()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+def _status(code: int, message: str) -> bytes:
+    return bytes(status_pb2.Status(code=code, message=message).SerializeToString())

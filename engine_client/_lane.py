@@ -1,0 +1,214 @@
+"""The step lane from the engine's side: `Step` over the service's unix socket (DESIGN §10).
+
+The clients' `step` takes the lane when the service announces one (`GetPoolInfo.step_socket`) and this
+process can open it, else gRPC; callers see no difference. `LaneChoice` keeps that decision for a client:
+the announced path (learnt from the first GetPoolInfo answer, asked for once if nothing asked before), the
+connection, and when to try connecting again after a connect failed (until then Steps go over gRPC).
+
+A connection says hello once (the client's bearer token) and then carries one Step at a time: the request's
+bytes as the clients build them for gRPC, with the instance id the client pins, and answers the
+StepResponse bytes, or the google.rpc.Status of a refused call, raised as the same typed error gRPC's would
+be. A connection that breaks or outlives the call's deadline mid-call raises `StepLaneBroken` and is closed;
+the next call connects again (or, when that fails, goes over gRPC).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Callable
+
+import grpc
+from google.rpc import status_pb2
+
+from engine_client.errors import KVCacheClientError, StepLaneBroken, error_from_status
+from kvcache_common import step_lane as wire
+from protos.kvcache.v1 import kvcache_pb2 as pb
+
+RETRY_SECONDS = 2.0
+"""After a failed connect, Steps go over gRPC this long before the lane is tried again."""
+_MAX_ANSWER = 1 << 31
+"""The client reads whatever answer length the service sends (the service bounds what it writes)."""
+
+
+class LaneChoice:
+    """Whether a client's Steps take the lane: the announced path ("" none; None not known yet) and when a
+    connect may be tried again. Shared logic of both clients; no I/O here."""
+
+    __slots__ = ("_clock", "path", "retry_at")
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.path: str | None = None
+        self.retry_at = 0.0
+        self._clock = clock
+
+    def learn(self, step_socket: str) -> None:
+        """A GetPoolInfo answer's `step_socket`: the lane to use from now on ("" none)."""
+        if step_socket != self.path:
+            self.path = step_socket
+            self.retry_at = 0.0
+
+    def may_connect(self) -> bool:
+        return bool(self.path) and self._clock() >= self.retry_at
+
+    def connect_failed(self) -> None:
+        self.retry_at = self._clock() + RETRY_SECONDS
+
+
+def _hello(token: str) -> bytes:
+    data = token.encode()
+    return wire.header(wire.HELLO, len(data)) + data
+
+
+def _refused(payload: bytes | bytearray) -> KVCacheClientError:
+    return error_from_status(status_pb2.Status.FromString(bytes(payload)))
+
+
+def _broken(path: str, why: str, deadline: bool = False) -> StepLaneBroken:
+    code = grpc.StatusCode.DEADLINE_EXCEEDED if deadline else grpc.StatusCode.UNAVAILABLE
+    return StepLaneBroken(code, "", f"the step lane {path} broke mid-call: {why}; the Step may or may not have "
+                          "been applied (the next call connects again, or goes over gRPC)")
+
+
+class StepLane:
+    """One blocking connection to a step lane. `connect` (hello), then `step` for each call; `close`."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.instance_id = ""
+        self._sock: socket.socket | None = None
+        self._head = bytearray(wire.HEADER_BYTES)
+
+    def connect(self, token: str, timeout: float) -> None:
+        """Open the socket and say hello. OSError when it cannot be opened (the caller then uses gRPC); the
+        typed error of a refused hello (BadToken)."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(self.path)
+            sock.sendall(_hello(token))
+            kind, payload = self._read(sock, (wire.READY, wire.REFUSED))
+        except BaseException:
+            sock.close()
+            raise
+        if kind == wire.REFUSED:
+            sock.close()
+            raise _refused(payload)
+        self.instance_id = bytes(payload).decode("ascii")
+        self._sock = sock
+
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
+    def step(self, data: bytes, pin: str, timeout: float) -> pb.StepResponse:
+        """Send one StepRequest's bytes (`pin`: the instance id the call pins, "" none) and read its answer.
+        The call's refusal raises its typed error; a broken connection StepLaneBroken (and closes it)."""
+        sock = self._sock
+        assert sock is not None, "connect() first"
+        pinned = pin.encode()
+        try:
+            sock.settimeout(timeout)
+            sock.sendmsg((wire.header(wire.STEP, len(pinned) + len(data), len(pinned)), pinned, data))
+            kind, payload = self._read(sock, (wire.ANSWER, wire.REFUSED))
+        except TimeoutError:
+            self.close()
+            raise _broken(self.path, f"no answer within {timeout:g} s", deadline=True) from None
+        except (OSError, ValueError) as e:
+            self.close()
+            raise _broken(self.path, str(e) or type(e).__name__) from None
+        if kind == wire.REFUSED:
+            raise _refused(payload)
+        return pb.StepResponse.FromString(payload)  # type: ignore[arg-type]  # upb parses any buffer
+
+    def _read(self, sock: socket.socket, expect: tuple[int, ...]) -> tuple[int, bytearray]:
+        head = self._head
+        _recv_into(sock, memoryview(head))
+        kind, _, length = wire.parse_header(head, expect=expect, max_length=_MAX_ANSWER)
+        payload = bytearray(length)
+        _recv_into(sock, memoryview(payload))
+        return kind, payload
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    while view:
+        n = sock.recv_into(view)
+        if not n:
+            raise ConnectionResetError("the service closed the connection")
+        view = view[n:]
+
+
+class AsyncStepLane:
+    """`StepLane` for the asyncio client: one connection on the running loop."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.instance_id = ""
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+
+    async def connect(self, token: str, timeout: float) -> None:
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(self.path, limit=1 << 20), timeout)
+        except asyncio.TimeoutError:
+            raise OSError(f"cannot connect to {self.path} within {timeout:g} s") from None
+        try:
+            writer.write(_hello(token))
+            kind, payload = await asyncio.wait_for(_aread(reader, (wire.READY, wire.REFUSED)), timeout)
+        except asyncio.TimeoutError:
+            writer.close()
+            raise OSError(f"no hello answer from {self.path} within {timeout:g} s") from None
+        except BaseException:
+            writer.close()
+            raise
+        if kind == wire.REFUSED:
+            writer.close()
+            raise _refused(payload)
+        self.instance_id = payload.decode("ascii")
+        self._reader, self._writer = reader, writer
+
+    @property
+    def connected(self) -> bool:
+        return self._writer is not None
+
+    async def step(self, data: bytes, pin: str, timeout: float) -> pb.StepResponse:
+        reader, writer = self._reader, self._writer
+        assert reader is not None and writer is not None, "connect() first"
+        pinned = pin.encode()
+        try:
+            writer.write(wire.header(wire.STEP, len(pinned) + len(data), len(pinned)))
+            if pinned:
+                writer.write(pinned)
+            writer.write(data)
+            kind, payload = await asyncio.wait_for(self._exchange(writer, reader), timeout)
+        except asyncio.TimeoutError:
+            self.close()
+            raise _broken(self.path, f"no answer within {timeout:g} s", deadline=True) from None
+        except (OSError, ValueError, asyncio.IncompleteReadError) as e:
+            self.close()
+            raise _broken(self.path, str(e) or type(e).__name__) from None
+        if kind == wire.REFUSED:
+            raise _refused(payload)
+        return pb.StepResponse.FromString(payload)
+
+    @staticmethod
+    async def _exchange(writer: asyncio.StreamWriter, reader: asyncio.StreamReader) -> tuple[int, bytes]:
+        await writer.drain()
+        return await _aread(reader, (wire.ANSWER, wire.REFUSED))
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._reader = self._writer = None
+
+
+async def _aread(reader: asyncio.StreamReader, expect: tuple[int, ...]) -> tuple[int, bytes]:
+    head = await reader.readexactly(wire.HEADER_BYTES)
+    kind, _, length = wire.parse_header(head, expect=expect, max_length=_MAX_ANSWER)
+    return kind, await reader.readexactly(length)
