@@ -95,6 +95,21 @@ def get_pool_info() -> Call[pb.GetPoolInfoResponse, PoolInfo]:
     return Call("GetPoolInfo", pb.GetPoolInfoRequest(), codec.pool_info, pinned=False, after=_learn_pool)
 
 
+def _step_socket(r: pb.GetPoolInfoResponse) -> str:
+    return r.step_socket
+
+
+def _learn_lane(client: ClientBase, step_socket: str) -> None:
+    client._lane_choice.learn(step_socket)
+
+
+def probe_lane() -> Call[pb.GetPoolInfoResponse, str]:
+    """GetPoolInfo asked by the clients' `step` before their first Step, when nothing asked it before: it
+    learns only whether the service announces a step lane (the Step itself stays as it would be, pinned to
+    an instance only if one was learnt already)."""
+    return Call("GetPoolInfo", pb.GetPoolInfoRequest(), _step_socket, pinned=False, after=_learn_lane)
+
+
 def register_engine(engine_id: str, ttl_seconds: float) -> Call[pb.RegisterEngineResponse, EngineLease]:
     """The lease's engine id (the service's choice when `engine_id` is empty) becomes the client's."""
     return Call("RegisterEngine", pb.RegisterEngineRequest(engine_id=engine_id, ttl_seconds=ttl_seconds),

@@ -157,7 +157,7 @@ class AsyncKVCacheClient(ClientBase):
         if self.options.step_lane:
             if self._lane_choice.path is None:
                 with contextlib.suppress(KVCacheClientError):  # a failure leaves the Step to gRPC's answer
-                    await self.get_pool_info()
+                    await self._run(calls.probe_lane())
             if self._lane_choice.path:
                 async with self._lane_lock:
                     lane = await self._lane_connected()

@@ -139,7 +139,7 @@ class KVCacheClient(ClientBase):
     def _probe_lane(self) -> None:
         """Ask GetPoolInfo once whether the service has a lane (a failure leaves the Step to gRPC's answer)."""
         with contextlib.suppress(KVCacheClientError):
-            self.get_pool_info()
+            self._run(calls.probe_lane())
 
     def _lane_connected(self) -> StepLane | None:
         """The lane's connection, connecting when there is none and a connect may be tried; None: use gRPC."""

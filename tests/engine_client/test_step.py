@@ -177,6 +177,16 @@ class StepStub:
 
         return answer()
 
+    def GetPoolInfo(self, request: Any, **kwargs: Any) -> Any:
+        """The clients ask once whether the service announces a step lane: this one does not."""
+        if not self.asynchronous:
+            return pb.GetPoolInfoResponse()
+
+        async def answer() -> Any:
+            return pb.GetPoolInfoResponse()
+
+        return answer()
+
 
 RESPONSE = pb.StepResponse(results=[
     pb.StepResult(open=pb.OpenSessionResponse(session_id="s", epoch=1, instance_id="i9")),
