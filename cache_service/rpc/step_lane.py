@@ -160,12 +160,12 @@ class _Connection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if not self._closed:
             self._closed = True
-            mid_frame = self._got or self._payload is not None
-            if mid_frame:
-                part = "payload" if self._payload is not None else "header"
+            payload = self._payload
+            if self._got or payload is not None:
+                size, part = (len(payload), "payload") if payload is not None else (wire.HEADER_BYTES, "header")
                 self._lane.log.warning("step_lane_closed", reason="truncated", message=f"the peer closed the "
-                                       f"connection inside a frame ({self._got} bytes of its {part} read)",
-                                       **self._peer)
+                                       f"connection inside a frame ({self._got} of the {size} bytes of its {part} "
+                                       "read)", **self._peer)
             else:
                 self._lane.log.info("step_lane_disconnected", **self._peer)
         self._disarm()
@@ -279,6 +279,8 @@ class _Connection(asyncio.BufferedProtocol):
             return
         self._closed = True
         self._disarm()
+        self._lane.log.warning("step_lane_closed", reason=reason, message=message, **self._peer)
+        self._lane.connections.discard(self)
         transport = self._transport
         assert transport is not None
         if reply:
@@ -286,8 +288,6 @@ class _Connection(asyncio.BufferedProtocol):
             transport.close()  # what is written goes out first
         else:
             transport.abort()
-        self._lane.log.warning("step_lane_closed", reason=reason, message=message, **self._peer)
-        self._lane.connections.discard(self)
 
     def abort(self) -> None:
         self._closed = True
