@@ -6,6 +6,7 @@
     python -m bench.scheduler_bench --against 892c43c   # the server table of that commit and of this tree,
                                                         # side by side, rounds interleaved
     python -m bench.scheduler_bench --transport both    # over TCP loopback and a unix socket, rounds interleaved
+    python -m bench.scheduler_bench --transport all     # TCP gRPC, unix gRPC and the step lane, rounds interleaved
 
 The trace: page 16; 8 system prompts of 2,048 tokens; each request is a regular session whose prompt is one
 system prompt + 256 unique tokens (2,304 tokens), with 64 tokens generated over 4 steps: the engine reserves
@@ -202,7 +203,9 @@ class Phase:
 
 
 def server_table(steps: int, warmup: int, transport: str = "tcp") -> dict[str, Phase]:
-    from engine_client import KVCacheClient, StepBatch
+    """The server table over `transport`: "tcp" or "unix" (gRPC), or "lane" (the step lane, --step-socket;
+    everything else over TCP gRPC)."""
+    from engine_client import ClientOptions, KVCacheClient, StepBatch
     from protos.kvcache.v1 import kvcache_pb2 as pb
 
     class TimedBatch(StepBatch):
@@ -244,14 +247,17 @@ def server_table(steps: int, warmup: int, transport: str = "tcp") -> dict[str, P
                     assert delta.size or o.kind == "append"
         return ok
 
-    sockdir = tempfile.mkdtemp(prefix="kvsched-") if transport == "unix" else None
-    listen = f"unix:{sockdir}/kvcache.sock" if sockdir else "127.0.0.1:0"
-    proc, target, metrics_port = start_server(listen=listen)
+    sockdir = tempfile.mkdtemp(prefix="kvsched-") if transport in ("unix", "lane") else None
+    listen = f"unix:{sockdir}/kvcache.sock" if transport == "unix" else "127.0.0.1:0"
+    lane = ("--step-socket", f"{sockdir}/step.sock") if transport == "lane" else ()
+    proc, target, metrics_port = start_server(*lane, listen=listen)
     phases = {name: Phase() for name in ("§9 Step", "empty Step", "refusal Step")}
     try:
-        if sockdir and not target.startswith("unix:"):
+        if transport == "unix" and not target.startswith("unix:"):
             raise SystemExit(f"scheduler_bench: asked for a unix socket, the service listens on {target}")
-        client = KVCacheClient(target)
+        client = KVCacheClient(target, ClientOptions(step_lane=transport == "lane"))
+        if transport == "lane" and client.get_pool_info().step_socket != lane[1]:
+            raise SystemExit(f"scheduler_bench: the service does not announce its step lane {lane[1]}")
         client.register_engine("bench-engine", ttl_seconds=600.0, hold=False)
         trace = Trace()
         live = [f"idle{i}" for i in range(PER_STEP)]  # open all along: opening them again is refused
@@ -262,6 +268,8 @@ def server_table(steps: int, warmup: int, transport: str = "tcp") -> dict[str, P
             fill(batch, trace.step())
             outcomes = client.step(batch)
             assert all(o.ok for o in outcomes), [o.error for o in outcomes if not o.ok][:3]
+        if transport == "lane" and client._lane is None:
+            raise SystemExit("scheduler_bench: the client could not open the step lane")
         plans = [trace.step() for _ in range(steps)]
         refused = refusals(live)
         gc.collect()
@@ -554,7 +562,8 @@ def alternate(runs: dict[str, tuple[str, str]], steps: int, rounds: int) -> int:
                 break
             if line:
                 print(line)
-    print("target: the §9 Step's client wall at most 1,300 us (moonshot 1,000 us); a refusal Step no dearer")
+    print("target: the §9 Step's client wall at most 1,300 us over gRPC (§9), 1,200 us over the step lane (§10; "
+          "moonshot 1,000 us); an empty Step under 50 us on the lane; a refusal Step no dearer")
     return 0
 
 
@@ -568,18 +577,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=4, help="rounds per tree with --against or --transport both")
     ap.add_argument("--no-build", action="store_true",
                     help="with --against: run REV's .py files (do not compile its hot path first)")
-    ap.add_argument("--transport", choices=["tcp", "unix", "both"], default="tcp",
-                    help="the server table over TCP loopback, a unix socket, or both (alternating rounds)")
+    ap.add_argument("--transport", choices=["tcp", "unix", "lane", "both", "all"], default="tcp",
+                    help="the server table over TCP loopback, a unix socket (gRPC), the step lane (--step-socket), "
+                         "or both gRPC ones / all three (alternating rounds)")
     ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # alternating rounds' child processes
     args = ap.parse_args(argv)
     steps, warmup = (8, 6) if args.quick else (args.steps, 20)
     if args.against:
-        if args.transport == "both":
-            ap.error("--against compares trees on one transport: pick tcp or unix")
+        if args.transport in ("both", "all"):
+            ap.error("--against compares trees on one transport: pick tcp, unix or lane")
         return against(args.against, steps, args.rounds, build=not args.no_build, transport=args.transport)
     if args.transport == "both":
         return alternate({"TCP loopback": (str(REPO), "tcp"), "unix socket": (str(REPO), "unix")}, steps,
                          args.rounds)
+    if args.transport == "all":
+        return alternate({"TCP gRPC": (str(REPO), "tcp"), "unix gRPC": (str(REPO), "unix"),
+                          "step lane": (str(REPO), "lane")}, steps, args.rounds)
     if args.json:
         print(_phases_json(server_table(steps, warmup, args.transport)))
         return 0
@@ -591,7 +604,8 @@ def main(argv: list[str] | None = None) -> int:
         k: [] for k in ("decode", "handle", "encode", "empty", "refusal", *KINDS)}, "")
     for line in report(phases, inproc):
         print(line)
-    print("target: the §9 Step's client wall at most 1,300 us (moonshot 1,000 us); a refusal Step no dearer")
+    print("target: the §9 Step's client wall at most 1,300 us over gRPC (§9), 1,200 us over the step lane (§10; "
+          "moonshot 1,000 us); an empty Step under 50 us on the lane; a refusal Step no dearer")
     if prof:
         print("\nHandler profile (cProfile, in this process, by own time):")
         print(prof)

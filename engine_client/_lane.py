@@ -110,7 +110,7 @@ class StepLane:
         pinned = pin.encode()
         try:
             sock.settimeout(timeout)
-            sock.sendmsg((wire.header(wire.STEP, len(pinned) + len(data), len(pinned)), pinned, data))
+            _send(sock, (wire.header(wire.STEP, len(pinned) + len(data), len(pinned)), pinned, data))
             kind, payload = self._read(sock, (wire.ANSWER, wire.REFUSED))
         except TimeoutError:
             self.close()
@@ -134,6 +134,17 @@ class StepLane:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+def _send(sock: socket.socket, parts: tuple[bytes, ...]) -> None:
+    """Write `parts` in one sendmsg where the socket takes them at once, else the rest as the peer reads."""
+    sent = sock.sendmsg(parts)
+    for part in parts:
+        if sent >= len(part):
+            sent -= len(part)
+            continue
+        sock.sendall(memoryview(part)[sent:])
+        sent = 0
 
 
 def _recv_into(sock: socket.socket, view: memoryview) -> None:

@@ -234,6 +234,25 @@ def test_steps_over_the_lane_answer_what_steps_over_grpc_answer(start_server: Ca
     assert len(connected) == 1 and "step_lane_connected" not in over_grpc.log_path.read_text()
 
 
+def test_a_step_larger_than_the_socket_buffers_goes_through_whole(lane: Lane) -> None:
+    """A request of 1.2 MB (a match of 300,000 token ids) is written and read in many pieces, both ways."""
+    tokens = np.arange(300_000, dtype=np.int32)
+
+    async def over_asyncio() -> Any:
+        async with AsyncKVCacheClient(lane.server.target, ClientOptions(auth_token=TOKEN)) as client:
+            batch = StepBatch()
+            outcome = batch.match(tokens)
+            await client.step(batch)
+            return outcome.value
+
+    with lane.client() as client:
+        batch = StepBatch()
+        matched = batch.match(tokens)
+        client.step(batch)
+    assert (matched.value.cached_tokens, matched.value.page_ids.size) == (0, 0)
+    assert asyncio.run(over_asyncio()).cached_tokens == 0
+
+
 def _refusal(call: Callable[[], Any]) -> tuple[str, Any, str, str]:
     with pytest.raises(KVCacheClientError) as info:
         call()
