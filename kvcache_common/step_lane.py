@@ -46,10 +46,12 @@ class FrameError(ValueError):
     """A frame header that breaks the protocol; the message says how, in one line."""
 
 
-def parse_header(data: bytes | bytearray, *, expect: tuple[int, ...], max_length: int) -> tuple[int, int, int]:
-    """(kind, pin, length) of a frame header whose kind is one of `expect`; FrameError otherwise. A payload
+def parse_header(data: bytes | bytearray | memoryview, *, expect: tuple[int, ...],
+                 max_length: int) -> tuple[int, int, int]:
+    """(kind, pin, length) of the frame header at the start of `data`, whose kind must be one of `expect`;
+    FrameError otherwise. A payload
     longer than `max_length` is `TooLarge` (a FrameError): the caller may say so before it closes."""
-    version, kind, pin, length = HEADER.unpack(data)
+    version, kind, pin, length = HEADER.unpack_from(data)
     if version != VERSION:
         raise FrameError(f"frame version {version}, this side speaks {VERSION}")
     if kind not in expect:

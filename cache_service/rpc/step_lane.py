@@ -26,6 +26,7 @@ import grp
 import os
 import socket
 import struct
+from collections.abc import Coroutine, Generator
 from typing import Any
 
 import grpc
@@ -41,6 +42,12 @@ from kvcache_common import step_lane as wire
 
 _UCRED = struct.Struct("3i")
 _STATUS_DETAILS_KEY = "grpc-status-details-bin"
+STAGE_BYTES = 64 << 10
+"""A connection's staging buffer: a frame's header and the payload that comes with it in the same read."""
+_STEP_ONLY = (wire.STEP,)
+_HELLO_OR_STEP = (wire.HELLO, wire.STEP)
+_NOT_READING = "not_reading"
+_NOT_READING_MESSAGE = "the peer did not read its answer"
 
 
 def parse_group(text: str) -> int | None:
@@ -85,30 +92,73 @@ class _LaneContext:
         raise _Refused(status_pb2.Status(code=code.value[0], message=details).SerializeToString())
 
 
+class _Continue:
+    """Awaits the rest of a coroutine that was started by hand (`send(None)`) and suspended: what it awaited is
+    handed to the task running this, and what the task sends or throws back goes on to the coroutine."""
+
+    __slots__ = ("_coro", "_first")
+
+    def __init__(self, coro: Coroutine[Any, Any, Any], first: Any) -> None:
+        self._coro = coro
+        self._first = first
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        coro, awaited = self._coro, self._first
+        while True:
+            try:
+                sent = yield awaited
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as e:  # a cancellation goes on to the coroutine, like any throw
+                try:
+                    awaited = coro.throw(e)
+                except StopIteration as done:
+                    return done.value
+            else:
+                try:
+                    awaited = coro.send(sent)
+                except StopIteration as done:
+                    return done.value
+
+
 class _Connection(asyncio.BufferedProtocol):
-    """One peer of the lane. Frames are read straight into their own buffers (the header's 8 bytes, then a
-    bytearray of the payload's length), so nothing is buffered beyond the frame being read; while a Step runs
-    and until its answer is written out, the connection reads nothing (one request at a time). Timers, not
-    tasks, bound the hello and each frame; a Step runs as a task on the loop."""
+    """One peer of the lane.
+
+    A frame's first bytes are read into a fixed staging buffer (`STAGE_BYTES`), where a small frame arrives
+    whole in one read; a larger payload continues straight into a bytearray of its length. While a Step runs
+    and until its answer is written out, frames that arrive wait in the staging buffer, and the connection
+    stops reading once any do: nothing more than one staging buffer and one frame is ever held. A Step that
+    needs no I/O (every Step without a tier) runs to its answer inside the read callback; one that awaits
+    continues as a task. Deadlines (the hello, a frame once begun, an answer the peer must read) are checked
+    by the lane's sweeper, not by a timer per frame."""
 
     def __init__(self, lane: StepLaneServer) -> None:
         self._lane = lane
         self._loop = asyncio.get_running_loop()
         self._transport: asyncio.Transport | None = None
         self._peer: dict[str, int] = {}
-        self._head = bytearray(wire.HEADER_BYTES)
-        self._view = memoryview(self._head)
-        self._got = 0
-        """Bytes of the current header (in `_head`) or payload (in `_payload`) read so far."""
-        self._kind = self._pin = 0
+        self._stage = bytearray(STAGE_BYTES)
+        self._stage_view = memoryview(self._stage)
+        self._have = 0
+        """Bytes waiting in the staging buffer."""
         self._payload: bytearray | None = None
-        """The payload being read (None: a header is being read)."""
-        self._auth = b""
+        """A payload being read straight into its buffer (None: reading into the staging buffer)."""
+        self._got = 0
+        """Bytes of `_payload` read so far."""
+        self._payload_buffer = bytearray()
+        """The buffer of the frame whose header was read last."""
+        self._kind = self._pin = 0
         self._metadata: tuple[tuple[str, Any], ...] = ()
         self._hello_done = False
-        self._timer: asyncio.TimerHandle | None = None
+        self._busy = False
+        """A Step is running or its answer is being written: frames wait."""
+        self._paused = False
+        self._writing_paused = False
+        self.deadline = 0.0
+        """loop.time() by which the peer must have done `_due` (0: nothing is due)."""
+        self._due = self._due_reason = ""
         self._closed = False
-        self._drained: asyncio.Future[None] | None = None
 
     # ------------------------------------------------------------------ the transport's callbacks
 
@@ -124,35 +174,41 @@ class _Connection(asyncio.BufferedProtocol):
                         "--step-socket-max-connections allows")
             return
         lane.connections.add(self)
-        self._arm("a hello did not arrive whole")
+        self._expect("a hello did not arrive whole")
 
     def get_buffer(self, sizehint: int) -> memoryview:
         payload = self._payload
         if payload is None:
-            return self._view[self._got:]
+            return self._stage_view[self._have:]
         return memoryview(payload)[self._got:]
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._closed:
             return
-        self._got += nbytes
         payload = self._payload
-        if payload is None:
-            if self._timer is None:  # the first bytes of a frame: the rest must follow in time
-                self._arm("a frame did not arrive whole")
-            if self._got < wire.HEADER_BYTES:
-                return
-            self._header()
-        elif self._got == len(payload):
-            self._frame(payload)
+        if payload is not None:
+            self._got += nbytes
+            if self._got == len(payload):
+                self._payload = None
+                self._frame(payload)
+                self._parse()
+            return
+        self._have += nbytes
+        if self._busy:  # a frame before the answer to the last one: it waits, and so does the socket
+            if not self._paused:
+                self._paused = True
+                assert self._transport is not None
+                self._transport.pause_reading()
+            return
+        self._parse()
 
     def pause_writing(self) -> None:
-        self._drained = self._loop.create_future()
+        self._writing_paused = True
 
     def resume_writing(self) -> None:
-        if self._drained is not None and not self._drained.done():
-            self._drained.set_result(None)
-        self._drained = None
+        self._writing_paused = False
+        if self._busy and self._due == _NOT_READING:
+            self._answered()
 
     def eof_received(self) -> bool:
         return False  # close the transport
@@ -161,44 +217,66 @@ class _Connection(asyncio.BufferedProtocol):
         if not self._closed:
             self._closed = True
             payload = self._payload
-            if self._got or payload is not None:
-                size, part = (len(payload), "payload") if payload is not None else (wire.HEADER_BYTES, "header")
+            if payload is not None or self._have:
+                size, got = (len(payload), self._got) if payload is not None else (wire.HEADER_BYTES, self._have)
+                part = "payload" if payload is not None else "header"
                 self._lane.log.warning("step_lane_closed", reason="truncated", message=f"the peer closed the "
-                                       f"connection inside a frame ({self._got} of the {size} bytes of its {part} "
-                                       "read)", **self._peer)
+                                       f"connection inside a frame ({got} of the {size} bytes of its {part} read)",
+                                       **self._peer)
             else:
                 self._lane.log.info("step_lane_disconnected", **self._peer)
-        self._disarm()
-        if self._drained is not None and not self._drained.done():
-            self._drained.set_result(None)
+        self.deadline = 0.0
         self._lane.connections.discard(self)
 
     # ------------------------------------------------------------------ frames
 
-    def _header(self) -> None:
-        expect = (wire.STEP,) if self._hello_done else (wire.HELLO, wire.STEP)
+    def _parse(self) -> None:
+        """Take every whole frame the staging buffer holds, one at a time (a Step stops it until answered)."""
+        stage = self._stage
+        while not self._busy and not self._closed:
+            have = self._have
+            if have < wire.HEADER_BYTES:
+                if have and not self.deadline:  # the first bytes of a frame: the rest must follow in time
+                    self._expect("a frame did not arrive whole")
+                return
+            if not self._header():
+                return
+            length = len(self._payload_buffer)
+            take = min(have - wire.HEADER_BYTES, length)
+            payload = self._payload_buffer
+            payload[:take] = self._stage_view[wire.HEADER_BYTES:wire.HEADER_BYTES + take]
+            rest = have - wire.HEADER_BYTES - take
+            if rest:
+                stage[:rest] = stage[wire.HEADER_BYTES + take:have]
+            self._have = rest
+            if take < length:  # the rest of the payload is read straight into it
+                self._payload, self._got = payload, take
+                if not self.deadline:
+                    self._expect("a frame did not arrive whole")
+                return
+            self._frame(payload)
+
+    def _header(self) -> bool:
+        """Check the staged header and make its payload's buffer; False: the connection is closed."""
+        expect = _STEP_ONLY if self._hello_done else _HELLO_OR_STEP
         try:
-            kind, pin, length = wire.parse_header(self._head, expect=expect, max_length=self._lane.max_message_bytes)
+            kind, pin, length = wire.parse_header(self._stage, expect=expect, max_length=self._lane.max_message_bytes)
         except wire.TooLarge as e:
             self._close("too_large", str(e), _status(code_pb2.RESOURCE_EXHAUSTED, str(e)))
-            return
+            return False
         except wire.FrameError as e:
             self._close("bad_frame", str(e))
-            return
+            return False
         if kind == wire.HELLO and length > wire.MAX_HELLO:
             self._close("bad_hello", f"a hello of {length} bytes (at most {wire.MAX_HELLO})")
-            return
+            return False
         self._kind, self._pin = kind, pin
-        self._got = 0
-        payload = self._payload = bytearray(length)
-        if not length:
-            self._frame(payload)
+        self._payload_buffer = bytearray(length)
+        return True
 
     def _frame(self, payload: bytearray) -> None:
         """A whole frame arrived: the hello, or a Step to run."""
-        self._disarm()
-        self._payload = None
-        self._got = 0
+        self.deadline = 0.0
         if not self._hello_done:
             self._hello(payload)
             return
@@ -208,10 +286,54 @@ class _Connection(asyncio.BufferedProtocol):
         if pin:
             metadata = (*metadata, (INSTANCE_HEADER, payload[:pin].decode("ascii", "replace")))
             request = memoryview(payload)[pin:]
+        self._busy = True
+        lane = self._lane
+        try:
+            coro = lane.handle(lane.decode(request), _LaneContext(metadata))
+            try:
+                awaited = coro.send(None)
+            except StopIteration as done:
+                self._answer(wire.ANSWER, lane.encode(done.value))
+                return
+            self._loop.create_task(self._finish(coro, awaited))
+        except _Refused as r:
+            self._answer(wire.REFUSED, r.status)
+        except Exception:  # the handler maps every error to a status: this is the lane's own bug
+            self._internal_error()
+
+    async def _finish(self, coro: Coroutine[Any, Any, Any], awaited: Any) -> None:
+        """The rest of a Step that awaited (tier loads), on a task of its own."""
+        lane = self._lane
+        try:
+            response = await _Continue(coro, awaited)
+            self._answer(wire.ANSWER, lane.encode(response))
+        except _Refused as r:
+            self._answer(wire.REFUSED, r.status)
+        except Exception:
+            self._internal_error()
+
+    def _internal_error(self) -> None:
+        self._lane.log.exception("step_lane_internal_error", **self._peer)
+        self._close("internal", "the lane failed to answer a Step; see the traceback above")
+
+    def _answer(self, kind: int, out: bytes) -> None:
         transport = self._transport
-        assert transport is not None
-        transport.pause_reading()  # one request at a time: nothing more is read until this one is answered
-        self._loop.create_task(self._step(request, metadata))
+        if self._closed or transport is None:
+            return
+        transport.write(wire.header(kind, len(out)) + out)  # one write: one send
+        if self._writing_paused:  # the peer is not reading: wait for it, but not for ever
+            self._expect(_NOT_READING, reason="not_reading")
+            return
+        self._answered()
+
+    def _answered(self) -> None:
+        self.deadline = 0.0
+        self._busy = False
+        if self._paused:
+            self._paused = False
+            assert self._transport is not None
+            self._transport.resume_reading()
+        self._parse()
 
     def _hello(self, token: bytearray) -> None:
         lane = self._lane
@@ -236,41 +358,16 @@ class _Connection(asyncio.BufferedProtocol):
         self._transport.write(lane.ready)
         lane.log.info("step_lane_connected", **self._peer)
 
-    async def _step(self, request: bytearray | memoryview, metadata: tuple[tuple[str, Any], ...]) -> None:
-        lane = self._lane
-        try:
-            out = lane.encode(await lane.handle(lane.decode(request), _LaneContext(metadata)))
-            kind = wire.ANSWER
-        except _Refused as r:
-            out, kind = r.status, wire.REFUSED
-        except Exception:  # the handler maps every error to a status: this is the lane's own bug
-            lane.log.exception("step_lane_internal_error", **self._peer)
-            self._close("internal", "the lane failed to answer a Step; see the traceback above")
-            return
-        transport = self._transport
-        if self._closed or transport is None:
-            return
-        transport.write(wire.header(kind, len(out)))
-        transport.write(out)
-        if self._drained is not None:  # the peer is not reading: wait, but not for ever
-            self._arm("the peer did not read its answer", reason="not_reading")
-            await self._drained
-            self._disarm()
-        if not self._closed:
-            transport.resume_reading()
+    # ------------------------------------------------------------------ deadlines and closing
 
-    # ------------------------------------------------------------------ timers and closing
+    def _expect(self, what: str, reason: str = "timeout") -> None:
+        self.deadline = self._loop.time() + self._lane.timeout_seconds
+        self._due, self._due_reason = what, reason
 
-    def _arm(self, what: str, reason: str = "timeout") -> None:
-        self._disarm()
-        timeout = self._lane.timeout_seconds
-        self._timer = self._loop.call_later(timeout, self._close, reason,
-                                            f"{what} within {timeout:g} s (--step-socket-timeout)")
-
-    def _disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+    def expire(self) -> None:
+        """The deadline passed (the lane's sweeper calls this)."""
+        what = _NOT_READING_MESSAGE if self._due == _NOT_READING else self._due
+        self._close(self._due_reason, f"{what} within {self._lane.timeout_seconds:g} s (--step-socket-timeout)")
 
     def _close(self, reason: str, message: str, reply: bytes = b"") -> None:
         """End the connection with one log line: `reason` (a short stable word) and `message`; `reply`, a
@@ -278,7 +375,7 @@ class _Connection(asyncio.BufferedProtocol):
         if self._closed:
             return
         self._closed = True
-        self._disarm()
+        self.deadline = 0.0
         self._lane.log.warning("step_lane_closed", reason=reason, message=message, **self._peer)
         self._lane.connections.discard(self)
         transport = self._transport
@@ -291,7 +388,7 @@ class _Connection(asyncio.BufferedProtocol):
 
     def abort(self) -> None:
         self._closed = True
-        self._disarm()
+        self.deadline = 0.0
         if self._transport is not None:
             self._transport.abort()
 
@@ -317,6 +414,7 @@ class StepLaneServer:
         self.log = get_logger("kvcache.step_lane")
         self.removed_stale_socket = ""
         self._server: asyncio.AbstractServer | None = None
+        self._sweeper: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Bind `path` (mode 0600, or 0660 owned by `group`; a stale socket file is replaced, a live one
@@ -340,9 +438,23 @@ class StepLaneServer:
             raise OSError(f"cannot serve the step lane on {self.path}: {e.strerror}") from None
         loop = asyncio.get_running_loop()
         self._server = await loop.create_unix_server(lambda: _Connection(self), sock=sock)
+        self._sweeper = loop.create_task(self._sweep(), name="kvcache-step-lane-sweeper")
+
+    async def _sweep(self) -> None:
+        """Close the connections whose deadline passed; looks a quarter of the timeout apart, so a deadline is
+        enforced between 1 and 1.25 timeouts after it was set."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.timeout_seconds / 4)
+            now = loop.time()
+            for connection in [c for c in self.connections if c.deadline and c.deadline <= now]:
+                connection.expire()
 
     async def close(self) -> None:
         """Stop accepting, end every connection, remove the socket file."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         if self._server is not None:
             self._server.close()
             self._server = None
