@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import struct
 import time
 from collections.abc import Callable
 
@@ -26,6 +27,9 @@ from engine_client.errors import KVCacheClientError, StepLaneBroken, error_from_
 from kvcache_common import step_lane as wire
 from protos.kvcache.v1 import kvcache_pb2 as pb
 
+STAGE_BYTES = 64 << 10
+"""The sync lane's read buffer: an answer that fits arrives in one recv."""
+_TIMEVAL = struct.Struct("ll")
 RETRY_SECONDS = 2.0
 """After a failed connect, Steps go over gRPC this long before the lane is tried again."""
 _MAX_ANSWER = 1 << 31
@@ -78,7 +82,9 @@ class StepLane:
         self.path = path
         self.instance_id = ""
         self._sock: socket.socket | None = None
-        self._head = bytearray(wire.HEADER_BYTES)
+        self._stage = bytearray(STAGE_BYTES)
+        self._stage_view = memoryview(self._stage)
+        self._timeout = 0.0
 
     def connect(self, token: str, timeout: float) -> None:
         """Open the socket and say hello. OSError when it cannot be opened (the caller then uses gRPC); the
@@ -87,8 +93,15 @@ class StepLane:
         try:
             sock.settimeout(timeout)
             sock.connect(self.path)
+            # Blocking from now on, with the deadline in the kernel (SO_RCVTIMEO / SO_SNDTIMEO): each read is one
+            # recv, where a Python socket timeout polls before every one.
+            sock.settimeout(None)
+            self._set_timeout(sock, timeout)
             sock.sendall(_hello(token))
             kind, payload = self._read(sock, (wire.READY, wire.REFUSED))
+        except BlockingIOError:
+            sock.close()
+            raise TimeoutError(f"no hello answer from {self.path} within {timeout:g} s") from None
         except BaseException:
             sock.close()
             raise
@@ -109,10 +122,11 @@ class StepLane:
         assert sock is not None, "connect() first"
         pinned = pin.encode()
         try:
-            sock.settimeout(timeout)
+            if timeout != self._timeout:
+                self._set_timeout(sock, timeout)
             _send(sock, (wire.header(wire.STEP, len(pinned) + len(data), len(pinned)), pinned, data))
             kind, payload = self._read(sock, (wire.ANSWER, wire.REFUSED))
-        except TimeoutError:
+        except (TimeoutError, BlockingIOError):
             self.close()
             raise _broken(self.path, f"no answer within {timeout:g} s", deadline=True) from None
         except (OSError, ValueError) as e:
@@ -122,12 +136,32 @@ class StepLane:
             raise _refused(payload)
         return pb.StepResponse.FromString(payload)  # type: ignore[arg-type]  # upb parses any buffer
 
-    def _read(self, sock: socket.socket, expect: tuple[int, ...]) -> tuple[int, bytearray]:
-        head = self._head
-        _recv_into(sock, memoryview(head))
-        kind, _, length = wire.parse_header(head, expect=expect, max_length=_MAX_ANSWER)
+    def _set_timeout(self, sock: socket.socket, timeout: float) -> None:
+        whole = int(timeout)
+        value = _TIMEVAL.pack(whole, int((timeout - whole) * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+        self._timeout = timeout
+
+    def _read(self, sock: socket.socket, expect: tuple[int, ...]) -> tuple[int, bytes | bytearray]:
+        """The next frame: a small one in one recv (into the staging buffer), a larger one's payload read
+        straight into its own buffer. The service sends nothing but the answer to the request it was sent, so
+        a read never takes bytes of another frame."""
+        view = self._stage_view
+        have = 0
+        while have < wire.HEADER_BYTES:
+            n = sock.recv_into(view[have:])
+            if not n:
+                raise ConnectionResetError("the service closed the connection")
+            have += n
+        kind, _, length = wire.parse_header(view, expect=expect, max_length=_MAX_ANSWER)
+        end = wire.HEADER_BYTES + length
+        if end <= len(view):
+            _recv_into(sock, view[have:end])
+            return kind, bytes(view[wire.HEADER_BYTES:end])
         payload = bytearray(length)
-        _recv_into(sock, memoryview(payload))
+        payload[:have - wire.HEADER_BYTES] = view[wire.HEADER_BYTES:have]
+        _recv_into(sock, memoryview(payload)[have - wire.HEADER_BYTES:])
         return kind, payload
 
     def close(self) -> None:
