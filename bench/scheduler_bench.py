@@ -26,8 +26,13 @@ Rows, each the median over the measured steps (interleaved, so all see the same 
   their page-table deltas); client encode/decode: `StepRequest.SerializeToString` /
   `StepResponse.FromString` of the same messages (encode, where the clients send `StepBatch.wire`: that
   call's time, inside the client wall: the batch's columns and tokens serialized);
-- empty Step: the gRPC floor on this transport; refusal Step: the §9 shape where every op is refused
-  (unknown sessions: SESSION_NOT_FOUND; opens of open ids: SESSION_EXISTS).
+- empty Step: the floor on this transport; refusal Step: the §9 shape where every op is refused
+  (unknown sessions: SESSION_NOT_FOUND; opens of open ids: SESSION_EXISTS);
+- bursts: those rows each follow a metrics scrape (HTTP) and an untimed GetPoolInfo (gRPC); the burst rows
+  are Steps sent back to back as a scheduler sends them (§9 Steps of the same trace, then 5x as many empty
+  Steps), with the handler's mean over the burst.
+Transports (`--transport`): TCP loopback and a unix socket carry gRPC; `lane` serves the same Steps on the
+step lane (`--step-socket`, DESIGN §10), the client taking it as `KVCacheClient.step` does by default.
 The second table is the handler in this process, without a transport (decode, interceptor + handler,
 encode), per op kind: the same steps split into one Step per kind, in the order that keeps them valid.
 
@@ -72,6 +77,9 @@ KINDS = ("commit", "close", "extend", "open", "append")
 """One step's ops in this order: finishes, growth, admissions."""
 NUM_PAGES = 1 << 18
 """The server's pool: nothing is evicted in its warm-up and measured steps (608 pages enter the radix a step)."""
+BURST_S9 = "§9 Step, burst"
+BURST_EMPTY = "empty Step, burst"
+"""Rows of Steps sent back to back (the other rows each follow a metrics scrape and an untimed GetPoolInfo)."""
 INPROC_PAGES = 1 << 20
 """The in-process core's (metadata only): no eviction through all its phases either."""
 
@@ -251,7 +259,7 @@ def server_table(steps: int, warmup: int, transport: str = "tcp") -> dict[str, P
     listen = f"unix:{sockdir}/kvcache.sock" if transport == "unix" else "127.0.0.1:0"
     lane = ("--step-socket", f"{sockdir}/step.sock") if transport == "lane" else ()
     proc, target, metrics_port = start_server(*lane, listen=listen)
-    phases = {name: Phase() for name in ("§9 Step", "empty Step", "refusal Step")}
+    phases = {name: Phase() for name in ("§9 Step", "empty Step", "refusal Step", BURST_S9, BURST_EMPTY)}
     try:
         if transport == "unix" and not target.startswith("unix:"):
             raise SystemExit(f"scheduler_bench: asked for a unix socket, the service listens on {target}")
@@ -318,6 +326,32 @@ def server_table(steps: int, warmup: int, transport: str = "tcp") -> dict[str, P
             run("refusal Step", refused, False)
             if (i + 1) % max(1, steps // 10) == 0:
                 print(f"  ... {i + 1}/{steps} steps", file=sys.stderr, flush=True)
+
+        def burst(name: str, batches: list[list[tuple[str, str, Any]]]) -> None:
+            """Steps one after the other, as a scheduler sends them (no scrape or other call between): wall, build
+            and read per Step, the handler's mean over the burst."""
+            phase = phases[name]
+            before = step_handler_seconds(metrics_port)
+            for ops in batches:
+                t0 = time.perf_counter()
+                batch = TimedBatch()
+                fill(batch, ops)
+                t1 = time.perf_counter()
+                outcomes = client.step(batch)
+                t2 = time.perf_counter()
+                ok = read(outcomes)
+                t3 = time.perf_counter()
+                assert ok == len(outcomes), [o.error for o in outcomes if not o.ok][:3]
+                phase.build.append((t1 - t0) * 1e6)
+                phase.wall.append((t2 - t1) * 1e6)
+                phase.read.append(batch.read_us + (t3 - t2) * 1e6)
+                phase.encode.append(batch.wire_us or 0.0)
+            after = step_handler_seconds(metrics_port)
+            phase.handler_sum += after[0] - before[0]
+            phase.handler_count += after[1] - before[1]
+
+        burst(BURST_S9, [trace.step() for _ in range(steps)])
+        burst(BURST_EMPTY, [[] for _ in range(5 * steps)])
         gc.unfreeze()
         client.close()
     finally:

@@ -14,8 +14,12 @@ def test_scheduler_bench_quick_prints_the_table_and_a_profile(capsys: pytest.Cap
     out = capsys.readouterr().out
     rows = {line[:27].strip(): line[27:].split() for line in out.splitlines()
             if line.startswith(("§9 Step", "empty Step", "refusal Step"))}
-    assert set(rows) == {"§9 Step", "empty Step", "refusal Step"}
-    assert all(len(r) == 8 and all(float(v) >= 0 for v in r) for r in rows.values())  # wall, handler, mean, ...
+    assert set(rows) == {"§9 Step", "empty Step", "refusal Step", "§9 Step, burst", "empty Step, burst"}
+    measured = [r for name, r in rows.items() if not name.endswith("burst")]
+    assert all(len(r) == 8 and all(float(v) >= 0 for v in r) for r in measured)  # wall, handler, mean, ...
+    for name in ("§9 Step, burst", "empty Step, burst"):  # back to back: no handler per Step, its mean
+        wall, handler, mean = rows[name][:3]
+        assert float(wall) > 0 and handler == "nan" and float(mean) > 0
     lines = out.splitlines()
     kinds = lines[next(i for i, line in enumerate(lines) if "per op by kind" in line) + 2]
     assert len(kinds.replace("|", " ").split()) == 10  # decode, handle, encode, empty, refusal, the five kinds
@@ -40,7 +44,19 @@ def test_against_a_commit_prints_both_server_tables(capsys: pytest.CaptureFixtur
     out = capsys.readouterr().out
     labels = [line for line in out.splitlines() if line in ("before (HEAD)", "this tree")]
     assert labels == ["before (HEAD)", "this tree"]
-    assert sum(line.startswith("§9 Step") for line in out.splitlines()) == 2
+    assert sum(line.startswith("§9 Step ") for line in out.splitlines()) == 2
+
+
+def test_every_transport_in_alternating_rounds(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                                               tmp_path: Path) -> None:
+    """--transport all: TCP gRPC, unix gRPC and the step lane, each its own server table."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    assert scheduler_bench.main(["--transport", "all", "--quick", "--rounds", "1"]) == 0
+    assert list(tmp_path.iterdir()) == []
+    out = capsys.readouterr().out
+    labels = [line for line in out.splitlines() if line in ("TCP gRPC", "unix gRPC", "step lane")]
+    assert labels == ["TCP gRPC", "unix gRPC", "step lane"]
+    assert sum(line.startswith("empty Step, burst") for line in out.splitlines()) == 3
 
 
 def test_against_an_unknown_commit_says_why(capsys: pytest.CaptureFixture[str]) -> None:
@@ -54,7 +70,7 @@ def test_transport_both_measures_tcp_and_a_unix_socket_and_leaves_no_socket(
     assert scheduler_bench.main(["--transport", "both", "--quick", "--rounds", "1"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert [line for line in out if line in ("TCP loopback", "unix socket")] == ["TCP loopback", "unix socket"]
-    assert sum(line.startswith("§9 Step") for line in out) == 2
+    assert sum(line.startswith("§9 Step ") for line in out) == 2
     assert list(tmp_path.iterdir()) == []
 
 
@@ -62,4 +78,4 @@ def test_against_on_both_transports_is_refused(capsys: pytest.CaptureFixture[str
     with pytest.raises(SystemExit) as e:
         scheduler_bench.main(["--against", "HEAD", "--transport", "both", "--quick"])
     assert e.value.code == 2
-    assert "--against compares trees on one transport: pick tcp or unix" in capsys.readouterr().err
+    assert "--against compares trees on one transport: pick tcp, unix or lane" in capsys.readouterr().err

@@ -256,6 +256,9 @@ def test_size_check_applies_only_to_a_pool_in_the_emptydir(
 # --------------------------------------------------------------------------------- serve flag wiring
 
 # Every serve flag: the values that set it, and the env entry the service container must get.
+SIDECAR: dict[str, Any] = {"mode": "sidecar",
+                           "sidecar": {"containers": [{"name": "engine", "image": "registry.example.com/engine:1"}]}}
+"""A pod with an engine beside the service: where the step lane's socket may be set."""
 FLAG_CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "listen": ({"grpc": {"host": "::", "port": 6000}}, {"value": "[::]:6000"}),
     "backend": ({"config": {"backend": "auto"}}, {"value": "auto"}),
@@ -275,10 +278,10 @@ FLAG_CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "shm-prefix": ({"config": {"shmPrefix": "tenant-a"}}, {"value": "tenant-a"}),
     "pool-socket": ({"config": {"poolSocket": "@kv-pool"}}, {"value": "@kv-pool"}),
     "pool-socket-uids": ({"config": {"poolSocketUids": "10001,0"}}, {"value": "10001,0"}),
-    "step-socket": ({"config": {"stepSocket": "/run/kvcache-lane/step.sock"}},
+    "step-socket": ({**SIDECAR, "config": {"stepSocket": "/run/kvcache-lane/step.sock"}},
                     {"value": "/run/kvcache-lane/step.sock"}),
-    "step-socket-group": ({"config": {"stepSocket": "/run/kvcache-lane/step.sock", "stepSocketGroup": "kvcache"}},
-                          {"value": "kvcache"}),
+    "step-socket-group": ({**SIDECAR, "config": {"stepSocket": "/run/kvcache-lane/step.sock",
+                                                 "stepSocketGroup": "kvcache"}}, {"value": "kvcache"}),
     "step-socket-max-connections": ({"config": {"stepSocketMaxConnections": 8}}, {"value": "8"}),
     "step-socket-timeout": ({"config": {"stepSocketTimeout": 2.5}}, {"value": "2.5"}),
     "session-timeout": ({"config": {"sessionTimeout": 0}}, {"value": "0"}),

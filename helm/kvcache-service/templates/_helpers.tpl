@@ -300,6 +300,20 @@ and the fix.
 {{- fail (printf "poolSocket.hostPath=%s needs config.poolSocket, a socket path in the directory the node directory is mounted at (e.g. /run/kvcache/pool.sock); got %q" $v.poolSocket.hostPath $v.config.poolSocket) -}}
 {{- end -}}
 {{- end -}}
+{{- if $v.config.stepSocket -}}
+{{- $laneDir := dir $v.config.stepSocket -}}
+{{- if or (eq $laneDir "/") (eq $laneDir "/tmp") (eq $laneDir $v.config.shmDir) (and $v.poolSocket.hostPath (eq $laneDir (dir $v.config.poolSocket))) -}}
+{{- fail (printf "config.stepSocket=%s needs a directory of its own (the chart mounts a volume there), not / , /tmp, config.shmDir or the pool socket's; e.g. /run/kvcache-lane/step.sock" $v.config.stepSocket) -}}
+{{- end -}}
+{{- if eq $v.mode "deployment" -}}
+{{- fail (printf "config.stepSocket=%s serves engines in the service's pod (mode=sidecar) or on its node (mode=daemonset with stepSocket.hostPath); mode=deployment has neither: leave it empty, engines use gRPC" $v.config.stepSocket) -}}
+{{- end -}}
+{{- if and (eq $v.mode "daemonset") (not $v.stepSocket.hostPath) -}}
+{{- fail (printf "config.stepSocket=%s in mode=daemonset needs stepSocket.hostPath (e.g. /run/kvcache-lane): engines in other pods reach the socket only through a node directory" $v.config.stepSocket) -}}
+{{- end -}}
+{{- else if $v.stepSocket.hostPath -}}
+{{- fail (printf "stepSocket.hostPath=%s needs config.stepSocket, a socket path in the directory it is mounted at (e.g. /run/kvcache-lane/step.sock)" $v.stepSocket.hostPath) -}}
+{{- end -}}
 {{- if eq $v.mode "daemonset" -}}
 {{- if and (eq $backend "cuda_ipc") (not $v.hostIPC) -}}
 {{- fail (printf "backend=%s in mode=daemonset needs hostIPC=true: engines in other pods open a CUDA IPC handle only in the node's IPC namespace. Or use backend=cuda_vmm with poolSocket.hostPath, which needs no hostIPC" $backendLabel) -}}
@@ -546,6 +560,10 @@ volumeMounts:
   - name: pool-socket
     mountPath: {{ dir .Values.config.poolSocket }}
   {{- end }}
+  {{- if .Values.config.stepSocket }}
+  - name: step-socket
+    mountPath: {{ dir .Values.config.stepSocket }}
+  {{- end }}
   {{- if eq .Values.config.tier "disk" }}
   - name: tier
     mountPath: {{ .Values.config.tierDir }}
@@ -570,7 +588,8 @@ volumeMounts:
 
 {{/*
 Sidecar engine containers as a YAML list: the user's specs, plus the shm volume at config.shmDir, the
-pool-socket volume (with poolSocket.hostPath) and KVCACHE_TARGET where the spec does not already set them.
+pool-socket volume (with poolSocket.hostPath), the step-socket volume (with config.stepSocket) and
+KVCACHE_TARGET where the spec does not already set them.
 */}}
 {{- define "kvcache.engineContainers" -}}
 {{- $engines := list -}}
@@ -596,6 +615,18 @@ pool-socket volume (with poolSocket.hostPath) and KVCACHE_TARGET where the spec 
 {{- end -}}
 {{- if not $hasSocket -}}
 {{- $mounts = append $mounts (dict "name" "pool-socket" "mountPath" $socketDir) -}}
+{{- end -}}
+{{- end -}}
+{{- if $.Values.config.stepSocket -}}
+{{- $laneDir := dir $.Values.config.stepSocket -}}
+{{- $hasLane := false -}}
+{{- range $mounts -}}
+{{- if or (eq .name "step-socket") (eq .mountPath $laneDir) -}}
+{{- $hasLane = true -}}
+{{- end -}}
+{{- end -}}
+{{- if not $hasLane -}}
+{{- $mounts = append $mounts (dict "name" "step-socket" "mountPath" $laneDir) -}}
 {{- end -}}
 {{- end -}}
 {{- $_ := set $engine "volumeMounts" $mounts -}}
@@ -700,6 +731,17 @@ spec:
       hostPath:
         path: {{ . }}
         type: DirectoryOrCreate
+    {{- end }}
+    {{- if .Values.config.stepSocket }}
+    - name: step-socket
+      {{- with .Values.stepSocket.hostPath }}
+      hostPath:
+        path: {{ . }}
+        type: DirectoryOrCreate
+      {{- else }}
+      emptyDir:
+        sizeLimit: 1Mi
+      {{- end }}
     {{- end }}
     {{- if eq .Values.config.tier "disk" }}
     - name: tier
