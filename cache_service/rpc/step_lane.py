@@ -207,8 +207,11 @@ class _Connection(asyncio.BufferedProtocol):
 
     def resume_writing(self) -> None:
         self._writing_paused = False
-        if self._busy and self._due == _NOT_READING:
-            self._answered()
+        if self._busy and self._due == _NOT_READING and not self._closed:
+            self.deadline = 0.0
+            self._due = ""
+            self._busy = False
+            self._resume()
 
     def eof_received(self) -> bool:
         return False  # close the transport
@@ -290,33 +293,41 @@ class _Connection(asyncio.BufferedProtocol):
         lane = self._lane
         try:
             coro = lane.handle(lane.decode(request), _LaneContext(metadata))
-            try:
-                awaited = coro.send(None)
-            except StopIteration as done:
-                self._answer(wire.ANSWER, lane.encode(done.value))
-                return
-            self._loop.create_task(self._finish(coro, awaited))
+            awaited = coro.send(None)
+        except StopIteration as done:
+            response: Any = done.value
         except _Refused as r:
             self._answer(wire.REFUSED, r.status)
+            return
         except Exception:  # the handler maps every error to a status: this is the lane's own bug
             self._internal_error()
+            return
+        else:
+            self._loop.create_task(self._finish(coro, awaited))
+            return
+        self._answer(wire.ANSWER, lane.encode(response))
 
     async def _finish(self, coro: Coroutine[Any, Any, Any], awaited: Any) -> None:
-        """The rest of a Step that awaited (tier loads), on a task of its own."""
+        """The rest of a Step that awaited (tier loads), on a task of its own; then the frames that waited."""
         lane = self._lane
         try:
             response = await _Continue(coro, awaited)
-            self._answer(wire.ANSWER, lane.encode(response))
         except _Refused as r:
             self._answer(wire.REFUSED, r.status)
         except Exception:
             self._internal_error()
+            return
+        else:
+            self._answer(wire.ANSWER, lane.encode(response))
+        if not self._busy:
+            self._resume()
 
     def _internal_error(self) -> None:
         self._lane.log.exception("step_lane_internal_error", **self._peer)
         self._close("internal", "the lane failed to answer a Step; see the traceback above")
 
     def _answer(self, kind: int, out: bytes) -> None:
+        """Write the answer; the connection stays busy until the peer has taken it off the write buffer."""
         transport = self._transport
         if self._closed or transport is None:
             return
@@ -324,12 +335,11 @@ class _Connection(asyncio.BufferedProtocol):
         if self._writing_paused:  # the peer is not reading: wait for it, but not for ever
             self._expect(_NOT_READING, reason="not_reading")
             return
-        self._answered()
-
-    def _answered(self) -> None:
-        self.deadline = 0.0
         self._busy = False
-        if self._paused:
+
+    def _resume(self) -> None:
+        """After an answer written outside the read callback: read again, and take the frames that waited."""
+        if self._paused and not self._closed:
             self._paused = False
             assert self._transport is not None
             self._transport.resume_reading()

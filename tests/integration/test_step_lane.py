@@ -9,6 +9,7 @@ that breaks mid-call raises a typed error at once. Every test ends with the pool
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -28,6 +29,7 @@ from engine_client.errors import StepLaneBroken
 from kvcache_common import step_lane as wire
 from protos.kvcache.v1 import kvcache_pb2 as pb
 from tests.integration.conftest import ServerProcess, verify_stats
+from tests.tier.engine import TIER_ARGS, Engine, disk_tier, prompt, write_then_evict
 
 TOKEN = "lane-token-0123456789"
 MAX_OPS = 8
@@ -253,6 +255,34 @@ def test_a_step_larger_than_the_socket_buffers_goes_through_whole(lane: Lane) ->
     assert asyncio.run(over_asyncio()).cached_tokens == 0
 
 
+def test_a_step_that_waits_for_the_tier_is_answered_over_the_lane(start_server: Callable[..., ServerProcess],
+                                                                   engines: list[Engine], tmp_path: Path) -> None:
+    """A Step whose append loads pages from a disk tier awaits inside the handler: the lane finishes it on a
+    task of its own and answers what the gRPC method answers (tests/integration/test_tier_e2e.py)."""
+    p = prompt(41, 17)
+    server = start_server(*TIER_ARGS, *disk_tier(tmp_path), "--step-socket", str(tmp_path / "step.sock"))
+    a = Engine(server.target)
+    engines.append(a)
+    write_then_evict(a, p)
+    with KVCacheClient(server.target) as client:
+        batch = StepBatch()
+        match = batch.match(p)
+        client.step(batch)
+        assert (match.value.cached_tokens, match.value.tier_tokens, len(match.value.page_ids)) == (16, 16, 0)
+        batch = StepBatch()
+        opened, appended, after = batch.open("tiered", streaming=False), batch.append("tiered", p), batch.match(p)
+        client.step(batch)
+        assert opened.ok and (after.value.cached_tokens, after.value.tier_tokens) == (16, 0)
+        res = appended.value
+        assert (res.cached_tokens, res.tier_tokens, res.prefix_hit_tokens) == (16, 16, 16)
+        assert a.cached_pages_match(p, res.page_ids.tolist(), 4)
+        done = StepBatch()
+        done.abort("tiered")
+        done.close("tiered")
+        assert all(o.ok for o in client.step(done))
+    assert server.log_path.read_text().count("step_lane_connected") == 1
+
+
 def _refusal(call: Callable[[], Any]) -> tuple[str, Any, str, str]:
     with pytest.raises(KVCacheClientError) as info:
         call()
@@ -402,6 +432,25 @@ def test_a_bad_peer_loses_its_own_connection_and_nothing_else(lane: Lane, name: 
         keep.close()
         with lane.client(step_lane=False) as grpc_client:
             assert grpc_client.step(StepBatch()) == []  # and gRPC
+
+
+def test_a_peer_that_sends_and_never_reads_is_cut_off(lane: Lane) -> None:
+    """Steps pipelined without reading a single answer: the service answers until its write buffer is full,
+    reads nothing more, and closes the connection when the answers go unread for the timeout."""
+    logged = len(lane.events("step_lane_closed"))
+    with lane.client() as client:
+        before = state(client)
+        with connect(lane.path) as sock:
+            assert hello(sock) is not None
+            sock.settimeout(5 * TIMEOUT)
+            # 800 KB of empty Steps (2.8 MB of answers): the service stops reading, then closes; the send blocks
+            # or breaks.
+            with contextlib.suppress(TimeoutError, BrokenPipeError, ConnectionResetError):
+                sock.sendall(step_frame(pb.StepRequest()) * 100_000)
+            [line] = lane.wait_closed(logged)
+        assert (line["reason"], line["message"]) == (
+            "not_reading", f"the peer did not read its answer within {TIMEOUT:g} s (--step-socket-timeout)")
+        assert state(client) == before
 
 
 def test_connections_past_the_bound_are_closed_at_once(start_server: Callable[..., ServerProcess],
