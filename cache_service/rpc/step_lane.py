@@ -148,7 +148,7 @@ class _Connection(asyncio.BufferedProtocol):
         """Bytes of `_payload` read so far."""
         self._payload_buffer = bytearray()
         """The buffer of the frame whose header was read last."""
-        self._kind = self._pin = 0
+        self._pin = 0
         self._metadata: tuple[tuple[str, Any], ...] = ()
         self._hello_done = False
         self._busy = False
@@ -270,10 +270,14 @@ class _Connection(asyncio.BufferedProtocol):
         except wire.FrameError as e:
             self._close("bad_frame", str(e))
             return False
-        if kind == wire.HELLO and length > wire.MAX_HELLO:
-            self._close("bad_hello", f"a hello of {length} bytes (at most {wire.MAX_HELLO})")
-            return False
-        self._kind, self._pin = kind, pin
+        if not self._hello_done:  # nothing of a peer without a hello is buffered, let alone applied
+            if kind != wire.HELLO:
+                self._no_hello()
+                return False
+            if length > wire.MAX_HELLO:
+                self._close("bad_hello", f"a hello of {length} bytes (at most {wire.MAX_HELLO})")
+                return False
+        self._pin = pin
         self._payload_buffer = bytearray(length)
         return True
 
@@ -345,17 +349,19 @@ class _Connection(asyncio.BufferedProtocol):
             self._transport.resume_reading()
         self._parse()
 
+    def _no_hello(self) -> None:
+        """A first frame that is not a hello: refused as a call without a token is (BAD_TOKEN where tokens are
+        configured), and the connection closed before its payload is read."""
+        if not self._lane.identities.open:
+            err = KVCacheError(Reason.BAD_TOKEN, "the first frame on the step lane must be a hello carrying the "
+                               "bearer token")
+        else:
+            err = KVCacheError(Reason.INVALID_ARGUMENT, "the first frame on the step lane must be a hello",
+                               field="hello")
+        self._close("no_hello", err.message, status_proto(err).SerializeToString())
+
     def _hello(self, token: bytearray) -> None:
         lane = self._lane
-        if self._kind != wire.HELLO:
-            if not lane.identities.open:
-                err = KVCacheError(Reason.BAD_TOKEN, "the first frame on the step lane must be a hello carrying "
-                                   "the bearer token")
-            else:
-                err = KVCacheError(Reason.INVALID_ARGUMENT, "the first frame on the step lane must be a hello",
-                                   field="hello")
-            self._close("no_hello", err.message, status_proto(err).SerializeToString())
-            return
         auth = b"Bearer " + token if token else b""
         try:
             lane.identities.resolve(auth)

@@ -364,6 +364,13 @@ def _abuse_a_step_before_the_hello(sock: socket.socket) -> None:
                                    "bearer token")
 
 
+def _abuse_a_huge_step_before_the_hello(sock: socket.socket) -> None:
+    """Refused on its header: the 60 MB it announces are never read or buffered."""
+    sock.sendall(wire.header(wire.STEP, 60 << 20))
+    frame = read_frame(sock)
+    assert frame is not None and frame[0] == wire.REFUSED and status_of(frame[1])[1] == "BAD_TOKEN"
+
+
 def _abuse_a_wrong_token(sock: socket.socket) -> None:
     frame = hello(sock, "not-the-token-0123456789")
     assert frame is not None and frame[0] == wire.REFUSED
@@ -399,6 +406,7 @@ ABUSE = {
                                 "the peer closed the connection inside a frame (10 of the 1000 bytes of its payload "
                                 "read)"),
     "a step before the hello": (_abuse_a_step_before_the_hello, "no_hello", None),
+    "a huge step before the hello": (_abuse_a_huge_step_before_the_hello, "no_hello", None),
     "a wrong token": (_abuse_a_wrong_token, "bad_token", None),
     "another version": (_abuse_another_version, "bad_frame", "frame version 2, this side speaks 1"),
     "a byte at a time": (_abuse_a_byte_at_a_time, "timeout",
