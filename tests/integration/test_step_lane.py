@@ -609,6 +609,42 @@ def test_the_asyncio_client_raises_a_broken_lane_and_then_takes_grpc(start_serve
             broken.close()
 
 
+def test_the_vllm_connectors_steps_take_the_lane(start_server: Callable[..., ServerProcess], tmp_path: Path) -> None:
+    """The connector's scheduler side sends its Steps through KVCacheClient.step, so they go over the lane."""
+    from types import SimpleNamespace
+
+    from engine_client.vllm.config import ConnectorConfig
+    from engine_client.vllm.scheduler import SchedulerSide
+
+    server = start_server("--page-size", "16", "--num-pages", "64", "--num-layers", "2", "--num-kv-heads", "2",
+                          "--head-dim", "64", "--dtype", "float32", "--step-socket", str(tmp_path / "step.sock"))
+    config = ConnectorConfig.from_extra({"kvcache_target": server.target, "kvcache_lookup_wait_seconds": 5.0,
+                                         "kvcache_lookup_in_step": True}, env={})
+    side = SchedulerSide(config, block_size=32, engine_id="lane-sched",
+                         client_factory=lambda: KVCacheClient(server.target))
+    try:
+        deadline = time.monotonic() + 20
+        while not side.connected:
+            assert time.monotonic() < deadline, "the connector did not connect to kvcache"
+            time.sleep(0.02)
+        prompt = list(range(1, 41))
+        request = SimpleNamespace(request_id="r1", prompt_token_ids=prompt, num_tokens=40, mm_features=None,
+                                  lora_request=None, resumable=False, cache_salt=None, kv_transfer_params=None,
+                                  output_token_ids=[], num_computed_tokens=39)
+        idle = SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[], preempted_req_ids=set(),
+                               scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[],
+                                                                     num_computed_tokens=[], resumed_req_ids=set()))
+        answer = side.matched_tokens(request, 0)
+        while answer is None:  # "ask again": vLLM runs a step and asks again
+            assert time.monotonic() < deadline, "the lookup was not answered"
+            side.build_step(idle)
+            answer = side.matched_tokens(request, 0)
+        assert answer == 0  # nothing cached yet
+    finally:
+        side.close()
+    assert server.log_path.read_text().count("step_lane_connected") == 1
+
+
 def test_the_flags_are_checked(start_server: Callable[..., ServerProcess], tmp_path: Path) -> None:
     from cache_service.config import ConfigError, ServiceConfig
 
