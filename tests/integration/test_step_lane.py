@@ -645,6 +645,25 @@ def test_the_vllm_connectors_steps_take_the_lane(start_server: Callable[..., Ser
     assert server.log_path.read_text().count("step_lane_connected") == 1
 
 
+def test_a_served_socket_is_refused_and_a_stale_one_replaced(start_server: Callable[..., ServerProcess],
+                                                            tmp_path: Path) -> None:
+    path = str(tmp_path / "step.sock")
+    first = start_server("--step-socket", path)
+    with pytest.raises(RuntimeError, match="server did not start"):
+        start_server("--step-socket", path)
+    assert (f"kvcache-service: error: cannot serve the step lane on {path}: a running process serves it "
+            "(another kvcache-service?); stop it or choose another path") in (tmp_path / "server-1.log").read_text()
+    assert first.terminate()[0] == 0 and not os.path.exists(path)
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(path)  # what a SIGKILLed service leaves: a socket file nobody serves
+    stale.close()
+    second = start_server("--step-socket", path)
+    assert f'"path": "{path}", "event": "removed_stale_socket"' in second.log_path.read_text()
+    with KVCacheClient(second.target) as client:
+        assert client.step(StepBatch()) == []
+    assert second.log_path.read_text().count("step_lane_connected") == 1
+
+
 def test_the_flags_are_checked(start_server: Callable[..., ServerProcess], tmp_path: Path) -> None:
     from cache_service.config import ConfigError, ServiceConfig
 
