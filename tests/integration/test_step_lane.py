@@ -31,6 +31,8 @@ from protos.kvcache.v1 import kvcache_pb2 as pb
 from tests.integration.conftest import ServerProcess, verify_stats
 from tests.tier.engine import TIER_ARGS, Engine, disk_tier, prompt, write_then_evict
 
+pytestmark = [pytest.mark.xdist_group("step_lane")]  # one module service on one worker (make test: --dist loadgroup)
+
 TOKEN = "lane-token-0123456789"
 MAX_OPS = 8
 TIMEOUT = 0.5
