@@ -44,6 +44,7 @@ from engine_client.errors import (
     SessionLimit,
     SessionNotFound,
     SessionTokenLimit,
+    StepLaneBroken,
 )
 from engine_client.layout import LayoutMismatch, check_layout
 from engine_client.options import ClientOptions, TlsFileError
@@ -57,7 +58,7 @@ __all__ = [
     "PoolInfo", "PoolLayout", "PoolMappingError", "ResourceExhausted", "RoleRequired", "SaltNotAllowed",
     "ServiceRestarted", "ServiceUnavailable", "Session", "SessionBudget", "SessionBusy", "SessionClosing",
     "SessionExists", "SessionLimit", "SessionNotFound", "SessionTokenLimit",
-    "StepBatch", "StepOutcome", "TlsFileError", "Turn", "check_layout", "map_pool",
+    "StepBatch", "StepLaneBroken", "StepOutcome", "TlsFileError", "Turn", "check_layout", "map_pool",
 ]
 
 _LAZY: dict[str, str] = {

@@ -24,8 +24,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine_client import AsyncKVCacheClient, ClientOptions, KVCacheClient, KVCacheClientError, StepBatch
-from engine_client.errors import StepLaneBroken
+from engine_client import (
+    AsyncKVCacheClient,
+    ClientOptions,
+    KVCacheClient,
+    KVCacheClientError,
+    StepBatch,
+    StepLaneBroken,
+)
 from kvcache_common import step_lane as wire
 from protos.kvcache.v1 import kvcache_pb2 as pb
 from tests.integration.conftest import ServerProcess, verify_stats
