@@ -119,7 +119,8 @@ def closed(r: pb.CloseSessionResponse) -> CloseResult:
 
 
 def unregistered(r: pb.UnregisterEngineResponse) -> tuple[str, ...]:
-    return tuple(r.closed_session_ids)
+    """The sessions the engine owned: parked now (closed by a service that predates parking)."""
+    return (*r.closed_session_ids, *r.parked_session_ids)
 
 
 def reaped(r: pb.ReapSessionsResponse) -> ReapResult:
