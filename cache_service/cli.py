@@ -393,8 +393,8 @@ def _cmd_sessions(args: argparse.Namespace) -> int:
         token = ""
         try:
             while True:
-                state = pb.SESSION_STATE_PARKED if args.parked else pb.SESSION_STATE_UNSPECIFIED
-                request = pb.ListSessionsRequest(page_token=token, former_engine_id=args.former_engine, state=state)
+                wanted = pb.SESSION_STATE_PARKED if args.parked else pb.SESSION_STATE_UNSPECIFIED
+                request = pb.ListSessionsRequest(page_token=token, former_engine_id=args.former_engine, state=wanted)
                 page = stub.ListSessions(request, timeout=args.timeout, metadata=_metadata(args))
                 res.sessions.extend(page.sessions)
                 res.total = page.total
