@@ -128,7 +128,8 @@ def reaped(r: pb.ReapSessionsResponse) -> ReapResult:
 
 
 def session_info(s: pb.SessionInfo) -> SessionInfo:
-    return _record(SessionInfo, s, state=pb.SessionState.Name(s.state).removeprefix("SESSION_STATE_"))
+    return _record(SessionInfo, s, state=pb.SessionState.Name(s.state).removeprefix("SESSION_STATE_"),
+                   parked_seconds_left=s.parked_seconds_left if s.HasField("parked_seconds_left") else None)
 
 
 def session(r: pb.GetSessionResponse) -> SessionInfo:

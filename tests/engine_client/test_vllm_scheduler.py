@@ -105,9 +105,10 @@ def test_a_chat_turn_waits_for_the_previous_turns_commit(server: ServerProcess) 
         assert counters["lookups"] == 3 and counters["wait_seconds"] > 0  # it waited for those Steps' replies
     finally:
         side.close()
-    with KVCacheClient(server.target) as client:  # the connector's lease ended: its session closed into the radix
+    with KVCacheClient(server.target) as client:  # the connector's lease ended: its chat's session parked
         deadline = time.monotonic() + 10
-        while client.list_sessions() and time.monotonic() < deadline:
+        while client.get_session("chat-w").state != "PARKED" and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert client.list_sessions() == []
+        parked = client.get_session("chat-w")
+        assert (parked.state, parked.engine_id, parked.kv_tokens) == ("PARKED", "", 55)
     verify_stats(server.target)
