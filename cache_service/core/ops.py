@@ -204,6 +204,8 @@ class Ops:
         if identity is not None and identity != s.identity:
             self._sessions.check_owner(s, engine_id, identity)
         if engine_id and engine_id != owner and self._leases.has_expired(engine_id):
+            if s.former_owner != engine_id:
+                raise lease_expired(engine_id)
             raise KVCacheError(
                 Reason.LEASE_EXPIRED, f"the lease of engine {engine_id!r} has expired; session {session_id!r} "
                 f"was parked at its end" + (f" and engine {owner!r} has adopted it" if owner else "")

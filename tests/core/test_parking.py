@@ -107,6 +107,9 @@ def test_the_former_owner_coming_back_is_refused_with_lease_expired(make_core, c
     assert str(err) == ("the lease of engine 'a' has expired; session 's' was parked at its end and engine 'b' "
                         "has adopted it: register again")
     assert core.commit("s", toks(8), engine_id="b").context_tokens == 14
+    core.open_session("never-a")  # a session engine a never owned: the plain reason
+    err = raises_reason(Reason.LEASE_EXPIRED, core.append, "never-a", toks(1), 0, engine_id="a")
+    assert str(err) == "the lease of engine 'a' has expired; register again"
 
 
 def test_a_second_engine_racing_to_adopt_gets_session_busy_then_not_owner(make_core) -> None:
