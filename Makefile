@@ -12,7 +12,7 @@ BUF_VERSION := 1.75.0
 BUF := $(TOOLS)/node_modules/.bin/buf
 
 .DEFAULT_GOAL := help
-.PHONY: help setup native conformance-setup vllm-setup run test lint typecheck unit proto proto-check docs docs-check chart-render chart-check bench demo hf-demo vllm-demo gpu-test clean
+.PHONY: help setup native conformance-setup vllm-setup run test lint typecheck unit proto proto-check docs docs-check chart-render chart-check bench demo failover-demo hf-demo vllm-demo gpu-test clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -89,6 +89,9 @@ bench: setup ## run the benchmarks (tables on stdout)
 
 demo: setup ## concurrent chats through the reference engine in four cache modes, side by side
 	@$(PY) -m engine_client.reference.demo $(ARGS)
+
+failover-demo: setup ## a chat outlives its engine: engine A is killed mid-chat, engine B adopts the parked session
+	@$(PY) -m engine_client.reference.failover $(ARGS)
 
 hf-demo: setup ## a multi-turn chat through Hugging Face transformers on the pool, against recompute
 	@$(PY) -m engine_client.hf_demo $(ARGS)

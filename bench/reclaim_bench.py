@@ -31,8 +31,8 @@ client = KVCacheClient(sys.argv[1])
 client.register_engine("victim", ttl_seconds=float(sys.argv[3]), hold=hold)
 if not hold:
     client.start_heartbeats(interval_seconds=float(sys.argv[3]) / 4)
-client.open_session("s")
-client.append_session("s", list(range(64)), 16)
+session = client.open_session().session_id  # a fresh id each round: a killed round's session stays parked
+client.append_session(session, list(range(64)), 16)
 print("ready", flush=True)
 time.sleep(3600)
 """

@@ -21,7 +21,7 @@ from grpc_health.v1._async import HealthServicer
 
 from cache_service import __version__
 from cache_service.config import ConfigError, ServiceConfig
-from cache_service.core import CoreConfig, KVCacheCore
+from cache_service.core import CoreConfig, KVCacheCore, SessionState
 from cache_service.core.tier_keys import Namespace
 from cache_service.log import get_logger
 from cache_service.memory import PoolBackend, PoolHandle, PoolLayout
@@ -57,6 +57,7 @@ def core_config(config: ServiceConfig, num_pages: int) -> CoreConfig:
         max_sessions=config.max_sessions,
         max_lease_ttl_seconds=config.max_lease_ttl,
         quarantine_seconds=config.quarantine_seconds,
+        parked_session_timeout_seconds=config.parked_session_timeout,
         eviction_policy=config.eviction_policy,
         demote_idle_sessions=config.demote_idle_sessions,
         tier_watermark=config.tier_watermark,
@@ -362,12 +363,15 @@ class KVCacheServer:
         if self._metrics_server is not None:
             self._metrics_server.close()
             await self._metrics_server.wait_closed()
-        # Every session open now is released: engines' leases end (their sessions close, KV cached) and
-        # the rest go with the pool.
+        # Every session open now is released: engines' leases end, and the sessions they parked close with
+        # their KV cached (a restart loses parked sessions as it loses owned ones; the tier keeps what is
+        # offloaded below); the rest go with the pool.
         st = self._core.stats() if self._core is not None else None
         if self._core is not None:
             for engine in self._core.list_engines():
                 self._core.unregister_engine(engine.engine_id, identity=None)
+            for parked in self._core.list_sessions(state=SessionState.PARKED):
+                self._core.close(parked.session_id, cache=True, identity=None)
         if self.events is not None:
             self.events.close()
         if self.pool_socket is not None:

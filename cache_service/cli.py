@@ -68,6 +68,11 @@ def _parser() -> argparse.ArgumentParser:
                               "(default: the host; localhost for a unix: target)")
         if name in ("stats", "sessions", "events"):
             cmd.add_argument("--json", action="store_true", help="print the response as JSON")
+        if name == "sessions":
+            cmd.add_argument("--parked", action="store_true",
+                             help="only parked sessions (their engine's lease ended; any engine may adopt them)")
+            cmd.add_argument("--former-engine", default="", metavar="ID",
+                             help="only sessions parked at the end of this engine's lease")
         if name == "events":
             cmd.add_argument("--from-seq", type=int, default=0, metavar="SEQ",
                              help="resume at this batch while the service still buffers it (default: a snapshot)")
@@ -335,12 +340,14 @@ def format_stats(st: pb.GetStatsResponse) -> str:
         ("physical usage", f"{100 * st.physical_usage:.1f}%"),
         ("session budget", f"{st.session_budget_pages:,} pages" if st.session_budget_pages else "none"),
         ("sessions", f"{st.sessions_idle} idle, {st.sessions_in_turn} in turn, {st.sessions_closing} closing, "
-                     f"{st.sessions_demoted} demoted"),
+                     f"{st.sessions_demoted} demoted, {st.sessions_parked} parked"),
         ("engines", f"{st.engines}"),
         ("tokens (cumulative)", f"{st.prefix_hit_tokens:,} radix hit, {st.session_hit_tokens:,} session hit, "
                                 f"{st.miss_tokens:,} computed"),
         ("events", f"{st.evicted_pages:,} pages evicted, {st.duplicate_pages:,} duplicate, "
-                   f"{st.demoted_sessions} demotions, {st.reaped_sessions} reaped, {st.expired_leases} leases expired"),
+                   f"{st.demoted_sessions} demotions, {st.reaped_sessions} reaped, {st.expired_leases} leases expired, "
+                   f"{st.parked_sessions} parked, {st.adopted_sessions} adopted, {st.expired_parked_sessions} parked "
+                   "expired"),
     ]
     if st.HasField("tier"):
         rows += tier_rows(st.tier)
@@ -387,8 +394,9 @@ def _cmd_sessions(args: argparse.Namespace) -> int:
         token = ""
         try:
             while True:
-                page = stub.ListSessions(pb.ListSessionsRequest(page_token=token), timeout=args.timeout,
-                                         metadata=_metadata(args))
+                wanted = pb.SESSION_STATE_PARKED if args.parked else pb.SESSION_STATE_UNSPECIFIED
+                request = pb.ListSessionsRequest(page_token=token, former_engine_id=args.former_engine, state=wanted)
+                page = stub.ListSessions(request, timeout=args.timeout, metadata=_metadata(args))
                 res.sessions.extend(page.sessions)
                 res.total = page.total
                 token = page.next_page_token
@@ -406,10 +414,18 @@ def _cmd_sessions(args: argparse.Namespace) -> int:
         state = pb.SessionState.Name(s.state).removeprefix("SESSION_STATE_")
         mode = "streaming" if s.streaming else "regular"
         lines.append(f"{s.session_id[:34]:<34} {state:<8} {mode:<9} {s.turns:>5} {s.context_tokens:>7} "
-                     f"{s.num_pages:>6} {s.idle_seconds:>7.1f}  {s.engine_id or '-'}  {s.identity or '-'}")
+                     f"{s.num_pages:>6} {s.idle_seconds:>7.1f}  {_engine_cell(s)}  {s.identity or '-'}")
     lines.append(f"{len(res.sessions)} session(s)")
     print("\n".join(lines))
     return 0
+
+
+def _engine_cell(s: pb.SessionInfo) -> str:
+    """The owner, or for a parked session the engine it outlived and how long it stays parked."""
+    if s.state != pb.SESSION_STATE_PARKED:
+        return s.engine_id or "-"
+    left = f"{s.parked_seconds_left:.0f}s left" if s.HasField("parked_seconds_left") else "no timeout"
+    return f"- (parked from {s.former_engine_id}, {left})"
 
 
 def _cmd_events(args: argparse.Namespace) -> int:
@@ -464,6 +480,13 @@ def format_event(batch: pb.WatchEventsResponse, event: pb.KvEvent) -> str:
         o = event.session_opened
         return (f"{head} session opened {o.session_id} epoch={o.epoch} {'streaming' if o.streaming else 'regular'} "
                 f"salt={o.cache_salt!r} engine={o.engine_id or '-'}")
+    if kind == "session_parked":
+        parked = event.session_parked
+        return (f"{head} session parked {parked.session_id} epoch={parked.epoch} "
+                f"former_engine={parked.former_engine_id or '-'}")
+    if kind == "session_adopted":
+        adopted = event.session_adopted
+        return f"{head} session adopted {adopted.session_id} epoch={adopted.epoch} engine={adopted.engine_id or '-'}"
     detail = getattr(event, kind)
     return f"{head} session {kind.removeprefix('session_')} {detail.session_id} epoch={detail.epoch}"
 

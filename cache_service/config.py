@@ -136,6 +136,10 @@ class ServiceConfig:
     shm_prefix: str = setting("kvcache", "pool file name prefix; stale files with it are removed at start")
     session_timeout: float = setting(_CORE["session_timeout_seconds"], "default sliding session timeout in seconds "
                                      "(0 = never)", at_least=0, **SECONDS)
+    parked_session_timeout: float = setting(_CORE["parked_session_timeout_seconds"], "seconds a session whose "
+                                            "engine's lease ended stays parked with its KV for another engine to "
+                                            "adopt, then closed with cache (0 = the session's own timeout)",
+                                            at_least=0, **SECONDS)
     lease_ttl: float = setting(_CORE["lease_ttl_seconds"], "default engine lease TTL in seconds", above=0, **SECONDS)
     reap_interval: float = setting(1.0, "seconds between reaper passes (timeouts, expired leases)", above=0,
                                    **SECONDS)

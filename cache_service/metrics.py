@@ -56,6 +56,8 @@ class _StatsCollector(Collector):
                              ("closing", st.sessions_closing)):
             sessions.add_metric([state], value)
         yield sessions
+        yield GaugeMetricFamily("kvcache_sessions_parked", "Idle sessions with no owner since their engine's lease "
+                                "ended (counted as idle too).", value=st.sessions_parked)
         yield GaugeMetricFamily("kvcache_sessions_demoted", "Idle sessions whose KV is demoted.",
                                 value=st.sessions_demoted)
         yield GaugeMetricFamily("kvcache_engines", "Engines holding a live lease.", value=st.engines)
@@ -74,7 +76,11 @@ class _StatsCollector(Collector):
              st.evicted_unstored_pages),
             ("kvcache_duplicate_pages", "Pages freed because the radix already held them.", st.duplicate_pages),
             ("kvcache_demoted_sessions", "Idle sessions demoted under pressure.", st.demoted_sessions),
-            ("kvcache_reaped_sessions", "Sessions closed by timeout or lease expiry.", st.reaped_sessions),
+            ("kvcache_reaped_sessions", "Sessions closed by timeout (parked ones' included).", st.reaped_sessions),
+            ("kvcache_parked_sessions", "Sessions parked at their engine's lease end.", st.parked_sessions),
+            ("kvcache_adopted_sessions", "Parked sessions an engine's append continued.", st.adopted_sessions),
+            ("kvcache_expired_parked_sessions", "Parked sessions closed at their parked timeout.",
+             st.expired_parked_sessions),
             ("kvcache_expired_leases", "Engine leases that expired.", st.expired_leases),
         ):
             yield CounterMetricFamily(name, doc, value=value)

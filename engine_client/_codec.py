@@ -119,7 +119,8 @@ def closed(r: pb.CloseSessionResponse) -> CloseResult:
 
 
 def unregistered(r: pb.UnregisterEngineResponse) -> tuple[str, ...]:
-    return tuple(r.closed_session_ids)
+    """The sessions the engine owned: parked now (closed by a service that predates parking)."""
+    return (*r.closed_session_ids, *r.parked_session_ids)
 
 
 def reaped(r: pb.ReapSessionsResponse) -> ReapResult:
@@ -127,7 +128,8 @@ def reaped(r: pb.ReapSessionsResponse) -> ReapResult:
 
 
 def session_info(s: pb.SessionInfo) -> SessionInfo:
-    return _record(SessionInfo, s, state=pb.SessionState.Name(s.state).removeprefix("SESSION_STATE_"))
+    return _record(SessionInfo, s, state=pb.SessionState.Name(s.state).removeprefix("SESSION_STATE_"),
+                   parked_seconds_left=s.parked_seconds_left if s.HasField("parked_seconds_left") else None)
 
 
 def session(r: pb.GetSessionResponse) -> SessionInfo:

@@ -299,6 +299,20 @@ class Session(_SessionState):
         super().__init__(opened.session_id, opened.epoch, page_size, device, close_cache, pool)
 
     @classmethod
+    def resume(cls, client: KVCacheClient, session_id: str, *, close_cache: bool = True, page_size: int | None = None,
+               device: str | torch.device = "cpu", pool: MappedPool | None = None) -> Session:
+        """A session opened elsewhere, typically one parked when its engine went away (DESIGN.md §11): its next
+        `append` adopts it for this client's engine and hands over its whole page table, with `cached_tokens`
+        saying how much of its history already has KV."""
+        if not page_size:
+            page_size = (pool.info if pool is not None else client.get_pool_info()).layout.page_size
+        info = client.get_session(session_id)
+        session = cls.__new__(cls)
+        session.client = client
+        _SessionState.__init__(session, session_id, info.epoch, page_size, device, close_cache, pool)
+        return session
+
+    @classmethod
     def open_in(cls, batch: StepBatch, client: KVCacheClient, session_id: str = "", *, page_size: int,
                 streaming: bool = True, timeout_seconds: float | None = None, cache_salt: str = "",
                 close_cache: bool = True, device: str | torch.device = "cpu",

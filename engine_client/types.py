@@ -128,7 +128,7 @@ class SessionInfo:
     session_id: str
     epoch: int
     state: str
-    """"IDLE", "IN_TURN" or "CLOSING"."""
+    """"IDLE", "IN_TURN", "CLOSING" or "PARKED" (its engine's lease ended: the next append adopts it)."""
     streaming: bool
     cache_salt: str
     engine_id: str
@@ -145,6 +145,10 @@ class SessionInfo:
     close_pending: bool
     identity: str = ""
     """The identity that opened it (a --tenants-file name; "" without one)."""
+    former_engine_id: str = ""
+    """The engine whose lease end last parked it ("" if never parked)."""
+    parked_seconds_left: float | None = None
+    """Seconds until a parked session is closed (cache=true); None unless parked with a deadline."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +192,12 @@ class Stats:
     physical_usage: float
     verified: bool
     quarantined_pages: int = 0
+    sessions_parked: int = 0
+    """Sessions whose engine's lease ended, kept for another engine to adopt (DESIGN.md §11)."""
+    parked_sessions: int = 0
+    adopted_sessions: int = 0
+    expired_parked_sessions: int = 0
+    """Cumulative: parks, adoptions, and parked sessions closed at their parked timeout."""
 
     @property
     def pages_by_state(self) -> dict[str, int]:

@@ -31,7 +31,7 @@ from cache_service.core.ledger import (
 from cache_service.core.pages import PageAllocator
 from cache_service.core.radix import RadixNode, RadixTree
 from cache_service.core.sessions import SessionTable
-from cache_service.core.slot import CLOSING, IN_TURN, SessionSlot, Slots
+from cache_service.core.slot import CLOSING, IDLE, IN_TURN, SessionSlot, Slots
 from cache_service.core.tiering import TierIndex
 from cache_service.core.types import Stats
 
@@ -84,6 +84,10 @@ class Accounting:
             offloading_pages=self._tier.offloading_pages if self._tier else 0,
             tier_stored_pages=self._tier.stored_pages if self._tier else 0,
             evicted_unstored_pages=self._tier.evicted_unstored_pages if self._tier else 0,
+            sessions_parked=slots.num_parked,
+            parked_sessions=c.parked_sessions,
+            adopted_sessions=c.adopted_sessions,
+            expired_parked_sessions=c.expired_parked_sessions,
         )
 
     def check_invariants(self) -> Stats:
@@ -108,7 +112,7 @@ class Accounting:
                 while up is not None and up.parent is not None:
                     expected_locks[up] += 1
                     up = up.parent
-        held = in_flight = tokens = kv = in_turn = closing = demoted = 0
+        held = in_flight = tokens = kv = in_turn = closing = demoted = parked = 0
         for sid, s in self._sessions.items():
             self._check_session(sid, s, expected_locks)
             owned.append(bytes(s.pages[s.radix_pages * 4 :]))
@@ -119,6 +123,7 @@ class Accounting:
             in_turn += s.state is IN_TURN
             closing += s.state is CLOSING
             demoted += s.demoted
+            parked += s.parked
         for n in self._radix.iter_nodes():
             if n.parent is not None and n.lock_ref != expected_locks.get(n, 0):
                 raise InvariantError(
@@ -134,8 +139,10 @@ class Accounting:
         if (tokens, kv) != (c.session_tokens, c.session_kv_tokens):
             raise InvariantError("session token counters != recount")
         t = self._slots
-        if (in_turn, closing, demoted) != (t.num_in_turn, t.num_closing, t.num_demoted):
+        if (in_turn, closing, demoted, parked) != (t.num_in_turn, t.num_closing, t.num_demoted, t.num_parked):
             raise InvariantError("session state counters != recount")
+        if sorted(s.id for s in self._sessions.parked_sessions()) != sorted(s.id for s in self._sessions if s.parked):
+            raise InvariantError("the parked order does not hold exactly the parked sessions")
         for lease in self._leases.leases():
             for sid in lease.sessions:
                 holder = self._sessions.find(sid)
@@ -175,6 +182,8 @@ class Accounting:
         context = len(s.tokens) >> 2
         if s.committed_tokens > context or (not s.in_turn and s.committed_tokens != context):
             raise InvariantError(f"session {sid!r}: committed token count disagrees with its state")
+        if s.parked and (s.owner or s.state is not IDLE):
+            raise InvariantError(f"session {sid!r}: a parked session has an owner or a turn in flight")
         if s.owner:
             lease = self._leases.find(s.owner)
             if lease is None or sid not in lease.sessions:

@@ -36,7 +36,7 @@ from cache_service.core.ledger import Counters, PageLedger
 from cache_service.core.ops import Ops
 from cache_service.core.pages import PageAllocator
 from cache_service.core.radix import RadixTree
-from cache_service.core.sessions import SessionTable
+from cache_service.core.sessions import SessionTable, session_filter
 from cache_service.core.slot import Slots
 from cache_service.core.tier_keys import Namespace
 from cache_service.core.tiering import TierIndex
@@ -51,6 +51,7 @@ from cache_service.core.types import (
     OpenResult,
     ReapResult,
     SessionInfo,
+    SessionState,
     Stats,
     TokenArray,
 )
@@ -61,6 +62,7 @@ Clock = Callable[[], float]
 
 def _pages(ids: bytes) -> npt.NDArray[np.int32]:
     return np.frombuffer(ids, dtype=np.int32)
+
 
 
 class KVCacheCore:
@@ -158,35 +160,41 @@ class KVCacheCore:
         """A copy of the session's context tokens (committed, plus the in-flight turn's input)."""
         return np.frombuffer(bytes(self.sessions.get(session_id, epoch).tokens), dtype="<i4").astype(np.int32)
 
-    def list_sessions(self, engine_id: str = "", identity: str | None = None) -> list[SessionInfo]:
-        """Sessions, least recently active first; only `engine_id`'s and `identity`'s when given."""
-        return self.list_sessions_lru(len(self.sessions), engine_id=engine_id, identity=identity)[0]
+    def list_sessions(self, engine_id: str = "", identity: str | None = None, *, former_engine_id: str = "",
+                      state: SessionState | None = None) -> list[SessionInfo]:
+        """Sessions, least recently active first; only those of owner `engine_id`, `identity`, former owner
+        `former_engine_id` and `state` (as `SessionInfo.state` shows it: PARKED for a parked one) when given."""
+        return self.list_sessions_lru(len(self.sessions), engine_id=engine_id, identity=identity,
+                                      former_engine_id=former_engine_id, state=state)[0]
 
-    def list_sessions_lru(self, limit: int, *, engine_id: str = "", identity: str | None = None
+    def list_sessions_lru(self, limit: int, *, engine_id: str = "", identity: str | None = None,
+                          former_engine_id: str = "", state: SessionState | None = None
                           ) -> tuple[list[SessionInfo], int]:
         """The `limit` least recently active sessions (filtered as in `list_sessions`), and how many match."""
         now = self._clock()
+        keep = session_filter(engine_id, identity, former_engine_id, state)
         shown: list[SessionInfo] = []
         total = 0
         for s in self.sessions:
-            if (not engine_id or s.owner == engine_id) and (identity is None or s.identity == identity):
+            if keep(s):
                 total += 1
                 if len(shown) < limit:
                     shown.append(self.sessions.info(s, now))
         return shown, total
 
     def list_sessions_page(self, *, after_epoch: int = 0, size: int, engine_id: str = "",
-                           identity: str | None = None) -> tuple[list[SessionInfo], int, int]:
+                           identity: str | None = None, former_engine_id: str = "",
+                           state: SessionState | None = None) -> tuple[list[SessionInfo], int, int]:
         """A page of sessions in the order they were opened, after the one of epoch `after_epoch`: up to
         `size` infos, how many match in all, and the epoch to continue after (0 when this is the last page)."""
         now = self._clock()
-        page, total, more = self.sessions.page(
-            after_epoch, size, lambda s: (not engine_id or s.owner == engine_id)
-            and (identity is None or s.identity == identity))
+        page, total, more = self.sessions.page(after_epoch, size,
+                                               session_filter(engine_id, identity, former_engine_id, state))
         return [self.sessions.info(s, now) for s in page], total, page[-1].epoch if more and page else 0
 
     def reap(self) -> ReapResult:
-        """Expire due leases and close timed-out sessions (their committed KV goes to the radix).
+        """Expire due leases (their sessions parked) and close timed-out sessions, parked ones past their parked
+        timeout included (their committed KV goes to the radix).
 
         An in-flight turn is never reaped while its owner's lease lives; an ownerless session is reaped
         on timeout even mid-turn (the turn is aborted, and what it released is quarantined like an expired
@@ -199,9 +207,9 @@ class KVCacheCore:
     def register_engine(self, engine_id: str = "", ttl_seconds: float = 0.0, *, identity: str | None = "",
                         held: bool = False) -> EngineInfo:
         """Start a lease for `identity` (TTL default from config, at most --max-lease-ttl). Re-registering a
-        live id of the same identity releases what the previous incarnation held first: the usual cause is
-        an engine restarted under the same name; another identity's live id is NOT_OWNER. A `held` lease
-        lasts until `end_held_lease`, never expiring by TTL (HoldLease)."""
+        live id of the same identity ends the previous incarnation's lease first (its sessions parked, for the
+        new one to adopt): the usual cause is an engine restarted under the same name; another identity's live
+        id is NOT_OWNER. A `held` lease lasts until `end_held_lease`, never expiring by TTL (HoldLease)."""
         return self.ops.register(engine_id, ttl_seconds, identity, held)
 
     def heartbeat(self, engine_id: str, *, identity: str | None = "") -> EngineInfo:
@@ -211,20 +219,21 @@ class KVCacheCore:
         return lease.info(now)
 
     def unregister_engine(self, engine_id: str, *, identity: str | None = "") -> tuple[str, ...]:
-        """End a lease cleanly: its sessions are closed (KV cached). Returns their ids."""
+        """End a lease cleanly: its sessions are parked (another engine may continue them). Returns their ids."""
         now = self._clock()
         return self.ops.end_lease(self.ops.live_lease(engine_id, now, identity), expired=False, now=now)
 
     def end_held_lease(self, engine_id: str, serial: int) -> tuple[str, ...]:
-        """The stream holding lease `serial` of `engine_id` ended (its engine went away): release everything
-        at once, and remember the id so a late call hears LEASE_EXPIRED. Nothing if that lease already ended
-        (unregistered, or registered again since). Returns the sessions closed."""
+        """The stream holding lease `serial` of `engine_id` ended (its engine went away, so nothing is
+        quarantined): abort its turns in flight and park its sessions at once, and remember the id so a late
+        call hears LEASE_EXPIRED. Nothing if that lease already ended (unregistered, or registered again
+        since). Returns the sessions parked."""
         lease = self.leases.find(engine_id)
         if lease is None or lease.serial != serial:
             return ()
-        closed = self.leases.end(lease, expired=True)
-        self.ops.release_sessions(closed, count=True)
-        return closed
+        parked = self.leases.end(lease, expired=True)
+        self.ops.park_sessions(parked, self._clock(), fence=False)
+        return parked
 
     def held_lease(self, engine_id: str, serial: int) -> EngineInfo | None:
         """The lease `serial` of `engine_id` if it is still the live one, else None."""

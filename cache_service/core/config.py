@@ -27,6 +27,9 @@ class CoreConfig:
     """How many expired engine ids are remembered to answer LEASE_EXPIRED instead of ENGINE_NOT_FOUND."""
     quarantine_seconds: float = 0.0
     """How long pages released by an expired lease wait before they are free again; 0 frees them at once."""
+    parked_session_timeout_seconds: float = 600.0
+    """How long a parked session (its engine's lease ended) keeps its KV before it is closed with cache=true;
+    0 means the session's own sliding timeout (never, for a session whose timeout is 0)."""
     max_sessions: int = 0
     """Most sessions open at once; 0 means no bound beyond memory."""
     max_lease_ttl_seconds: float = 0.0
@@ -51,7 +54,7 @@ class CoreConfig:
             )
         if self.max_session_tokens < 0:
             raise ValueError(f"max_session_tokens must be >= 0, got {self.max_session_tokens}")
-        for name in ("quarantine_seconds", "max_lease_ttl_seconds"):
+        for name in ("quarantine_seconds", "max_lease_ttl_seconds", "parked_session_timeout_seconds"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_sessions < 0:

@@ -2,8 +2,8 @@
 
 Records: `Stored` (pages entered the radix: one node's run, parents before children), `Removed` (pages
 left it), `Cleared` (everything announced before is gone) and `SessionChange` (a session opened, closed,
-or was demoted). They are plain tuples of Python values and numpy arrays: the core never imports a
-transport.
+was demoted, parked at its engine's lease end, or adopted by an engine). They are plain tuples of
+Python values and numpy arrays: the core never imports a transport.
 
 Page hashes are u64, chained: a page's hash covers its parent's hash and its own token ids, and the
 first page of a tree chains from a hash of its cache salt, so equal tokens under different salts never
@@ -53,10 +53,11 @@ class Cleared(NamedTuple):
 
 
 class SessionChange(NamedTuple):
-    """A session opened, closed, or was demoted (its KV became ordinary radix entries)."""
+    """A session opened, closed, was demoted (its KV became ordinary radix entries), parked (its engine's lease
+    ended; `engine_id` is that former owner) or adopted (`engine_id` continues it)."""
 
     kind: str
-    """"opened", "closed" or "demoted"."""
+    """"opened", "closed", "demoted", "parked" or "adopted"."""
     session_id: str
     epoch: int
     cache_salt: str
@@ -67,7 +68,7 @@ class SessionChange(NamedTuple):
 
 Record = Stored | Removed | Cleared | SessionChange
 
-SESSION_KINDS = ("opened", "closed", "demoted")
+SESSION_KINDS = ("opened", "closed", "demoted", "parked", "adopted")
 
 
 def salt_hash(cache_salt: str) -> bytes:

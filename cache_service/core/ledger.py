@@ -64,10 +64,13 @@ class Counters:
     """Running totals that are not page states: tokens, hits, and how often things happened."""
 
     __slots__ = (
+        "adopted_sessions",
         "demoted_sessions",
         "duplicate_pages",
         "expired_leases",
+        "expired_parked_sessions",
         "miss_tokens",
+        "parked_sessions",
         "prefix_hit_tokens",
         "reaped_sessions",
         "session_hit_tokens",
@@ -85,3 +88,6 @@ class Counters:
         self.demoted_sessions = 0
         self.reaped_sessions = 0
         self.expired_leases = 0
+        self.parked_sessions = 0
+        self.adopted_sessions = 0
+        self.expired_parked_sessions = 0

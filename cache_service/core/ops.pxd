@@ -25,7 +25,7 @@ cdef class Ops:
     cpdef tuple open(self, object session_id, bint streaming, object timeout_seconds, object cache_salt,
                      object engine_id, object identity, object quota)
 
-    @cython.locals(s=SessionSlot, context=Py_ssize_t)
+    @cython.locals(s=SessionSlot, context=Py_ssize_t, adopter=Lease)
     cpdef tuple append(self, object session_id, object tokens, object reserve_tokens, object epoch, object engine_id,
                        object identity)
 
@@ -41,7 +41,8 @@ cdef class Ops:
     cpdef tuple close(self, object session_id, bint cache, object epoch, object engine_id, object identity)
 
     @cython.locals(s=SessionSlot, lease=Lease)
-    cpdef SessionSlot session(self, object session_id, object epoch, object engine_id, object identity, object now)
+    cpdef SessionSlot session(self, object session_id, object epoch, object engine_id, object identity, object now,
+                              bint appending)
 
     cpdef check_turn(self, SessionSlot s, object turn)
 

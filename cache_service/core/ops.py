@@ -3,18 +3,25 @@
 Session calls (`open`, `append`, `extend`, `commit`, `close`) take token ids as int32 little-endian bytes
 already checked (`validate.token_bytes`) and return plain tuples, so a `Step` of many ops makes no
 record or array per op; the facade (`cache.KVCacheCore`) wraps them for callers that want records.
-Lease calls end leases and close what they held. Failed calls change no client-visible state, except
-pressure relief: an append that needs pages may evict radix entries and demote idle sessions before it
-finds the pool still too small.
+Lease calls end leases and park what they held (DESIGN §11). Failed calls change no client-visible state,
+except pressure relief: an append that needs pages may evict radix entries and demote idle sessions before
+it finds the pool still too small, and lease expiry noticed at use (below).
 
 Lease expiry happens in `reap` and at one explicit point of each session call: after the session is
-found, an owner whose lease is overdue is ended first (its sessions released) and the call fails with
-LEASE_EXPIRED (for that owner) or SESSION_NOT_FOUND (for anyone else). Finding a session or a lease
-changes nothing.
+found, an owner whose lease is overdue is ended first (its sessions parked); that owner's call then fails
+with LEASE_EXPIRED, anyone else's goes on with the parked session (an append adopts it). Finding a session
+or a lease changes nothing.
+
+Parking: a lease's end aborts its sessions' turns in flight and parks each session (owner none, KV kept,
+closed with cache=true after --parked-session-timeout). When the lease ended by TTL the engine may be
+stalled rather than gone: what its aborted turns release, and the last partial page of such a session,
+go to quarantine (`Slots.park(fence=True)`). An engine whose lease expired hears LEASE_EXPIRED from every
+session call, also for the sessions it owned that were parked or adopted since.
 """
 
 from __future__ import annotations
 
+import math
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -89,7 +96,7 @@ class Ops:
         now = self._clock()
         if reserve_tokens < 0:
             check_count(reserve_tokens, "reserve_tokens")
-        s = self.session(session_id, epoch, engine_id, identity, now)
+        s = self.session(session_id, epoch, engine_id, identity, now, True)
         if self._pages.quarantine:
             self.release_quarantine(now)
         if s.state is not IDLE:
@@ -98,6 +105,12 @@ class Ops:
                                    session_id=session_id)
             raise KVCacheError(Reason.SESSION_BUSY, f"session {session_id!r} already has turn {s.turns + 1} in flight",
                                session_id=session_id)
+        adopter: Lease | None = None
+        if s.parked and engine_id:
+            adopter = self.live_lease(engine_id, now, identity)
+            if adopter.identity != s.identity:
+                raise KVCacheError(Reason.NOT_OWNER, f"engine {engine_id!r} belongs to another identity than "
+                                   f"session {session_id!r}", session_id=session_id, engine_id=engine_id)
         context = s.committed_tokens + (len(tokens) >> 2)
         if context == 0:
             raise KVCacheError(Reason.INVALID_TOKENS, "token_ids is empty and the session has no context yet",
@@ -106,6 +119,11 @@ class Ops:
             check_token_cap(self._cap, session_id, context + reserve_tokens,
                             f"context {context} + reserve {reserve_tokens}")
         outcome = self._slots.begin(s, tokens, reserve_tokens)
+        if s.parked:
+            self._slots.adopt(s, engine_id if adopter is not None else "")
+            self._sessions.adopted(s)
+            if adopter is not None:
+                adopter.sessions.add(s.id)
         s.last_active = now
         self._by_id.move_to_end(session_id)
         return s, outcome
@@ -115,7 +133,7 @@ class Ops:
         now = self._clock()
         if reserve_tokens < 0:
             check_count(reserve_tokens, "reserve_tokens")
-        s = self.session(session_id, epoch, engine_id, identity, now)
+        s = self.session(session_id, epoch, engine_id, identity, now, False)
         if s.state is IDLE:
             self.check_turn(s, 0)
         if self._pages.quarantine:
@@ -133,7 +151,7 @@ class Ops:
                engine_id: str, identity: str | None) -> tuple[str, int, int, int, bool]:
         """End the turn in flight; returns (session id, context tokens, kv tokens, pages, closed)."""
         now = self._clock()
-        s = self.session(session_id, epoch, engine_id, identity, now)
+        s = self.session(session_id, epoch, engine_id, identity, now, False)
         if s.state is IDLE or turn:
             self.check_turn(s, turn)
         if abort:
@@ -156,17 +174,20 @@ class Ops:
     def close(self, session_id: str, cache: bool, epoch: int, engine_id: str, identity: str | None
               ) -> tuple[str, bool, int]:
         """Close now (returns (id, True, tokens cached)), or at the turn's end (id, False, 0)."""
-        s = self.session(session_id, epoch, engine_id, identity, self._clock())
+        s = self.session(session_id, epoch, engine_id, identity, self._clock(), False)
         if s.state is not IDLE:
             s.close_cache = cache
             self._slots.transition(s, CLOSING)
             return s.id, False, 0
         return s.id, True, self.finish_close(s, cache)
 
-    def session(self, session_id: str, epoch: int, engine_id: str, identity: str | None, now: float) -> SessionSlot:
-        """The session a mutating call names. Its owner's lease, when overdue, is ended here first (the
-        caller gets LEASE_EXPIRED if it is that owner, else SESSION_NOT_FOUND). A caller naming an engine
-        whose lease has expired hears LEASE_EXPIRED for a session it no longer finds: that is why."""
+    def session(self, session_id: str, epoch: int, engine_id: str, identity: str | None, now: float,
+                appending: bool) -> SessionSlot:
+        """The session a mutating call names. Its owner's lease, when overdue, is ended here first (its
+        sessions parked): that owner's call gets LEASE_EXPIRED, anyone else's goes on with the parked session.
+        A caller naming an engine whose lease has expired hears LEASE_EXPIRED for a session it no longer
+        finds or owns: that is why. Another engine of the session's identity gets NOT_OWNER, or SESSION_BUSY
+        when `appending` to a session whose turn is in flight (an engine that lost a race to adopt it)."""
         s = self._by_id.get(session_id)
         if s is None or (epoch and epoch != s.epoch):
             if engine_id and self._leases.has_expired(engine_id):
@@ -179,12 +200,20 @@ class Ops:
                 self.end_lease(lease, expired=True, now=now)
                 if engine_id == owner:
                     raise lease_expired(engine_id)
-                raise KVCacheError(Reason.SESSION_NOT_FOUND,
-                                   f"session {session_id!r} not found (its owner's lease expired)",
-                                   session_id=session_id)
-            if engine_id and engine_id != owner:
-                self._sessions.check_owner(s, engine_id, identity)
+                owner = ""
         if identity is not None and identity != s.identity:
+            self._sessions.check_owner(s, engine_id, identity)
+        if engine_id and engine_id != owner and self._leases.has_expired(engine_id):
+            if s.former_owner != engine_id:
+                raise lease_expired(engine_id)
+            raise KVCacheError(
+                Reason.LEASE_EXPIRED, f"the lease of engine {engine_id!r} has expired; session {session_id!r} "
+                f"was parked at its end" + (f" and engine {owner!r} has adopted it" if owner else "")
+                + ": register again", engine_id=engine_id, session_id=session_id)
+        if owner and engine_id and engine_id != owner:
+            if appending and s.state is not IDLE:
+                raise KVCacheError(Reason.SESSION_BUSY, f"session {session_id!r} already has turn {s.turns + 1} "
+                                   f"in flight (engine {owner!r} owns it)", session_id=session_id)
             self._sessions.check_owner(s, engine_id, identity)
         return s
 
@@ -230,8 +259,31 @@ class Ops:
         cache = s.close_cache if s.state is CLOSING else True
         if s.state is not IDLE:
             self._slots.abort(s)
+        if count and s.parked:
+            self._c.expired_parked_sessions += 1
         self.finish_close(s, cache)
         self._c.reaped_sessions += count
+
+    def park_sessions(self, session_ids: tuple[str, ...], now: float, *, fence: bool) -> None:
+        """Their engine's lease has ended: abort each session's turn in flight and park it (a session whose
+        close was deferred closes now, as it asked). `fence`: the engine may still be running (call inside
+        `quarantining`), see `Slots.park`. Parks least recently active first (relief demotes parked sessions
+        in that order)."""
+        sessions = [self._sessions.get(sid) for sid in session_ids]
+        sessions.sort(key=_last_active)
+        timeout = self.config.parked_session_timeout_seconds
+        for s in sessions:
+            if s.state is CLOSING:
+                self.reap_session(s, count=False)
+                continue
+            in_turn = s.state is IN_TURN
+            if in_turn:
+                self._slots.abort(s)
+                self._slots.transition(s, IDLE)
+            own = s.last_active + s.timeout_seconds if s.timeout_seconds else math.inf
+            until = now + timeout if timeout else own
+            self._slots.park(s, until, fence=fence and in_turn)
+            self._sessions.parked(s)
 
     def release_quarantine(self, now: float) -> None:
         due = self._pages.next_release()
@@ -247,7 +299,7 @@ class Ops:
         engines: list[str] = []
         for lease in self._leases.due(now):
             engines.append(lease.engine_id)
-            reaped.extend(self.end_lease(lease, expired=True, now=now))
+            self.end_lease(lease, expired=True, now=now)
         for s in self._sessions.timed_out(now):
             if s.state is not IDLE and s.owner:
                 continue  # its owner's lease is live (expired ones were handled above)
@@ -277,7 +329,7 @@ class Ops:
             if old.expired(now):
                 self.end_lease(old, expired=True, now=now)  # a stalled incarnation may still write
             else:
-                self.release_sessions(self._leases.end(old, expired=False), count=True)
+                self.park_sessions(self._leases.end(old, expired=False), now, fence=False)
         lease = self._leases.add(engine_id, ttl_seconds or self.config.lease_ttl_seconds, now, identity=owner,
                                  held=held)
         return lease.info(now)
@@ -291,30 +343,31 @@ class Ops:
         return lease
 
     def end_lease(self, lease: Lease, *, expired: bool, now: float) -> tuple[str, ...]:
-        """End `lease` and close its sessions (their committed KV cached). Returns their ids.
+        """End `lease` and park its sessions (turns in flight aborted). Returns their ids.
 
         An expired lease's engine may be stalled rather than gone, and still write its pages: what its
-        sessions release is quarantined for --quarantine-seconds instead of going straight to the free list.
+        sessions' aborted turns release (and the last partial page each was writing) is quarantined for
+        --quarantine-seconds instead of going straight to the free list.
         """
-        closed = self._leases.end(lease, expired=expired)
+        parked = self._leases.end(lease, expired=expired)
         if expired and self.config.quarantine_seconds:
             with self._pages.quarantining(now + self.config.quarantine_seconds):
-                self.release_sessions(closed, count=True)
+                self.park_sessions(parked, now, fence=True)
         else:
-            self.release_sessions(closed, count=expired)
+            self.park_sessions(parked, now, fence=False)
         if expired:
             self._c.expired_leases += 1
-        return closed
-
-    def release_sessions(self, session_ids: tuple[str, ...], *, count: bool) -> None:
-        for sid in session_ids:
-            self.reap_session(self._sessions.get(sid), count=count)
+        return parked
 
 
 def check_lease_owner(lease: Lease, identity: str | None) -> None:
     if identity is not None and identity != lease.identity:
         raise KVCacheError(Reason.NOT_OWNER, f"engine {lease.engine_id!r} belongs to another identity",
                            engine_id=lease.engine_id)
+
+
+def _last_active(s: SessionSlot) -> float:
+    return s.last_active
 
 
 __all__ = ["IN_TURN", "Ops", "check_lease_owner"]

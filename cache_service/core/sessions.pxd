@@ -7,7 +7,7 @@ from cache_service.core.slot cimport SessionSlot, Slots
 @cython.final
 cdef class SessionTable:
     cdef public Slots _slots
-    cdef public object _by_id
+    cdef public object _by_id, _parked
     cdef public dict _opened, _per_identity
     cdef public Py_ssize_t _next_epoch
     cdef public list _spare

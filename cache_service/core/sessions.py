@@ -3,18 +3,20 @@
 `SessionTable` finds sessions (by id, checking the epoch and the owner; finding changes nothing), creates
 and removes them, keeps them in least-recently-active order and renders the client's view
 (`SessionInfo`). Slots of closed sessions are kept for reuse (their buffers keep their memory). It never
-moves pages nor changes a state: that is `slot.Slots`' business.
+moves pages nor changes a state: that is `slot.Slots`' business. Parked sessions are also kept in the
+order they were parked, so that relief demotes them before any owned session.
 """
 
 from __future__ import annotations
 
+import math
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
 from cache_service.core.errors import KVCacheError, Reason
 from cache_service.core.slot import IDLE, SessionSlot, Slots
-from cache_service.core.types import SessionInfo
+from cache_service.core.types import SessionInfo, SessionState
 
 Session = SessionSlot
 POOLED_SLOTS = 1024
@@ -32,6 +34,8 @@ class SessionTable:
         self._per_identity: dict[str, int] = {}
         self._next_epoch = 1
         self._spare: list[Session] = []
+        self._parked: OrderedDict[str, Session] = OrderedDict()
+        """Parked sessions in the order they were parked."""
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -115,6 +119,7 @@ class SessionTable:
         """Forget `s` (its KV must already be released). Its slot object may be reused by a later
         `create`, so nothing may keep it."""
         self._slots.release(s)
+        self._parked.pop(s.id, None)
         del self._by_id[s.id]
         del self._opened[s.id]
         left = self._per_identity[s.identity] - 1
@@ -130,13 +135,29 @@ class SessionTable:
         s.last_active = now
         self._by_id.move_to_end(s.id)
 
+    def parked(self, s: Session) -> None:
+        """`s` was just parked (`Slots.park`)."""
+        self._parked[s.id] = s
+
+    def adopted(self, s: Session) -> None:
+        """`s` was just adopted (`Slots.adopt`)."""
+        del self._parked[s.id]
+
+    def parked_sessions(self) -> Iterator[Session]:
+        """Parked sessions, in the order they were parked."""
+        return iter(self._parked.values())
+
     # ------------------------------------------------------------------ selections
 
     def demotable(self, exclude: Session | None) -> Iterator[Session]:
-        """Idle sessions holding KV, least recently active first (never `exclude`); lazily, so a caller that
-        needs a few looks at a few. Do not demote while iterating a generator made before."""
+        """Idle sessions holding KV (never `exclude`): parked ones first, in the order they were parked, then
+        the others least recently active first; lazily, so a caller that needs a few looks at a few. Do not
+        demote while iterating a generator made before."""
+        for v in self._parked.values():
+            if v is not exclude and v.committed_pages > 0:
+                yield v
         for v in self._by_id.values():
-            if v is not exclude and v.state is IDLE and v.committed_pages > 0:
+            if v is not exclude and v.state is IDLE and v.committed_pages > 0 and not v.parked:
                 yield v
 
     def page(self, after_epoch: int, size: int, keep: Callable[[Session], bool]) -> tuple[list[Session], int, bool]:
@@ -167,7 +188,7 @@ class SessionTable:
         return SessionInfo(
             session_id=s.id,
             epoch=s.epoch,
-            state=s.state,
+            state=SessionState.PARKED if s.parked else s.state,
             streaming=s.streaming,
             cache_salt=s.cache_salt,
             engine_id=s.owner,
@@ -183,4 +204,18 @@ class SessionTable:
             demoted=s.demoted,
             close_pending=s.close_pending,
             identity=s.identity,
+            former_engine_id=s.former_owner,
+            parked_seconds_left=max(0.0, s.parked_until - now) if s.parked and s.parked_until != math.inf
+            else None,
         )
+
+
+def session_filter(engine_id: str, identity: str | None, former_engine_id: str, state: SessionState | None
+                   ) -> Callable[[Session], bool]:
+    """Which sessions a listing keeps: owner `engine_id`, `identity`, former owner `former_engine_id` and
+    `state` as the info view shows it (each test skipped when its value is empty / None)."""
+    def keep(s: Session) -> bool:
+        return ((not engine_id or s.owner == engine_id) and (identity is None or s.identity == identity)
+                and (not former_engine_id or s.former_owner == former_engine_id)
+                and (state is None or (SessionState.PARKED if s.parked else s.state) is state))
+    return keep

@@ -8,11 +8,11 @@ from cache_service.core.radix cimport RadixNode, RadixTree
 
 @cython.final
 cdef class SessionSlot:
-    cdef public object cache_salt, epoch, id, identity, owner, state
-    cdef public bint close_cache, demoted, radix_turn, streaming
+    cdef public object cache_salt, epoch, former_owner, id, identity, owner, state
+    cdef public bint close_cache, demoted, parked, radix_turn, streaming
     cdef public Py_ssize_t committed_pages, committed_tokens, kv_tokens, radix_pages, synced_pages, turns
     cdef public Py_ssize_t turn_cached_tokens, turn_context_tokens
-    cdef public double last_active, timeout_seconds
+    cdef public double last_active, parked_until, timeout_seconds
     cdef public RadixNode lock_node
     cdef public bytearray pages, tokens
 
@@ -23,7 +23,7 @@ cdef class SessionSlot:
 @cython.final
 cdef class Slots:
     cdef public object _config, _victims, changes
-    cdef public Py_ssize_t _ps, num_in_turn, num_closing, num_demoted
+    cdef public Py_ssize_t _ps, num_in_turn, num_closing, num_demoted, num_parked
     cdef public PageAllocator _pages
     cdef public RadixTree _radix
     cdef public PageLedger _ledger
@@ -32,6 +32,11 @@ cdef class Slots:
     cpdef transition(self, SessionSlot s, object state)
     cpdef set_demoted(self, SessionSlot s, bint demoted)
     cpdef release(self, SessionSlot s)
+
+    @cython.locals(ps=Py_ssize_t, full=Py_ssize_t)
+    cpdef park(self, SessionSlot s, double until, bint fence)
+
+    cpdef adopt(self, SessionSlot s, object engine_id)
 
     @cython.locals(ps=Py_ssize_t, context=Py_ssize_t, base_pages=Py_ssize_t, radix_turn=bint, lock_node=RadixNode,
                    n=Py_ssize_t, cached=Py_ssize_t, radix_hit=Py_ssize_t, c=Counters, offset=Py_ssize_t,

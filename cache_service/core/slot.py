@@ -17,12 +17,14 @@ New pages come from `allocate`, which asks `capacity.plan_relief` how to make ro
 the plan out (demotions, evictions).
 
 States move only through `transition` (IDLE -> IN_TURN -> IDLE; IN_TURN -> CLOSING when a close comes
-during a turn, which then completes at the turn's end), which also keeps the counts by state.
+during a turn, which then completes at the turn's end), which also keeps the counts by state. An idle
+slot whose engine's lease ended is `park`ed (owner none, KV kept) until an append `adopt`s it.
 Callers (the facade) validate requests and find slots; these methods assume both were done.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -52,6 +54,7 @@ class SessionSlot:
         "committed_tokens",
         "demoted",
         "epoch",
+        "former_owner",
         "id",
         "identity",
         "kv_tokens",
@@ -59,6 +62,8 @@ class SessionSlot:
         "lock_node",
         "owner",
         "pages",
+        "parked",
+        "parked_until",
         "radix_pages",
         "radix_turn",
         "state",
@@ -94,6 +99,12 @@ class SessionSlot:
         self.close_cache = False
         """What a deferred close (state CLOSING) does with the KV at the turn's end."""
         self.demoted = False
+        self.parked = False
+        """Its engine's lease ended (owner ""): idle, KV kept until `parked_until`; an append adopts it."""
+        self.former_owner = ""
+        """The engine whose lease end last parked it ("" if never parked)."""
+        self.parked_until = math.inf
+        """While parked: when the reaper closes it (inf: never)."""
         del self.tokens[:]
         self.committed_tokens = 0
         self.kv_tokens = 0
@@ -136,6 +147,9 @@ class SessionSlot:
         return memoryview(self.pages).cast("i").tolist()
 
     def timed_out(self, now: float) -> bool:
+        """Due for the reaper: a parked slot past its parked deadline, any other past its sliding timeout."""
+        if self.parked:
+            return now > self.parked_until
         return self.timeout_seconds > 0 and now - self.last_active > self.timeout_seconds
 
 
@@ -157,6 +171,7 @@ class Slots:
         self.num_in_turn = 0
         self.num_closing = 0
         self.num_demoted = 0
+        self.num_parked = 0
 
     # ------------------------------------------------------------------ state
 
@@ -184,6 +199,52 @@ class Slots:
         """A slot leaves the table (its KV released): it no longer counts in any state."""
         self.transition(s, IDLE)
         self.set_demoted(s, False)
+        if s.parked:
+            s.parked = False
+            self.num_parked -= 1
+
+    def park(self, s: SessionSlot, until: float, *, fence: bool) -> None:
+        """Its engine's lease ended: the idle slot `s` keeps its KV with no owner until `until` (or an
+        adoption). `fence`: the engine may still be running and was writing a turn that has just been
+        aborted (from the turn's cached tokens on), so the committed page it was filling may still be
+        written: the slot keeps only the full pages before the turn's first written position, releases the
+        rest (into quarantine, inside `PageAllocator.quarantining`), and the next append's `cached_tokens`
+        says so. Pinned radix pages stay (the tree's: a position recomputed there gets the same KV)."""
+        if s.state is not IDLE or s.parked:
+            raise InvariantError(f"session {s.id!r}: only an idle, owned slot parks")
+        if fence:
+            ps = self._ps
+            full = max(min(s.kv_tokens, s.turn_cached_tokens) // ps, s.radix_pages)
+            if full < s.committed_pages:
+                self._pages.give(_span(s.pages, full * 4, s.committed_pages * 4), SESSION_HELD)
+                del s.pages[full * 4 :]
+                s.committed_pages = full
+                if s.synced_pages > full:
+                    s.synced_pages = full
+            if s.kv_tokens > full * ps:
+                self._c.session_kv_tokens -= s.kv_tokens - full * ps
+                s.kv_tokens = full * ps
+        if self.changes is not None:
+            self.changes.append(change("parked", s))  # names the owner it had
+        s.former_owner = s.owner
+        s.owner = ""
+        s.synced_pages = 0  # whoever adopts it has none of its page table: the next delta is all of it
+        s.parked = True
+        s.parked_until = until
+        self.num_parked += 1
+        self._c.parked_sessions += 1
+
+    def adopt(self, s: SessionSlot, engine_id: str) -> None:
+        """A parked slot's next turn has begun: `engine_id` ("" for none) owns it from now on."""
+        if not s.parked:
+            raise InvariantError(f"session {s.id!r}: only a parked slot is adopted")
+        s.parked = False
+        s.parked_until = math.inf
+        s.owner = engine_id
+        self.num_parked -= 1
+        self._c.adopted_sessions += 1
+        if self.changes is not None:
+            self.changes.append(change("adopted", s))
 
     # ------------------------------------------------------------------ a turn
 
@@ -433,5 +494,6 @@ def _span(buf: bytearray, start: int, end: int) -> bytes:
 
 
 def change(kind: str, s: SessionSlot) -> SessionChange:
-    """The event record of session `s` having been `kind` ("opened", "closed", "demoted")."""
+    """The event record of session `s` having been `kind` ("opened", "closed", "demoted", "parked" (engine_id:
+    the former owner), "adopted" (engine_id: the new owner))."""
     return SessionChange(kind, s.id, s.epoch, s.cache_salt, s.streaming, s.owner, s.identity)

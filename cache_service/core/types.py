@@ -33,6 +33,9 @@ class SessionState(enum.Enum):
     """Between AppendSession and CommitSession."""
     CLOSING = "CLOSING"
     """Close requested during a turn; completes when the turn commits or aborts."""
+    PARKED = "PARKED"
+    """Idle with no owner since its engine's lease ended (DESIGN §11): its KV stays session-held until the
+    parked timeout; the next append (any engine of its identity) adopts it."""
 
 
 class MatchResult(NamedTuple):
@@ -120,6 +123,10 @@ class SessionInfo:
     close_pending: bool
     identity: str
     """The identity that opened it ("" without --tenants-file)."""
+    former_engine_id: str = ""
+    """The engine whose lease end last parked it ("" if never parked); kept after an adoption."""
+    parked_seconds_left: float | None = None
+    """Seconds until a parked session is closed (cache=true); None unless parked with a deadline."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +144,8 @@ class EngineInfo:
 @dataclass(frozen=True, slots=True)
 class ReapResult:
     session_ids: tuple[str, ...]
-    """Sessions closed because they timed out or their owner's lease expired."""
+    """Sessions closed because they timed out (parked ones at their parked timeout included). An expired
+    lease's sessions are parked, not closed."""
     engine_ids: tuple[str, ...]
     """Engines whose lease expired in this pass."""
 
@@ -181,6 +189,14 @@ class Stats:
     """Radix pages the tier is known to hold (eviction of these loses nothing)."""
     evicted_unstored_pages: int = 0
     """Radix pages evicted before the tier held them (with a tier: lost for good)."""
+    sessions_parked: int = 0
+    """Idle sessions with no owner since their engine's lease ended (counted in sessions_idle too)."""
+    parked_sessions: int = 0
+    """Cumulative: sessions parked at a lease's end."""
+    adopted_sessions: int = 0
+    """Cumulative: parked sessions an append continued (adopted)."""
+    expired_parked_sessions: int = 0
+    """Cumulative: parked sessions closed (cache=true) at their parked timeout (counted in reaped_sessions too)."""
 
     @property
     def usable_pages(self) -> int:

@@ -17,7 +17,10 @@ _STATES = {
     SessionState.IDLE: pb.SESSION_STATE_IDLE,
     SessionState.IN_TURN: pb.SESSION_STATE_IN_TURN,
     SessionState.CLOSING: pb.SESSION_STATE_CLOSING,
+    SessionState.PARKED: pb.SESSION_STATE_PARKED,
 }
+STATE_FILTERS = {code: state for state, code in _STATES.items()}
+"""A ListSessions state filter -> the core's state (UNSPECIFIED is no filter)."""
 
 
 def request_tokens(request: Any, max_tokens: int) -> TokenArray:
@@ -58,6 +61,8 @@ def _fields(record: Any) -> dict[str, Any]:
 def session_info(info: SessionInfo) -> pb.SessionInfo:
     values = _fields(info)
     values["state"] = _STATES[info.state]
+    if info.parked_seconds_left is None:
+        del values["parked_seconds_left"]  # unset: not parked, or parked with no deadline
     return pb.SessionInfo(**values)
 
 

@@ -102,6 +102,12 @@ def proto_event(record: Record, medium: str, page_size: int) -> pb.KvEvent:
             cache_salt=record.cache_salt, engine_id=record.engine_id))
     if record.kind == "closed":
         return pb.KvEvent(session_closed=pb.SessionClosed(session_id=record.session_id, epoch=record.epoch))
+    if record.kind == "parked":
+        return pb.KvEvent(session_parked=pb.SessionParked(session_id=record.session_id, epoch=record.epoch,
+                                                          former_engine_id=record.engine_id))
+    if record.kind == "adopted":
+        return pb.KvEvent(session_adopted=pb.SessionAdopted(session_id=record.session_id, epoch=record.epoch,
+                                                            engine_id=record.engine_id))
     return pb.KvEvent(session_demoted=pb.SessionDemoted(session_id=record.session_id, epoch=record.epoch))
 
 

@@ -160,13 +160,13 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
 
     async def UnregisterEngine(self, request: pb.UnregisterEngineRequest, context: Context
                                ) -> pb.UnregisterEngineResponse:
-        closed = self.core.unregister_engine(request.engine_id, identity=_driver("UnregisterEngine").owner)
-        return pb.UnregisterEngineResponse(closed_session_ids=closed)
+        parked = self.core.unregister_engine(request.engine_id, identity=_driver("UnregisterEngine").owner)
+        return pb.UnregisterEngineResponse(parked_session_ids=parked)
 
     async def HoldLease(self, request: pb.HoldLeaseRequest, context: Context) -> AsyncIterator[pb.HoldLeaseResponse]:
         """Register a lease that lasts as long as this stream: confirm it, then send a keepalive every third
-        of its TTL until the client goes away (the lease then ends at once, its sessions closed with their
-        KV cached) or the lease ends otherwise (unregistered, registered again: LEASE_EXPIRED)."""
+        of its TTL until the client goes away (the lease then ends at once, its sessions parked with their
+        KV) or the lease ends otherwise (unregistered, registered again: LEASE_EXPIRED)."""
         who = _driver("HoldLease")
         info = self.core.register_engine(request.engine_id, request.ttl_seconds, identity=who.name, held=True)
         engine_id, serial = info.engine_id, info.serial
@@ -295,22 +295,27 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
 
     async def ListSessions(self, request: pb.ListSessionsRequest, context: Context) -> pb.ListSessionsResponse:
         """Paged in opening order (`page_size`, `page_token`), or the legacy `limit` least recently active
-        first; an engine identity sees only its own sessions."""
+        first; an engine identity sees only its own sessions. Filters: owner `engine_id`, `state`, and
+        `former_engine_id` (a standby finds a dead engine's parked sessions)."""
         who = CALLER.get()
+        state = convert.STATE_FILTERS.get(request.state)
+        if state is None and request.state:
+            raise invalid_argument("state", f"{request.state} is not a SessionState")
         if request.limit:
             if request.page_size or request.page_token:
                 raise invalid_argument("limit", "set limit, or page_size/page_token, not both")
             if request.limit > MAX_PAGE_SIZE:
                 raise invalid_argument("limit", f"{request.limit} is above {MAX_PAGE_SIZE}; page with page_size "
                                        "and page_token instead")
-            infos, total = self.core.list_sessions_lru(request.limit, engine_id=request.engine_id, identity=who.sees)
+            infos, total = self.core.list_sessions_lru(request.limit, engine_id=request.engine_id, identity=who.sees,
+                                                       former_engine_id=request.former_engine_id, state=state)
             return pb.ListSessionsResponse(sessions=[convert.session_info(i) for i in infos], total=total)
         if request.page_size > MAX_PAGE_SIZE:
             raise invalid_argument("page_size", f"{request.page_size} is above {MAX_PAGE_SIZE}")
         after = _page_token(request.page_token)
         infos, total, last = self.core.list_sessions_page(
             after_epoch=after, size=request.page_size or MAX_PAGE_SIZE, engine_id=request.engine_id,
-            identity=who.sees)
+            identity=who.sees, former_engine_id=request.former_engine_id, state=state)
         return pb.ListSessionsResponse(sessions=[convert.session_info(i) for i in infos], total=total,
                                        next_page_token=str(last) if last else "")
 

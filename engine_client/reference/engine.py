@@ -97,6 +97,18 @@ class Conversation:
                                close_cache=close_cache, page_size=engine.page_size, device=engine.device)
         self.history: list[int] = []
 
+    @classmethod
+    def resume(cls, engine: ReferenceEngine, session_id: str, *, close_cache: bool = True) -> Conversation:
+        """Continue a chat another engine served, typically one parked when that engine died (DESIGN.md
+        §11): the history comes from the service, and the next turn adopts the session, computing only
+        what the service reports missing."""
+        conversation = cls.__new__(cls)
+        conversation.engine = engine
+        conversation.session = Session.resume(engine.client, session_id, close_cache=close_cache,
+                                              page_size=engine.page_size, device=engine.device)
+        conversation.history = engine.client.session_tokens(session_id)
+        return conversation
+
     @property
     def session_id(self) -> str:
         return self.session.session_id

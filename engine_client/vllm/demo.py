@@ -8,8 +8,9 @@
 3. vLLM engine 2 (a new process, on kvcache) answers other questions on the same documents: the documents'
    KV comes from kvcache, so it computes only the questions. It then holds turns 1 and 2 of a chat
    (a kvcache streaming session, `kv_transfer_params={"kvcache_session_id": "demo-chat"}`), and stops.
-4. vLLM engine 3 continues the chat after the restart: turn 3 computes its new tokens (and the history's
-   last partial page); the session closes when asked.
+4. vLLM engine 3 continues the chat after the restart: engine 2's session waited parked with its KV
+   (DESIGN.md §11), turn 3 adopts it and computes only its new tokens (and the last answer token); the
+   session closes when asked.
 5. vLLM engine 4, alone (no kvcache), serves the same prompts from nothing: same tokens, and what it computes.
 
 Prints the table of prompt tokens computed and time to first token, with and without kvcache.

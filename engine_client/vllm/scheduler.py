@@ -177,6 +177,9 @@ class SchedulerSide:
         """Held by every hook and by the idle tick: state is touched by one thread at a time."""
         self._sender = Sender(client_factory, engine_id=engine_id, retry_seconds=config.retry_seconds, clock=clock,
                               idle=self._tick)
+        self._client_factory = client_factory
+        self._inspector: Any = None
+        """A client of its own for the rare unary look at a parked session (made on first use)."""
         self._last_step = clock()
         self._reqs: dict[str, _Req] = {}
         self._chats: dict[str, _Sess] = {}
@@ -377,6 +380,8 @@ class SchedulerSide:
 
     def close(self) -> None:
         self._sender.stop()
+        if self._inspector is not None:
+            self._inspector.close()
 
     # ------------------------------------------------------------------ admission
 
@@ -470,6 +475,15 @@ class SchedulerSide:
     def _on_chat_open(self, r: _Req, chat: _Sess, outcome: StepOutcome[Any]) -> None:
         if outcome.error is not None:
             self._chats.pop(chat.id, None)
+            history = self._parked_history(chat) if isinstance(outcome.error, SessionExists) else None
+            if (history is not None and not r.finished and self._up and r.prompt.size > history.size
+                    and np.array_equal(r.prompt[: history.size], history)):
+                # Its engine went away (a vLLM restart) and the session waits parked with its KV (DESIGN.md
+                # §11): this turn's append adopts it, and the whole history is the hit.
+                self._chats[chat.id] = chat
+                chat.tokens = history
+                self._append(r, r.prompt[history.size :])
+                return
             if isinstance(outcome.error, SessionExists):
                 self._warn_once(f"exists:{chat.id}", "kvcache connector: streaming session %s is held by another "
                                 "engine; its turns here use the radix only", chat.id)
@@ -488,6 +502,20 @@ class SchedulerSide:
             self._end_lookup(r)
             return
         self._append(r, r.prompt)
+
+    def _parked_history(self, chat: _Sess) -> Tokens | None:
+        """The committed tokens of streaming session `chat` when it exists parked under the chat's salt (one
+        unary look, only when an open found the session already there), else None."""
+        try:
+            if self._inspector is None:
+                self._inspector = self._client_factory()
+            info = self._inspector.get_session(chat.id)
+            if info.state != "PARKED" or info.cache_salt != chat.salt or not info.streaming:
+                return None
+            return np.asarray(self._inspector.session_tokens(chat.id), dtype=np.int32)
+        except Exception as e:  # kvcache unreachable, the session gone meanwhile: the radix only, as before
+            self._warn_once(f"parked:{chat.id}", "kvcache connector: cannot look at session %s: %s", chat.id, e)
+            return None
 
     def _append(self, r: _Req, tokens: Tokens) -> None:
         assert r.sess is not None

@@ -9,7 +9,9 @@ every step the full invariant check runs (CheckedCore): accounting, single owner
 Stalled engines: a session lost mid-turn to a lease expiry or a timeout keeps a "stale writer" (its
 engine, resumed after the stall) that goes on writing poison into the turn's pages for the quarantine
 window. Each page it writes must be quarantined at that moment, and the poison must never show up in
-anyone's cached KV.
+anyone's cached KV. A lease's end parks its sessions (DESIGN §11): the model keeps them, with no owner and
+the turn aborted (a stale writer when the lease ran out by TTL), and an append naming an engine adopts
+one; pressure demotes parked sessions before owned ones, and a parked timeout closes them.
 
 A tier (a dict standing in for the store) sits behind the radix: offloads pin LRU radix pages and copy their
 KV into the store when they complete (ok or failed); loads take LOADING pages, into which the "store" first
@@ -33,7 +35,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from cache_service.core import CoreConfig, KVCacheError, Reason
+from cache_service.core import CoreConfig, KVCacheError, Reason, SessionState
 from cache_service.core.events import Removed, Stored
 from cache_service.core.tier_keys import Namespace
 from cache_service.core.tiering import TAINTED_QUARANTINE_SECONDS, Load, Offload
@@ -49,6 +51,10 @@ QUARANTINE = 6.0
 POISON = "stale"
 RESOURCE = {Reason.POOL_EXHAUSTED, Reason.SESSION_BUDGET, Reason.SESSION_TOKEN_LIMIT}
 GONE = {Reason.SESSION_NOT_FOUND, Reason.LEASE_EXPIRED}
+FOREIGN = {Reason.NOT_OWNER, Reason.SESSION_BUSY, Reason.LEASE_EXPIRED, Reason.ENGINE_NOT_FOUND}
+"""What an append naming an engine may hear besides the usual: another engine's session, a race lost, a lease
+gone, an unknown adopter."""
+PARKED_TIMEOUT = 30.0
 NAMESPACE = Namespace("sim", 1, 1, 1, "float16", PAGE_SIZE)
 LOADING_GARBAGE = "loading"
 
@@ -62,6 +68,7 @@ class Model:
     epoch: int
     salt: str
     owner: str
+    parked: bool = False
     committed: list[int] = field(default_factory=list)
     table: list[int] = field(default_factory=list)
     turn: tuple[list[int], int, int] | None = None  # (context tokens, cached, capacity)
@@ -84,6 +91,7 @@ class Simulator:
             CoreConfig(
                 num_pages=NUM_PAGES, page_size=PAGE_SIZE, session_timeout_seconds=20, lease_ttl_seconds=15,
                 session_budget_pages=30, max_session_tokens=48, quarantine_seconds=QUARANTINE,
+                parked_session_timeout_seconds=PARKED_TIMEOUT,
             ),
             self.clock, tier=NAMESPACE,
         )
@@ -103,17 +111,32 @@ class Simulator:
         """What a router that applied every event holds: page hash -> (salt, parent hash, tokens)."""
 
     def sync(self) -> None:
-        """Drop models of sessions the core closed on its own (reaped, lease expired); a turn in flight
-        leaves a stale writer behind."""
-        live = {i.session_id: i.epoch for i in self.core.list_sessions()}
+        """Drop models of sessions the core closed on its own (reaped); a turn in flight leaves a stale
+        writer behind. Mark the ones it parked (a lease ran out by TTL: a turn in flight was aborted and
+        leaves a stale writer)."""
+        live = {i.session_id: i for i in self.core.list_sessions()}
         for sid in list(self.models):
-            if live.get(sid) != self.models[sid].epoch:
+            m = self.models[sid]
+            info = live.get(sid)
+            if info is None or info.epoch != m.epoch:
                 self._lose(self.models.pop(sid))
+            elif info.state is SessionState.PARKED and not m.parked:
+                self._park(m, info.former_engine_id, stalled=True)
+
+    def _park(self, m: Model, former: str, *, stalled: bool) -> None:
+        assert m.owner == former, f"parked at the end of {former!r}'s lease, owned by {m.owner!r}"
+        m.parked, m.owner = True, ""
+        if stalled:
+            self._lose(m)
+        m.turn = None
+        self.seen["parked"] += 1
 
     def _lose(self, m: Model) -> None:
         if m.turn is not None:
             _, cached, capacity = m.turn
-            pages = m.table[cached // PAGE_SIZE : capacity // PAGE_SIZE]
+            # A position the turn recomputes inside a pinned radix page gets the same KV: not poison.
+            radix = set(np.frombuffer(self.core.radix.check(), dtype=np.int32).tolist())
+            pages = [p for p in m.table[cached // PAGE_SIZE : capacity // PAGE_SIZE] if p not in radix]
             self.stale.append(StaleWriter(self.clock.now + QUARANTINE, pages))
 
     def stale_write(self) -> None:
@@ -144,15 +167,22 @@ class Simulator:
         assert sid not in self.models
         self.models[sid] = Model(res.epoch, salt, owner)
 
-    def append(self, sid: str, new: list[int], reserve: int) -> None:
+    def append(self, sid: str, new: list[int], reserve: int, engine: str = "") -> None:
+        """A turn's start; naming `engine` adopts a parked session (and must be its owner otherwise)."""
         m = self.models.get(sid)
+        lease = self.core.leases.find(m.owner) if m and m.owner else None
+        overdue = lease is not None and lease.expired(self.clock.now)  # ended (and m parked) at this call
         try:
-            r = self.core.append(sid, np.array(new, dtype=np.int32), reserve, epoch=m.epoch if m else 0)
+            r = self.core.append(sid, np.array(new, dtype=np.int32), reserve, epoch=m.epoch if m else 0,
+                                 engine_id=engine)
         except KVCacheError as e:
             self.sync()
             self.seen[f"append:{e.reason.value}"] += 1
+            foreign = FOREIGN if engine and (m is None or engine != m.owner) else set()
             if m is None or sid not in self.models:
-                assert e.reason in GONE, e
+                assert e.reason in GONE | foreign, e
+            elif e.reason in foreign:
+                return
             elif m.turn is not None:
                 assert e.reason in {Reason.SESSION_BUSY, Reason.SESSION_CLOSING}, e
             elif not m.committed and not new:
@@ -160,7 +190,14 @@ class Simulator:
             else:
                 assert e.reason in RESOURCE, e
             return
-        assert m is not None and m.turn is None
+        assert m is not None
+        if overdue:
+            self._park(m, m.owner, stalled=True)
+        if m.parked:
+            m.parked, m.owner = False, engine
+            self.seen["adopted" if engine else "unparked"] += 1
+        assert self.core.get_session(sid).engine_id == m.owner
+        assert m.turn is None
         context = m.committed + new
         assert r.context_tokens == len(context)
         assert 0 <= r.cached_tokens <= len(context) - 1
@@ -257,7 +294,7 @@ class Simulator:
             return
         assert m is not None
         assert res.closed == (m.turn is None)
-        self.seen["close:deferred" if not res.closed else "close"] += 1
+        self.seen["close:deferred" if not res.closed else "close:parked" if m.parked else "close"] += 1
         if res.closed:
             del self.models[sid]
 
@@ -267,6 +304,7 @@ class Simulator:
         for sid in res.session_ids:
             m = self.models.pop(sid, None)
             if m is not None:
+                self.seen["reaped:parked"] += m.parked
                 self._lose(m)
         self.seen["reaped"] += len(res.session_ids)
         self.seen["quarantined"] += self.core.stats().quarantined_pages > 0
@@ -276,9 +314,10 @@ class Simulator:
         lease = self.core.leases.find(engine)
         if lease is not None and not lease.expired(self.clock.now):
             # Registering a live id again is that engine restarting: the old incarnation is gone, so its
-            # sessions close without leaving stale writers. An expired one's go as a stalled engine's (sync).
-            for sid in [sid for sid, m in self.models.items() if m.owner == engine]:
-                del self.models[sid]
+            # sessions park without leaving stale writers. An expired one's go as a stalled engine's (sync).
+            for m in self.models.values():
+                if m.owner == engine:
+                    self._park(m, engine, stalled=False)
         self.core.register_engine(engine)
         self.sync()
 
@@ -291,12 +330,13 @@ class Simulator:
 
     def unregister(self, engine: str) -> None:
         try:
-            closed = self.core.unregister_engine(engine)
+            parked = self.core.unregister_engine(engine)
         except KVCacheError as e:
             assert e.reason in {Reason.ENGINE_NOT_FOUND, Reason.LEASE_EXPIRED}, e
-            closed = ()
-        for sid in closed:
-            self.models.pop(sid, None)
+            parked = ()
+        assert sorted(parked) == sorted(sid for sid, m in self.models.items() if m.owner == engine)
+        for sid in parked:
+            self._park(self.models[sid], engine, stalled=False)  # a clean exit: nothing is still writing
         self.sync()
 
     def evict(self, n: int) -> None:
@@ -421,6 +461,9 @@ class Simulator:
             expected = m.turn[0] if m.turn else m.committed
             assert self.core.session_tokens(sid).tolist() == expected
             assert infos[sid].epoch == m.epoch
+            assert (infos[sid].state is SessionState.PARKED) == m.parked
+            self.seen["demoted:parked"] += m.parked and infos[sid].demoted
+            assert infos[sid].engine_id == m.owner
 
 
     def apply_events(self) -> None:
@@ -472,9 +515,9 @@ class CoreMachine(RuleBasedStateMachine):
     def open(self, sid: str, streaming: bool, salt: str, owner: str) -> None:
         self.sim.open(sid, streaming, salt, owner)
 
-    @rule(data=st.data(), new=tokens_st, reserve=st.integers(0, 6))
-    def append(self, data: st.DataObject, new: list[int], reserve: int) -> None:
-        self.sim.append(self._pick(data), new, reserve)
+    @rule(data=st.data(), new=tokens_st, reserve=st.integers(0, 6), engine=st.sampled_from(["", "", *ENGINES]))
+    def append(self, data: st.DataObject, new: list[int], reserve: int, engine: str) -> None:
+        self.sim.append(self._pick(data), new, reserve, engine)
 
     @rule(data=st.data(), gen=tokens_st, explicit_kv=st.booleans())
     def commit(self, data: st.DataObject, gen: list[int], explicit_kv: bool) -> None:
@@ -577,7 +620,7 @@ def random_walk(seed: int, steps: int) -> Simulator:
             sim.open(str(rng.choice(SESSION_IDS)), bool(rng.random() < 0.6), str(rng.choice(SALTS)),
                      str(rng.choice(["", *ENGINES])))
         elif action == "append":
-            sim.append(pick(), tokens(), int(rng.integers(0, 7)))
+            sim.append(pick(), tokens(), int(rng.integers(0, 7)), str(rng.choice(["", "", *ENGINES])))
         elif action == "commit":
             sim.commit(pick(), tokens(), bool(rng.random() < 0.3))
         elif action == "extend":
@@ -636,6 +679,8 @@ def test_long_random_walks_reach_deep_states() -> None:
         "extend:POOL_EXHAUSTED": 1, "stale_write": 20, "quarantined": 5, "events:stored": 100,
         "events:removed": 20, "tier:offload_ok": 20, "tier:offload_fail": 5, "tier:load_ok": 15,
         "tier:load_tainted": 3, "tier:load_late": 3, "tier:loaded_pages": 15, "tier:corrupt": 3,
+        "parked": 20, "adopted": 10, "unparked": 5, "reaped:parked": 3, "close:parked": 3,
+        "demoted:parked": 1,
     }
     low = {what: seen[what] for what, floor in floors.items() if seen[what] < floor}
     assert not low, f"under-exercised: {low}; all: {dict(seen)}"

@@ -29,16 +29,18 @@ def test_an_expired_lease_quarantines_what_its_turn_was_writing(make_core, clock
     assert (turn.page_offset, turn.page_ids.tolist()) == (3, [4, 5, 6])
     clock.advance(10)
     assert core.reap().engine_ids == ("a",)
-    # Pages 1-2 (full, committed KV) go to the radix; the part-written tail page 3 and the turn's 4-6, all of
-    # which the stalled engine may still be writing, are quarantined.
-    assert by_state(core) == {"free": 25, "evictable": 2, "radix_locked": 0, "session_held": 0, "in_flight": 0,
+    # The session parks at its last full page: pages 1-2 (its pinned prompt) stay; the part-written tail page 3
+    # and the turn's 4-6, all of which the stalled engine may still be writing, are quarantined.
+    assert by_state(core) == {"free": 25, "evictable": 0, "radix_locked": 2, "session_held": 0, "in_flight": 0,
                               "quarantined": 4}
     assert [p for p in range(32) if core.pages.is_quarantined(p)] == [3, 4, 5, 6]
+    assert (core.get_session("s").kv_tokens, core.get_session("s").num_pages) == (8, 2)
     # Another session never gets them while they are quarantined, even when it drains the pool (27 pages:
-    # every free one, and the radix's two by eviction).
+    # every free one, and the radix's two once the parked session is demoted and they are evicted).
     core.open_session("b")
     got = core.append("b", toks(range(100, 208)), 0)
     assert sorted(got.page_ids.tolist()) == [1, 2, *range(7, 32)]
+    assert core.get_session("s").demoted
     core.commit("b", abort=True)
     clock.advance(59.9)
     core.reap()

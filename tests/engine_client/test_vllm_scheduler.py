@@ -105,9 +105,26 @@ def test_a_chat_turn_waits_for_the_previous_turns_commit(server: ServerProcess) 
         assert counters["lookups"] == 3 and counters["wait_seconds"] > 0  # it waited for those Steps' replies
     finally:
         side.close()
-    with KVCacheClient(server.target) as client:  # the connector's lease ended: its session closed into the radix
+    with KVCacheClient(server.target) as client:  # the connector's lease ended: its chat's session parked
         deadline = time.monotonic() + 10
-        while client.list_sessions() and time.monotonic() < deadline:
+        while client.get_session("chat-w").state != "PARKED" and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert client.list_sessions() == []
+        parked = client.get_session("chat-w")
+        assert (parked.state, parked.engine_id, parked.kv_tokens) == ("PARKED", "", 55)
+    # vLLM restarted: the next engine's turn 2 finds the session parked, adopts it and loads the whole history
+    side = SchedulerSide(config, block_size=BLOCK, engine_id="sched-test-2",
+                         client_factory=lambda: KVCacheClient(server.target))
+    try:
+        deadline = time.monotonic() + 20
+        while not side.connected:
+            assert time.monotonic() < deadline, "the connector did not connect to kvcache"
+            time.sleep(0.02)
+        assert ask(side, req("r2-again", p2, "chat-w"))[0] == 55
+        with KVCacheClient(server.target) as client:
+            info = client.get_session("chat-w")
+            assert (info.state, info.engine_id, info.former_engine_id, info.context_tokens) == (
+                "IN_TURN", "sched-test-2", "sched-test", 56 + 37)
+            assert client.get_stats().adopted_sessions == 1
+    finally:
+        side.close()
     verify_stats(server.target)

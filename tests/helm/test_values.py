@@ -292,6 +292,7 @@ FLAG_CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "max-sessions": ({"config": {"maxSessions": 50000}}, {"value": "50000"}),
     "max-lease-ttl": ({"config": {"maxLeaseTtl": 120}}, {"value": "120"}),
     "quarantine-seconds": ({"config": {"quarantineSeconds": 7.5}}, {"value": "7.5"}),
+    "parked-session-timeout": ({"config": {"parkedSessionTimeout": 90}}, {"value": "90"}),
     # Above 1e6: Helm holds numbers as float64, which print as 2.097152e+06 unless the chart converts.
     "max-request-tokens": ({"config": {"maxRequestTokens": 2097152}}, {"value": "2097152"}),
     "max-step-ops": ({"config": {"maxStepOps": 8192}}, {"value": "8192"}),

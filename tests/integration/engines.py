@@ -114,10 +114,64 @@ def staller(args: argparse.Namespace) -> dict[str, object]:
     return {"exited": True}
 
 
+def chatter(args: argparse.Namespace) -> dict[str, object]:
+    """An engine serving one chat, then going away (DESIGN §11): it registers as `--engine` (`--hold`: a
+    HoldLease stream, else heartbeats), opens streaming session `--session`, writes `kv_pattern` KV for a
+    `--tokens` prompt and commits `--gen` generated tokens; with `--in-flight` it starts a second turn (5
+    tokens, 4 reserved) and writes its KV too. It prints its state and waits on stdin (the test kills or
+    stops it here); on a line, as a stalled engine resumed, it writes POISON into every page its turn could
+    write and tries to commit, prints what it heard, and waits for stdin to close."""
+    from engine_client import ClientOptions, KVCacheClientError
+
+    with KVCacheClient(args.target, ClientOptions(auth_token=args.auth_token)) as client, \
+            map_pool(client) as pool:
+        client.register_engine(args.engine, ttl_seconds=args.ttl, hold=args.hold)
+        if not args.hold:
+            client.start_heartbeats(interval_seconds=args.ttl / 4)
+        t = pool.tensor
+        s = Session(client, args.session, streaming=True, timeout_seconds=0, pool=pool)
+        turn = s.append(prompt(args.tokens, args.seed), reserve_tokens=args.gen)
+        # Prefill, then decode: the KV of every generated token but the last.
+        _write_pattern(t, s.slots(turn.cached_tokens, turn.context_tokens + args.gen - 1), args.seed,
+                       turn.cached_tokens)
+        s.commit(prompt(args.gen, args.seed + 1))
+        if args.in_flight:
+            turn = s.append(prompt(5, args.seed + 2), reserve_tokens=4)
+            _write_pattern(t, s.slots(turn.cached_tokens, turn.context_tokens), args.seed, turn.cached_tokens)
+        state = {"engine_id": client.engine_id, "pages": s.page_table.tolist(), "kv_tokens": s.kv_tokens,
+                 "context_tokens": s.context_tokens,
+                 "turn": None if s.turn is None else [s.turn.cached_tokens, s.turn.context_tokens]}
+        print(json.dumps(state), flush=True)
+        sys.stdin.readline()
+        first = (s.turn.cached_tokens if s.turn is not None else s.kv_tokens) // s.page_size
+        written = s.page_table.tolist()[first:]
+        t[:, :, written] = POISON
+        try:
+            s.commit()
+            outcome = "committed"
+        except KVCacheClientError as e:
+            outcome = e.reason
+        deadline = time.monotonic() + 20 * args.ttl
+        while not args.hold and client.lease_error is None and time.monotonic() < deadline:
+            time.sleep(args.ttl / 20)
+        print(json.dumps({"wrote_pages": written, "commit": outcome,
+                          "lease_error": client.lease_error.reason if client.lease_error else ""}), flush=True)
+        sys.stdin.readline()
+    return {"exited": True}
+
+
+def _write_pattern(pool: torch.Tensor, slots: torch.Tensor, seed: int, start: int) -> None:
+    """`kv_pattern` at positions start.. into `slots` (a function of the position alone)."""
+    positions = torch.arange(start, start + slots.numel())
+    for layer in range(pool.shape[0]):
+        for kv, plane in enumerate(_planes(pool, layer)):
+            plane[slots] = kv_pattern(seed, layer, kv, positions, pool.shape[4], pool.shape[5], pool.dtype)
+
+
 POISON = -7.0
 """What a stalled engine writes when it resumes: never a value `kv_pattern` produces (it is a sine)."""
 
-SCRIPTS = {"writer": writer, "reader": reader, "staller": staller}
+SCRIPTS = {"writer": writer, "reader": reader, "staller": staller, "chatter": chatter}
 
 
 def main() -> int:
@@ -130,6 +184,10 @@ def main() -> int:
     ap.add_argument("--hold", action="store_true", help="staller: hold the lease with a HoldLease stream")
     ap.add_argument("--ttl", type=float, default=1.0, help="staller: the lease TTL in seconds")
     ap.add_argument("--auth-token", default="")
+    ap.add_argument("--engine", default="engine-a", help="chatter: its engine id")
+    ap.add_argument("--session", default="chat", help="chatter: its session id")
+    ap.add_argument("--gen", type=int, default=3, help="chatter: tokens generated in its first turn")
+    ap.add_argument("--in-flight", action="store_true", help="chatter: leave a second turn in flight")
     args = ap.parse_args()
     print(json.dumps(SCRIPTS[args.script](args)))
     return 0

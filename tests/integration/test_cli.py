@@ -167,6 +167,29 @@ def test_stats_sessions_and_health_commands(server: ServerProcess) -> None:
         client.commit_session("chat-7", abort=True)
 
 
+def test_sessions_shows_parked_sessions_and_filters_them(server: ServerProcess) -> None:
+    with KVCacheClient(server.target) as a, KVCacheClient(server.target) as b:
+        a.register_engine("pod-3")
+        b.register_engine("pod-4")
+        a.open_session("left", streaming=True)
+        b.open_session("kept", streaming=True)
+        a.unregister_engine()
+        parked = run_cli("sessions", "--target", server.target, "--parked")
+        assert parked.returncode == 0, parked.stderr
+        lines = parked.stdout.splitlines()
+        row = lines[1].split()
+        # default --parked-session-timeout 600: a whole number of seconds left, at most 600
+        assert row[:6] + row[7:10] == ["left", "PARKED", "streaming", "0", "0", "0", "-", "(parked", "from"]
+        assert row[10] == "pod-3," and 590 <= int(row[11].removesuffix("s")) <= 600 and row[12:] == ["left)", "-"]
+        assert lines[-1] == "1 session(s)"
+        former = run_cli("sessions", "--target", server.target, "--former-engine", "pod-4")
+        assert former.stdout.splitlines()[-1] == "0 session(s)"
+        stats = run_cli("stats", "--target", server.target)
+        assert "1 parked" in next(line for line in stats.stdout.splitlines() if line.startswith("sessions"))
+        for sid in ("left", "kept"):
+            b.close_session(sid)
+
+
 def test_on_call_tools_fail_with_one_line_when_the_service_is_down() -> None:
     proc = run_cli("stats", "--target", "127.0.0.1:1", "--timeout", "1")
     assert proc.returncode == 1

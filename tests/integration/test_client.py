@@ -155,9 +155,9 @@ def test_heartbeats_keep_a_lease_alive_and_its_loss_is_reported(
         while (reaped := c.reap_sessions()) == ReapResult((), ()):
             assert time.monotonic() < deadline, "the lease never expired"
             time.sleep(ttl / 10)
-        assert reaped == ReapResult(("owned",), ("hb",))
-        with pytest.raises(SessionNotFound):
-            c.get_session("owned")
+        assert reaped == ReapResult((), ("hb",))  # the lease expired; its session parked, not closed
+        parked = c.get_session("owned")
+        assert (parked.state, parked.engine_id, parked.former_engine_id) == ("PARKED", "", "hb")
         with pytest.raises(LeaseExpired):
             c.heartbeat()
 

@@ -26,10 +26,11 @@ def test_a_held_lease_outlives_its_ttl_and_ends_with_the_client(server: ServerPr
         time.sleep(1.0)  # three TTLs and five reaper passes
         assert observer.get_stats().engines == 1 and c.lease_error is None
         assert c.heartbeat().num_sessions == 1  # heartbeats on a held lease are harmless
-        c.close()  # the stream ends: the lease and its sessions go at once, KV cached
+        c.close()  # the stream ends: the lease goes at once, its session parks with its KV
         wait_until(lambda: observer.get_stats().engines == 0, "the lease to end")
         st = observer.get_stats()
-        assert (st.sessions_idle, st.evictable_pages, st.expired_leases, st.reaped_sessions) == (0, 2, 0, 1)
+        assert (st.sessions_parked, st.radix_locked_pages, st.session_held_pages, st.expired_leases,
+                st.reaped_sessions) == (1, 2, 1, 0, 0)
 
 
 def test_unregister_ends_a_held_lease_cleanly(server: ServerProcess) -> None:
@@ -50,7 +51,8 @@ def test_losing_a_held_lease_is_reported(server: ServerProcess) -> None:
         assert isinstance(first.lease_error, LeaseExpired)
         assert "ended (unregistered, or registered again)" in first.lease_error.message
         assert second.get_stats().engines == 1 and second.holding_lease
-        assert second.list_sessions() == []  # the old incarnation's session went with its lease
+        [parked] = second.list_sessions()  # the old incarnation's session parked, for the new one to adopt
+        assert (parked.session_id, parked.state, parked.former_engine_id) == ("s", "PARKED", "same-name")
 
 
 def test_a_held_lease_reports_the_service_going_away(start_server: Callable[..., ServerProcess]) -> None:

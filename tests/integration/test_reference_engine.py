@@ -106,3 +106,23 @@ def test_check_takes_the_shape_of_make_runs_default_pool(start_server: Callable[
     assert code == 0 and summary["ok"] is True, err
     assert [t["tokens_match"] for t in turns] == [True, True, True]
     assert summary["max_logit_diff"] <= 1e-2  # float16
+
+
+def test_the_failover_demo_continues_a_killed_engines_chat_without_recompute() -> None:
+    """`make failover-demo` as printed: engine A serves 2 turns and is SIGKILLed, engine B adopts the parked
+    session (history cached but the last answer token) and the tokens equal one engine's."""
+    proc = subprocess.run([sys.executable, "-m", "engine_client.reference.failover", "--turns", "2",
+                           "--input-tokens", "8", "--output-tokens", "4"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    rows = [line.split()[:4] for line in lines if line.split()[1:2] in (["engine-a"], ["engine-b"])]
+    assert rows == [["1", "engine-a", "0", "8"], ["2", "engine-a", "11", "9"], ["3", "engine-b", "23", "9"],
+                    ["4", "engine-b", "35", "9"]]
+    assert ("-- engine A killed (SIGKILL): session failover-chat is PARKED, former owner engine-a, 23 of 24 "
+            "tokens with KV, ") in proc.stdout
+    assert ("engine B's first turn adopted the session: 23 of 24 history tokens cached, 9 computed (the last "
+            "answer token and 8 new ones): no recompute") in lines
+    assert ("same tokens as one engine serving the whole chat: yes (16 tokens); parks 1, adoptions 1, accounting "
+            "verified: True") in lines
+    assert lines[-1].startswith("kvcache-service: stopped cleanly (instance ")

@@ -15,6 +15,7 @@ from cache_service.rpc.convert import SERVICE_STATS_FIELDS, request_tokens, sess
 from cache_service.rpc.errors import add_status, add_status_proto, status_for, status_proto
 from cache_service.tier.stats import TierStats
 from protos.kvcache.v1 import kvcache_pb2 as pb
+from tests.fakes import FakeClock
 
 
 def test_listed_and_packed_tokens_decode_to_the_same_int32_array() -> None:
@@ -148,14 +149,24 @@ def test_stats_and_session_info_convert_every_field_by_name(make_core_for_conver
     info = core.get_session("s")
     converted = session_info(info)
     for f in dataclasses.fields(info):
-        if f.name != "state":
+        if f.name not in ("state", "parked_seconds_left"):
             assert getattr(converted, f.name) == getattr(info, f.name), f.name
     assert converted.state == pb.SESSION_STATE_IN_TURN
+    assert not converted.HasField("parked_seconds_left")  # None: not parked
+
+
+def test_a_parked_session_converts_with_its_former_owner_and_time_left(make_core_for_convert: KVCacheCore) -> None:
+    core = make_core_for_convert
+    owner = core.get_session("s").engine_id
+    core.unregister_engine(owner)
+    converted = session_info(core.get_session("s"))
+    assert (converted.state, converted.engine_id, converted.former_engine_id, converted.parked_seconds_left) == (
+        pb.SESSION_STATE_PARKED, "", owner, 600.0)
 
 
 @pytest.fixture
 def make_core_for_convert() -> KVCacheCore:
-    core = KVCacheCore(CoreConfig(num_pages=16, page_size=4, session_budget_pages=10))
+    core = KVCacheCore(CoreConfig(num_pages=16, page_size=4, session_budget_pages=10), FakeClock())
     core.register_engine("e")
     core.open_session("s", streaming=True, cache_salt="t", engine_id="e")
     core.append("s", np.arange(10, dtype=np.int32), 2)

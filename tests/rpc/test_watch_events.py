@@ -209,3 +209,29 @@ def test_the_hub_counts_what_it_publishes(zmq_server: ThreadServer) -> None:
     assert hub.events["stored"] == before["stored"] + 1
     assert hub.events["session"] == before["session"] + 2
     assert (hub.events["cleared"], hub.dropped, hub.watchers) == (1, 0, 0)
+
+
+def test_a_parked_session_and_its_adoption_are_announced(start_thread_server: Callable[..., ThreadServer]) -> None:
+    """DESIGN §11: a router learns that engine a's session is parked (any engine may take it) and then which
+    engine adopted it."""
+    server = start_thread_server()
+    stub = server.stub
+    for engine in ("a", "b"):
+        stub.RegisterEngine(pb.RegisterEngineRequest(engine_id=engine, ttl_seconds=60), timeout=10)
+    stub.OpenSession(pb.OpenSessionRequest(session_id="chat", streaming=True, engine_id="a"), timeout=10)
+    stream = Stream(server)
+    try:
+        assert kinds(stream.next()) == ["cleared", "session_opened"]
+        assert list(stub.UnregisterEngine(pb.UnregisterEngineRequest(engine_id="a"), timeout=10).parked_session_ids
+                    ) == ["chat"]
+        parked = stream.next()
+        assert kinds(parked) == ["session_parked"]
+        assert parked.events[0].session_parked == pb.SessionParked(session_id="chat", epoch=1, former_engine_id="a")
+        stub.AppendSession(pb.AppendSessionRequest(session_id="chat", token_ids=[1, 2, 3], engine_id="b"),
+                           timeout=10)
+        adopted = stream.next()
+        assert kinds(adopted) == ["session_adopted"]
+        assert adopted.events[0].session_adopted == pb.SessionAdopted(session_id="chat", epoch=1, engine_id="b")
+    finally:
+        stream.close()
+    stub.CommitSession(pb.CommitSessionRequest(session_id="chat", abort=True), timeout=10)

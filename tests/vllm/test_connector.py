@@ -141,13 +141,17 @@ def test_a_streaming_chat_survives_a_vllm_restart(alone: VllmEngine, engines: En
         info = client.get_session("chat-a")
         assert (info.streaming, info.turns, info.context_tokens, info.kv_tokens) == (True, 2, len(p2) + 6, len(p2) + 5)
 
-    engine = engines.restart()  # the lease ends with the process: the session closes into the radix
+    engine = engines.restart()  # the lease ends with the process: the session parks with its KV (DESIGN §11)
+    with KVCacheClient(kvcache.target) as client:
+        parked = client.get_session("chat-a")
+        assert (parked.state, parked.context_tokens, parked.kv_tokens) == ("PARKED", len(p2) + 6, len(p2) + 5)
     p3 = p2 + t2["tokens"] + news[2]
     t3 = engine.generate([request(p3, 6, kv_transfer_params={**chat, "kvcache_close_session": True})])[0]
     assert t3["tokens"] == want[2]
     kv2 = len(p2) + 5
-    assert t3["num_cached_tokens"] == kv2 // PAGE * PAGE  # the history's full pages; its partial page is recomputed
-    assert len(p3) - t3["num_cached_tokens"] == len(news[2]) + 1 + kv2 % PAGE
+    # the new engine adopted the session: the whole history is its hit, its last partial page included
+    assert t3["num_cached_tokens"] == kv2
+    assert len(p3) - t3["num_cached_tokens"] == len(news[2]) + 1
     drained(kvcache.target)
     with KVCacheClient(kvcache.target) as client:
         with pytest.raises(SessionNotFound):

@@ -44,6 +44,7 @@ class SessionState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SESSION_STATE_IDLE: _ClassVar[SessionState]
     SESSION_STATE_IN_TURN: _ClassVar[SessionState]
     SESSION_STATE_CLOSING: _ClassVar[SessionState]
+    SESSION_STATE_PARKED: _ClassVar[SessionState]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 SESSION_NOT_FOUND: ErrorReason
 ENGINE_NOT_FOUND: ErrorReason
@@ -71,6 +72,7 @@ SESSION_STATE_UNSPECIFIED: SessionState
 SESSION_STATE_IDLE: SessionState
 SESSION_STATE_IN_TURN: SessionState
 SESSION_STATE_CLOSING: SessionState
+SESSION_STATE_PARKED: SessionState
 STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
 status_code: _descriptor.FieldDescriptor
 
@@ -187,10 +189,12 @@ class UnregisterEngineRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
 
 class UnregisterEngineResponse(_message.Message):
-    __slots__ = ("closed_session_ids",)
+    __slots__ = ("closed_session_ids", "parked_session_ids")
     CLOSED_SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARKED_SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
     closed_session_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, closed_session_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    parked_session_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, closed_session_ids: _Optional[_Iterable[str]] = ..., parked_session_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class MatchPrefixRequest(_message.Message):
     __slots__ = ("token_ids", "packed_token_ids", "cache_salt", "packed_response")
@@ -509,7 +513,7 @@ class StepColumnResults(_message.Message):
     def __init__(self, codes: _Optional[bytes] = ..., errors: _Optional[_Iterable[_Union[_status_pb2.Status, _Mapping]]] = ..., epochs: _Optional[bytes] = ..., turns: _Optional[bytes] = ..., cached_tokens: _Optional[bytes] = ..., context_tokens: _Optional[bytes] = ..., capacity_tokens: _Optional[bytes] = ..., page_offsets: _Optional[bytes] = ..., num_pages: _Optional[bytes] = ..., prefix_hit_tokens: _Optional[bytes] = ..., kv_tokens: _Optional[bytes] = ..., closed: _Optional[bytes] = ..., page_counts: _Optional[bytes] = ..., page_ids: _Optional[bytes] = ..., opened_ids: _Optional[_Iterable[str]] = ..., timeouts: _Optional[bytes] = ..., instance_id: _Optional[str] = ..., tier_tokens: _Optional[bytes] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "epoch", "state", "streaming", "cache_salt", "engine_id", "context_tokens", "kv_tokens", "turns", "num_pages", "radix_pages", "held_pages", "in_flight_pages", "idle_seconds", "timeout_seconds", "demoted", "close_pending", "identity")
+    __slots__ = ("session_id", "epoch", "state", "streaming", "cache_salt", "engine_id", "context_tokens", "kv_tokens", "turns", "num_pages", "radix_pages", "held_pages", "in_flight_pages", "idle_seconds", "timeout_seconds", "demoted", "close_pending", "identity", "former_engine_id", "parked_seconds_left")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -528,6 +532,8 @@ class SessionInfo(_message.Message):
     DEMOTED_FIELD_NUMBER: _ClassVar[int]
     CLOSE_PENDING_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    FORMER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    PARKED_SECONDS_LEFT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     state: SessionState
@@ -546,7 +552,9 @@ class SessionInfo(_message.Message):
     demoted: bool
     close_pending: bool
     identity: str
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., state: _Optional[_Union[SessionState, str]] = ..., streaming: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., engine_id: _Optional[str] = ..., context_tokens: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., turns: _Optional[int] = ..., num_pages: _Optional[int] = ..., radix_pages: _Optional[int] = ..., held_pages: _Optional[int] = ..., in_flight_pages: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., timeout_seconds: _Optional[float] = ..., demoted: _Optional[bool] = ..., close_pending: _Optional[bool] = ..., identity: _Optional[str] = ...) -> None: ...
+    former_engine_id: str
+    parked_seconds_left: float
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., state: _Optional[_Union[SessionState, str]] = ..., streaming: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., engine_id: _Optional[str] = ..., context_tokens: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., turns: _Optional[int] = ..., num_pages: _Optional[int] = ..., radix_pages: _Optional[int] = ..., held_pages: _Optional[int] = ..., in_flight_pages: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., timeout_seconds: _Optional[float] = ..., demoted: _Optional[bool] = ..., close_pending: _Optional[bool] = ..., identity: _Optional[str] = ..., former_engine_id: _Optional[str] = ..., parked_seconds_left: _Optional[float] = ...) -> None: ...
 
 class GetSessionRequest(_message.Message):
     __slots__ = ("session_id", "epoch", "include_tokens")
@@ -567,16 +575,20 @@ class GetSessionResponse(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionInfo, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ListSessionsRequest(_message.Message):
-    __slots__ = ("engine_id", "limit", "page_size", "page_token")
+    __slots__ = ("engine_id", "limit", "page_size", "page_token", "state", "former_engine_id")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    FORMER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     limit: int
     page_size: int
     page_token: str
-    def __init__(self, engine_id: _Optional[str] = ..., limit: _Optional[int] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+    state: SessionState
+    former_engine_id: str
+    def __init__(self, engine_id: _Optional[str] = ..., limit: _Optional[int] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., state: _Optional[_Union[SessionState, str]] = ..., former_engine_id: _Optional[str] = ...) -> None: ...
 
 class ListSessionsResponse(_message.Message):
     __slots__ = ("sessions", "total", "next_page_token")
@@ -595,7 +607,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, verify: _Optional[bool] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("num_pages", "page_size", "free_pages", "evictable_pages", "radix_locked_pages", "session_held_pages", "in_flight_pages", "session_budget_pages", "radix_tokens", "session_tokens", "session_kv_tokens", "prefix_hit_tokens", "session_hit_tokens", "miss_tokens", "evicted_pages", "duplicate_pages", "demoted_sessions", "reaped_sessions", "expired_leases", "sessions_idle", "sessions_in_turn", "sessions_closing", "sessions_demoted", "engines", "instance_id", "uptime_seconds", "physical_usage", "verified", "quarantined_pages", "tier", "loading_pages", "offloading_pages", "tier_stored_pages", "evicted_unstored_pages")
+    __slots__ = ("num_pages", "page_size", "free_pages", "evictable_pages", "radix_locked_pages", "session_held_pages", "in_flight_pages", "session_budget_pages", "radix_tokens", "session_tokens", "session_kv_tokens", "prefix_hit_tokens", "session_hit_tokens", "miss_tokens", "evicted_pages", "duplicate_pages", "demoted_sessions", "reaped_sessions", "expired_leases", "sessions_idle", "sessions_in_turn", "sessions_closing", "sessions_demoted", "engines", "instance_id", "uptime_seconds", "physical_usage", "verified", "quarantined_pages", "tier", "loading_pages", "offloading_pages", "tier_stored_pages", "evicted_unstored_pages", "sessions_parked", "parked_sessions", "adopted_sessions", "expired_parked_sessions")
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -630,6 +642,10 @@ class GetStatsResponse(_message.Message):
     OFFLOADING_PAGES_FIELD_NUMBER: _ClassVar[int]
     TIER_STORED_PAGES_FIELD_NUMBER: _ClassVar[int]
     EVICTED_UNSTORED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_PARKED_FIELD_NUMBER: _ClassVar[int]
+    PARKED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    ADOPTED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_PARKED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     num_pages: int
     page_size: int
     free_pages: int
@@ -664,7 +680,11 @@ class GetStatsResponse(_message.Message):
     offloading_pages: int
     tier_stored_pages: int
     evicted_unstored_pages: int
-    def __init__(self, num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., free_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ..., radix_locked_pages: _Optional[int] = ..., session_held_pages: _Optional[int] = ..., in_flight_pages: _Optional[int] = ..., session_budget_pages: _Optional[int] = ..., radix_tokens: _Optional[int] = ..., session_tokens: _Optional[int] = ..., session_kv_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., session_hit_tokens: _Optional[int] = ..., miss_tokens: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., duplicate_pages: _Optional[int] = ..., demoted_sessions: _Optional[int] = ..., reaped_sessions: _Optional[int] = ..., expired_leases: _Optional[int] = ..., sessions_idle: _Optional[int] = ..., sessions_in_turn: _Optional[int] = ..., sessions_closing: _Optional[int] = ..., sessions_demoted: _Optional[int] = ..., engines: _Optional[int] = ..., instance_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., physical_usage: _Optional[float] = ..., verified: _Optional[bool] = ..., quarantined_pages: _Optional[int] = ..., tier: _Optional[_Union[TierStats, _Mapping]] = ..., loading_pages: _Optional[int] = ..., offloading_pages: _Optional[int] = ..., tier_stored_pages: _Optional[int] = ..., evicted_unstored_pages: _Optional[int] = ...) -> None: ...
+    sessions_parked: int
+    parked_sessions: int
+    adopted_sessions: int
+    expired_parked_sessions: int
+    def __init__(self, num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., free_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ..., radix_locked_pages: _Optional[int] = ..., session_held_pages: _Optional[int] = ..., in_flight_pages: _Optional[int] = ..., session_budget_pages: _Optional[int] = ..., radix_tokens: _Optional[int] = ..., session_tokens: _Optional[int] = ..., session_kv_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., session_hit_tokens: _Optional[int] = ..., miss_tokens: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., duplicate_pages: _Optional[int] = ..., demoted_sessions: _Optional[int] = ..., reaped_sessions: _Optional[int] = ..., expired_leases: _Optional[int] = ..., sessions_idle: _Optional[int] = ..., sessions_in_turn: _Optional[int] = ..., sessions_closing: _Optional[int] = ..., sessions_demoted: _Optional[int] = ..., engines: _Optional[int] = ..., instance_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., physical_usage: _Optional[float] = ..., verified: _Optional[bool] = ..., quarantined_pages: _Optional[int] = ..., tier: _Optional[_Union[TierStats, _Mapping]] = ..., loading_pages: _Optional[int] = ..., offloading_pages: _Optional[int] = ..., tier_stored_pages: _Optional[int] = ..., evicted_unstored_pages: _Optional[int] = ..., sessions_parked: _Optional[int] = ..., parked_sessions: _Optional[int] = ..., adopted_sessions: _Optional[int] = ..., expired_parked_sessions: _Optional[int] = ...) -> None: ...
 
 class TierStats(_message.Message):
     __slots__ = ("backend", "up", "hit_pages", "miss_pages", "lookup_pages", "load_pages", "load_bytes", "load_seconds", "load_timeouts", "offload_pages", "offload_bytes", "offload_seconds", "offload_dropped_pages", "queue_pages", "queue_capacity_pages", "load_queue_pages", "tainted_pages", "errors", "outages", "stored_values", "stored_bytes", "capacity_bytes")
@@ -745,20 +765,24 @@ class WatchEventsResponse(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., ts: _Optional[float] = ..., instance_id: _Optional[str] = ..., snapshot: _Optional[bool] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ...) -> None: ...
 
 class KvEvent(_message.Message):
-    __slots__ = ("stored", "removed", "cleared", "session_opened", "session_closed", "session_demoted")
+    __slots__ = ("stored", "removed", "cleared", "session_opened", "session_closed", "session_demoted", "session_parked", "session_adopted")
     STORED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     CLEARED_FIELD_NUMBER: _ClassVar[int]
     SESSION_OPENED_FIELD_NUMBER: _ClassVar[int]
     SESSION_CLOSED_FIELD_NUMBER: _ClassVar[int]
     SESSION_DEMOTED_FIELD_NUMBER: _ClassVar[int]
+    SESSION_PARKED_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ADOPTED_FIELD_NUMBER: _ClassVar[int]
     stored: BlockStored
     removed: BlockRemoved
     cleared: AllBlocksCleared
     session_opened: SessionOpened
     session_closed: SessionClosed
     session_demoted: SessionDemoted
-    def __init__(self, stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ..., session_opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., session_closed: _Optional[_Union[SessionClosed, _Mapping]] = ..., session_demoted: _Optional[_Union[SessionDemoted, _Mapping]] = ...) -> None: ...
+    session_parked: SessionParked
+    session_adopted: SessionAdopted
+    def __init__(self, stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ..., session_opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., session_closed: _Optional[_Union[SessionClosed, _Mapping]] = ..., session_demoted: _Optional[_Union[SessionDemoted, _Mapping]] = ..., session_parked: _Optional[_Union[SessionParked, _Mapping]] = ..., session_adopted: _Optional[_Union[SessionAdopted, _Mapping]] = ...) -> None: ...
 
 class BlockStored(_message.Message):
     __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "medium", "cache_salt")
@@ -819,3 +843,23 @@ class SessionDemoted(_message.Message):
     session_id: str
     epoch: int
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class SessionParked(_message.Message):
+    __slots__ = ("session_id", "epoch", "former_engine_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FORMER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    epoch: int
+    former_engine_id: str
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., former_engine_id: _Optional[str] = ...) -> None: ...
+
+class SessionAdopted(_message.Message):
+    __slots__ = ("session_id", "epoch", "engine_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    epoch: int
+    engine_id: str
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., engine_id: _Optional[str] = ...) -> None: ...
