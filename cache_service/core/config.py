@@ -35,6 +35,9 @@ class CoreConfig:
     """With a tier: offload radix pages ahead of eviction while fewer than this share of the usable pages is free."""
     tier_pin_fraction: float = 0.25
     """With a tier: most share of the usable pages that offloads in progress may pin (pinned pages are not evicted)."""
+    tier_policy: str = "write-back"
+    """With a tier: when radix pages are offloaded, a name in `cache_service.core.tiering.TIER_POLICIES`
+    (write-back: ahead of eviction, under the watermark; write-through: as soon as they are evictable)."""
 
     def __post_init__(self) -> None:
         if self.num_pages < 2:

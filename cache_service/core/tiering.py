@@ -20,8 +20,16 @@ written ahead of it. While fewer than half the pool's pages are free (a low wate
 the pages the tier lacks on the paths of the least recently used evictable leaves are handed to the store,
 root side first; each path is pinned (a radix lock the tier holds) down to its last such page, within a pin
 limit of a quarter of the pool (`--tier-pin-fraction`); the pin ends when the store is done reading, which
-marks the stored pages. Eviction then takes the same LRU leaves, already stored; a page evicted before the
-tier held it is lost (counted in `evicted_unstored_pages`).
+marks the stored pages. Eviction then takes the same LRU leaves, already stored. That is the write-back
+policy (HiCache's name); write-through (`--tier-policy`) offloads the same way with no watermark, so pages go
+to the tier as soon as they are evictable, where the store's bandwidth allows.
+
+Staging at eviction. A burst evicts in the same call that crosses the watermark, before any offload could run.
+So eviction hands the pages the tier lacks to `stage` (set by the rpc layer; pure code here calls it as it
+calls any injected callable), which copies their bytes out into bounded host memory before the page ids go
+back to the allocator, i.e. before this call's allocation can hand them to a writer; the tier writes them from
+there. Pages `stage` refuses (staging full, the tier down) are lost, counted in `evicted_unstored_pages`, and so
+are staged pages the tier then failed to write (`lost`).
 """
 
 from __future__ import annotations
@@ -42,6 +50,25 @@ TAINTED_QUARANTINE_SECONDS = 60.0
 """How long a page a failed transfer may still write waits before it is free again."""
 SCAN_LEAVES = 64
 """Most LRU leaves one offload planning looks at."""
+
+Stage = Callable[[list[bytes], npt.NDArray[np.int32]], int]
+"""`stage(keys, pages) -> n`: copy the first n pages' bytes out of the pool now (before they can be reused) for
+the tier to write under their keys; n < len(pages) where there is no room for the rest."""
+
+
+def _write_back(config: CoreConfig) -> int:
+    return max(1, int(config.usable_pages * config.tier_watermark))
+
+
+def _write_through(config: CoreConfig) -> int:
+    return config.usable_pages + 1  # always under it: offload whatever is evictable and unstored
+
+
+TIER_POLICIES: dict[str, Callable[[CoreConfig], int]] = {
+    "write-back": _write_back,
+    "write-through": _write_through,
+}
+"""--tier-policy name -> the low watermark (free pages) under which offloads run."""
 
 
 class LoadPlan:
@@ -129,14 +156,27 @@ class TierIndex:
         self._keyed: npt.NDArray[np.bool_] = np.zeros(n, dtype=np.bool_)
         self._stored: npt.NDArray[np.bool_] = np.zeros(n, dtype=np.bool_)
         self._offloading: npt.NDArray[np.bool_] = np.zeros(n, dtype=np.bool_)
+        self._staged: npt.NDArray[np.bool_] = np.zeros(n, dtype=np.bool_)
+        """Pages being evicted that `stage` copied out (set by `evicting`, cleared by `free_evicted`)."""
+        self.stage: Stage | None = None
+        """Copies pages the tier lacks out of the pool at eviction (the rpc layer's); None: they are lost."""
+        self.staged_pages = 0
+        """Pages copied out at eviction, in all."""
         self._roots: dict[str, bytes] = {}
         self.stored_pages = 0
         self.offloading_pages = 0
         self.pinned_pages = 0
         """Radix pages held by offload pins (paths overlapping between offloads count once per offload)."""
         self.evicted_unstored_pages = 0
-        self.low_watermark = max(1, int(config.usable_pages * config.tier_watermark))
-        """Offload ahead of eviction while fewer pages than this are free."""
+        """Radix pages evicted that the tier never got: neither stored nor staged, or staged and then `lost`."""
+        try:
+            watermark = TIER_POLICIES[config.tier_policy]
+        except KeyError:
+            raise ValueError(f"tier_policy must be one of {', '.join(TIER_POLICIES)}, got {config.tier_policy!r}")\
+                from None
+        self.policy = config.tier_policy
+        self.low_watermark = watermark(config)
+        """Offload while fewer pages than this are free (write-through: always)."""
         self.pin_limit = max(1, int(config.usable_pages * config.tier_pin_fraction))
         """Most pages offloads may pin at once (pinned pages cannot be evicted)."""
         self.loads: set[Load] = set()
@@ -185,15 +225,40 @@ class TierIndex:
 
     # ------------------------------------------------------------------ the radix's free callback
 
+    def evicting(self, node: RadixNode, keep: int) -> None:
+        """The radix's eviction hook: `node`'s pages past its first `keep` are about to be freed. Those the tier
+        neither holds nor is reading are keyed and handed to `stage`, root side first, while their bytes are
+        still the evicted KV."""
+        stage = self.stage
+        if stage is None:
+            return
+        arr = np.frombuffer(node.pages, dtype=np.int32)[keep:]
+        lacking = arr[~self._stored[arr]]
+        if not lacking.size:
+            return
+        self._key_path(node)
+        taken = stage([bytes(k) for k in self._keys[lacking]], lacking)
+        if taken:
+            self._staged[lacking[:taken]] = True
+            self.staged_pages += taken
+
     def free_evicted(self, pages: bytes, src: int) -> None:
-        """Eviction frees radix pages: their keys and stored bits go with them."""
+        """Eviction frees radix pages: their keys, stored and staged bits go with them; a page that was neither
+        stored nor staged is lost."""
         arr = np.frombuffer(pages, dtype=np.int32)
         stored = int(np.count_nonzero(self._stored[arr]))
+        staged = int(np.count_nonzero(self._staged[arr] & ~self._stored[arr]))
         self.stored_pages -= stored
-        self.evicted_unstored_pages += arr.size - stored
+        self.evicted_unstored_pages += arr.size - stored - staged
         self._stored[arr] = False
+        self._staged[arr] = False
         self._keyed[arr] = False
         self._alloc.give(pages, src)
+
+    def lost(self, pages: int) -> None:
+        """`pages` staged at eviction that the tier did not write after all (it failed, or the service stopped
+        first): lost, counted with the pages evicted unstored."""
+        self.evicted_unstored_pages += pages
 
     # ------------------------------------------------------------------ loads
 
@@ -406,6 +471,8 @@ class TierIndex:
             raise InvariantError("tier: offloading page count != pages of the offloads in progress")
         if (self._offloading & ~owned).any():
             raise InvariantError("tier: a page being offloaded left the radix")
+        if self._staged.any():
+            raise InvariantError("tier: a staged bit outlived the eviction that set it")
         if self._ledger.counts[LOADING] != len(self.loading()) >> 2:
             raise InvariantError("tier: LOADING count != pages of the loads in progress")
 

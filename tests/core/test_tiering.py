@@ -182,3 +182,48 @@ def test_a_finished_load_cannot_finish_again(make: Callable[..., CheckedCore]) -
     with pytest.raises(InvariantError, match="a load finished twice"):
         tier.finish(load, 1)
     tier.release(load)
+
+
+def test_eviction_stages_what_the_tier_lacks_before_the_pages_are_reused(make: Callable[..., CheckedCore]) -> None:
+    core = make(num_pages=5)  # 4 usable pages
+    tier = _tier(core)
+    calls: list[tuple[list[bytes], list[int], int]] = []
+
+    def stage(keys: list[bytes], pages: np.ndarray) -> int:
+        calls.append((keys, pages.tolist(), core.stats().free_pages))  # the pages are not free yet
+        return 2  # room for two of them
+
+    tier.stage = stage
+    _turn(core, "a", toks(range(13)))  # pages 1, 2, 3 in the radix
+    core.open_session("b")
+    res = core.append("b", toks(range(100, 113)), 0)  # needs 4 pages: evicts all 3
+    assert res.page_ids.tolist() == [3, 2, 1, 4]  # the evicted pages are handed out in this same call
+    assert calls == [(chain(NS.root(""), _key(toks(range(12))), 4), [1, 2, 3], 1)]
+    st = core.stats()
+    assert (st.evicted_pages, tier.staged_pages, st.evicted_unstored_pages) == (3, 2, 1)
+    tier.lost(2)  # the tier then failed to write the two staged pages
+    assert core.stats().evicted_unstored_pages == 3
+
+
+def test_eviction_stages_only_pages_the_tier_does_not_hold(make: Callable[..., CheckedCore]) -> None:
+    core = make(num_pages=5, tier_watermark=1.0, tier_pin_fraction=1.0)
+    tier = _tier(core)
+    staged: list[list[int]] = []
+    tier.stage = lambda keys, pages: staged.append(pages.tolist()) or len(pages)
+    _turn(core, "a", toks(range(13)))  # pages 1, 2, 3
+    job = tier.plan_offload(2)[0]
+    tier.offload_done(job, [True, True])  # the tier holds pages 1, 2
+    core.evict(4)
+    assert staged == [[3]]
+    assert (tier.staged_pages, core.stats().evicted_unstored_pages, core.stats().tier_stored_pages) == (1, 0, 0)
+
+
+def test_write_through_offloads_with_no_watermark(make: Callable[..., CheckedCore]) -> None:
+    core = make(tier_policy="write-through")
+    tier = _tier(core)
+    assert (tier.policy, tier.low_watermark) == ("write-through", 17)
+    _turn(core, "a", toks(range(13)))  # 3 radix pages, 13 of 16 free
+    assert [(j.pages, j.pinned) for j in tier.plan_offload(100)] == [([1, 2, 3], 3)]
+    with pytest.raises(ValueError, match=re.escape("tier_policy must be one of write-back, write-through, got "
+                                                   "'write-around'")):
+        make(tier_policy="write-around")

@@ -297,6 +297,8 @@ FLAG_CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "tier-queue-pages": ({"config": {"tierQueuePages": 1024}}, {"value": "1024"}),
     "tier-watermark": ({"config": {"tierWatermark": 0.75}}, {"value": "0.75"}),
     "tier-pin-fraction": ({"config": {"tierPinFraction": 0.125}}, {"value": "0.125"}),
+    "tier-policy": ({"config": {"tierPolicy": "write-through"}}, {"value": "write-through"}),
+    "tier-staging-bytes": ({"config": {"tierStagingBytes": "1Gi"}}, {"value": "1Gi"}),
     "mooncake-master": ({"config": {"tier": "mooncake", "mooncakeMaster": "mc.kv.svc:50051"}},
                         {"value": "mc.kv.svc:50051"}),
     "mooncake-metadata": ({"config": {"mooncakeMetadata": "http://meta:8080/metadata"}},

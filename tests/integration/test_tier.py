@@ -41,7 +41,8 @@ def test_a_disk_tier_is_announced_reported_and_exported(start_server: Callable[.
                           "--tier-timeout", "0.5", "--metrics-port", str(metrics_port), "--tier-pin-fraction", "0.125")
     tier_line = next(line for line in server.banner if line.startswith("  tier "))
     assert tier_line.rstrip() == (f"  tier     disk {tmp_path / 'tier'}: 0 values, 0 B of 64.0 MiB; up; loads wait at "
-                                  "most 0.5 s; offloads while under 50% free, pinning at most 12.5%")
+                                  "most 0.5 s; write-back: offloads while under 50% free, pinning at most 12.5%; "
+                                  "eviction staging 8,192 pages")
     st = _stats(server.target).tier
     assert (st.backend, st.up, st.stored_values, st.stored_bytes, st.capacity_bytes, st.queue_capacity_pages) == (
         "disk", True, 0, 0, 64 << 20, 256)
@@ -69,11 +70,13 @@ def test_no_tier_reports_no_tier(server: ServerProcess) -> None:
 
 def test_a_mooncake_tier_connects_to_the_master(start_server: Callable[..., ServerProcess],
                                                cluster: MooncakeCluster) -> None:
-    server = start_server("--tier", "mooncake", "--mooncake-master", cluster.address, "--tier-watermark", "0.75")
+    server = start_server("--tier", "mooncake", "--mooncake-master", cluster.address, "--tier-watermark", "0.75",
+                          "--tier-policy", "write-through", "--tier-staging-bytes", "8Mi")
     tier_line = next(line for line in server.banner if line.startswith("  tier "))
     assert tier_line.rstrip() == (f"  tier     mooncake master {cluster.address} (tcp, metadata P2PHANDSHAKE, "
                                   "announced as 127.0.0.1; contributes no memory); up; loads wait at most 1 s; "
-                                  "offloads while under 75% free, pinning at most 25%")
+                                  "write-through: offloads as soon as cached, pinning at most 25%; eviction staging "
+                                  "256 pages")
     st = _stats(server.target).tier
     assert st.backend == "mooncake" and not st.HasField("stored_values")
 
@@ -81,7 +84,8 @@ def test_a_mooncake_tier_connects_to_the_master(start_server: Callable[..., Serv
 def test_an_absent_master_costs_no_availability(start_server: Callable[..., ServerProcess]) -> None:
     server = start_server("--tier", "mooncake", "--mooncake-master", f"127.0.0.1:{free_port()}")
     assert any(line.endswith("; DOWN (misses until the store answers; the service reconnects); loads wait at most "
-                             "1 s; offloads while under 50% free, pinning at most 25%\n") for line in server.banner), \
+                             "1 s; write-back: offloads while under 50% free, pinning at most 25%; eviction "
+                             "staging 8,192 pages\n") for line in server.banner), \
         server.banner
     st = _stats(server.target).tier
     assert (st.backend, st.up, st.outages) == ("mooncake", False, 1)
