@@ -307,7 +307,7 @@ class KVCacheServer:
                                      cfg.kv_events_topic or default_topic(cfg.model_name))
         medium = "GPU" if self.pool.name.startswith("cuda") else "CPU"
         return EventHub(self.core, instance_id=self.instance_id, medium=medium, buffer=cfg.kv_events_buffer,
-                        publisher=publisher)
+                        publisher=publisher, tier_medium=self.tier.backend.medium if self.tier is not None else "")
 
     async def _reap_forever(self) -> None:
         interval = self.config.reap_interval

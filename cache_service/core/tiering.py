@@ -30,6 +30,11 @@ calls any injected callable), which copies their bytes out into bounded host mem
 back to the allocator, i.e. before this call's allocation can hand them to a writer; the tier writes them from
 there. Pages `stage` refuses (staging full, the tier down) are lost, counted in `evicted_unstored_pages`, and so
 are staged pages the tier then failed to write (`lost`).
+
+Events. While the facade records changes (KV events), pages the tier holds are announced as such: the pages an
+offload stored, the pages staged at eviction (announced before their removal from the radix) and the pages a
+load brought in, as `TIER_STORED` change tuples; pages it lost or dropped (`lost`, `dropped`) as `TIER_REMOVED`.
+Publishers give them the tier's medium (events.py).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import numpy.typing as npt
 
 from cache_service.core.config import CoreConfig
 from cache_service.core.errors import InvariantError
+from cache_service.core.events import TIER_REMOVED, TIER_STORED
 from cache_service.core.ledger import EVICTABLE, FREE, LOADING, Counters, PageLedger
 from cache_service.core.pages import PageAllocator
 from cache_service.core.radix import RadixNode, RadixTree
@@ -237,10 +243,12 @@ class TierIndex:
         if not lacking.size:
             return
         self._key_path(node)
-        taken = stage([bytes(k) for k in self._keys[lacking]], lacking)
+        keys = [bytes(k) for k in self._keys[lacking]]
+        taken = stage(keys, lacking)
         if taken:
             self._staged[lacking[:taken]] = True
             self.staged_pages += taken
+            self._announce(node, lacking[:taken].tolist())
 
     def free_evicted(self, pages: bytes, src: int) -> None:
         """Eviction frees radix pages: their keys, stored and staged bits go with them; a page that was neither
@@ -255,10 +263,47 @@ class TierIndex:
         self._keyed[arr] = False
         self._alloc.give(pages, src)
 
-    def lost(self, pages: int) -> None:
-        """`pages` staged at eviction that the tier did not write after all (it failed, or the service stopped
-        first): lost, counted with the pages evicted unstored."""
-        self.evicted_unstored_pages += pages
+    def lost(self, keys: list[bytes]) -> None:
+        """Pages staged at eviction (by key) that the tier did not write after all (it failed, or the service
+        stopped first): lost, counted with the pages evicted unstored, and no longer announced as the tier's."""
+        self.evicted_unstored_pages += len(keys)
+        self.dropped(keys)
+
+    def dropped(self, keys: list[bytes]) -> None:
+        """The tier no longer holds these keys' values (its own eviction, unsound values discarded)."""
+        changes = self._tree().changes
+        if changes is not None and keys:
+            changes.append((TIER_REMOVED, list(keys)))
+
+    def _announce(self, node: RadixNode, pages: list[int]) -> None:
+        """Record that the tier holds `pages` (on the keyed path to `node`), while events are recorded: one
+        TIER_STORED change per run of consecutive path pages."""
+        changes = self._tree().changes
+        if changes is None or not pages:
+            return
+        path: list[RadixNode] = []
+        n: RadixNode | None = node
+        while n is not None and n.parent is not None:
+            path.append(n)
+            n = n.parent
+        path.reverse()
+        ids = np.frombuffer(b"".join(p.pages for p in path), dtype=np.int32)
+        key = b"".join(p.key for p in path)
+        want = np.isin(ids, np.asarray(pages, dtype=np.int32))
+        pb = self._pb
+        i, total = 0, ids.size
+        salt = node.salt or ""
+        while i < total:
+            if not want[i]:
+                i += 1
+                continue
+            j = i
+            while j < total and want[j]:
+                j += 1
+            run = ids[i:j]
+            changes.append((TIER_STORED, salt, int(ids[i - 1]) if i else None, key[i * pb:j * pb], run.tobytes(),
+                            [bytes(k) for k in self._keys[run]]))
+            i = j
 
     # ------------------------------------------------------------------ loads
 
@@ -334,6 +379,9 @@ class TierIndex:
                 self._stored[new] = True
                 self.stored_pages += new.size
             node = ins.node
+            if node is not None and new.size:
+                self._key_path(node)
+                self._announce(node, new.tolist())
         rest = np.frombuffer(pages[loaded * 4:], dtype=np.int32)
         if rest.size:
             bad = np.isin(rest, np.fromiter(tainted, dtype=np.int32))
@@ -436,6 +484,7 @@ class TierIndex:
             ok = [p for p, s in zip(pages, stored, strict=False) if s and not self._stored[p]]
             self._stored[ok] = True
             self.stored_pages += len(ok)
+            self._announce(job.node, ok)
         self._tree().unlock(job.node)
 
     # ------------------------------------------------------------------ accounting

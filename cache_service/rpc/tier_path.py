@@ -59,6 +59,7 @@ class TierPath:
         if tier.staging is not None:  # eviction copies what the tier lacks out of the pool before reuse
             self._index.stage = tier.stage
             tier.on_lost = self._index.lost
+        tier.on_dropped = self._index.dropped
 
     # ------------------------------------------------------------------ what ops want
 

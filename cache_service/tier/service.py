@@ -334,8 +334,10 @@ class TierService:
         staging = EvictionStaging(memory, staging_bytes) if staging_bytes > 0 else None
         self.staging = staging if staging is not None and staging.slots else None
         """Where pages evicted before the tier stored them wait for it (None: --tier-staging-bytes 0)."""
-        self.on_lost: Callable[[int], None] | None = None
-        """Called on the loop with the number of staged pages the tier will never write (the core counts them)."""
+        self.on_lost: Callable[[list[bytes]], None] | None = None
+        """Called on the loop with the keys of staged pages the tier will never write (the core counts them)."""
+        self.on_dropped: Callable[[list[bytes]], None] | None = None
+        """Called on the loop with the keys of values the store dropped (its LRU, unsound values discarded)."""
         self._staging_episode: str | None = None
         self._staging_episode_pages = 0
         self.timeout_seconds = timeout_seconds
@@ -653,10 +655,10 @@ class TierService:
     def _staged_done(self, keys: list[bytes], reasons: Sequence[str]) -> None:
         assert self.staging is not None, "staged work exists only with staging"
         self.staging.release(keys)
-        lost = sum(1 for r in reasons if r)
+        lost = [k for k, r in zip(keys, reasons, strict=True) if r]
         with self._counters.lock:
-            self._counters.staging_written_pages += len(keys) - lost
-            self._counters.staging_lost_pages += lost
+            self._counters.staging_written_pages += len(keys) - len(lost)
+            self._counters.staging_lost_pages += len(lost)
         if lost and self.on_lost is not None:
             self._deliver(self.on_lost, lost)
 
@@ -706,7 +708,14 @@ class TierService:
             c.offload_bytes += stored * geometry.value_bytes
             c.offload_seconds += seconds
         self._link.note("put", Counter(r for r in reasons if r))
+        self._report_dropped()
         return reasons
+
+    def _report_dropped(self) -> None:
+        """Hand the keys the store dropped since the last report to `on_dropped` (on the loop)."""
+        dropped = self.backend.take_dropped()
+        if dropped and self.on_dropped is not None:
+            self._deliver(self.on_dropped, dropped)
 
     def _load_worker(self) -> None:
         while True:
@@ -885,6 +894,8 @@ class TierService:
         if unsound:
             with contextlib.suppress(Exception):
                 self.backend.discard(unsound)
+            if self.on_dropped is not None:
+                self._deliver(self.on_dropped, unsound)
         with self._counters.lock:
             c = self._counters
             c.load_pages += sum(loaded)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from cache_service.core import CoreConfig, InvariantError
+from cache_service.core.events import Removed, Stored
 from cache_service.core.tier_keys import Namespace, chain
 from cache_service.core.tiering import TAINTED_QUARANTINE_SECONDS, TierIndex
 from tests.fakes import FakeClock
@@ -201,7 +202,7 @@ def test_eviction_stages_what_the_tier_lacks_before_the_pages_are_reused(make: C
     assert calls == [(chain(NS.root(""), _key(toks(range(12))), 4), [1, 2, 3], 1)]
     st = core.stats()
     assert (st.evicted_pages, tier.staged_pages, st.evicted_unstored_pages) == (3, 2, 1)
-    tier.lost(2)  # the tier then failed to write the two staged pages
+    tier.lost(calls[0][0][:2])  # the tier then failed to write the two staged pages
     assert core.stats().evicted_unstored_pages == 3
 
 
@@ -227,3 +228,25 @@ def test_write_through_offloads_with_no_watermark(make: Callable[..., CheckedCor
     with pytest.raises(ValueError, match=re.escape("tier_policy must be one of write-back, write-through, got "
                                                    "'write-around'")):
         make(tier_policy="write-around")
+
+
+def test_the_tiers_pages_are_announced_with_their_pool_hashes(make: Callable[..., CheckedCore]) -> None:
+    core = make(num_pages=5, tier_watermark=1.0, tier_pin_fraction=1.0)
+    tier = _tier(core)
+    tier.stage = lambda keys, pages: len(pages)
+    core.start_events()
+    _turn(core, "a", toks(range(13)))  # pages 1, 2, 3
+    stored = [r for r in core.take_events() if isinstance(r, Stored)]
+    hashes = stored[0].hashes
+    job = tier.plan_offload(1)[0]
+    tier.offload_done(job, [True])  # page 1 is in the tier now
+    [first] = core.take_events()
+    assert isinstance(first, Stored) and (first.parent_hash, first.hashes, first.token_ids.tolist(), first.tier) == (
+        None, hashes[:1], list(range(4)), True)
+    core.evict(4)  # pages 2, 3 are staged at eviction: announced in the tier before they leave the pool
+    events = core.take_events()
+    assert [(type(r).__name__, r.hashes, r.tier) for r in events] == [
+        ("Stored", hashes[1:], True), ("Removed", hashes[1:] + hashes[:1], False)]
+    assert events[0].parent_hash == hashes[0] and events[0].token_ids.tolist() == list(range(4, 12))
+    tier.lost([tier_key for tier_key in chain(NS.root(""), _key(toks(range(12))), 4)[2:]])  # page 3's value
+    assert core.take_events() == [Removed("", hashes[2:], True)]

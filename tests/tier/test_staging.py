@@ -104,7 +104,7 @@ def test_full_staging_drops_counts_and_logs_once_per_episode(pool: Pool, disk: D
 
     async def scenario() -> None:
         service = _service(gated, pool, staging_bytes=2 * G.payload_bytes)
-        lost: list[int] = []
+        lost: list[list[bytes]] = []
         service.on_lost = lost.append
         gated.gate.clear()
         with capture_logs() as logs:
@@ -135,7 +135,7 @@ def test_staged_pages_the_tier_never_wrote_before_the_stop_are_lost_and_counted(
 
     async def scenario() -> None:
         service = _service(gated, pool, staging_bytes=8 * G.payload_bytes)
-        lost: list[int] = []
+        lost: list[list[bytes]] = []
         service.on_lost = lost.append
         gated.gate.clear()
         assert service.stage(keys[:1], _pages([1])) == 1
@@ -149,7 +149,7 @@ def test_staged_pages_the_tier_never_wrote_before_the_stop_are_lost_and_counted(
         await asyncio.sleep(0)  # the loss is reported on this loop
         st = service.stats()
         assert (st.staged_pages, st.staging_written_pages, st.staging_lost_pages) == (3, 1, 2)
-        assert lost == [2]
+        assert lost == [keys[1:]]
         assert [e["pages"] for e in logs if e["event"] == "tier_staging_unwritten"] == [2]
         assert disk.path(keys[0]).exists() and not disk.path(keys[1]).exists()
 
