@@ -19,7 +19,9 @@ Rates (`--rates`): the trace replayed open-loop at its arrival rate (1x = `--tra
 42k: a busy GPU's share; 4x ~ what a busy 8-GPU node prefills), 4x, and 0 = unpaced (back to back, no engine
 time: as fast as the service takes it). Each conversation's turn waits for its previous turn. What the tier had
 to absorb (every page the pool evicted or offloaded, in bytes over the run's wall time) is printed beside what
-it wrote (offload bytes over the store's busy seconds), so a rate beyond the medium shows as numbers.
+it wrote (offload bytes over the store's busy seconds), so a rate beyond the medium shows as numbers; `got
+tok/s` is the prompt tokens a second the run achieved (below the asked rate where the machine could not keep
+up: the appends then queue, `append ms`).
 
 The trace: every conversation starts with one shared 64-token system prompt; each turn sends the whole
 conversation so far plus 48 new tokens and generates 16 (a chat API's request, as vLLM sends it: a regular
@@ -465,13 +467,14 @@ def policy_tables(args: argparse.Namespace, modes: list[str], rates: list[float]
         print(f"rates: {len(requests)} requests, {total:,} prompt tokens, working set {ws} pages, pool {pool} pages; "
               f"1x = {args.trace_tps:,.0f} prompt tokens/s; infinite cache: hit ratio {bound:.3f}")
         print(f"{'tier':<9} {'mode':<14} {'rate':>8} {'hit':>6} {'of inf':>7} {'lost':>5} {'staged':>6} "
-              f"{'dropped':>7} {'append ms':>9} {'need MB/s':>9} {'wrote MB/s':>10}")
+              f"{'dropped':>7} {'append ms':>9} {'got tok/s':>9} {'need MB/s':>9} {'wrote MB/s':>10}")
         for r in rated:
             need = (r.offload_pages + r.lost) * value / r.wall_seconds / 1e6  # what the tier got or should have
             wrote = r.offload_bytes / r.offload_seconds / 1e6 if r.offload_seconds else 0.0
             rate = f"{r.rate:g}x" if r.rate else "unpaced"
             print(f"{r.tier:<9} {r.mode:<14} {rate:>8} {r.cached / r.prompt:>6.3f} {r.cached / r.prompt / bound:>7.3f} "
-                  f"{r.lost:>5} {r.staged:>6} {r.dropped:>7} {r.append_ms:>9.2f} {need:>9.1f} {wrote:>10.1f}")
+                  f"{r.lost:>5} {r.staged:>6} {r.dropped:>7} {r.append_ms:>9.2f} {r.prompt / r.wall_seconds:>9,.0f} "
+                  f"{need:>9.1f} {wrote:>10.1f}")
     return 0
 
 

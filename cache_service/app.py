@@ -61,6 +61,7 @@ def core_config(config: ServiceConfig, num_pages: int) -> CoreConfig:
         tier_watermark=config.tier_watermark,
         tier_pin_fraction=config.tier_pin_fraction,
         tier_policy=config.tier_policy,
+        tier_tainted_quarantine_seconds=config.tier_tainted_quarantine,
     )
 
 

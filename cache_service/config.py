@@ -165,6 +165,10 @@ class ServiceConfig:
     tier_pin_fraction: float = setting(_CORE["tier_pin_fraction"], "with a tier: most share of the pool's pages "
                                        "that offloads in progress may pin (a pinned page is not evicted)", above=0,
                                        at_most=1)
+    tier_tainted_quarantine: float = setting(_CORE["tier_tainted_quarantine_seconds"], "with a tier: pages a failed "
+                                             "store read may still write (a transfer the store did not cancel) wait "
+                                             "this long before reuse; keep it above the store's transfer timeout",
+                                             at_least=0, **SECONDS)
     tier_policy: str = setting(_CORE["tier_policy"], "with a tier: write-back offloads pages ahead of eviction "
                                "(under --tier-watermark), write-through as soon as they are cached (where the "
                                "tier's bandwidth allows); both stage pages at eviction", choices=tuple(TIER_POLICIES))

@@ -53,7 +53,9 @@ from cache_service.core.radix import RadixNode, RadixTree
 from cache_service.core.tier_keys import KEY_BYTES, Namespace, chain
 
 TAINTED_QUARANTINE_SECONDS = 60.0
-"""How long a page a failed transfer may still write waits before it is free again."""
+"""How long a page a failed transfer may still write waits before it is free again, by default
+(--tier-tainted-quarantine): longer than the store's own transfer timeout, so a late write lands in a page
+nobody owns."""
 SCAN_LEAVES = 64
 """Most LRU leaves one offload planning looks at."""
 
@@ -155,6 +157,7 @@ class TierIndex:
         self._alloc = pages
         self._c = counters
         self._clock = clock
+        self._tainted_seconds = config.tier_tainted_quarantine_seconds
         self.radix: RadixTree | None = None
         """Set by the facade once the tree exists (the tree's free callback is `free_evicted`)."""
         n = config.num_pages
@@ -386,7 +389,7 @@ class TierIndex:
         if rest.size:
             bad = np.isin(rest, np.fromiter(tainted, dtype=np.int32))
             if bad.any():
-                with self._alloc.quarantining(self._clock() + TAINTED_QUARANTINE_SECONDS):
+                with self._alloc.quarantining(self._clock() + self._tainted_seconds):
                     self._alloc.give(rest[bad].tobytes(), LOADING)
             if not bad.all():
                 self._alloc.give(rest[~bad].tobytes(), LOADING)

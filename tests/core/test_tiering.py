@@ -219,6 +219,23 @@ def test_eviction_stages_only_pages_the_tier_does_not_hold(make: Callable[..., C
     assert (tier.staged_pages, core.stats().evicted_unstored_pages, core.stats().tier_stored_pages) == (1, 0, 0)
 
 
+def test_the_tainted_quarantine_is_a_setting(make: Callable[..., CheckedCore], clock: FakeClock) -> None:
+    core = make(tier_tainted_quarantine_seconds=5.0)
+    tier = _tier(core)
+    plan = tier.plan("", _key(toks(range(4))))
+    assert plan is not None
+    load = tier.begin(plan, 1)
+    assert load is not None
+    tier.finish(load, 0, tainted=load.page_list)
+    tier.release(load)
+    assert core.stats().quarantined_pages == 1
+    clock.advance(5.0)
+    core.reap()
+    assert core.stats().quarantined_pages == 0
+    with pytest.raises(ValueError, match=re.escape("tier_tainted_quarantine_seconds must be >= 0, got -1")):
+        CoreConfig(num_pages=17, page_size=4, tier_tainted_quarantine_seconds=-1)
+
+
 def test_write_through_offloads_with_no_watermark(make: Callable[..., CheckedCore]) -> None:
     core = make(tier_policy="write-through")
     tier = _tier(core)

@@ -298,6 +298,7 @@ FLAG_CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "tier-watermark": ({"config": {"tierWatermark": 0.75}}, {"value": "0.75"}),
     "tier-pin-fraction": ({"config": {"tierPinFraction": 0.125}}, {"value": "0.125"}),
     "tier-policy": ({"config": {"tierPolicy": "write-through"}}, {"value": "write-through"}),
+    "tier-tainted-quarantine": ({"config": {"tierTaintedQuarantine": 300}}, {"value": "300"}),
     "tier-staging-bytes": ({"config": {"tierStagingBytes": "1Gi"}}, {"value": "1Gi"}),
     "mooncake-master": ({"config": {"tier": "mooncake", "mooncakeMaster": "mc.kv.svc:50051"}},
                         {"value": "mc.kv.svc:50051"}),
