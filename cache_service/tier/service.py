@@ -434,12 +434,12 @@ class TierService:
                 staged, taken = self.staging.capture(keys, [int(p) for p in pages])
             except Exception as e:  # a copy that failed loses the pages, never the call
                 self._log.warning("tier_staging_failed", operation="capture", error=str(e))
-                staged, taken = 0, []
+                staged, taken, why = 0, [], "copy failed"
             if taken:
                 with self._counters.lock:
                     self._counters.staged_pages += len(taken)
                 self._offloads.put(_Offload(tuple(k for k, _ in taken), (), None, tuple(s for _, s in taken)))
-            if staged < n:
+            if staged < n and not why:
                 why = "full"
         if staged < n:
             with self._counters.lock:

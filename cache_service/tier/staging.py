@@ -36,7 +36,9 @@ class EvictionStaging:
         self._slot_bytes = g.payload_bytes
         self.slots = capacity_bytes // self._slot_bytes
         self._area: HostArea | None = memory.host_area(self.slots * self._slot_bytes) if self.slots else None
-        self._free = list(range(self.slots - 1, -1, -1))
+        self._free: list[int] = []
+        """Released slots; slots never used yet are `_fresh` and up (no list of a million small values)."""
+        self._fresh = 0
         self._slot_of: dict[bytes, int] = {}
         self._lock = threading.Lock()
 
@@ -62,9 +64,13 @@ class EvictionStaging:
                 if key in self._slot_of:
                     n += 1
                     continue
-                if not self._free:
+                if self._free:
+                    slot = self._free.pop()
+                elif self._fresh < self.slots:
+                    slot = self._fresh
+                    self._fresh += 1
+                else:
                     break
-                slot = self._free.pop()
                 try:
                     self._memory.capture(int(page), self._address(slot))
                 except BaseException:
@@ -116,6 +122,7 @@ class EvictionStaging:
         with self._lock:
             self._slot_of.clear()
             self._free = []
+            self._fresh = self.slots
         area, self._area = self._area, None
         if area is not None:
             area.close()

@@ -53,6 +53,8 @@ def test_a_disk_tier_is_announced_reported_and_exported(start_server: Callable[.
     assert "tier                 disk, up" in lines
     assert "  stored             0 values, 0 B of 64.0 MiB" in lines
     assert "  errors             none" in lines
+    assert ("  staging            0/8,192 pages waiting; 0 staged at eviction, 0 written, 0 loaded from staging; "
+            "lost 0 (no room) + 0 (never written)") in lines
     as_json = subprocess.run([PYTHON, "-m", "cache_service", "stats", "--json", "--target", server.target], cwd=REPO,
                              capture_output=True, text=True, timeout=30)
     assert json.loads(as_json.stdout)["tier"]["backend"] == "disk"
@@ -61,6 +63,7 @@ def test_a_disk_tier_is_announced_reported_and_exported(start_server: Callable[.
     assert "kvcache_tier_up 1.0" in text
     assert 'kvcache_tier_queue_pages{direction="offload"} 0.0' in text
     assert "kvcache_tier_stored_bytes 0.0" in text
+    assert "kvcache_tier_staging_pages 0.0" in text and "kvcache_tier_staging_lost_pages_total 0.0" in text
 
 
 def test_no_tier_reports_no_tier(server: ServerProcess) -> None:

@@ -6,6 +6,7 @@ episode, and what the tier never wrote (the service stopped first) is lost and c
 from __future__ import annotations
 
 import asyncio
+import shutil
 import threading
 from pathlib import Path
 
@@ -152,5 +153,38 @@ def test_staged_pages_the_tier_never_wrote_before_the_stop_are_lost_and_counted(
         assert lost == [keys[1:]]
         assert [e["pages"] for e in logs if e["event"] == "tier_staging_unwritten"] == [2]
         assert disk.path(keys[0]).exists() and not disk.path(keys[1]).exists()
+
+    asyncio.run(scenario())
+
+
+def test_a_tier_that_is_down_stages_nothing_counts_and_logs_once(pool: Pool, tmp_path: Path) -> None:
+    """While the store is down staging takes nothing (it would only fail): the pages are lost and counted, one
+    log line for the episode and one when staging takes pages again (the tier came back)."""
+    directory = tmp_path / "tier"
+    keys = keys_for(34, 4)
+
+    async def scenario() -> None:
+        service = _service(DiskTier(directory, 1 << 20, G), pool, staging_bytes=8 * G.payload_bytes,
+                           retry_seconds=0.05, retry_max_seconds=0.05)
+        for p in range(1, 5):
+            pool.write(p, seed=p)
+        shutil.rmtree(directory)  # the disk went away (an unmounted volume)
+        assert service.stage(keys[:1], _pages([1])) == 1  # not known to be down yet: staged, and its put fails
+        await _written(service)
+        assert not service.up
+        with capture_logs() as logs:
+            assert service.stage(keys[1:2], _pages([2])) == 0
+            assert service.stage(keys[2:3], _pages([3])) == 0
+            directory.mkdir()  # back: the link thread's next probe finds it
+            assert await asyncio.to_thread(service.wait_up, 30)
+            assert service.stage(keys[3:], _pages([4])) == 1
+            await _written(service)
+        refusals = [(e["event"], e.get("reason"), e.get("pages", e.get("pages_lost"))) for e in logs
+                    if e["event"].startswith("tier_staging")]
+        assert refusals == [("tier_staging_refused", "tier down", 1), ("tier_staging_refusals_ended", "tier down", 2)]
+        st = service.stats()
+        assert (st.staged_pages, st.staging_written_pages, st.staging_lost_pages, st.staging_dropped_pages) == (
+            2, 1, 1, 2)
+        await asyncio.to_thread(service.close)
 
     asyncio.run(scenario())
