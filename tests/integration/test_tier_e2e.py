@@ -276,3 +276,29 @@ def test_without_staging_a_burst_loses_pages_and_counts_them(start_server: Calla
     sid, res = a.append(p)
     assert res.tier_tokens < 256
     a.stub.CommitSession(pb.CommitSessionRequest(session_id=sid, abort=True), timeout=10)
+
+
+def test_full_staging_loses_what_it_cannot_hold_counts_it_and_serves_on(start_server: Callable[..., ServerProcess],
+                                                                       engines: list[Engine], tmp_path: Path) -> None:
+    """Staging of 4 pages against bursts of ~28 evicted pages (and an offload queue of one page, so little is
+    written ahead of eviction): the losses are counted exactly (every page evicted unstored is one staging could
+    not take or the tier did not write), logged once per episode, and every append is served."""
+    server = start_server(*BURST, *disk_tier(tmp_path), "--tier-staging-bytes", str(4 * 2048),
+                          "--tier-queue-pages", "1")
+    a = Engine(server.target)
+    engines.append(a)
+    p = prompt(800, 16 * 16 + 1)
+    a.turn(p)
+    for i in range(5):
+        assert a.turn(prompt(810 + i, 512)).context_tokens == 512  # served: eviction never waits for the tier
+    st = a.settle()
+    t = st.tier
+    assert (st.evicted_pages, t.staging_capacity_pages) == (128, 4)
+    assert st.evicted_unstored_pages == t.staging_dropped_pages + t.staging_lost_pages
+    assert t.staging_dropped_pages >= 50 and t.staged_pages == t.staging_written_pages + t.staging_lost_pages
+    assert server.log_path is not None
+    refused = [line for line in server.log_path.read_text().splitlines() if "tier_staging_refused" in line]
+    assert 1 <= len(refused) <= 4, refused  # once per episode (at most one per evicting call), not per page
+    sid, res = a.append(p)  # what was kept comes back, the rest is computed: never wrong KV
+    assert a.cached_pages_match(p, list(res.page_ids), res.cached_tokens // 16)
+    a.stub.CommitSession(pb.CommitSessionRequest(session_id=sid, abort=True), timeout=10)
