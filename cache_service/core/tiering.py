@@ -165,6 +165,8 @@ class TierIndex:
         self._keyed: npt.NDArray[np.bool_] = np.zeros(n, dtype=np.bool_)
         self._stored: npt.NDArray[np.bool_] = np.zeros(n, dtype=np.bool_)
         self._offloading: npt.NDArray[np.bool_] = np.zeros(n, dtype=np.bool_)
+        self._stored_at: dict[bytes, int] = {}
+        """Key -> page of every stored page, so a value the tier drops clears its page's stored mark."""
         self._staged: npt.NDArray[np.bool_] = np.zeros(n, dtype=np.bool_)
         """Pages being evicted that `stage` copied out (set by `evicting`, cleared by `free_evicted`)."""
         self.stage: Stage | None = None
@@ -258,6 +260,9 @@ class TierIndex:
         stored nor staged is lost."""
         arr = np.frombuffer(pages, dtype=np.int32)
         stored = int(np.count_nonzero(self._stored[arr]))
+        if stored:
+            for k in self._keys[arr[self._stored[arr]]]:
+                self._stored_at.pop(bytes(k), None)
         staged = int(np.count_nonzero(self._staged[arr] & ~self._stored[arr]))
         self.stored_pages -= stored
         self.evicted_unstored_pages += arr.size - stored - staged
@@ -273,7 +278,13 @@ class TierIndex:
         self.dropped(keys)
 
     def dropped(self, keys: list[bytes]) -> None:
-        """The tier no longer holds these keys' values (its own eviction, unsound values discarded)."""
+        """The tier no longer holds these keys' values (its own eviction, unsound values discarded): radix pages
+        of those keys are unstored again (evicting them stages them), and the drop is announced."""
+        for k in keys:
+            page = self._stored_at.pop(k, None)
+            if page is not None:
+                self._stored[page] = False
+                self.stored_pages -= 1
         changes = self._tree().changes
         if changes is not None and keys:
             changes.append((TIER_REMOVED, list(keys)))
@@ -381,6 +392,7 @@ class TierIndex:
                 self._set_keys(new, load.keys[existing:loaded])
                 self._stored[new] = True
                 self.stored_pages += new.size
+                self._stored_at.update(zip(load.keys[existing:loaded], new.tolist(), strict=True))
             node = ins.node
             if node is not None and new.size:
                 self._key_path(node)
@@ -487,6 +499,7 @@ class TierIndex:
             ok = [p for p, s in zip(pages, stored, strict=False) if s and not self._stored[p]]
             self._stored[ok] = True
             self.stored_pages += len(ok)
+            self._stored_at.update((bytes(self._keys[p]), p) for p in ok)
             self._announce(job.node, ok)
         self._tree().unlock(job.node)
 
@@ -515,6 +528,9 @@ class TierIndex:
             raise InvariantError("tier: a page that is not in the radix is marked keyed or stored")
         if int(np.count_nonzero(self._stored)) != self.stored_pages:
             raise InvariantError("tier: stored page count != stored bits")
+        if len(self._stored_at) != self.stored_pages or any(
+                not self._stored[p] or bytes(self._keys[p]) != k for k, p in self._stored_at.items()):
+            raise InvariantError("tier: the key -> page map of stored pages != the stored bits and keys")
         if int(np.count_nonzero(self._offloading)) != self.offloading_pages:
             raise InvariantError("tier: offloading page count != offloading bits")
         if sum(j.pinned for j in self.offloads) != self.pinned_pages:

@@ -267,3 +267,19 @@ def test_the_tiers_pages_are_announced_with_their_pool_hashes(make: Callable[...
     assert events[0].parent_hash == hashes[0] and events[0].token_ids.tolist() == list(range(4, 12))
     tier.lost([tier_key for tier_key in chain(NS.root(""), _key(toks(range(12))), 4)[2:]])  # page 3's value
     assert core.take_events() == [Removed("", hashes[2:], True)]
+
+
+def test_a_value_the_tier_drops_unstores_its_page(make: Callable[..., CheckedCore]) -> None:
+    core = make(num_pages=5, tier_watermark=1.0, tier_pin_fraction=1.0)
+    tier = _tier(core)
+    staged: list[list[int]] = []
+    tier.stage = lambda keys, pages: staged.append(pages.tolist()) or len(pages)
+    _turn(core, "a", toks(range(13)))  # pages 1, 2, 3
+    job = tier.plan_offload(3)[0]
+    tier.offload_done(job, [True, True, True])
+    assert core.stats().tier_stored_pages == 3
+    tier.dropped([job.keys[1]])  # the disk tier's LRU dropped page 2's value
+    assert core.stats().tier_stored_pages == 2
+    core.evict(4)
+    assert staged == [[2]]  # evicting it stages it again: nothing lost
+    assert (core.stats().evicted_unstored_pages, core.stats().tier_stored_pages) == (0, 0)
