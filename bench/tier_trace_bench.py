@@ -4,6 +4,24 @@ latency per page and offload throughput, and hit ratio against pool size (a plot
 
     python -m bench.tier_trace_bench            # 48 conversations x 6 turns, pools of 1/20 .. 1/2 the working set
     python -m bench.tier_trace_bench --quick    # 24 conversations x 3 turns, two pool sizes (the smoke test)
+    python -m bench.tier_trace_bench --burst --rates 1,4,0 --modes main,write-back,write-through --tiers disk
+        # the policy table: a burst, and the trace at 1x, 4x its arrival rate and unpaced, per policy
+
+Policies (`--modes`): `main` is the behaviour before eviction staging (write-back, `--tier-staging-bytes 0`: a
+page evicted before the offload ahead of eviction stored it is lost); `write-back` adds eviction staging (the
+default); `write-through` offloads pages as soon as they are cached, with staging too.
+
+The burst (`--burst`): a 16-page prefix written into a 48-page pool, then 5 unrelated 512-token prompts each
+paced by the engine's prefill, each evicting within its own call; then the prefix again: how many of its pages
+come back from the tier, what the evicting appends cost (their AppendSession, median over the 5), pages lost.
+
+Rates (`--rates`): the trace replayed open-loop at its arrival rate (1x = `--trace-tps` prompt tokens a second,
+42k: a busy GPU's share; 4x ~ what a busy 8-GPU node prefills), 4x, and 0 = unpaced (back to back, no engine
+time: as fast as the service takes it). Each conversation's turn waits for its previous turn. What the tier had
+to absorb (every page the pool evicted or offloaded, in bytes over the run's wall time) is printed beside what
+it wrote (offload bytes over the store's busy seconds), so a rate beyond the medium shows as numbers; `got
+tok/s` is the prompt tokens a second the run achieved (below the asked rate where the machine could not keep
+up: the appends then queue, `append ms`).
 
 The trace: every conversation starts with one shared 64-token system prompt; each turn sends the whole
 conversation so far plus 48 new tokens and generates 16 (a chat API's request, as vLLM sends it: a regular
@@ -27,6 +45,7 @@ import argparse
 import asyncio
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -141,7 +160,7 @@ async def run_trace(cfg: ServiceConfig, requests: list[tuple[list[int], list[int
         await server.stop(grace=0)
 
 
-def config(tier: str, pool_pages: int, tmp: Path, master: str, **settings: float) -> ServiceConfig:
+def config(tier: str, pool_pages: int, tmp: Path, master: str, **settings: object) -> ServiceConfig:
     """The service of one run; `settings` are further ServiceConfig fields (the tier's watermark, pin share)."""
     extra: dict[str, object] = {}
     if tier == "disk":
@@ -152,6 +171,144 @@ def config(tier: str, pool_pages: int, tmp: Path, master: str, **settings: float
                          shm_prefix="kvbench-trace", log_level="error", reap_interval=60, tier_timeout=5.0,
                          model_name=f"trace-{uuid.uuid4().hex[:8]}",  # a fresh namespace: no hits from earlier runs
                          **LAYOUT, **extra, **settings)  # type: ignore[arg-type]
+
+
+MODES: dict[str, dict[str, object]] = {
+    "main": {"tier_policy": "write-back", "tier_staging_bytes": 0},
+    "write-back": {"tier_policy": "write-back"},
+    "write-through": {"tier_policy": "write-through"},
+}
+"""--modes name -> the services' settings: main's behaviour (no eviction staging) and the two policies with it."""
+BURST_POOL, BURST_PREFIX_PAGES, BURST_PROMPTS, BURST_TOKENS = 48, 16, 5, 512
+
+
+@dataclass
+class Burst:
+    tier: str
+    mode: str
+    back_pages: int
+    append_ms: float
+    """Median AppendSession of the evicting prompts, from the client."""
+    lost: int
+    staged: int
+
+
+async def _settle(stub: pb_grpc.KVCacheServiceStub, seconds: float = 20.0) -> pb.GetStatsResponse:
+    """GetStats once the tier is idle (nothing queued, offloading, loading or staged)."""
+    deadline = asyncio.get_running_loop().time() + seconds
+    while True:
+        st = await stub.GetStats(pb.GetStatsRequest(verify=True))
+        t = st.tier
+        if not (st.offloading_pages or st.loading_pages or t.queue_pages or t.staging_pages):
+            return st
+        if asyncio.get_running_loop().time() > deadline:
+            raise RuntimeError(f"the tier did not settle in {seconds:g} s")
+        await asyncio.sleep(0.01)
+
+
+async def _turn(stub: pb_grpc.KVCacheServiceStub, sid: str, prompt: list[int], gen: list[int],
+                prefill_tps: float) -> tuple[pb.AppendSessionResponse, float]:
+    """One regular session's turn (an engine's request); returns the append and its seconds. An append refused
+    for room (requests in flight hold the pool) is retried after 2 ms, as an engine would wait for memory."""
+    await stub.OpenSession(pb.OpenSessionRequest(session_id=sid))
+    packed = np.asarray(prompt, "<i4").tobytes()
+    while True:
+        started = time.perf_counter()
+        try:
+            res = await stub.AppendSession(pb.AppendSessionRequest(session_id=sid, packed_token_ids=packed,
+                                                                   reserve_tokens=OUTPUT, packed_response=True))
+            break
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise
+            await asyncio.sleep(0.002)
+    seconds = time.perf_counter() - started
+    if prefill_tps:
+        await asyncio.sleep((len(prompt) - res.cached_tokens) / prefill_tps)
+    await stub.CommitSession(pb.CommitSessionRequest(session_id=sid, packed_token_ids=np.asarray(gen, "<i4").tobytes()))
+    await stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+    return res, seconds
+
+
+async def run_burst(cfg: ServiceConfig, tier: str, mode: str, prefill_tps: float) -> Burst:
+    rng = np.random.default_rng(7)
+    prefix = rng.integers(0, 30_000, BURST_PREFIX_PAGES * PAGE + 1).tolist()
+    server, port = await build_server(cfg)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.KVCacheServiceStub(channel)  # type: ignore[no-untyped-call]
+            await _turn(stub, "prefix", prefix, [], prefill_tps)
+            times = []
+            for i in range(BURST_PROMPTS):
+                _, seconds = await _turn(stub, f"b{i}", rng.integers(0, 30_000, BURST_TOKENS).tolist(), [],
+                                         prefill_tps)
+                times.append(seconds)
+            await _settle(stub)
+            res, _ = await _turn(stub, "again", prefix, [], 0)
+            st = await _settle(stub)
+            return Burst(tier, mode, res.cached_tokens // PAGE, 1e3 * float(np.median(times)),
+                         st.evicted_unstored_pages, st.tier.staged_pages)
+    finally:
+        await server.stop(grace=0)
+
+
+@dataclass
+class RateRun:
+    tier: str
+    mode: str
+    rate: float
+    cached: int
+    prompt: int
+    lost: int
+    staged: int
+    dropped: int
+    wall_seconds: float
+    evicted_pages: int
+    offload_pages: int
+    offload_bytes: int
+    offload_seconds: float
+    append_ms: float
+    """Median AppendSession from the client."""
+
+
+async def run_rate(cfg: ServiceConfig, requests: list[tuple[list[int], list[int]]], tier: str, mode: str,
+                   rate: float, trace_tps: float, prefill_tps: float, conversations: int) -> RateRun:
+    """The trace open-loop at `rate` x `trace_tps` prompt tokens a second (0: back to back, no engine time)."""
+    server, port = await build_server(cfg)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.KVCacheServiceStub(channel)  # type: ignore[no-untyped-call]
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            answers: list[tuple[pb.AppendSessionResponse, float]] = []
+            if not rate:
+                for i, (prompt, gen) in enumerate(requests):
+                    answers.append(await _turn(stub, f"r{i}", prompt, gen, 0))
+            else:
+                done: dict[int, asyncio.Event] = {}
+                offsets = np.cumsum([0] + [len(p) for p, _ in requests[:-1]]) / (trace_tps * rate)
+
+                async def one(i: int) -> tuple[pb.AppendSessionResponse, float]:
+                    await asyncio.sleep(max(0.0, start + float(offsets[i]) - loop.time()))
+                    if i - conversations in done:  # the conversation's previous turn
+                        await done[i - conversations].wait()
+                    try:
+                        return await _turn(stub, f"r{i}", *requests[i], prefill_tps)
+                    finally:
+                        done[i].set()
+
+                for i in range(len(requests)):
+                    done[i] = asyncio.Event()
+                answers = list(await asyncio.gather(*(one(i) for i in range(len(requests)))))
+            wall = loop.time() - start
+            st = await _settle(stub)
+            t = st.tier
+            return RateRun(tier, mode, rate, sum(a.cached_tokens for a, _ in answers),
+                           sum(len(p) for p, _ in requests), st.evicted_unstored_pages, t.staged_pages,
+                           t.staging_dropped_pages, wall, st.evicted_pages, t.offload_pages, t.offload_bytes,
+                           t.offload_seconds, 1e3 * float(np.median([s for _, s in answers])))
+    finally:
+        await server.stop(grace=0)
 
 
 def plot(runs: list[Run], bound: float, working_set: int, path: Path) -> None:
@@ -193,13 +350,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="the services' --tier-watermark")
     ap.add_argument("--tier-pin-fraction", type=float, default=ServiceConfig.tier_pin_fraction,
                     help="the services' --tier-pin-fraction")
+    ap.add_argument("--burst", action="store_true", help="the burst table (per tier and --modes)")
+    ap.add_argument("--rates", default="", help="comma-separated rates for the rate table: multiples of --trace-tps "
+                                                "(0: unpaced); replaces the pool-size sweep")
+    ap.add_argument("--modes", default="main,write-back,write-through",
+                    help=f"comma-separated, for --burst and --rates: {', '.join(MODES)}")
+    ap.add_argument("--trace-tps", type=float, default=42_000.0,
+                    help="the trace's arrival rate at 1x, prompt tokens a second")
     args = ap.parse_args(argv)
     try:  # the service's own check of the two shares, as one line, before any run starts
         ServiceConfig(tier_watermark=args.tier_watermark, tier_pin_fraction=args.tier_pin_fraction)
     except ConfigError as e:
         ap.error(str(e))
+    modes = [m for m in args.modes.split(",") if m]
+    if unknown := [m for m in modes if m not in MODES]:
+        ap.error(f"--modes: unknown {', '.join(unknown)}; one of {', '.join(MODES)}")
+    rates = [float(r) for r in args.rates.split(",") if r]
     conversations, turns = (24, 3) if args.quick else (48, 6)
     requests = trace(conversations, turns)
+    if args.burst or rates:
+        return policy_tables(args, modes, rates, requests, conversations)
     ws = working_set_pages(requests)
     fractions = [float(f) for f in args.pools.split(",") if f] or ((0.1, 0.5) if args.quick else (0.05, 0.1, 0.2, 0.5))
     bound_cached, total = infinite(requests)
@@ -244,6 +414,67 @@ def main(argv: Sequence[str] | None = None) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         plot(runs, bound, ws, path)
         print(f"plot: {path}")
+    return 0
+
+
+def policy_tables(args: argparse.Namespace, modes: list[str], rates: list[float],
+                  requests: list[tuple[list[int], list[int]]], conversations: int) -> int:
+    """The burst table and the rate table, per tier (of --tiers, "none" once) and mode."""
+    tiers = [t for t in args.tiers.split(",") if t]
+    shares = {"tier_watermark": args.tier_watermark, "tier_pin_fraction": args.tier_pin_fraction}
+    bursts: list[Burst] = []
+    rated: list[RateRun] = []
+    ws = working_set_pages(requests)
+    fraction = float(args.pools.split(",")[0]) if args.pools else 0.1
+    pool = max(8, int(ws * fraction))
+    with tempfile.TemporaryDirectory(prefix="kvcache-trace-bench-") as tmp:
+        cluster = None
+        if "mooncake" in tiers:
+            from tests.tier.cluster import MooncakeCluster  # the test suite's loopback store
+
+            cluster = MooncakeCluster(Path(tmp), segment="1GB")
+        master = cluster.address if cluster else ""
+        try:
+            runs = [(t, m) for t in tiers for m in (modes if t != "none" else ["main"])]
+            for tier, mode in runs if args.burst else []:
+                print(f"[tier_trace_bench] burst: {tier} {mode}", file=sys.stderr, flush=True)
+                cfg = config(tier, BURST_POOL, Path(tmp), master, **shares, **MODES[mode])
+                bursts.append(asyncio.run(run_burst(cfg, tier, mode, args.prefill_tps)))
+            for rate in rates:
+                for tier, mode in runs:
+                    print(f"[tier_trace_bench] rate {rate:g}x: {tier} {mode}, pool {pool} pages", file=sys.stderr,
+                          flush=True)
+                    cfg = config(tier, pool, Path(tmp), master, **shares, **MODES[mode])
+                    rated.append(asyncio.run(run_rate(cfg, requests, tier, mode, rate, args.trace_tps,
+                                                      args.prefill_tps, conversations)))
+        finally:
+            if cluster is not None:
+                cluster.stop()
+    value = 2 * LAYOUT["num_layers"] * PAGE * LAYOUT["num_kv_heads"] * LAYOUT["head_dim"] * 2  # type: ignore[operator]
+    print(f"{machine_load()}; pages of {PAGE} tokens, {value // 1024} KiB of KV a page; engine prefill emulated at "
+          f"{args.prefill_tps:,.0f} tokens/s")
+    if bursts:
+        print(f"burst: a {BURST_PREFIX_PAGES}-page prefix in a {BURST_POOL}-page pool, then {BURST_PROMPTS} unrelated "
+              f"{BURST_TOKENS}-token prompts, each evicting within its call; then the prefix again")
+        print(f"{'tier':<9} {'mode':<14} {'back':>7} {'evicting append ms':>18} {'staged':>7} {'lost':>5}")
+        for b in bursts:
+            lost = str(b.lost) if b.tier != "none" else "-"
+            print(f"{b.tier:<9} {b.mode:<14} {b.back_pages:>3}/{BURST_PREFIX_PAGES:<3} {b.append_ms:>18.2f} "
+                  f"{b.staged:>7} {lost:>5}")
+    if rated:
+        bound_cached, total = infinite(requests)
+        bound = bound_cached / total
+        print(f"rates: {len(requests)} requests, {total:,} prompt tokens, working set {ws} pages, pool {pool} pages; "
+              f"1x = {args.trace_tps:,.0f} prompt tokens/s; infinite cache: hit ratio {bound:.3f}")
+        print(f"{'tier':<9} {'mode':<14} {'rate':>8} {'hit':>6} {'of inf':>7} {'lost':>5} {'staged':>6} "
+              f"{'dropped':>7} {'append ms':>9} {'got tok/s':>9} {'need MB/s':>9} {'wrote MB/s':>10}")
+        for r in rated:
+            need = (r.offload_pages + r.lost) * value / r.wall_seconds / 1e6  # what the tier got or should have
+            wrote = r.offload_bytes / r.offload_seconds / 1e6 if r.offload_seconds else 0.0
+            rate = f"{r.rate:g}x" if r.rate else "unpaced"
+            print(f"{r.tier:<9} {r.mode:<14} {rate:>8} {r.cached / r.prompt:>6.3f} {r.cached / r.prompt / bound:>7.3f} "
+                  f"{r.lost:>5} {r.staged:>6} {r.dropped:>7} {r.append_ms:>9.2f} {r.prompt / r.wall_seconds:>9,.0f} "
+                  f"{need:>9.1f} {wrote:>10.1f}")
     return 0
 
 

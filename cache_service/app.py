@@ -62,6 +62,8 @@ def core_config(config: ServiceConfig, num_pages: int) -> CoreConfig:
         demote_idle_sessions=config.demote_idle_sessions,
         tier_watermark=config.tier_watermark,
         tier_pin_fraction=config.tier_pin_fraction,
+        tier_policy=config.tier_policy,
+        tier_tainted_quarantine_seconds=config.tier_tainted_quarantine,
     )
 
 
@@ -268,7 +270,13 @@ class KVCacheServer:
         except TierConfigError as e:
             memory.close()
             raise ConfigError(str(e)) from None
-        tier = TierService(backend, memory, timeout_seconds=cfg.tier_timeout, queue_pages=cfg.tier_queue_pages)
+        try:
+            tier = TierService(backend, memory, timeout_seconds=cfg.tier_timeout, queue_pages=cfg.tier_queue_pages,
+                               staging_bytes=cfg.tier_staging_bytes)
+        except (TierMemoryError, OSError) as e:
+            backend.close()
+            memory.close()
+            raise ConfigError(f"--tier-staging-bytes: cannot allocate {cfg.tier_staging_bytes} bytes: {e}") from None
         try:
             tier.start(asyncio.get_running_loop())
         except TierConfigError as e:
@@ -276,7 +284,8 @@ class KVCacheServer:
             raise ConfigError(str(e)) from None
         self._log.info("tier", backend=backend.name, description=backend.describe(),
                        timeout_seconds=cfg.tier_timeout, queue_pages=cfg.tier_queue_pages,
-                       watermark=cfg.tier_watermark, pin_fraction=cfg.tier_pin_fraction)
+                       watermark=cfg.tier_watermark, pin_fraction=cfg.tier_pin_fraction, policy=cfg.tier_policy,
+                       staging_pages=tier.staging.slots if tier.staging is not None else 0)
         return tier
 
     async def _await_tier(self) -> None:
@@ -325,7 +334,7 @@ class KVCacheServer:
                                      cfg.kv_events_topic or default_topic(cfg.model_name))
         medium = "GPU" if self.pool.name.startswith("cuda") else "CPU"
         return EventHub(self.core, instance_id=self.instance_id, medium=medium, buffer=cfg.kv_events_buffer,
-                        publisher=publisher)
+                        publisher=publisher, tier_medium=self.tier.backend.medium if self.tier is not None else "")
 
     async def _reap_forever(self) -> None:
         interval = self.config.reap_interval

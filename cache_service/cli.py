@@ -223,8 +223,12 @@ def _tier_lines(server: Any) -> list[str]:
         return []
     cfg: ServiceConfig = server.config
     state = "up" if tier.up else "DOWN (misses until the store answers; the service reconnects)"
-    return [f"  tier     {tier.backend.describe()}; {state}; loads wait at most {cfg.tier_timeout:g} s; offloads "
-            f"while under {cfg.tier_watermark * 100:g}% free, pinning at most {cfg.tier_pin_fraction * 100:g}%"]
+    when = (f"while under {cfg.tier_watermark * 100:g}% free" if cfg.tier_policy == "write-back" else
+            "as soon as cached")
+    staging = tier.staging.slots if tier.staging is not None else 0
+    return [f"  tier     {tier.backend.describe()}; {state}; loads wait at most {cfg.tier_timeout:g} s; "
+            f"{cfg.tier_policy}: offloads {when}, pinning at most {cfg.tier_pin_fraction * 100:g}%; "
+            f"eviction staging {staging:,} pages"]
 
 
 def _auth_line(server: Any) -> str:
@@ -376,6 +380,9 @@ def tier_rows(t: pb.TierStats) -> list[tuple[str, str]]:
         ("  offloads", f"{t.offload_pages:,} pages, {format_bytes(t.offload_bytes)} in {t.offload_seconds:.3f} s"
                        f"{per_page(t.offload_seconds, t.offload_pages)}; {t.offload_dropped_pages:,} dropped; "
                        f"queue {t.queue_pages:,}/{t.queue_capacity_pages:,} pages"),
+        ("  staging", f"{t.staging_pages:,}/{t.staging_capacity_pages:,} pages waiting; {t.staged_pages:,} staged at "
+                      f"eviction, {t.staging_written_pages:,} written, {t.staging_hit_pages:,} loaded from staging; "
+                      f"lost {t.staging_dropped_pages:,} (no room) + {t.staging_lost_pages:,} (never written)"),
         ("  errors", errors),
     ]
     if t.HasField("stored_values"):

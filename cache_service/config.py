@@ -17,6 +17,7 @@ from typing import Any
 
 from cache_service.core.config import CoreConfig
 from cache_service.core.eviction import EVICTION_POLICIES
+from cache_service.core.tiering import TIER_POLICIES
 from cache_service.memory.base import format_bytes
 from kvcache_common.layout import DTYPE_NAMES, PoolLayout
 from kvcache_common.model import ModelConfigError, ModelLayout, UnsupportedModel, read_model_layout
@@ -177,6 +178,16 @@ class ServiceConfig:
     tier_pin_fraction: float = setting(_CORE["tier_pin_fraction"], "with a tier: most share of the pool's pages "
                                        "that offloads in progress may pin (a pinned page is not evicted)", above=0,
                                        at_most=1)
+    tier_tainted_quarantine: float = setting(_CORE["tier_tainted_quarantine_seconds"], "with a tier: pages a failed "
+                                             "store read may still write (a transfer the store did not cancel) wait "
+                                             "this long before reuse; keep it above the store's transfer timeout",
+                                             at_least=0, **SECONDS)
+    tier_policy: str = setting(_CORE["tier_policy"], "with a tier: write-back offloads pages ahead of eviction "
+                               "(under --tier-watermark), write-through as soon as they are cached (where the "
+                               "tier's bandwidth allows); both stage pages at eviction", choices=tuple(TIER_POLICIES))
+    tier_staging_bytes: int = setting(256 << 20, "with a tier: host memory that keeps evicted pages the tier lacks "
+                                      "until it writes them (whole values; 0: none, such pages are lost; counted)",
+                                      parse=parse_bytes, metavar="SIZE", at_least=0, unit="bytes")
     mooncake_master: str = setting("", "mooncake tier: the master's host:port (mooncake_master --rpc_port)",
                                    metavar="ADDR")
     mooncake_metadata: str = setting("P2PHANDSHAKE", "mooncake tier: metadata service, P2PHANDSHAKE or an "

@@ -72,7 +72,8 @@ class _StatsCollector(Collector):
              st.session_hit_tokens),
             ("kvcache_miss_tokens", "Tokens engines had to compute at appends.", st.miss_tokens),
             ("kvcache_evicted_pages", "Radix pages evicted.", st.evicted_pages),
-            ("kvcache_evicted_unstored_pages", "Radix pages evicted before the tier held them.",
+            ("kvcache_evicted_unstored_pages", "Radix pages evicted that the tier never got (not stored, "
+             "not staged at eviction, or staged and never written).",
              st.evicted_unstored_pages),
             ("kvcache_duplicate_pages", "Pages freed because the radix already held them.", st.duplicate_pages),
             ("kvcache_demoted_sessions", "Idle sessions demoted under pressure.", st.demoted_sessions),
@@ -176,6 +177,14 @@ class _TierCollector(Collector):
             ("kvcache_tier_offload_dropped_pages", "Pages not offloaded: the queue was full (eviction never waits).",
              t.offload_dropped_pages),
             ("kvcache_tier_outages", "Times the tier's store became unreachable.", t.outages),
+            ("kvcache_tier_staged_pages", "Pages copied into eviction staging (evicted before the tier held them).",
+             t.staged_pages),
+            ("kvcache_tier_staging_written_pages", "Staged pages the tier then stored.", t.staging_written_pages),
+            ("kvcache_tier_staging_dropped_pages", "Evicted pages the tier lacked that staging could not take (full, "
+             "the tier down): lost.", t.staging_dropped_pages),
+            ("kvcache_tier_staging_lost_pages", "Staged pages the tier never stored (it failed, or the service "
+             "stopped first): lost.", t.staging_lost_pages),
+            ("kvcache_tier_staging_hit_pages", "Pages loads copied from eviction staging.", t.staging_hit_pages),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         errors = CounterMetricFamily("kvcache_tier_errors", "Tier failures by operation (exists, put, get) and "
@@ -188,6 +197,8 @@ class _TierCollector(Collector):
         queue.add_metric(["offload"], t.queue_pages)
         queue.add_metric(["load"], t.load_queue_pages)
         yield queue
+        yield GaugeMetricFamily("kvcache_tier_staging_pages", "Pages waiting in eviction staging for the tier now.",
+                                value=t.staging_pages)
         if t.stored_bytes is not None:
             yield GaugeMetricFamily("kvcache_tier_stored_bytes", "Value bytes the tier holds (disk).",
                                     value=t.stored_bytes)

@@ -83,6 +83,9 @@ def test_a_budget_of_zero_or_one_means_none() -> None:
     ({"tier_watermark": 0.0}, "--tier-watermark: must be in (0, 1], got 0.0"),
     ({"tier_watermark": 1.5}, "--tier-watermark: must be in (0, 1], got 1.5"),
     ({"tier_pin_fraction": float("nan")}, "--tier-pin-fraction: must be in (0, 1], got nan"),
+    ({"tier_policy": "write-around"}, "--tier-policy: 'write-around' is not one of write-back, write-through"),
+    ({"tier_staging_bytes": -1}, "--tier-staging-bytes: must be >= 0 bytes, got -1"),
+    ({"tier_tainted_quarantine": -1.0}, "--tier-tainted-quarantine: must be >= 0 seconds, got -1.0"),
     ({"tier": "mooncake"}, "--mooncake-master: --tier mooncake needs the master's host:port"),
     ({"mooncake_master": "m:1"}, "--mooncake-master: needs --tier mooncake (the tier is none)"),
     ({"tier": "mooncake", "mooncake_master": "m"}, "--mooncake-master: 'm' is not host:port"),
@@ -110,11 +113,16 @@ def test_every_flag_is_a_config_field_with_a_kvcache_env_var() -> None:
 
 def test_tier_flags_parse_from_the_command_line_and_the_environment() -> None:
     cfg = parse(["--tier", "disk", "--tier-dir", "/var/lib/kv", "--tier-bytes", "50Gi", "--tier-pin-fraction", "0.5"],
-                {"KVCACHE_TIER_TIMEOUT": "0.25", "KVCACHE_TIER_QUEUE_PAGES": "64", "KVCACHE_TIER_WATERMARK": "0.75"})
+                {"KVCACHE_TIER_TIMEOUT": "0.25", "KVCACHE_TIER_QUEUE_PAGES": "64", "KVCACHE_TIER_WATERMARK": "0.75",
+                 "KVCACHE_TIER_POLICY": "write-through", "KVCACHE_TIER_STAGING_BYTES": "1Gi",
+                 "KVCACHE_TIER_TAINTED_QUARANTINE": "300"})
     assert (cfg.tier, cfg.tier_dir, cfg.tier_bytes, cfg.tier_timeout, cfg.tier_queue_pages, cfg.tier_watermark,
-            cfg.tier_pin_fraction) == ("disk", "/var/lib/kv", 50 * 2**30, 0.25, 64, 0.75, 0.5)
-    core = core_config(cfg, 1024)  # both shares reach the core (neither is its default here)
-    assert (core.tier_watermark, core.tier_pin_fraction) == (0.75, 0.5)
+            cfg.tier_pin_fraction, cfg.tier_policy, cfg.tier_staging_bytes) == (
+        "disk", "/var/lib/kv", 50 * 2**30, 0.25, 64, 0.75, 0.5, "write-through", 1 << 30)
+    core = core_config(cfg, 1024)  # the shares and the policy reach the core (none is its default here)
+    assert (core.tier_watermark, core.tier_pin_fraction, core.tier_policy, core.tier_tainted_quarantine_seconds) == (
+        0.75, 0.5, "write-through", 300.0)
+    assert parse([], {}).tier_staging_bytes == 256 << 20
     cfg = parse(["--tier", "mooncake", "--mooncake-master", "10.0.0.2:50051", "--mooncake-segment-bytes", "1Gi"],
                 {"KVCACHE_MOONCAKE_LOCAL_HOSTNAME": "10.0.0.9", "KVCACHE_MOONCAKE_PROTOCOL": "rdma"})
     assert (cfg.mooncake_master, cfg.mooncake_segment_bytes, cfg.mooncake_local_hostname, cfg.mooncake_protocol,

@@ -81,6 +81,7 @@ class KVCacheCore:
                                config.eviction_policy)
         if self.tier is not None:
             self.tier.radix = self.radix
+            self.radix.evict_hook = self.tier.evicting
         self.slots = Slots(config, self.pages, self.radix, self.ledger, self.counters, victims=lambda s: iter(()))
         self.sessions = SessionTable(self.slots)
         self.slots._victims = self.sessions.demotable

@@ -38,6 +38,11 @@ class CoreConfig:
     """With a tier: offload radix pages ahead of eviction while fewer than this share of the usable pages is free."""
     tier_pin_fraction: float = 0.25
     """With a tier: most share of the usable pages that offloads in progress may pin (pinned pages are not evicted)."""
+    tier_tainted_quarantine_seconds: float = 60.0
+    """With a tier: how long a page a failed store transfer may still write waits before it is free again."""
+    tier_policy: str = "write-back"
+    """With a tier: when radix pages are offloaded, a name in `cache_service.core.tiering.TIER_POLICIES`
+    (write-back: ahead of eviction, under the watermark; write-through: as soon as they are evictable)."""
 
     def __post_init__(self) -> None:
         if self.num_pages < 2:
@@ -54,7 +59,8 @@ class CoreConfig:
             )
         if self.max_session_tokens < 0:
             raise ValueError(f"max_session_tokens must be >= 0, got {self.max_session_tokens}")
-        for name in ("quarantine_seconds", "max_lease_ttl_seconds", "parked_session_timeout_seconds"):
+        for name in ("quarantine_seconds", "max_lease_ttl_seconds", "parked_session_timeout_seconds",
+                     "tier_tainted_quarantine_seconds"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_sessions < 0:

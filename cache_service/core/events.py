@@ -2,7 +2,9 @@
 
 Records: `Stored` (pages entered the radix: one node's run, parents before children), `Removed` (pages
 left it), `Cleared` (everything announced before is gone) and `SessionChange` (a session opened, closed,
-was demoted, parked at its engine's lease end, or adopted by an engine). They are plain tuples of
+was demoted, parked at its engine's lease end, or adopted by an engine). `Stored` and `Removed` with
+`tier=True` say the same of the tier beyond the pool (§8): pages it holds (stored, staged at eviction, or
+loaded from it) and pages it dropped; publishers give them the tier's medium. They are plain tuples of
 Python values and numpy arrays: the core never imports a transport.
 
 Page hashes are u64, chained: a page's hash covers its parent's hash and its own token ids, and the
@@ -39,6 +41,8 @@ class Stored(NamedTuple):
     hashes: list[int]
     token_ids: TokenArray
     """len(hashes) * page_size token ids, the pages' own."""
+    tier: bool = False
+    """The pages entered the tier beyond the pool (not the radix)."""
 
 
 class Removed(NamedTuple):
@@ -46,6 +50,15 @@ class Removed(NamedTuple):
 
     cache_salt: str
     hashes: list[int]
+    tier: bool = False
+    """The pages left the tier beyond the pool (not the radix)."""
+
+
+TIER_STORED = "tier_stored"
+"""Change tuple `(TIER_STORED, salt, parent page id | None, token bytes, page ids bytes, tier keys)`: radix pages
+(still in the radix at this point of the change order) that the tier now holds."""
+TIER_REMOVED = "tier_removed"
+"""Change tuple `(TIER_REMOVED, tier keys)`: the tier no longer holds these (announced) pages."""
 
 
 class Cleared(NamedTuple):
@@ -101,12 +114,52 @@ class PageHashes:
     (a page id is reused only after its removal was resolved, so the table always matches the tree as of
     the last record resolved)."""
 
-    __slots__ = ("_hashes", "page_bytes", "page_size")
+    __slots__ = ("_hashes", "_tier", "page_bytes", "page_size")
 
     def __init__(self, num_pages: int, page_size: int) -> None:
         self.page_size = page_size
         self.page_bytes = page_size * 4
         self._hashes: npt.NDArray[np.uint64] = np.zeros(num_pages, dtype=np.uint64)
+        self._tier: dict[bytes, tuple[str, int]] = {}
+        """Tier key -> (salt, hash) of every page announced as held by the tier and not removed since."""
+
+    @property
+    def tier_announced(self) -> int:
+        return len(self._tier)
+
+    def tier_stored(self, salt: str, parent_page: int | None, key: bytes, pages: bytes, keys: list[bytes],
+                    out: list[Record]) -> None:
+        """Radix pages the tier holds now: one Stored(tier=True) per run of pages not announced yet (hashes
+        from the table: the pages are still in the tree at this point of the change order)."""
+        ids = np.frombuffer(pages, dtype=np.int32)
+        hashes: list[int] = self._hashes[ids].tolist()
+        parent = None if parent_page is None else int(self._hashes[parent_page])
+        pb = self.page_bytes
+        start = -1
+        for i in range(len(keys) + 1):
+            new = i < len(keys) and keys[i] not in self._tier
+            if new and start < 0:
+                start = i
+            elif not new and start >= 0:
+                first_parent = parent if start == 0 else hashes[start - 1]
+                out.append(Stored(salt, first_parent, hashes[start:i],
+                                  np.frombuffer(key[start * pb:i * pb], dtype="<i4"), True))
+                for k, h in zip(keys[start:i], hashes[start:i], strict=True):
+                    self._tier[k] = (salt, h)
+                start = -1
+
+    def tier_removed(self, keys: list[bytes], out: list[Record]) -> None:
+        """Announced pages the tier dropped: Removed(tier=True) records, one per salt run."""
+        for k in keys:
+            entry = self._tier.pop(k, None)
+            if entry is None:
+                continue
+            salt, h = entry
+            last = out[-1] if out else None
+            if type(last) is Removed and last.tier and last.cache_salt == salt:
+                last.hashes.append(h)
+            else:
+                out.append(Removed(salt, [h], True))
 
     def _chain_start(self, salt: str, parent_page: int | None) -> tuple[int | None, bytes]:
         """(the published parent hash, the 8-byte chain start) of a run after `parent_page`."""
@@ -146,9 +199,13 @@ class PageHashes:
             kind = change[0] if type(change) is tuple else None
             if kind == "stored":
                 out.append(self.stored(change[1], change[2], change[3], change[4]))
+            elif kind == TIER_STORED:
+                self.tier_stored(change[1], change[2], change[3], change[4], change[5], out)
+            elif kind == TIER_REMOVED:
+                self.tier_removed(change[1], out)
             elif kind == "removed":
                 last = out[-1] if out else None
-                if type(last) is Removed and last.cache_salt == change[1]:
+                if type(last) is Removed and not last.tier and last.cache_salt == change[1]:
                     last.hashes.extend(self.removed(change[2]))
                 else:
                     out.append(Removed(change[1], self.removed(change[2])))

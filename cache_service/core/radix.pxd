@@ -14,7 +14,7 @@ cdef class RadixNode:
 
 @cython.final
 cdef class RadixTree:
-    cdef public object _leaves, _free_pages, changes
+    cdef public object _leaves, _free_pages, changes, evict_hook
     cdef public Py_ssize_t page_size, page_bytes, _next_id, _tick, evicted_pages_total
     cdef public PageLedger _ledger
     cdef public list _counts

@@ -127,6 +127,10 @@ class RadixTree:
         self._counts = ledger.counts
         self._free_pages = free_pages
         """The allocator's `give(pages, src_state)`."""
+        self.evict_hook: Callable[[RadixNode, int], None] | None = None
+        """Called as `hook(node, keep)` just before eviction frees `node`'s pages past its first `keep` (its
+        tokens and path still intact): a tier copies the pages it lacks out while their bytes are still the
+        evicted KV, before this call's allocation can hand the pages to a writer."""
         self._roots: dict[str, RadixNode] = {}
         self._next_id = 1
         self._tick = 0
@@ -306,9 +310,12 @@ class RadixTree:
         if num_pages <= 0:
             return 0
         changes = self.changes
+        hook = self.evict_hook
         for node in self._leaves.pop_order():
             has = len(node.pages) >> 2
             take = min(num_pages - freed, has)
+            if hook is not None:
+                hook(node, has - take)
             if take == has:
                 if changes is not None:
                     changes.append((REMOVED, node.salt or "", node.pages))

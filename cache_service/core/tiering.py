@@ -20,8 +20,21 @@ written ahead of it. While fewer than half the pool's pages are free (a low wate
 the pages the tier lacks on the paths of the least recently used evictable leaves are handed to the store,
 root side first; each path is pinned (a radix lock the tier holds) down to its last such page, within a pin
 limit of a quarter of the pool (`--tier-pin-fraction`); the pin ends when the store is done reading, which
-marks the stored pages. Eviction then takes the same LRU leaves, already stored; a page evicted before the
-tier held it is lost (counted in `evicted_unstored_pages`).
+marks the stored pages. Eviction then takes the same LRU leaves, already stored. That is the write-back
+policy (HiCache's name); write-through (`--tier-policy`) offloads the same way with no watermark, so pages go
+to the tier as soon as they are evictable, where the store's bandwidth allows.
+
+Staging at eviction. A burst evicts in the same call that crosses the watermark, before any offload could run.
+So eviction hands the pages the tier lacks to `stage` (set by the rpc layer; pure code here calls it as it
+calls any injected callable), which copies their bytes out into bounded host memory before the page ids go
+back to the allocator, i.e. before this call's allocation can hand them to a writer; the tier writes them from
+there. Pages `stage` refuses (staging full, the tier down) are lost, counted in `evicted_unstored_pages`, and so
+are staged pages the tier then failed to write (`lost`).
+
+Events. While the facade records changes (KV events), pages the tier holds are announced as such: the pages an
+offload stored, the pages staged at eviction (announced before their removal from the radix) and the pages a
+load brought in, as `TIER_STORED` change tuples; pages it lost or dropped (`lost`, `dropped`) as `TIER_REMOVED`.
+Publishers give them the tier's medium (events.py).
 """
 
 from __future__ import annotations
@@ -33,15 +46,37 @@ import numpy.typing as npt
 
 from cache_service.core.config import CoreConfig
 from cache_service.core.errors import InvariantError
+from cache_service.core.events import TIER_REMOVED, TIER_STORED
 from cache_service.core.ledger import EVICTABLE, FREE, LOADING, Counters, PageLedger
 from cache_service.core.pages import PageAllocator
 from cache_service.core.radix import RadixNode, RadixTree
 from cache_service.core.tier_keys import KEY_BYTES, Namespace, chain
 
 TAINTED_QUARANTINE_SECONDS = 60.0
-"""How long a page a failed transfer may still write waits before it is free again."""
+"""How long a page a failed transfer may still write waits before it is free again, by default
+(--tier-tainted-quarantine): longer than the store's own transfer timeout, so a late write lands in a page
+nobody owns."""
 SCAN_LEAVES = 64
 """Most LRU leaves one offload planning looks at."""
+
+Stage = Callable[[list[bytes], npt.NDArray[np.int32]], int]
+"""`stage(keys, pages) -> n`: copy the first n pages' bytes out of the pool now (before they can be reused) for
+the tier to write under their keys; n < len(pages) where there is no room for the rest."""
+
+
+def _write_back(config: CoreConfig) -> int:
+    return max(1, int(config.usable_pages * config.tier_watermark))
+
+
+def _write_through(config: CoreConfig) -> int:
+    return config.usable_pages + 1  # always under it: offload whatever is evictable and unstored
+
+
+TIER_POLICIES: dict[str, Callable[[CoreConfig], int]] = {
+    "write-back": _write_back,
+    "write-through": _write_through,
+}
+"""--tier-policy name -> the low watermark (free pages) under which offloads run."""
 
 
 class LoadPlan:
@@ -122,6 +157,7 @@ class TierIndex:
         self._alloc = pages
         self._c = counters
         self._clock = clock
+        self._tainted_seconds = config.tier_tainted_quarantine_seconds
         self.radix: RadixTree | None = None
         """Set by the facade once the tree exists (the tree's free callback is `free_evicted`)."""
         n = config.num_pages
@@ -129,14 +165,29 @@ class TierIndex:
         self._keyed: npt.NDArray[np.bool_] = np.zeros(n, dtype=np.bool_)
         self._stored: npt.NDArray[np.bool_] = np.zeros(n, dtype=np.bool_)
         self._offloading: npt.NDArray[np.bool_] = np.zeros(n, dtype=np.bool_)
+        self._stored_at: dict[bytes, int] = {}
+        """Key -> page of every stored page, so a value the tier drops clears its page's stored mark."""
+        self._staged: npt.NDArray[np.bool_] = np.zeros(n, dtype=np.bool_)
+        """Pages being evicted that `stage` copied out (set by `evicting`, cleared by `free_evicted`)."""
+        self.stage: Stage | None = None
+        """Copies pages the tier lacks out of the pool at eviction (the rpc layer's); None: they are lost."""
+        self.staged_pages = 0
+        """Pages copied out at eviction, in all."""
         self._roots: dict[str, bytes] = {}
         self.stored_pages = 0
         self.offloading_pages = 0
         self.pinned_pages = 0
         """Radix pages held by offload pins (paths overlapping between offloads count once per offload)."""
         self.evicted_unstored_pages = 0
-        self.low_watermark = max(1, int(config.usable_pages * config.tier_watermark))
-        """Offload ahead of eviction while fewer pages than this are free."""
+        """Radix pages evicted that the tier never got: neither stored nor staged, or staged and then `lost`."""
+        try:
+            watermark = TIER_POLICIES[config.tier_policy]
+        except KeyError:
+            raise ValueError(f"tier_policy must be one of {', '.join(TIER_POLICIES)}, got {config.tier_policy!r}")\
+                from None
+        self.policy = config.tier_policy
+        self.low_watermark = watermark(config)
+        """Offload while fewer pages than this are free (write-through: always)."""
         self.pin_limit = max(1, int(config.usable_pages * config.tier_pin_fraction))
         """Most pages offloads may pin at once (pinned pages cannot be evicted)."""
         self.loads: set[Load] = set()
@@ -185,15 +236,88 @@ class TierIndex:
 
     # ------------------------------------------------------------------ the radix's free callback
 
+    def evicting(self, node: RadixNode, keep: int) -> None:
+        """The radix's eviction hook: `node`'s pages past its first `keep` are about to be freed. Those the tier
+        neither holds nor is reading are keyed and handed to `stage`, root side first, while their bytes are
+        still the evicted KV."""
+        stage = self.stage
+        if stage is None:
+            return
+        arr = np.frombuffer(node.pages, dtype=np.int32)[keep:]
+        lacking = arr[~self._stored[arr]]
+        if not lacking.size:
+            return
+        self._key_path(node)
+        keys = [bytes(k) for k in self._keys[lacking]]
+        taken = stage(keys, lacking)
+        if taken:
+            self._staged[lacking[:taken]] = True
+            self.staged_pages += taken
+            self._announce(node, lacking[:taken].tolist())
+
     def free_evicted(self, pages: bytes, src: int) -> None:
-        """Eviction frees radix pages: their keys and stored bits go with them."""
+        """Eviction frees radix pages: their keys, stored and staged bits go with them; a page that was neither
+        stored nor staged is lost."""
         arr = np.frombuffer(pages, dtype=np.int32)
         stored = int(np.count_nonzero(self._stored[arr]))
+        if stored:
+            for k in self._keys[arr[self._stored[arr]]]:
+                self._stored_at.pop(bytes(k), None)
+        staged = int(np.count_nonzero(self._staged[arr] & ~self._stored[arr]))
         self.stored_pages -= stored
-        self.evicted_unstored_pages += arr.size - stored
+        self.evicted_unstored_pages += arr.size - stored - staged
         self._stored[arr] = False
+        self._staged[arr] = False
         self._keyed[arr] = False
         self._alloc.give(pages, src)
+
+    def lost(self, keys: list[bytes]) -> None:
+        """Pages staged at eviction (by key) that the tier did not write after all (it failed, or the service
+        stopped first): lost, counted with the pages evicted unstored, and no longer announced as the tier's."""
+        self.evicted_unstored_pages += len(keys)
+        self.dropped(keys)
+
+    def dropped(self, keys: list[bytes]) -> None:
+        """The tier no longer holds these keys' values (its own eviction, unsound values discarded): radix pages
+        of those keys are unstored again (evicting them stages them), and the drop is announced."""
+        for k in keys:
+            page = self._stored_at.pop(k, None)
+            if page is not None:
+                self._stored[page] = False
+                self.stored_pages -= 1
+        changes = self._tree().changes
+        if changes is not None and keys:
+            changes.append((TIER_REMOVED, list(keys)))
+
+    def _announce(self, node: RadixNode, pages: list[int]) -> None:
+        """Record that the tier holds `pages` (on the keyed path to `node`), while events are recorded: one
+        TIER_STORED change per run of consecutive path pages."""
+        changes = self._tree().changes
+        if changes is None or not pages:
+            return
+        path: list[RadixNode] = []
+        n: RadixNode | None = node
+        while n is not None and n.parent is not None:
+            path.append(n)
+            n = n.parent
+        path.reverse()
+        ids = np.frombuffer(b"".join(p.pages for p in path), dtype=np.int32)
+        key = b"".join(p.key for p in path)
+        want = np.isin(ids, np.asarray(pages, dtype=np.int32))
+        pb = self._pb
+        i, total = 0, ids.size
+        salt = node.salt or ""
+        while i < total:
+            if not want[i]:
+                i += 1
+                continue
+            j = i
+            while j < total and want[j]:
+                j += 1
+            run = ids[i:j]
+            changes.append((TIER_STORED, salt, int(ids[i - 1]) if i else None, key[i * pb:j * pb], run.tobytes(),
+                            [bytes(k) for k in self._keys[run]]))
+            i = j
 
     # ------------------------------------------------------------------ loads
 
@@ -268,12 +392,16 @@ class TierIndex:
                 self._set_keys(new, load.keys[existing:loaded])
                 self._stored[new] = True
                 self.stored_pages += new.size
+                self._stored_at.update(zip(load.keys[existing:loaded], new.tolist(), strict=True))
             node = ins.node
+            if node is not None and new.size:
+                self._key_path(node)
+                self._announce(node, new.tolist())
         rest = np.frombuffer(pages[loaded * 4:], dtype=np.int32)
         if rest.size:
             bad = np.isin(rest, np.fromiter(tainted, dtype=np.int32))
             if bad.any():
-                with self._alloc.quarantining(self._clock() + TAINTED_QUARANTINE_SECONDS):
+                with self._alloc.quarantining(self._clock() + self._tainted_seconds):
                     self._alloc.give(rest[bad].tobytes(), LOADING)
             if not bad.all():
                 self._alloc.give(rest[~bad].tobytes(), LOADING)
@@ -371,6 +499,8 @@ class TierIndex:
             ok = [p for p, s in zip(pages, stored, strict=False) if s and not self._stored[p]]
             self._stored[ok] = True
             self.stored_pages += len(ok)
+            self._stored_at.update((bytes(self._keys[p]), p) for p in ok)
+            self._announce(job.node, ok)
         self._tree().unlock(job.node)
 
     # ------------------------------------------------------------------ accounting
@@ -398,6 +528,9 @@ class TierIndex:
             raise InvariantError("tier: a page that is not in the radix is marked keyed or stored")
         if int(np.count_nonzero(self._stored)) != self.stored_pages:
             raise InvariantError("tier: stored page count != stored bits")
+        if len(self._stored_at) != self.stored_pages or any(
+                not self._stored[p] or bytes(self._keys[p]) != k for k, p in self._stored_at.items()):
+            raise InvariantError("tier: the key -> page map of stored pages != the stored bits and keys")
         if int(np.count_nonzero(self._offloading)) != self.offloading_pages:
             raise InvariantError("tier: offloading page count != offloading bits")
         if sum(j.pinned for j in self.offloads) != self.pinned_pages:
@@ -406,6 +539,8 @@ class TierIndex:
             raise InvariantError("tier: offloading page count != pages of the offloads in progress")
         if (self._offloading & ~owned).any():
             raise InvariantError("tier: a page being offloaded left the radix")
+        if self._staged.any():
+            raise InvariantError("tier: a staged bit outlived the eviction that set it")
         if self._ledger.counts[LOADING] != len(self.loading()) >> 2:
             raise InvariantError("tier: LOADING count != pages of the loads in progress")
 

@@ -13,6 +13,13 @@ the clock in microseconds), keeps the last --kv-events-buffer batches, and hands
 - `WatchEvents` watchers (the gRPC stream), whose queues are bounded too: a watcher that falls more than a
   buffer behind gets a fresh snapshot instead of the batches it missed.
 
+Media: the pool's pages are announced with medium GPU or CPU (the pool's memory), the pages the tier holds
+(records with `tier` set: stored, staged at eviction, loaded from it) with the tier's medium, DISK for the disk
+tier and EXTERNAL for Mooncake Store (SGLang's names; Dynamo 1.6.1 counts both in its `disk` tier and drops
+media it does not know, such as MOONCAKE), and removed from it when the tier drops them. A page in the pool and
+in the tier is announced under both media with the same hash. Snapshots (WatchEvents, a replay older than the
+buffer) carry the pool's pages only.
+
 Cache salts in the ZMQ format: vLLM's events have no salt field, and Dynamo's indexer (1.6.1) merges pages
 whose token ids match whatever `extra_keys` say, so a salted page is announced with `lora_name`
 "cache_salt:<salt>" (a LoRA name is part of the block identity for Dynamo and llm-d): a router finds it only
@@ -61,8 +68,11 @@ def lora_name_for(cache_salt: str) -> str | None:
 # ----------------------------------------------------------------------------------------- wire format
 
 
-def wire_event(record: Record, medium: str, page_size: int) -> dict[str, Any] | None:
-    """One record as a vLLM KV event map (None for records vLLM's format has no event for)."""
+def wire_event(record: Record, medium: str, page_size: int, tier_medium: str = "") -> dict[str, Any] | None:
+    """One record as a vLLM KV event map (None for records vLLM's format has no event for). `medium` is the
+    pool's, `tier_medium` the tier's (for records with `tier` set)."""
+    if isinstance(record, Stored | Removed) and record.tier:
+        medium = tier_medium
     if isinstance(record, Stored):
         return {"type": "BlockStored", "block_hashes": record.hashes, "parent_block_hash": record.parent_hash,
                 "token_ids": record.token_ids.tolist(), "block_size": page_size, "lora_id": None,
@@ -74,9 +84,10 @@ def wire_event(record: Record, medium: str, page_size: int) -> dict[str, Any] | 
     return None
 
 
-def wire_batch(ts: float, records: Iterable[Record], medium: str, page_size: int, dp_rank: int = 0) -> bytes:
+def wire_batch(ts: float, records: Iterable[Record], medium: str, page_size: int, dp_rank: int = 0,
+               tier_medium: str = "") -> bytes:
     """The msgpack payload of one batch: `[ts, [event maps...], dp_rank]` (always three elements)."""
-    events = [e for r in records if (e := wire_event(r, medium, page_size)) is not None]
+    events = [e for r in records if (e := wire_event(r, medium, page_size, tier_medium)) is not None]
     payload: bytes = msgpack.packb([ts, events, dp_rank], use_bin_type=True)
     return payload
 
@@ -84,7 +95,9 @@ def wire_batch(ts: float, records: Iterable[Record], medium: str, page_size: int
 # ----------------------------------------------------------------------------------------- protobuf
 
 
-def proto_event(record: Record, medium: str, page_size: int) -> pb.KvEvent:
+def proto_event(record: Record, medium: str, page_size: int, tier_medium: str = "") -> pb.KvEvent:
+    if isinstance(record, Stored | Removed) and record.tier:
+        medium = tier_medium
     if isinstance(record, Stored):
         stored = pb.BlockStored(block_hashes=record.hashes, token_ids=record.token_ids.tolist(),
                                 block_size=page_size, medium=medium, cache_salt=record.cache_salt)
@@ -159,10 +172,13 @@ class EventHub:
     """Numbers, buffers and fans out the core's change feed (see the module doc)."""
 
     def __init__(self, core: KVCacheCore, *, instance_id: str, medium: str, buffer: int,
-                 publisher: ZmqPublisher | None = None, clock: Callable[[], float] = time.time) -> None:
+                 publisher: ZmqPublisher | None = None, clock: Callable[[], float] = time.time,
+                 tier_medium: str = "") -> None:
+        """`medium`: the pool's (GPU or CPU); `tier_medium`: the tier's (DISK, EXTERNAL), for its records."""
         self.core = core
         self.instance_id = instance_id
         self.medium = medium
+        self.tier_medium = tier_medium
         self.page_size = core.page_size
         self.publisher = publisher
         self._clock = clock
@@ -245,7 +261,7 @@ class EventHub:
         ts = self._clock()
         payload = None
         if self.publisher is not None:
-            payload = wire_batch(ts, records, self.medium, self.page_size)
+            payload = wire_batch(ts, records, self.medium, self.page_size, tier_medium=self.tier_medium)
             self.publisher.publish(seq, payload)
         self._last_publish = ts
         batch = Batch(seq, ts, records, payload)
@@ -284,14 +300,15 @@ class EventHub:
         for info in self.core.list_sessions():
             records.append(SessionChange("opened", info.session_id, info.epoch, info.cache_salt, info.streaming,
                                          info.engine_id, info.identity))
-        events = [proto_event(r, self.medium, self.page_size) for r in records if visible is None or visible(r)]
+        events = [proto_event(r, self.medium, self.page_size, self.tier_medium) for r in records
+                  if visible is None or visible(r)]
         ts = self._clock()
         chunks = [events[i : i + SNAPSHOT_CHUNK] for i in range(0, len(events), SNAPSHOT_CHUNK)] or [[]]
         return [pb.WatchEventsResponse(seq=self.last_seq, ts=ts, instance_id=self.instance_id, snapshot=True,
                                        events=chunk) for chunk in chunks]
 
     def message(self, batch: Batch, visible: Visible | None) -> pb.WatchEventsResponse:
-        events = [proto_event(r, self.medium, self.page_size) for r in batch.records
+        events = [proto_event(r, self.medium, self.page_size, self.tier_medium) for r in batch.records
                   if visible is None or visible(r)]
         return pb.WatchEventsResponse(seq=batch.seq, ts=batch.ts, instance_id=self.instance_id, events=events)
 

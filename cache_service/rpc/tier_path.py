@@ -56,6 +56,10 @@ class TierPath:
         self._index: TierIndex = core.tier
         self._tier = tier
         self._ps = core.page_size
+        if tier.staging is not None:  # eviction copies what the tier lacks out of the pool before reuse
+            self._index.stage = tier.stage
+            tier.on_lost = self._index.lost
+        tier.on_dropped = self._index.dropped
 
     # ------------------------------------------------------------------ what ops want
 

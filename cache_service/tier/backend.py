@@ -76,6 +76,8 @@ class Usage:
 
 class TierBackend(Protocol):
     name: str
+    medium: str
+    """What KV events call this tier (Dynamo 1.6.1 reads GPU, CPU, CPU_PINNED, DISK, STORAGE, EXTERNAL)."""
 
     @property
     def connected(self) -> bool:
@@ -97,6 +99,10 @@ class TierBackend(Protocol):
 
     def discard(self, keys: Sequence[bytes]) -> None:
         """Drop values found unsound, so that nobody hits them again; best effort."""
+
+    def take_dropped(self) -> list[bytes]:
+        """Keys of values the store dropped on its own (its LRU) since the last call; [] where it cannot tell
+        (Mooncake evicts without telling its clients)."""
 
     def probe(self) -> None:
         """Raise TierUnavailable unless the store answers now."""

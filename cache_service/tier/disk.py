@@ -90,6 +90,7 @@ class DiskTier:
     """Page values as files under `directory`, at most `capacity_bytes` in all (LRU)."""
 
     name = "disk"
+    medium = "DISK"
 
     def __init__(self, directory: str | os.PathLike[str], capacity_bytes: int, geometry: Geometry) -> None:
         self.directory = Path(directory).absolute()
@@ -97,6 +98,8 @@ class DiskTier:
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, int] = OrderedDict()
         self._bytes = 0
+        self._dropped: list[bytes] = []
+        """Keys evicted by the LRU since `take_dropped` (KV events announce their removal)."""
         self._temp_names = itertools.count()
         self._lock_fd: int | None = None
         try:
@@ -120,6 +123,7 @@ class DiskTier:
             raise TierConfigError(f"--tier-bytes {capacity_bytes} holds no page value of "
                                   f"{format_bytes(geometry.value_bytes)}")
         self.removed_temp_files, self.evicted_at_start = self._rebuild()
+        self._dropped = []  # what the start evicted was never announced by this instance
 
     @classmethod
     def from_settings(cls, settings: TierSettings, geometry: Geometry) -> DiskTier:
@@ -174,7 +178,14 @@ class DiskTier:
         for key in gone:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path(key))
+        with self._lock:
+            self._dropped += gone
         return gone
+
+    def take_dropped(self) -> list[bytes]:
+        with self._lock:
+            dropped, self._dropped = self._dropped, []
+        return dropped
 
     def _forget(self, key: bytes) -> None:
         with self._lock:

@@ -17,6 +17,11 @@ run on an H100 and an H200).
 `stage_out(pages)` and `stage_in(pages)` hand the tier one `PageBuffers` per page; `Staging.finish(ok)`
 ends the batch (for loads into a GPU pool: copies the pages whose value was sound into the pool).
 Worker threads call these; nothing here touches the asyncio loop or the core.
+
+Eviction staging (`staging.py`) copies pages the tier lacks out of the pool at eviction, on the loop, into
+host memory this module allocates (`host_area`): `capture(page, address)` is one copy of the page's chunks
+into contiguous host memory (a host pool: one strided numpy copy; a GPU pool: the same strided device-to-host
+copy as `stage_out`, into pinned memory).
 """
 
 from __future__ import annotations
@@ -89,7 +94,40 @@ class PageMemory(Protocol):
     def max_batch_pages(self) -> int:
         """The most pages one staging batch may hold (a worker splits bigger batches)."""
 
+    def host_area(self, nbytes: int) -> HostArea:
+        """`nbytes` of host memory the store can transfer from (pinned for a GPU pool); the caller closes it."""
+
+    def capture(self, page: int, address: int) -> None:
+        """Copy the page's chunks, in value order, into `payload_bytes` of host memory at `address` (in a
+        `host_area`), synchronously: when it returns, the page may be reused."""
+
     def close(self) -> None: ...
+
+
+class HostArea:
+    """Host memory for eviction staging: `address`, `view` (writable bytes), `close()` (idempotent; frees it
+    through `free`, or leaves an mmap to the garbage collector)."""
+
+    def __init__(self, address: int, view: memoryview, free: Any = None, owner: Any = None) -> None:
+        self.address = address
+        self.view: memoryview | None = view
+        self.nbytes = len(view)
+        self._free = free
+        self._owner = owner
+        """What keeps the memory alive (an anonymous mmap)."""
+
+    def close(self) -> None:
+        if self.view is None:
+            return
+        self.view.release()
+        self.view = None
+        free, self._free = self._free, None
+        if free is not None:
+            free(self.address)
+        owner, self._owner = self._owner, None
+        if isinstance(owner, mmap.mmap):
+            with contextlib.suppress(BufferError):  # a buffer still exported: the mapping goes with the last one
+                owner.close()
 
 
 # --------------------------------------------------------------------------------------------- host pools
@@ -117,6 +155,9 @@ class HostPoolMemory:
             raise TierMemoryError(f"cannot map the pool for the tier: {e}") from None
         self._array: npt.NDArray[np.uint8] | None = np.frombuffer(self._mmap, dtype=np.uint8)
         self._base = int(self._array.ctypes.data)
+        self._planes: npt.NDArray[np.uint8] | None = self._array.reshape(2 * layout.num_layers, layout.num_pages,
+                                                                         layout.page_bytes)
+        """The pool as `[2 * layers][pages][page bytes]`: `[:, page]` is a page's chunks in value order."""
 
     @property
     def base_address(self) -> int:
@@ -146,10 +187,27 @@ class HostPoolMemory:
     def stage_in(self, pages: Sequence[int]) -> Staging:
         return _InPlace([self.page(p) for p in pages])
 
+    def host_area(self, nbytes: int) -> HostArea:
+        mm = mmap.mmap(-1, nbytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        view = memoryview(mm).cast("B")
+        address = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+        return HostArea(address, view, owner=mm)
+
+    def capture(self, page: int, address: int) -> None:
+        planes = self._planes
+        if planes is None:
+            raise TierMemoryError("the tier's pool mapping is closed")
+        if not 0 < page < self.layout.num_pages:
+            raise ValueError(f"page {page} is outside the pool (1..{self.layout.num_pages - 1})")
+        chunks, size = planes.shape[0], self.layout.page_bytes
+        dst = np.ctypeslib.as_array((ctypes.c_uint8 * (chunks * size)).from_address(address))
+        dst.reshape(chunks, size)[:] = planes[:, page]
+
     def close(self) -> None:
         if self._mmap is None:
             return
         self._array = None
+        self._planes = None
         mm, self._mmap = self._mmap, None
         with contextlib.suppress(BufferError):  # a view is still referenced: the mapping goes with the last one
             mm.close()
@@ -331,6 +389,17 @@ class DevicePoolMemory:
 
     def stage_in(self, pages: Sequence[int]) -> Staging:
         return _Slots(self, pages, self._take(len(pages)), inbound=True)
+
+    def host_area(self, nbytes: int) -> HostArea:
+        address = self._copier.alloc_pinned(nbytes)
+        view = memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+        return HostArea(address, view, free=self._copier.free_pinned)
+
+    def capture(self, page: int, address: int) -> None:
+        if self._view is None:
+            raise TierMemoryError("the tier's staging area is closed")
+        c = chunk_offsets(self.layout, page)
+        self._copier.gather(address, self._device_base + c.start, self.geometry.chunk_bytes, c.step, len(c))
 
     def copy_slot_to_page(self, slot: int, page: int) -> None:
         c = chunk_offsets(self.layout, page)

@@ -136,6 +136,8 @@ class MooncakeTier:
     """Mooncake Store through its Python client. Thread-safe: the client is; the header arena locks."""
 
     name = "mooncake"
+    medium = "EXTERNAL"
+    """SGLang's name for a store beyond the node (Dynamo reads it as its disk tier; vLLM would say STORAGE)."""
 
     def __init__(self, master: str, geometry: Geometry, *, metadata: str = "P2PHANDSHAKE", protocol: str = "tcp",
                  segment_bytes: int = 0, local_hostname: str = "127.0.0.1", rdma_devices: str = "") -> None:
@@ -286,6 +288,9 @@ class MooncakeTier:
             else:
                 out.append(GetResult(_get_reason(code), b""))
         return out
+
+    def take_dropped(self) -> list[bytes]:
+        return []  # the master evicts without telling its clients
 
     def discard(self, keys: Sequence[bytes]) -> None:
         if keys:

@@ -18,6 +18,14 @@ Ownership (what the core must keep in its accounting while the store works):
   the waiter the same result, or None once --tier-timeout has passed (a miss; the pages stay with the load
   until `done`).
 
+Eviction staging (`stage`, with `staging_bytes`): pages the core evicts before the tier stored them are
+copied into bounded host memory on the loop (staging.py) and queued like offloads; the offload worker writes
+them from there and frees their slots. Until then lookups count them and loads copy them from their slots.
+Pages staging cannot take (full, the tier down, the service stopping) and staged pages the store then fails
+to write, or that are still unwritten when `close` ends the drain, are lost: counted (`staging_dropped_pages`,
+`staging_lost_pages`), reported to `on_lost` on the loop (the core counts them as evicted unstored), and
+logged once per episode.
+
 Faults never raise into the loop: a store that cannot be reached marks the tier down (logged once, with
 the outage counted), calls fail fast (misses, offloads answered "down") while it is down, and a link thread
 probes it again after a back-off (0.5 s doubling to 30 s), setting the client up anew after three failed
@@ -39,8 +47,19 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from cache_service.log import get_logger
-from cache_service.tier.backend import DOWN, ERROR, MISSING, TAINTED, GetItem, PutItem, TierBackend, TierUnavailable
-from cache_service.tier.memory import PageMemory
+from cache_service.tier.backend import (
+    DOWN,
+    ERROR,
+    MISSING,
+    TAINTED,
+    GetItem,
+    GetResult,
+    PutItem,
+    TierBackend,
+    TierUnavailable,
+)
+from cache_service.tier.memory import PageBuffers, PageMemory
+from cache_service.tier.staging import EvictionStaging
 from cache_service.tier.stats import TierCounters, TierStats
 from cache_service.tier.value import checksum, header, verify
 
@@ -88,7 +107,22 @@ Done = Callable[[Any], None]
 class _Offload:
     keys: tuple[bytes, ...]
     pages: tuple[int, ...]
+    """Pool pages (an offload ahead of eviction), or () for staged pages (`slots`)."""
     done: Done | None
+    slots: tuple[int, ...] = ()
+    """Eviction staging slots holding the keys' values (staged at eviction; the pages are gone)."""
+
+    @property
+    def size(self) -> int:
+        return len(self.keys)
+
+
+@dataclass
+class _SlotBatch:
+    buffers: list[PageBuffers]
+
+    def finish(self, ok: Sequence[bool]) -> None:
+        pass
 
 
 @dataclass(eq=False)
@@ -292,16 +326,25 @@ class TierService:
     def __init__(self, backend: TierBackend, memory: PageMemory, *, timeout_seconds: float = 1.0,
                  queue_pages: int = 256, batch_pages: int = DEFAULT_BATCH_PAGES,
                  retry_seconds: float = RETRY_MIN_SECONDS, retry_max_seconds: float = RETRY_MAX_SECONDS,
-                 reconnect_after: int = RECONNECT_AFTER_PROBES) -> None:
+                 reconnect_after: int = RECONNECT_AFTER_PROBES, staging_bytes: int = 0) -> None:
         if queue_pages < 1 or batch_pages < 1:
             raise ValueError("queue_pages and batch_pages must be >= 1")
         self.backend = backend
         self.memory = memory
+        staging = EvictionStaging(memory, staging_bytes) if staging_bytes > 0 else None
+        self.staging = staging if staging is not None and staging.slots else None
+        """Where pages evicted before the tier stored them wait for it (None: --tier-staging-bytes 0)."""
+        self.on_lost: Callable[[list[bytes]], None] | None = None
+        """Called on the loop with the keys of staged pages the tier will never write (the core counts them)."""
+        self.on_dropped: Callable[[list[bytes]], None] | None = None
+        """Called on the loop with the keys of values the store dropped (its LRU, unsound values discarded)."""
+        self._staging_episode: str | None = None
+        self._staging_episode_pages = 0
         self.timeout_seconds = timeout_seconds
         self.batch_pages = min(batch_pages, memory.max_batch_pages)
         self._geometry = memory.geometry
         self._log = get_logger("kvcache.tier")
-        self._counters = TierCounters(backend.name, queue_pages)
+        self._counters = TierCounters(backend.name, queue_pages, self.staging.slots if self.staging else 0)
         self._link = _Link(backend, self._counters, self._log, retry=retry_seconds, retry_max=retry_max_seconds,
                            reconnect_after=reconnect_after)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -319,7 +362,7 @@ class TierService:
         workers and the link thread, which connects a backend that starts unconnected. Raises TierConfigError
         when the store refuses the memory. Returns at once: `wait_up` waits for the store."""
         self._loop = loop
-        self.backend.register(self.memory.regions())
+        self.backend.register(self.memory.regions() + (self.staging.regions() if self.staging else []))
         for name, target in (("kvcache-tier-load", self._load_worker), ("kvcache-tier-offload", self._offload_worker),
                              ("kvcache-tier-link", self._link.run)):
             thread = threading.Thread(target=target, name=name, daemon=True)
@@ -348,7 +391,13 @@ class TierService:
             self._fail_queued_offloads()
         with contextlib.suppress(Exception):
             self.backend.close()
+        lost = self._counters.snapshot().staging_lost_pages
+        if lost:
+            self._log.warning("tier_staging_unwritten", pages=lost,
+                              note="pages staged at eviction that the tier never wrote are lost (counted)")
         if stopped:
+            if self.staging is not None:
+                self.staging.close()
             self.memory.close()
         else:
             self._log.warning("tier_close_timeout", note="a store call is still running; the pool mapping stays")
@@ -367,7 +416,55 @@ class TierService:
 
     def stats(self) -> TierStats:
         usage = self.backend.usage()
-        return self._counters.snapshot(usage.values, usage.bytes, usage.capacity_bytes)
+        return self._counters.snapshot(usage.values, usage.bytes, usage.capacity_bytes,
+                                       staging_pages=self.staging.used if self.staging is not None else 0)
+
+    def stage(self, keys: list[bytes], pages: Any) -> int:
+        """Eviction staging, on the loop, inside the core call that evicts `pages` (the tier lacks them): copy
+        what fits into staging now, queue it for the store, and return how many leading pages are staged. The
+        rest are lost (the caller counts them): staging is full or off, the tier is down, or stopping. One log
+        line per episode of refusals, one when it ends."""
+        n = len(keys)
+        why = ("off" if self.staging is None else "stopping" if self._closing else
+               "tier down" if not self._counters.up else "")
+        staged = 0
+        if not why:
+            assert self.staging is not None
+            try:
+                staged, taken = self.staging.capture(keys, [int(p) for p in pages])
+            except Exception as e:  # a copy that failed loses the pages, never the call
+                self._log.warning("tier_staging_failed", operation="capture", error=str(e))
+                staged, taken, why = 0, [], "copy failed"
+            if taken:
+                with self._counters.lock:
+                    self._counters.staged_pages += len(taken)
+                self._offloads.put(_Offload(tuple(k for k, _ in taken), (), None, tuple(s for _, s in taken)))
+            if staged < n and not why:
+                why = "full"
+        if staged < n:
+            with self._counters.lock:
+                self._counters.staging_dropped_pages += n - staged
+        if why == "off":
+            return 0
+        self._staging_note(why, n - staged)
+        return staged
+
+    def _staging_note(self, why: str, dropped: int) -> None:
+        """Log staging refusals once per episode (same reason until a capture takes every page again)."""
+        episode = self._staging_episode
+        if why and episode is None:
+            self._staging_episode = why
+            self._staging_episode_pages = dropped
+            slots = self.staging.slots if self.staging is not None else 0
+            self._log.warning("tier_staging_refused", reason=why, pages=dropped, slots=slots,
+                              effect="evicted pages the tier lacks are lost (counted in evicted_unstored_pages) "
+                                     "until staging takes them again")
+        elif why:
+            self._staging_episode_pages += dropped
+        elif episode is not None:
+            self._log.info("tier_staging_refusals_ended", reason=episode, pages_lost=self._staging_episode_pages)
+            self._staging_episode = None
+            self._staging_episode_pages = 0
 
     @property
     def up(self) -> bool:
@@ -515,7 +612,7 @@ class TierService:
             if job is _STOP:
                 return
             jobs = [job]
-            n = len(job.pages)
+            n = job.size
             stop = False
             while n < self.batch_pages:
                 try:
@@ -526,8 +623,11 @@ class TierService:
                     stop = True
                     break
                 jobs.append(more)
-                n += len(more.pages)
-            self._run_offloads(jobs)
+                n += more.size
+            staged = [j for j in jobs if j.slots]
+            if staged:  # first: their slots are what keeps the next eviction from losing pages
+                self._run_staged(staged)
+            self._run_offloads([j for j in jobs if not j.slots])
             if stop:
                 return
 
@@ -543,14 +643,35 @@ class TierService:
             self._deliver(self._finish_offload, job, OffloadResult(job.keys, job.pages, tuple(reasons[at:at + n])))
             at += n
 
+    def _run_staged(self, jobs: list[_Offload]) -> None:
+        """Write staged pages from their slots, then free the slots; the ones not written are lost."""
+        keys = [k for j in jobs for k in j.keys]
+        slots = [s for j in jobs for s in j.slots]
+        reasons: list[str] = []
+        for start in range(0, len(keys), self.batch_pages):
+            reasons += self._put(keys[start:start + self.batch_pages], [], slots[start:start + self.batch_pages])
+        self._staged_done(keys, reasons)
+
+    def _staged_done(self, keys: list[bytes], reasons: Sequence[str]) -> None:
+        assert self.staging is not None, "staged work exists only with staging"
+        self.staging.release(keys)
+        lost = [k for k, r in zip(keys, reasons, strict=True) if r]
+        with self._counters.lock:
+            self._counters.staging_written_pages += len(keys) - len(lost)
+            self._counters.staging_lost_pages += len(lost)
+        if lost and self.on_lost is not None:
+            self._deliver(self.on_lost, lost)
+
     def _past_drain(self) -> bool:
         return self._drain_deadline is not None and time.monotonic() > self._drain_deadline
 
-    def _put(self, keys: list[bytes], pages: list[int]) -> list[str]:
+    def _put(self, keys: list[bytes], pages: list[int], slots: Sequence[int] = ()) -> list[str]:
+        """Store keys' values from pool `pages`, or from eviction staging `slots` (then `pages` is empty)."""
         n = len(keys)
         if self._past_drain():
-            with self._counters.lock:
-                self._counters.offload_dropped_pages += n
+            if not slots:
+                with self._counters.lock:
+                    self._counters.offload_dropped_pages += n
             return [CLOSED] * n
         if not self._link.enter():
             self._link.note("put", Counter({DOWN: n}))
@@ -559,7 +680,8 @@ class TierService:
         geometry = self._geometry
         try:
             try:
-                staging = self.memory.stage_out(pages)
+                staging = (_SlotBatch([self.staging.buffers(s) for s in slots]) if slots and self.staging is not None
+                           else self.memory.stage_out(pages))
             except Exception as e:
                 self._log.warning("tier_staging_failed", operation="put", error=str(e))
                 self._link.note("put", Counter({ERROR: n}))
@@ -586,7 +708,14 @@ class TierService:
             c.offload_bytes += stored * geometry.value_bytes
             c.offload_seconds += seconds
         self._link.note("put", Counter(r for r in reasons if r))
+        self._report_dropped()
         return reasons
+
+    def _report_dropped(self) -> None:
+        """Hand the keys the store dropped since the last report to `on_dropped` (on the loop)."""
+        dropped = self.backend.take_dropped()
+        if dropped and self.on_dropped is not None:
+            self._deliver(self.on_dropped, dropped)
 
     def _load_worker(self) -> None:
         while True:
@@ -632,13 +761,36 @@ class TierService:
                 job = self._offloads.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(job, _Offload):
+            if isinstance(job, _Offload) and job.slots:
+                self._staged_done(list(job.keys), [CLOSED] * job.size)
+            elif isinstance(job, _Offload):
                 with self._counters.lock:
                     self._counters.offload_dropped_pages += len(job.pages)
                 self._deliver(self._finish_offload, job,
                               OffloadResult(job.keys, job.pages, (CLOSED,) * len(job.pages)))
 
     def _exists(self, runs: tuple[tuple[bytes, ...], ...]) -> list[int]:
+        """Leading keys of each run that staging or the store holds (the store asked once, for the rest)."""
+        staging = self.staging
+        if staging is None or self._closing:
+            return self._store_exists(runs)
+        held = [[staging.holds(k) for k in run] for run in runs]
+        asks = tuple(tuple(k for k, h in zip(run, hs, strict=True) if not h) for run, hs in zip(runs, held,
+                                                                                              strict=True))
+        stored = self._store_exists(asks) if any(asks) else [0] * len(runs)
+        out: list[int] = []
+        for hs, n in zip(held, stored, strict=True):
+            count = 0
+            for h in hs:
+                if not h:
+                    if n == 0:
+                        break
+                    n -= 1
+                count += 1
+            out.append(count)
+        return out
+
+    def _store_exists(self, runs: tuple[tuple[bytes, ...], ...]) -> list[int]:
         none = [0] * len(runs)
         if self._closing:
             return none
@@ -694,15 +846,26 @@ class TierService:
             self._link.note("get", Counter({ERROR: n}))
             return [self._unloaded(job, ERROR) for job in jobs]
         ok: list[bool] = [False] * n
+        staged = self.staging
+        local = [staged is not None and staged.read_into(k, b) for k, b in zip(keys, staging.buffers, strict=True)]
         try:
+            asked = [i for i in range(n) if not local[i]]
             try:
-                results = self.backend.get([GetItem(k, b) for k, b in zip(keys, staging.buffers, strict=True)])
+                got = self.backend.get([GetItem(keys[i], staging.buffers[i]) for i in asked]) if asked else []
             except TierUnavailable as e:
                 self._link.down("get", e)
-                results = []
-                reasons = [DOWN] * n
-            for i, (key, res, buffers) in enumerate(zip(keys, results, staging.buffers, strict=False)):
-                reason = res.reason or verify(res.header, key, self._geometry, buffers.views)
+                got = [GetResult(DOWN, b"")] * len(asked)
+            results: list[GetResult | None] = [None] * n
+            for i, answer in zip(asked, got, strict=False):
+                results[i] = answer
+            for i, (key, buffers) in enumerate(zip(keys, staging.buffers, strict=True)):
+                res = results[i]
+                if local[i]:
+                    reason = ""  # our own copy of the evicted page, made on the loop
+                elif res is None:
+                    break  # a store that answered fewer items than asked
+                else:
+                    reason = res.reason or verify(res.header, key, self._geometry, buffers.views)
                 reasons.append(reason)
                 ok[i] = not reason
         except Exception as e:
@@ -731,11 +894,14 @@ class TierService:
         if unsound:
             with contextlib.suppress(Exception):
                 self.backend.discard(unsound)
+            if self.on_dropped is not None:
+                self._deliver(self.on_dropped, unsound)
         with self._counters.lock:
             c = self._counters
             c.load_pages += sum(loaded)
             c.load_bytes += sum(loaded) * self._geometry.value_bytes
             c.load_seconds += seconds
+            c.staging_hit_pages += sum(local)
         self._link.note("get", Counter(r for r in reasons if r))
         out: list[LoadResult] = []
         start = 0

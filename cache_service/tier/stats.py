@@ -53,12 +53,26 @@ class TierStats:
     """Values the tier holds, where it knows (disk); None: unknown (Mooncake)."""
     stored_bytes: int | None = None
     capacity_bytes: int | None = None
+    staging_pages: int = 0
+    """Pages evicted before the tier stored them that wait in eviction staging for the tier now."""
+    staging_capacity_pages: int = 0
+    """Eviction staging's slots (--tier-staging-bytes / a value's payload bytes; 0: no staging)."""
+    staged_pages: int = 0
+    """Pages copied into eviction staging, in all."""
+    staging_written_pages: int = 0
+    """Staged pages the tier then stored."""
+    staging_dropped_pages: int = 0
+    """Evicted pages the tier lacked that staging could not take (full, the tier down, stopping): lost."""
+    staging_lost_pages: int = 0
+    """Staged pages the tier did not store (it failed, or the service stopped first): lost."""
+    staging_hit_pages: int = 0
+    """Pages loads copied from eviction staging (staged, not written yet)."""
 
 
 class TierCounters:
     """Mutable counters behind a lock (two worker threads and the loop write them)."""
 
-    def __init__(self, backend: str, queue_capacity_pages: int) -> None:
+    def __init__(self, backend: str, queue_capacity_pages: int, staging_capacity_pages: int = 0) -> None:
         self.lock = threading.Lock()
         self.backend = backend
         self.up = True
@@ -79,6 +93,12 @@ class TierCounters:
         self.tainted_pages = 0
         self.errors: dict[tuple[str, str], int] = {}
         self.outages = 0
+        self.staging_capacity_pages = staging_capacity_pages
+        self.staged_pages = 0
+        self.staging_written_pages = 0
+        self.staging_dropped_pages = 0
+        self.staging_lost_pages = 0
+        self.staging_hit_pages = 0
 
     def error(self, operation: str, reason: str, n: int = 1) -> None:
         """Count n failures (call with the lock held)."""
@@ -86,7 +106,7 @@ class TierCounters:
         self.errors[key] = self.errors.get(key, 0) + n
 
     def snapshot(self, stored_values: int | None = None, stored_bytes: int | None = None,
-                 capacity_bytes: int | None = None) -> TierStats:
+                 capacity_bytes: int | None = None, *, staging_pages: int = 0) -> TierStats:
         with self.lock:
             return TierStats(
                 backend=self.backend, up=self.up, hit_pages=self.hit_pages, miss_pages=self.miss_pages,
@@ -96,4 +116,8 @@ class TierCounters:
                 offload_dropped_pages=self.offload_dropped_pages, queue_pages=self.queue_pages,
                 queue_capacity_pages=self.queue_capacity_pages, load_queue_pages=self.load_queue_pages,
                 tainted_pages=self.tainted_pages, errors=dict(self.errors), outages=self.outages,
-                stored_values=stored_values, stored_bytes=stored_bytes, capacity_bytes=capacity_bytes)
+                stored_values=stored_values, stored_bytes=stored_bytes, capacity_bytes=capacity_bytes,
+                staging_pages=staging_pages, staging_capacity_pages=self.staging_capacity_pages,
+                staged_pages=self.staged_pages, staging_written_pages=self.staging_written_pages,
+                staging_dropped_pages=self.staging_dropped_pages, staging_lost_pages=self.staging_lost_pages,
+                staging_hit_pages=self.staging_hit_pages)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from cache_service.core import CoreConfig, InvariantError
+from cache_service.core.events import Removed, Stored
 from cache_service.core.tier_keys import Namespace, chain
 from cache_service.core.tiering import TAINTED_QUARANTINE_SECONDS, TierIndex
 from tests.fakes import FakeClock
@@ -182,3 +183,103 @@ def test_a_finished_load_cannot_finish_again(make: Callable[..., CheckedCore]) -
     with pytest.raises(InvariantError, match="a load finished twice"):
         tier.finish(load, 1)
     tier.release(load)
+
+
+def test_eviction_stages_what_the_tier_lacks_before_the_pages_are_reused(make: Callable[..., CheckedCore]) -> None:
+    core = make(num_pages=5)  # 4 usable pages
+    tier = _tier(core)
+    calls: list[tuple[list[bytes], list[int], int]] = []
+
+    def stage(keys: list[bytes], pages: np.ndarray) -> int:
+        calls.append((keys, pages.tolist(), core.stats().free_pages))  # the pages are not free yet
+        return 2  # room for two of them
+
+    tier.stage = stage
+    _turn(core, "a", toks(range(13)))  # pages 1, 2, 3 in the radix
+    core.open_session("b")
+    res = core.append("b", toks(range(100, 113)), 0)  # needs 4 pages: evicts all 3
+    assert res.page_ids.tolist() == [3, 2, 1, 4]  # the evicted pages are handed out in this same call
+    assert calls == [(chain(NS.root(""), _key(toks(range(12))), 4), [1, 2, 3], 1)]
+    st = core.stats()
+    assert (st.evicted_pages, tier.staged_pages, st.evicted_unstored_pages) == (3, 2, 1)
+    tier.lost(calls[0][0][:2])  # the tier then failed to write the two staged pages
+    assert core.stats().evicted_unstored_pages == 3
+
+
+def test_eviction_stages_only_pages_the_tier_does_not_hold(make: Callable[..., CheckedCore]) -> None:
+    core = make(num_pages=5, tier_watermark=1.0, tier_pin_fraction=1.0)
+    tier = _tier(core)
+    staged: list[list[int]] = []
+    tier.stage = lambda keys, pages: staged.append(pages.tolist()) or len(pages)
+    _turn(core, "a", toks(range(13)))  # pages 1, 2, 3
+    job = tier.plan_offload(2)[0]
+    tier.offload_done(job, [True, True])  # the tier holds pages 1, 2
+    core.evict(4)
+    assert staged == [[3]]
+    assert (tier.staged_pages, core.stats().evicted_unstored_pages, core.stats().tier_stored_pages) == (1, 0, 0)
+
+
+def test_the_tainted_quarantine_is_a_setting(make: Callable[..., CheckedCore], clock: FakeClock) -> None:
+    core = make(tier_tainted_quarantine_seconds=5.0)
+    tier = _tier(core)
+    plan = tier.plan("", _key(toks(range(4))))
+    assert plan is not None
+    load = tier.begin(plan, 1)
+    assert load is not None
+    tier.finish(load, 0, tainted=load.page_list)
+    tier.release(load)
+    assert core.stats().quarantined_pages == 1
+    clock.advance(5.0)
+    core.reap()
+    assert core.stats().quarantined_pages == 0
+    with pytest.raises(ValueError, match=re.escape("tier_tainted_quarantine_seconds must be >= 0, got -1")):
+        CoreConfig(num_pages=17, page_size=4, tier_tainted_quarantine_seconds=-1)
+
+
+def test_write_through_offloads_with_no_watermark(make: Callable[..., CheckedCore]) -> None:
+    core = make(tier_policy="write-through")
+    tier = _tier(core)
+    assert (tier.policy, tier.low_watermark) == ("write-through", 17)
+    _turn(core, "a", toks(range(13)))  # 3 radix pages, 13 of 16 free
+    assert [(j.pages, j.pinned) for j in tier.plan_offload(100)] == [([1, 2, 3], 3)]
+    with pytest.raises(ValueError, match=re.escape("tier_policy must be one of write-back, write-through, got "
+                                                   "'write-around'")):
+        make(tier_policy="write-around")
+
+
+def test_the_tiers_pages_are_announced_with_their_pool_hashes(make: Callable[..., CheckedCore]) -> None:
+    core = make(num_pages=5, tier_watermark=1.0, tier_pin_fraction=1.0)
+    tier = _tier(core)
+    tier.stage = lambda keys, pages: len(pages)
+    core.start_events()
+    _turn(core, "a", toks(range(13)))  # pages 1, 2, 3
+    stored = [r for r in core.take_events() if isinstance(r, Stored)]
+    hashes = stored[0].hashes
+    job = tier.plan_offload(1)[0]
+    tier.offload_done(job, [True])  # page 1 is in the tier now
+    [first] = core.take_events()
+    assert isinstance(first, Stored) and (first.parent_hash, first.hashes, first.token_ids.tolist(), first.tier) == (
+        None, hashes[:1], list(range(4)), True)
+    core.evict(4)  # pages 2, 3 are staged at eviction: announced in the tier before they leave the pool
+    events = core.take_events()
+    assert [(type(r).__name__, r.hashes, r.tier) for r in events] == [
+        ("Stored", hashes[1:], True), ("Removed", hashes[1:] + hashes[:1], False)]
+    assert events[0].parent_hash == hashes[0] and events[0].token_ids.tolist() == list(range(4, 12))
+    tier.lost([tier_key for tier_key in chain(NS.root(""), _key(toks(range(12))), 4)[2:]])  # page 3's value
+    assert core.take_events() == [Removed("", hashes[2:], True)]
+
+
+def test_a_value_the_tier_drops_unstores_its_page(make: Callable[..., CheckedCore]) -> None:
+    core = make(num_pages=5, tier_watermark=1.0, tier_pin_fraction=1.0)
+    tier = _tier(core)
+    staged: list[list[int]] = []
+    tier.stage = lambda keys, pages: staged.append(pages.tolist()) or len(pages)
+    _turn(core, "a", toks(range(13)))  # pages 1, 2, 3
+    job = tier.plan_offload(3)[0]
+    tier.offload_done(job, [True, True, True])
+    assert core.stats().tier_stored_pages == 3
+    tier.dropped([job.keys[1]])  # the disk tier's LRU dropped page 2's value
+    assert core.stats().tier_stored_pages == 2
+    core.evict(4)
+    assert staged == [[2]]  # evicting it stages it again: nothing lost
+    assert (core.stats().evicted_unstored_pages, core.stats().tier_stored_pages) == (0, 0)

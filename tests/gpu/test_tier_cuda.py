@@ -127,3 +127,48 @@ def test_strided_and_per_chunk_staging_move_the_same_bytes() -> None:
         assert {p: b for p, b in after.items() if p != 2} == {p: b for p, b in before.items() if p != 2}
         memory.close()
         copier.close()
+
+
+def test_eviction_staging_captures_a_gpu_page_into_pinned_memory() -> None:
+    """`capture` is one strided device-to-host copy of the page's chunks into pinned host memory: the staged
+    bytes are the page's, and stay so after the page is overwritten (reused by a writer)."""
+    from cache_service.tier.staging import EvictionStaging
+
+    layout = PoolLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype="bfloat16", page_size=16, num_pages=9)
+    kv = torch.randint(0, 256, (layout.size_bytes,), dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+
+    def page_bytes(page: int) -> bytes:
+        return b"".join(kv[o:o + layout.page_bytes].cpu().numpy().tobytes() for o in chunk_offsets(layout, page))
+
+    copier = CudaCopier(0)
+    memory = DevicePoolMemory(layout, kv.data_ptr(), copier, slots=4)
+    staging = EvictionStaging(memory, 2 * memory.geometry.payload_bytes)
+    want = page_bytes(5)
+    assert staging.capture([b"k5"], [5]) == (1, [(b"k5", 0)])
+    kv.fill_(7)  # the page is reused
+    torch.cuda.synchronize()
+    assert b"".join(bytes(v) for v in staging.buffers(0).views) == want
+    staging.close()
+    memory.close()
+    copier.close()
+
+
+def test_a_gpu_burst_loses_nothing_it_evicts(start_server: Callable[..., ServerProcess], engines: list[Engine],
+                                            tmp_path: Path) -> None:
+    """Issue 42's burst on a cuda_vmm pool: a 16-page prefix, then 5 unrelated 512-token prompts each evicting
+    within its call; every page of the prefix comes back from the disk tier, byte-identical."""
+    from tests.integration.test_tier_e2e import BURST
+
+    a = GpuEngine(start_server(*BURST, "--backend", "cuda_vmm", "--device", "0", *disk_tier(tmp_path)).target)
+    engines.append(a)
+    p = prompt(13, 16 * 16 + 1)
+    a.turn(p)
+    for i in range(5):
+        a.turn(prompt(20 + i, 512))
+    st = a.settle()
+    assert (st.evicted_pages, st.evicted_unstored_pages, st.tier.staging_dropped_pages) == (128, 0, 0)
+    sid, res = a.append(p)
+    assert (res.cached_tokens, res.tier_tokens) == (256, 256)
+    assert a.cached_pages_match(p, list(res.page_ids), 16)
+    a.stub.CommitSession(pb.CommitSessionRequest(session_id=sid, abort=True), timeout=10)

@@ -103,6 +103,9 @@ def test_tier_values_that_cannot_work_fail_with_a_reason(chart: helm.Chart, valu
     ({"config": {"tierQueuePages": 0}}, "- at '/config/tierQueuePages': minimum: got 0, want 1"),
     ({"config": {"tierWatermark": 0}}, "- at '/config/tierWatermark': exclusiveMinimum: got 0, want 0"),
     ({"config": {"tierPinFraction": 1.5}}, "- at '/config/tierPinFraction': maximum: got 1.5, want 1"),
+    ({"config": {"tierPolicy": "write-around"}}, "- at '/config/tierPolicy': value must be one of 'write-back', "
+                                                 "'write-through'"),
+    ({"config": {"tierStagingBytes": -1}}, "- at '/config/tierStagingBytes': minimum: got -1, want 0"),
     ({"config": {"mooncakeMaster": "nohost"}}, "- at '/config/mooncakeMaster': 'nohost' does not match pattern"),
     ({"config": {"mooncakeMetadata": "etcd"}}, "- at '/config/mooncakeMetadata': 'etcd' does not match pattern"),
     ({"tierVolume": {"hostPath": "mnt"}}, "- at '/tierVolume/hostPath': 'mnt' does not match pattern"),

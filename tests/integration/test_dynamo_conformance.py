@@ -74,6 +74,14 @@ class Indexer:
         assert status == 200, answer
         return int(answer["instances"].get(str(INSTANCE), {}).get("longest_matched", 0))
 
+    def tiers(self, tokens: list[int]) -> dict[str, int]:
+        """Tokens of `tokens` our instance holds as the indexer sees it, per tier: {"cpu": ..., "disk": ...}
+        (each counts the tiers above it too: a page in the pool counts for disk as well)."""
+        status, answer = self.post("/query", {"token_ids": tokens, "model_name": MODEL})
+        assert status == 200, answer
+        mine = answer["instances"].get(str(INSTANCE), {})
+        return {tier: int(mine.get(tier, 0)) for tier in ("gpu", "cpu", "disk")}
+
     def close(self) -> None:
         self.proc.kill()
         self.proc.wait(timeout=10)
@@ -235,3 +243,40 @@ def test_dynamos_indexer_sees_exactly_what_match_prefix_reports(
         proxy.close()
     log = indexer.log_path.read_text()
     assert "Failed to decode" not in log, log[-3000:]
+
+
+def test_dynamos_indexer_sees_what_the_tier_holds(start_server: Callable[..., ServerProcess], indexer: Indexer,
+                                                 tmp_path: Path) -> None:
+    """With a disk tier the pool's pages are CPU and the tier's DISK (the same hashes): after a burst evicts a
+    prefix, the indexer's disk tier still matches it on our instance and its CPU tier no longer does, exactly
+    as MatchPrefix splits it (cached_tokens, of them tier_tokens)."""
+    server = start_server(*service_flags("tcp://127.0.0.1:0", "tcp://127.0.0.1:0"), "--tier", "disk",
+                          "--tier-dir", str(tmp_path / "tier"), "--tier-bytes", "16Mi")
+    pub, replay = endpoints(server)
+    status, answer = indexer.post("/register", {"instance_id": INSTANCE, "endpoint": pub, "model_name": MODEL,
+                                                "block_size": PAGE, "replay_endpoint": replay})
+    assert status == 201, answer
+    kept = prompt(3, 6 * PAGE + 1)  # 6 full pages
+    with KVCacheClient(server.target) as c:
+        c.open_session("kept", engine_id="")
+        c.append_session("kept", kept)
+        c.commit_session("kept", [])
+        c.close_session("kept", cache=True)
+        wait_until(lambda: indexer.tiers(kept) == {"gpu": 0, "cpu": 6 * PAGE, "disk": 6 * PAGE},
+                   "the indexer to see the prefix in the pool", timeout=15)
+        c.open_session("burst", engine_id="")  # one request that wants the whole pool: the prefix is evicted
+        c.append_session("burst", prompt(4, 40 * PAGE))
+        c.commit_session("burst", abort=True)
+        probe = c.match_prefix(kept)
+        assert (probe.cached_tokens, probe.tier_tokens) == (6 * PAGE, 6 * PAGE)  # only the tier has it
+
+        def split() -> dict[str, int]:
+            return indexer.tiers(kept)
+
+        try:
+            wait_until(lambda: split() == {"gpu": 0, "cpu": 0, "disk": 6 * PAGE},
+                       "the indexer to see the prefix on disk only", timeout=15)
+        except AssertionError:
+            raise AssertionError(f"indexer tiers {split()}; log:\n{indexer.log_path.read_text()[-3000:]}") from None
+    log = indexer.log_path.read_text()
+    assert "unknown medium" not in log and "Failed to decode" not in log, log[-3000:]

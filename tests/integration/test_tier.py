@@ -41,7 +41,8 @@ def test_a_disk_tier_is_announced_reported_and_exported(start_server: Callable[.
                           "--tier-timeout", "0.5", "--metrics-port", str(metrics_port), "--tier-pin-fraction", "0.125")
     tier_line = next(line for line in server.banner if line.startswith("  tier "))
     assert tier_line.rstrip() == (f"  tier     disk {tmp_path / 'tier'}: 0 values, 0 B of 64.0 MiB; up; loads wait at "
-                                  "most 0.5 s; offloads while under 50% free, pinning at most 12.5%")
+                                  "most 0.5 s; write-back: offloads while under 50% free, pinning at most 12.5%; "
+                                  "eviction staging 8,192 pages")
     st = _stats(server.target).tier
     assert (st.backend, st.up, st.stored_values, st.stored_bytes, st.capacity_bytes, st.queue_capacity_pages) == (
         "disk", True, 0, 0, 64 << 20, 256)
@@ -52,6 +53,8 @@ def test_a_disk_tier_is_announced_reported_and_exported(start_server: Callable[.
     assert "tier                 disk, up" in lines
     assert "  stored             0 values, 0 B of 64.0 MiB" in lines
     assert "  errors             none" in lines
+    assert ("  staging            0/8,192 pages waiting; 0 staged at eviction, 0 written, 0 loaded from staging; "
+            "lost 0 (no room) + 0 (never written)") in lines
     as_json = subprocess.run([PYTHON, "-m", "cache_service", "stats", "--json", "--target", server.target], cwd=REPO,
                              capture_output=True, text=True, timeout=30)
     assert json.loads(as_json.stdout)["tier"]["backend"] == "disk"
@@ -60,6 +63,7 @@ def test_a_disk_tier_is_announced_reported_and_exported(start_server: Callable[.
     assert "kvcache_tier_up 1.0" in text
     assert 'kvcache_tier_queue_pages{direction="offload"} 0.0' in text
     assert "kvcache_tier_stored_bytes 0.0" in text
+    assert "kvcache_tier_staging_pages 0.0" in text and "kvcache_tier_staging_lost_pages_total 0.0" in text
 
 
 def test_no_tier_reports_no_tier(server: ServerProcess) -> None:
@@ -69,11 +73,13 @@ def test_no_tier_reports_no_tier(server: ServerProcess) -> None:
 
 def test_a_mooncake_tier_connects_to_the_master(start_server: Callable[..., ServerProcess],
                                                cluster: MooncakeCluster) -> None:
-    server = start_server("--tier", "mooncake", "--mooncake-master", cluster.address, "--tier-watermark", "0.75")
+    server = start_server("--tier", "mooncake", "--mooncake-master", cluster.address, "--tier-watermark", "0.75",
+                          "--tier-policy", "write-through", "--tier-staging-bytes", "8Mi")
     tier_line = next(line for line in server.banner if line.startswith("  tier "))
     assert tier_line.rstrip() == (f"  tier     mooncake master {cluster.address} (tcp, metadata P2PHANDSHAKE, "
                                   "announced as 127.0.0.1; contributes no memory); up; loads wait at most 1 s; "
-                                  "offloads while under 75% free, pinning at most 25%")
+                                  "write-through: offloads as soon as cached, pinning at most 25%; eviction staging "
+                                  "256 pages")
     st = _stats(server.target).tier
     assert st.backend == "mooncake" and not st.HasField("stored_values")
 
@@ -81,7 +87,8 @@ def test_a_mooncake_tier_connects_to_the_master(start_server: Callable[..., Serv
 def test_an_absent_master_costs_no_availability(start_server: Callable[..., ServerProcess]) -> None:
     server = start_server("--tier", "mooncake", "--mooncake-master", f"127.0.0.1:{free_port()}")
     assert any(line.endswith("; DOWN (misses until the store answers; the service reconnects); loads wait at most "
-                             "1 s; offloads while under 50% free, pinning at most 25%\n") for line in server.banner), \
+                             "1 s; write-back: offloads while under 50% free, pinning at most 25%; eviction "
+                             "staging 8,192 pages\n") for line in server.banner), \
         server.banner
     st = _stats(server.target).tier
     assert (st.backend, st.up, st.outages) == ("mooncake", False, 1)

@@ -230,3 +230,75 @@ def test_bad_inputs_keep_their_reasons_with_a_tier(start_server: Callable[..., S
         before.lookup_pages, before.load_pages, 0)
     probe = stub.MatchPrefix(pb.MatchPrefixRequest(token_ids=p), timeout=10)
     assert (probe.cached_tokens, probe.tier_tokens) == (16, 16)  # still only in the tier: nothing was loaded
+
+
+BURST = ("--num-pages", "49", "--page-size", "16", "--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "8",
+         "--dtype", "float16", "--tier-timeout", "5", "--model-name", "tier-e2e-burst")
+"""48 usable pages of 16 tokens: a 512-token prompt takes 32 of them."""
+
+
+@pytest.mark.parametrize("tier", ["disk", "mooncake"])
+def test_a_burst_loses_nothing_it_evicts(start_server: Callable[..., ServerProcess], engines: list[Engine],
+                                         tmp_path: Path, cluster: MooncakeCluster, tier: str) -> None:
+    """A 16-page prefix, then 5 unrelated 512-token prompts back to back, each evicting within its own call
+    (before any offload ahead of eviction could run): every page of the prefix comes back from the tier,
+    byte-identical (staged at eviction, written from staging)."""
+    p = prompt(500 + 100 * (tier == "mooncake"), 16 * 16 + 1)
+    flags = disk_tier(tmp_path) if tier == "disk" else _mooncake(cluster)
+    a = Engine(start_server(*BURST, *flags).target)
+    engines.append(a)
+    assert a.turn(p).cached_tokens == 0
+    for i in range(5):
+        assert a.turn(prompt(510 + 100 * (tier == "mooncake") + i, 512)).cached_tokens == 0
+    st = a.settle()
+    assert (st.evicted_pages, st.evicted_unstored_pages) == (128, 0)  # the prefix and 4 x 28 pages of the prompts
+    t = st.tier
+    assert (t.staging_dropped_pages, t.staging_lost_pages, t.staging_pages) == (0, 0, 0)
+    assert t.staged_pages == t.staging_written_pages and t.staged_pages + t.offload_pages - t.staging_written_pages \
+        >= 128
+    sid, res = a.append(p)
+    assert (res.cached_tokens, res.tier_tokens) == (256, 256)  # was 176 of 256 before staging at eviction
+    assert a.cached_pages_match(p, list(res.page_ids), 16)
+    a.stub.CommitSession(pb.CommitSessionRequest(session_id=sid, abort=True), timeout=10)
+
+
+def test_without_staging_a_burst_loses_pages_and_counts_them(start_server: Callable[..., ServerProcess],
+                                                            engines: list[Engine], tmp_path: Path) -> None:
+    p = prompt(700, 16 * 16 + 1)
+    a = Engine(start_server(*BURST, *disk_tier(tmp_path), "--tier-staging-bytes", "0").target)
+    engines.append(a)
+    a.turn(p)
+    for i in range(5):
+        a.turn(prompt(710 + i, 512))
+    st = a.settle()
+    assert st.evicted_unstored_pages > 0 and st.tier.staging_capacity_pages == 0
+    assert st.tier.staging_dropped_pages == st.tier.staged_pages == 0
+    sid, res = a.append(p)
+    assert res.tier_tokens < 256
+    a.stub.CommitSession(pb.CommitSessionRequest(session_id=sid, abort=True), timeout=10)
+
+
+def test_full_staging_loses_what_it_cannot_hold_counts_it_and_serves_on(start_server: Callable[..., ServerProcess],
+                                                                       engines: list[Engine], tmp_path: Path) -> None:
+    """Staging of 4 pages against bursts of ~28 evicted pages (and an offload queue of one page, so little is
+    written ahead of eviction): the losses are counted exactly (every page evicted unstored is one staging could
+    not take or the tier did not write), logged once per episode, and every append is served."""
+    server = start_server(*BURST, *disk_tier(tmp_path), "--tier-staging-bytes", str(4 * 2048),
+                          "--tier-queue-pages", "1")
+    a = Engine(server.target)
+    engines.append(a)
+    p = prompt(800, 16 * 16 + 1)
+    a.turn(p)
+    for i in range(5):
+        assert a.turn(prompt(810 + i, 512)).context_tokens == 512  # served: eviction never waits for the tier
+    st = a.settle()
+    t = st.tier
+    assert (st.evicted_pages, t.staging_capacity_pages) == (128, 4)
+    assert st.evicted_unstored_pages == t.staging_dropped_pages + t.staging_lost_pages
+    assert t.staging_dropped_pages >= 50 and t.staged_pages == t.staging_written_pages + t.staging_lost_pages
+    assert server.log_path is not None
+    refused = [line for line in server.log_path.read_text().splitlines() if "tier_staging_refused" in line]
+    assert 1 <= len(refused) <= 4, refused  # once per episode (at most one per evicting call), not per page
+    sid, res = a.append(p)  # what was kept comes back, the rest is computed: never wrong KV
+    assert a.cached_pages_match(p, list(res.page_ids), res.cached_tokens // 16)
+    a.stub.CommitSession(pb.CommitSessionRequest(session_id=sid, abort=True), timeout=10)

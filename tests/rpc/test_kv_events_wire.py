@@ -70,5 +70,15 @@ def test_a_batch_keeps_order_and_leaves_out_session_changes() -> None:
     assert wire_batch(2.0, [], "CPU", 4) == batch(2.0)  # a heartbeat: no events, still three elements
 
 
+def test_tier_records_carry_the_tiers_medium() -> None:
+    """The same page in the pool (CPU) and in the disk tier (DISK): same hash, the tier's medium."""
+    pool = Stored("", None, [H1, H2], np.arange(1, 9, dtype=np.int32))
+    tier = Stored("", None, [H1, H2], np.arange(1, 9, dtype=np.int32), True)
+    gone = Removed("", [H2], True)
+    cpu, disk = s("CPU"), s("DISK")
+    assert wire_batch(3.0, [pool, tier, gone], "CPU", 4, tier_medium="DISK") == batch(
+        3.0, STORED.replace(s("GPU"), cpu), STORED.replace(s("GPU"), disk), REMOVED.replace(s("GPU"), disk))
+
+
 def test_the_replay_end_marker_is_minus_one_as_8_signed_bytes() -> None:
     assert END_SEQ == b"\xff" * 8

@@ -166,3 +166,28 @@ def test_cuda_vmm_maps_the_pool_for_the_tier_once_and_unmaps_it_at_close() -> No
     assert ("unmap", 0, VA, size) in driver.calls[start:]
     with pytest.raises(PoolError, match="closed"):
         pool.device_address()
+
+
+def test_capture_copies_a_host_pages_chunks_into_staging(pool: Pool) -> None:
+    written = pool.write(9, seed=3)
+    area = pool.memory.host_area(2 * 512)
+    pool.memory.capture(9, area.address + 512)
+    assert area.view is not None
+    assert bytes(area.view[512:]) == b"".join(written[layer, kv].tobytes() for layer in range(2) for kv in range(2))
+    assert bytes(area.view[:512]) == bytes(512)  # the other slot is untouched
+    area.close()
+    area.close()
+    with pytest.raises(ValueError, match="page 0 is outside the pool"):
+        pool.memory.capture(0, 0)
+
+
+def test_capture_on_a_gpu_pool_is_one_strided_copy_into_pinned_memory(device: tuple[
+        npt.NDArray[np.uint8], DevicePoolMemory, HostCopier]) -> None:
+    pool, memory, copier = device
+    area = memory.host_area(512)
+    assert area.address in copier.pinned
+    memory.capture(6, area.address)
+    assert area.view is not None and bytes(area.view) == _page_bytes(pool, 6)
+    assert copier.copies == [("d2h", 128, LAYOUT.num_pages * 128, 4)]
+    area.close()
+    assert area.address not in copier.pinned  # freed through the copier
