@@ -85,7 +85,24 @@ def _port_or_off(text: str) -> int | None:
     return int(text)
 
 
-_PARSERS: dict[str, Callable[[str], Any]] = {"str": str, "int": int, "float": float, "bool": _bool}
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"not a whole number: {text!r} (e.g. 1024)") from None
+
+
+def _float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"not a number: {text!r} (e.g. 0.5 or 30)") from None
+    if not math.isfinite(value):
+        raise ValueError(f"not a finite number: {text!r}")
+    return value
+
+
+_PARSERS: dict[str, Callable[[str], Any]] = {"str": str, "int": _int, "float": _float, "bool": _bool}
 """Parsers by the field's annotation (this module's annotations are strings)."""
 
 DEFAULT_NUM_PAGES = 1024
@@ -401,18 +418,24 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         }
         if flag.choices:  # validated by ServiceConfig, whose message is the same on every Python
             kwargs["metavar"] = "{" + ",".join(flag.choices) + "}"
-        kwargs["type"] = flag.type
+        # No argparse `type`: its refusal names the parser function ("invalid parse_bytes value");
+        # config_from parses the text and names the flag and the accepted form.
         parser.add_argument(f"--{flag.name}", **kwargs)
 
 
 def config_from(args: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> ServiceConfig:
-    """Build a ServiceConfig: parsed command-line values win, then KVCACHE_* variables, then defaults. A bad
-    command-line value is refused by the config's own checks (naming --flag); a bad variable names itself."""
+    """Build a ServiceConfig: command-line values win, then KVCACHE_* variables, then defaults. Command-line
+    values are the flags' text (parsed here, a refusal naming --flag and the accepted form) or already parsed
+    values; a bad value is refused by the config's own checks (naming --flag); a bad variable names itself."""
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     for flag in FLAGS:
         if flag.dest in args:
-            values[flag.dest] = args[flag.dest]
+            given = args[flag.dest]
+            try:
+                values[flag.dest] = flag.type(given) if isinstance(given, str) else given
+            except ValueError as e:
+                raise ConfigError(f"--{flag.name}: {e}") from None
         elif flag.env in environ:
             raw = environ[flag.env]
             if flag.choices and raw not in flag.choices:
@@ -420,7 +443,7 @@ def config_from(args: Mapping[str, Any], environ: Mapping[str, str] | None = Non
             try:
                 values[flag.dest] = flag.type(raw)
             except ValueError as e:
-                raise ConfigError(f"{flag.env}={raw!r}: {e}") from None
+                raise ConfigError(f"{flag.env}: {e}") from None
     if values.get("model"):
         given = set(values)
         values = fit_model({n: values.get(n, _FIELDS[n].default) for n in (*MODEL_LAYOUT, "dtype")} | values, given)

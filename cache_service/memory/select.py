@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
@@ -66,10 +67,22 @@ class CudaProbe:
     vmm: VmmProbe = VmmProbe(False, "")
 
 
-def probe_cuda() -> CudaProbe:
+NO_GPU = "no NVIDIA GPU device in {dev}"
+"""Why not, when the host has no GPU at all: said before any missing package (cupy is beside the point)."""
+
+
+def has_nvidia_device(dev: str = "/dev") -> bool:
+    """Whether `dev` holds an NVIDIA GPU device node (nvidia0, nvidia1, ...), as the driver (or a container
+    runtime passing GPUs through) creates it."""
+    return any(name.removeprefix("nvidia").isdigit() for name in os.listdir(dev) if name.startswith("nvidia"))
+
+
+def probe_cuda(dev: str = "/dev") -> CudaProbe:
     try:
         import cupy
     except ImportError:
+        if not has_nvidia_device(dev):
+            return CudaProbe(False, NO_GPU.format(dev=dev))
         return CudaProbe(False, "cupy is not installed (pip install 'kvcache[cuda]')")
     try:
         count = int(cupy.cuda.runtime.getDeviceCount())
