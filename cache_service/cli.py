@@ -486,6 +486,10 @@ def format_event(batch: pb.WatchEventsResponse, event: pb.KvEvent) -> str:
         o = event.session_opened
         return (f"{head} session opened {o.session_id} epoch={o.epoch} {'streaming' if o.streaming else 'regular'} "
                 f"salt={o.cache_salt!r} engine={o.engine_id or '-'}")
+    if kind == "session_closed":
+        c = event.session_closed
+        why = pb.SessionCloseReason.Name(c.reason).removeprefix("SESSION_CLOSE_REASON_").lower()
+        return f"{head} session closed {c.session_id} epoch={c.epoch} reason={why}"
     detail = getattr(event, kind)
     return f"{head} session {kind.removeprefix('session_')} {detail.session_id} epoch={detail.epoch}"
 

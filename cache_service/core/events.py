@@ -63,11 +63,16 @@ class SessionChange(NamedTuple):
     streaming: bool
     engine_id: str
     identity: str
+    reason: str = ""
+    """Why a "closed" session closed: one of CLOSE_REASONS ("" for the other kinds)."""
 
 
 Record = Stored | Removed | Cleared | SessionChange
 
 SESSION_KINDS = ("opened", "closed", "demoted")
+CLOSE_REASONS = ("client", "timeout", "lease_ended")
+"""Why a session closed: its client closed it (CloseSession, or a close op; at its turn's end when one was in
+flight), it sat idle past its timeout, or its engine's lease ended (released, its stream gone, or expired)."""
 
 
 def salt_hash(cache_salt: str) -> bytes:

@@ -207,6 +207,9 @@ def test_events_prints_one_line_per_event(server: ServerProcess) -> None:
     with KVCacheClient(server.target) as client:
         client.close_session("cached")
         client.close_session("open")
+    after = run_cli("events", "--target", server.target, "--from-seq", str(int(seq) + 1), "--count", "2")
+    assert [line.split(" ", 2)[2] for line in after.stdout.splitlines()] == [
+        "session closed cached epoch=1 reason=client", "session closed open epoch=2 reason=client"]
 
 
 def test_a_busy_metrics_port_is_refused_in_one_line_naming_the_flag() -> None:
