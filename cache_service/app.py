@@ -154,6 +154,8 @@ class KVCacheServer:
         self._pool_factory = pool_factory
         self.pool: PoolBackend | None = None
         self.pool_why = ""
+        self.pool_sized = ""
+        """How free memory sized the pool (--model without a size), for the start line; "" otherwise."""
         self._core: KVCacheCore | None = None
         """Made at start, for the pool the backend allocated (--gpu-memory-fraction sizes it only then)."""
         self._rpc: RpcServer | None = None
@@ -187,7 +189,7 @@ class KVCacheServer:
     async def start(self) -> None:
         cfg = self.config
         choice = self._pool_factory(cfg, self.instance_id)
-        self.pool, self.pool_why = choice.pool, choice.why
+        self.pool, self.pool_why, self.pool_sized = choice.pool, choice.why, choice.sized
         self._core = KVCacheCore(core_config(cfg, self.pool.layout.num_pages), self._clock,
                                  tier=tier_namespace(cfg, self.pool.layout))
         for path in choice.removed_stale:

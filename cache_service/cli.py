@@ -172,6 +172,7 @@ def _banner(server: Any) -> str:
         *_model_lines(cfg),
         f"  pool     {layout.num_pages - 1:,} pages x {layout.page_size} tokens = {layout.usable_tokens:,} tokens, "
         f"{format_bytes(layout.size_bytes)} ({layout.describe()})",
+        *_sizing_lines(server),
         f"  metrics  {metrics}",
         f"  auth     {_auth_line(server)}",
         *_events_lines(server),
@@ -193,6 +194,23 @@ def _model_lines(cfg: ServiceConfig) -> list[str]:
         return []
     dtype = "" if model.dtype == cfg.dtype else f"; KV dtype {cfg.dtype} (--dtype)"
     return [f"  model    {cfg.model}: {model.architecture}, {model.describe()}{dtype}"]
+
+
+def _sizing_lines(server: Any) -> list[str]:
+    """With --model: what sized the pool (free memory, or the flag) and the per-session cap it leaves."""
+    cfg: ServiceConfig = server.config
+    if cfg.model_layout is None:
+        return []
+    if server.pool_sized:
+        sized = server.pool_sized
+    elif cfg.gpu_memory_fraction:
+        sized = f"--gpu-memory-fraction {cfg.gpu_memory_fraction:g}"
+    else:
+        sized = f"--pool-bytes {format_bytes(cfg.pool_bytes)}" if cfg.pool_bytes else f"--num-pages {cfg.num_pages}"
+    cap = server.core.config.max_session_tokens
+    capped = (f" (--max-session-tokens {cfg.max_session_tokens:,} is more than the pool holds)"
+              if cfg.max_session_tokens > cap else " (--max-session-tokens)")
+    return [f"  sizing   {sized}; a session holds at most {cap:,} tokens{capped}"]
 
 
 # grpcurl checks the certificate against the host it dials: a wildcard bind address is no certificate's name.

@@ -133,6 +133,10 @@ class ServiceConfig:
                              "is set)")
     pool_bytes: int = setting(0, "pool size in bytes instead of --num-pages (e.g. 512Mi, 8Gi)", parse=parse_bytes,
                               metavar="SIZE")
+    pool_memory_fraction: float = setting(0.25, "with --model and no --num-pages, --pool-bytes or "
+                                          "--gpu-memory-fraction: size the pool to this share of the free memory "
+                                          "where it lives (the GPU's; host memory, at most --shm-dir's free space, "
+                                          "for host_shm)", above=0, at_most=1)
     gpu_memory_fraction: float = setting(0.0, "size a GPU pool (cuda_ipc, cuda_vmm) to this share of the device's "
                                          "free memory at start, instead of --num-pages or --pool-bytes (0 = off)",
                                          at_least=0, at_most=1)
@@ -250,6 +254,13 @@ class ServiceConfig:
 
     def layout(self) -> PoolLayout:
         return PoolLayout(num_pages=self.resolved_num_pages, **self._dims())
+
+    @property
+    def memory_sizing_fraction(self) -> float:
+        """--pool-memory-fraction when --model is given without a size (then free memory sizes the pool, not
+        the default page count), else 0."""
+        sized = self.num_pages or self.pool_bytes or self.gpu_memory_fraction
+        return self.pool_memory_fraction if self.model and not sized else 0.0
 
     # ------------------------------------------------------------------ checks
 

@@ -60,10 +60,33 @@ def test_serve_model_takes_the_layout_from_a_model_directory(start_server: Calla
     assert server.banner[2] == f"  model    {model}: Qwen2ForCausalLM, 28 layers, 4 kv heads x 128, bfloat16\n"
     assert server.banner[3] == ("  pool     72 pages x 16 tokens = 1,152 tokens, 63.9 MiB "
                                 "(28 layers, 4 kv heads x 128, bfloat16, 16 tokens/page)\n")
+    assert server.banner[4] == ("  sizing   --pool-bytes 64.0 MiB; a session holds at most 1,152 tokens "
+                                "(--max-session-tokens 131,072 is more than the pool holds)\n")
     with KVCacheClient(server.target) as client:
         layout = client.get_pool_info().layout
     assert (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype, layout.num_pages) == (
         28, 4, 128, "bfloat16", 73)
+
+
+def test_serve_model_without_a_size_takes_a_share_of_free_memory(start_server: Callable[..., ServerProcess]) -> None:
+    """No --num-pages / --pool-bytes: --pool-memory-fraction of the free host memory (here a small share, as
+    free memory varies), said on the start line with the flag to change it; sessions capped at the pool."""
+    server = start_server("--model", str(Path(REPO) / "tests" / "models" / "qwen2-7b.json"),
+                          "--pool-memory-fraction", "0.001")
+    pool = re.fullmatch(r"  pool     (\d+) pages x 16 tokens = ([\d,]+) tokens, .*\n", server.banner[3])
+    assert pool is not None
+    pages, tokens = int(pool.group(1)), pool.group(2)
+    assert int(tokens.replace(",", "")) == 16 * pages
+    sizing = re.fullmatch(r"  sizing   0\.001 of ([\d.]+) GiB free host memory, at most /dev/shm's free space, "
+                          r"\(--pool-memory-fraction; --pool-bytes sets a size\); a session holds at most "
+                          rf"{tokens} tokens \(--max-session-tokens 131,072 is more than the pool holds\)\n",
+                          server.banner[4])
+    assert sizing is not None, server.banner[4]
+    free_gib = float(sizing.group(1))  # printed to 0.1 GiB; a page of Qwen2-7B's layout is 917,504 bytes
+    low, high = (int((free_gib + d) * 2**30 * 0.001) // 917504 for d in (-0.05, 0.05))
+    assert low <= pages + 1 <= high  # page 0 is not counted on the start line
+    with KVCacheClient(server.target) as client:
+        assert client.get_pool_info().layout.num_pages == pages + 1
 
 
 def test_serve_model_refuses_a_sliding_window_model_in_one_line() -> None:
