@@ -1,7 +1,7 @@
 """Service configuration: every `serve` setting declared once, as a field of `ServiceConfig`.
 
 A field's `setting(...)` holds its default, help, parser and bounds. `FLAGS` is read off the fields; the CLI's
-flags, the `KVCACHE_*` environment variables and the README's flags table are built from it, and the chart's
+flags, the `KVCACHE_*` environment variables and the flags table of docs/reference.md are built from it, and the chart's
 values are checked against it (tests/helm). Precedence: command line, then environment, then the default.
 """
 
@@ -114,7 +114,7 @@ SECONDS = {"unit": "seconds"}
 @dataclass(frozen=True)
 class ServiceConfig:
     """Every `serve` setting, each declared once as a field: its default, help, parser and bounds. The flags
-    (`FLAGS`), their `KVCACHE_*` variables, the README's flags table and the chart's checked values all come
+    (`FLAGS`), their `KVCACHE_*` variables, the flags table of docs/reference.md and the chart's checked values all come
     from these fields. Frozen and validated on construction (ConfigError names the flag)."""
 
     listen: str = setting("127.0.0.1:50051", "gRPC address: host:port (port 0 picks a free one) or unix:/path")
@@ -390,7 +390,7 @@ def _flag(f: Field[Any]) -> Flag:
 
 _FIELDS = {f.name: f for f in fields(ServiceConfig)}
 FLAGS: tuple[Flag, ...] = tuple(_flag(f) for f in _FIELDS.values() if "setting" in f.metadata)
-"""Every serve flag, in declaration order: what the CLI, the README's table and the chart's checks read."""
+"""Every serve flag, in declaration order: what the CLI, docs/reference.md's table and the chart's checks read."""
 
 
 def _valid_host_port(text: str) -> bool:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import itertools
+import re
+import shlex
 import shutil
 from pathlib import Path
 from typing import Any
@@ -246,3 +249,22 @@ def test_a_users_bad_values_are_refused_in_one_line(tmp_path: Path, capsys: pyte
 def test_later_values_win_and_null_restores_the_default() -> None:
     assert render_tool.merge_values({"a": {"b": 1, "c": 2}, "d": 3}, {"a": {"b": 5, "c": None}, "e": [1]}) == {
         "a": {"b": 5}, "d": 3, "e": [1]}
+
+
+def test_the_readme_installs_the_image_it_builds(capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's `docker build -t IMAGE` and `helm install ...` as printed: the chart runs IMAGE, and
+    the README's offline check of those values says so."""
+    readme = (render_tool.CHART_DIR.parent.parent / "README.md").read_text().replace("\\\n", " ")
+    built = re.search(r"docker build --build-arg BASE_IMAGE=python:3.11-slim --build-arg EXTRAS= -t (\S+) \.", readme)
+    install = re.search(r"helm install kvcache-service ./helm/kvcache-service (.*)", readme)
+    check = re.search(r"\.venv/bin/python helm/render\.py (.*)", readme)
+    assert built is not None and install is not None and check is not None
+    args = shlex.split(install.group(1))
+    assert shlex.split(check.group(1)) == args  # the offline check renders what the install installs
+    sets = [value for flag, value in itertools.pairwise(args) if flag == "--set"]
+    files = [Path(value) for flag, value in itertools.pairwise(args) if flag == "-f"]
+    assert render_tool.main([arg for f in files for arg in ("-f", str(render_tool.CHART_DIR.parent.parent / f))]
+                            + [arg for s in sets for arg in ("--set", s)]) == 0
+    out, err = capsys.readouterr()
+    assert err.rstrip().endswith(f"mode deployment, image {built.group(1)}")
+    assert out.count(f'image: "{built.group(1)}"') == 2  # the service and the `helm test` pod
