@@ -12,10 +12,10 @@ BUF_VERSION := 1.75.0
 BUF := $(TOOLS)/node_modules/.bin/buf
 
 .DEFAULT_GOAL := help
-.PHONY: help setup native conformance-setup vllm-setup run test lint typecheck unit proto proto-check docs docs-check chart-render chart-check bench demo failover-demo hf-demo vllm-demo gpu-test clean
+.PHONY: help setup native conformance-setup vllm-setup run test lint typecheck unit proto proto-check docs docs-check chart-render chart-check bench demo failover-demo hf-demo vllm-demo vllm-serve vllm-clean-shm gpu-test clean
 
 help: ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
 
 setup: $(STAMP) ## create .venv and install kvcache[dev,mooncake] (torch 2.13.0 CPU unless a torch is importable; libibverbs1)
 
@@ -71,10 +71,10 @@ proto: setup ## regenerate the Python code of protos/kvcache/v1/*.proto
 proto-check: setup ## fail when the committed generated code is stale
 	@$(PY) scripts/gen_protos.py --check
 
-docs: setup ## regenerate the README's flags and metrics tables
+docs: setup ## regenerate docs/reference.md's flags, metrics and error-reason tables
 	@$(PY) scripts/gen_docs.py
 
-docs-check: setup ## fail when the README's generated tables are stale
+docs-check: setup ## fail when docs/reference.md's generated tables are stale
 	@$(PY) scripts/gen_docs.py --check
 
 chart-render: setup ## regenerate the chart's rendered examples and its README values table
@@ -98,6 +98,12 @@ hf-demo: setup ## a multi-turn chat through Hugging Face transformers on the poo
 
 vllm-demo: setup vllm-setup ## two vLLM engines one after the other on kvcache, and a chat across a vLLM restart, against vLLM alone
 	@$(VLLM_VENV)/bin/python -m engine_client.vllm.demo $(ARGS)
+
+vllm-serve: ## vLLM's OpenAI server (CPU build) on kvcache: MODEL=dir [KVCACHE=127.0.0.1:50051 PORT=8000 ARGS="vLLM flags"]
+	@MODEL="$(MODEL)" KVCACHE="$(KVCACHE)" PORT="$(PORT)" VLLM_ARGS="$(ARGS)" bash scripts/vllm_serve.sh
+
+vllm-clean-shm: ## remove the /dev/shm/__KMP_REGISTERED_LIB_* files that stopped vLLM processes leave
+	@bash scripts/clean_kmp_shm.sh
 
 gpu-test: setup ## on a GPU machine (torch; cupy for cuda_ipc, cuda-python for cuda_vmm): tests/gpu and the bandwidth table
 	@$(PY) scripts/gpu_check.py

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
+import socket
 import ssl
 import time
 import uuid
@@ -156,6 +158,8 @@ class KVCacheServer:
         self._pool_factory = pool_factory
         self.pool: PoolBackend | None = None
         self.pool_why = ""
+        self.pool_sized = ""
+        """How free memory sized the pool (--model without a size), for the start line; "" otherwise."""
         self._core: KVCacheCore | None = None
         """Made at start, for the pool the backend allocated (--gpu-memory-fraction sizes it only then)."""
         self._rpc: RpcServer | None = None
@@ -191,7 +195,7 @@ class KVCacheServer:
     async def start(self) -> None:
         cfg = self.config
         choice = self._pool_factory(cfg, self.instance_id)
-        self.pool, self.pool_why = choice.pool, choice.why
+        self.pool, self.pool_why, self.pool_sized = choice.pool, choice.why, choice.sized
         self._core = KVCacheCore(core_config(cfg, self.pool.layout.num_pages), self._clock,
                                  tier=tier_namespace(cfg, self.pool.layout))
         for path in choice.removed_stale:
@@ -240,7 +244,10 @@ class KVCacheServer:
             self._log.warning("removed_stale_socket", path=rpc.removed_stale_socket)
         self.port = rpc.port
         if cfg.metrics_port is not None:
-            self._metrics_server = await serve_metrics(metrics, cfg.metrics_host, cfg.metrics_port)
+            try:
+                self._metrics_server = await serve_metrics(metrics, cfg.metrics_host, cfg.metrics_port)
+            except OSError as e:
+                raise ConfigError(metrics_refusal(cfg.metrics_host, cfg.metrics_port, e)) from None
             self.metrics_port = int(self._metrics_server.sockets[0].getsockname()[1])
         self.events.start(asyncio.get_running_loop())
         if self.events.publisher is not None:
@@ -394,6 +401,17 @@ class KVCacheServer:
             self.pool.close()
         self._log.info("stopped", released_sessions=st.sessions if st else 0, released_engines=st.engines if st else 0,
                        instance_id=self.instance_id)
+
+
+def metrics_refusal(host: str, port: int, error: OSError) -> str:
+    """One line for a /metrics listener that could not bind, naming the flag to change."""
+    where = f"{host}:{port}"
+    if error.errno == errno.EADDRINUSE:
+        return (f"--metrics-port: {where} is in use (another kvcache-service?); pick another port, 0 for a free "
+                "one, or off")
+    if error.errno == errno.EADDRNOTAVAIL or isinstance(error, socket.gaierror):
+        return f"--metrics-host: cannot listen on {where}: {host!r} is not an address of this host"
+    return f"--metrics-port: cannot listen on {where}: {error.strerror or error}"
 
 
 def _local(address: str) -> bool:

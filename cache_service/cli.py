@@ -36,6 +36,12 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 
 
 class _Parser(argparse.ArgumentParser):
+    """One-line refusals; no abbreviated flags (`--num-page 10` is refused, never taken as `--num-pages`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
@@ -53,7 +59,9 @@ def _parser() -> argparse.ArgumentParser:
                                   "change, one line per event (Ctrl-C stops)"),
                        ("health", "call grpc.health.v1 Health/Check; exit 0 when SERVING")):
         cmd = sub.add_parser(name, help=text, description=text)
-        cmd.add_argument("--target", default=DEFAULT_TARGET, help="host:port or unix:/path (default %(default)s)")
+        cmd.add_argument("--target", default=os.environ.get("KVCACHE_TARGET") or DEFAULT_TARGET,
+                         help="host:port or unix:/path (default $KVCACHE_TARGET, else 127.0.0.1:50051; now "
+                              "%(default)s)")
         cmd.add_argument("--timeout", type=float, default=5.0, help="seconds (default %(default)s)")
         cmd.add_argument("--auth-token", default="", help="bearer token, when the service requires one")
         tls = cmd.add_argument_group("TLS", "for a service started with --tls-cert; TLS is on when --tls-ca is "
@@ -93,12 +101,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     handlers = {"serve": _cmd_serve, "stats": _cmd_stats, "sessions": _cmd_sessions, "events": _cmd_events,
                 "health": _cmd_health}
     try:
-        return handlers[args.command](args)
+        code = handlers[args.command](args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+        return code
     except ConfigError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        return _closed_pipe()
+
+
+def _closed_pipe() -> int:
+    """Stdout's reader left (`stats | head -1`): stop quietly, as a command killed by SIGPIPE would (exit
+    141), and point stdout at /dev/null so the interpreter's flush at exit raises nothing either."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
 
 
 # ------------------------------------------------------------------------------------------- serve
@@ -156,6 +177,7 @@ def _banner(server: Any) -> str:
         *_model_lines(cfg),
         f"  pool     {layout.num_pages - 1:,} pages x {layout.page_size} tokens = {layout.usable_tokens:,} tokens, "
         f"{format_bytes(layout.size_bytes)} ({layout.describe()})",
+        *_sizing_lines(server),
         f"  metrics  {metrics}",
         f"  auth     {_auth_line(server)}",
         *([f"  lane     Step also on {server.step_lane.path} (--step-socket)"] if server.step_lane is not None else []),
@@ -178,6 +200,23 @@ def _model_lines(cfg: ServiceConfig) -> list[str]:
         return []
     dtype = "" if model.dtype == cfg.dtype else f"; KV dtype {cfg.dtype} (--dtype)"
     return [f"  model    {cfg.model}: {model.architecture}, {model.describe()}{dtype}"]
+
+
+def _sizing_lines(server: Any) -> list[str]:
+    """With --model: what sized the pool (free memory, or the flag) and the per-session cap it leaves."""
+    cfg: ServiceConfig = server.config
+    if cfg.model_layout is None:
+        return []
+    if server.pool_sized:
+        sized = server.pool_sized
+    elif cfg.gpu_memory_fraction:
+        sized = f"--gpu-memory-fraction {cfg.gpu_memory_fraction:g}"
+    else:
+        sized = f"--pool-bytes {format_bytes(cfg.pool_bytes)}" if cfg.pool_bytes else f"--num-pages {cfg.num_pages}"
+    cap = server.core.config.max_session_tokens
+    capped = (f" (--max-session-tokens {cfg.max_session_tokens:,} is more than the pool holds)"
+              if cfg.max_session_tokens > cap else " (--max-session-tokens)")
+    return [f"  sizing   {sized}; a session holds at most {cap:,} tokens{capped}"]
 
 
 # grpcurl checks the certificate against the host it dials: a wildcard bind address is no certificate's name.
@@ -318,7 +357,8 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         except grpc.RpcError as e:
             return _fail(args, e)
     if args.json:
-        print(json_format.MessageToJson(st, always_print_fields_with_no_presence=True))
+        print(json_format.MessageToJson(st, always_print_fields_with_no_presence=True,
+                                      preserving_proto_field_name=True))
         return 0
     print(format_stats(st))
     return 0
@@ -412,7 +452,8 @@ def _cmd_sessions(args: argparse.Namespace) -> int:
         except grpc.RpcError as e:
             return _fail(args, e)
     if args.json:
-        print(json_format.MessageToJson(res, always_print_fields_with_no_presence=True))
+        print(json_format.MessageToJson(res, always_print_fields_with_no_presence=True,
+                                      preserving_proto_field_name=True))
         return 0
     header = (f"{'session':<34} {'state':<8} {'mode':<9} {'turns':>5} {'tokens':>7} {'pages':>6} {'idle s':>7}  "
               "engine  identity")
@@ -445,7 +486,7 @@ def _cmd_events(args: argparse.Namespace) -> int:
             stream = _stub(ch).WatchEvents(pb.WatchEventsRequest(from_seq=args.from_seq), metadata=_metadata(args))
             for batch in stream:
                 if args.json:
-                    print(json_format.MessageToJson(batch, indent=None), flush=True)
+                    print(json_format.MessageToJson(batch, indent=None, preserving_proto_field_name=True), flush=True)
                     shown += len(batch.events)
                 else:
                     for event in batch.events:
@@ -494,6 +535,10 @@ def format_event(batch: pb.WatchEventsResponse, event: pb.KvEvent) -> str:
     if kind == "session_adopted":
         adopted = event.session_adopted
         return f"{head} session adopted {adopted.session_id} epoch={adopted.epoch} engine={adopted.engine_id or '-'}"
+    if kind == "session_closed":
+        c = event.session_closed
+        why = pb.SessionCloseReason.Name(c.reason).removeprefix("SESSION_CLOSE_REASON_").lower()
+        return f"{head} session closed {c.session_id} epoch={c.epoch} reason={why}"
     detail = getattr(event, kind)
     return f"{head} session {kind.removeprefix('session_')} {detail.session_id} epoch={detail.epoch}"
 

@@ -1,7 +1,7 @@
 """Service configuration: every `serve` setting declared once, as a field of `ServiceConfig`.
 
 A field's `setting(...)` holds its default, help, parser and bounds. `FLAGS` is read off the fields; the CLI's
-flags, the `KVCACHE_*` environment variables and the README's flags table are built from it, and the chart's
+flags, the `KVCACHE_*` environment variables and the flags table of docs/reference.md are built from it, and the chart's
 values are checked against it (tests/helm). Precedence: command line, then environment, then the default.
 """
 
@@ -86,7 +86,24 @@ def _port_or_off(text: str) -> int | None:
     return int(text)
 
 
-_PARSERS: dict[str, Callable[[str], Any]] = {"str": str, "int": int, "float": float, "bool": _bool}
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"not a whole number: {text!r} (e.g. 1024)") from None
+
+
+def _float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"not a number: {text!r} (e.g. 0.5 or 30)") from None
+    if not math.isfinite(value):
+        raise ValueError(f"not a finite number: {text!r}")
+    return value
+
+
+_PARSERS: dict[str, Callable[[str], Any]] = {"str": str, "int": _int, "float": _float, "bool": _bool}
 """Parsers by the field's annotation (this module's annotations are strings)."""
 
 DEFAULT_NUM_PAGES = 1024
@@ -98,7 +115,7 @@ SECONDS = {"unit": "seconds"}
 @dataclass(frozen=True)
 class ServiceConfig:
     """Every `serve` setting, each declared once as a field: its default, help, parser and bounds. The flags
-    (`FLAGS`), their `KVCACHE_*` variables, the README's flags table and the chart's checked values all come
+    (`FLAGS`), their `KVCACHE_*` variables, the flags table of docs/reference.md and the chart's checked values all come
     from these fields. Frozen and validated on construction (ConfigError names the flag)."""
 
     listen: str = setting("127.0.0.1:50051", "gRPC address: host:port (port 0 picks a free one) or unix:/path")
@@ -117,6 +134,10 @@ class ServiceConfig:
                              "is set)")
     pool_bytes: int = setting(0, "pool size in bytes instead of --num-pages (e.g. 512Mi, 8Gi)", parse=parse_bytes,
                               metavar="SIZE")
+    pool_memory_fraction: float = setting(0.25, "with --model and no --num-pages, --pool-bytes or "
+                                          "--gpu-memory-fraction: size the pool to this share of the free memory "
+                                          "where it lives (the GPU's; host memory, at most --shm-dir's free space, "
+                                          "for host_shm)", above=0, at_most=1)
     gpu_memory_fraction: float = setting(0.0, "size a GPU pool (cuda_ipc, cuda_vmm) to this share of the device's "
                                          "free memory at start, instead of --num-pages or --pool-bytes (0 = off)",
                                          at_least=0, at_most=1)
@@ -258,6 +279,13 @@ class ServiceConfig:
     def layout(self) -> PoolLayout:
         return PoolLayout(num_pages=self.resolved_num_pages, **self._dims())
 
+    @property
+    def memory_sizing_fraction(self) -> float:
+        """--pool-memory-fraction when --model is given without a size (then free memory sizes the pool, not
+        the default page count), else 0."""
+        sized = self.num_pages or self.pool_bytes or self.gpu_memory_fraction
+        return self.pool_memory_fraction if self.model and not sized else 0.0
+
     # ------------------------------------------------------------------ checks
 
     def validate(self) -> None:
@@ -390,7 +418,7 @@ def _flag(f: Field[Any]) -> Flag:
 
 _FIELDS = {f.name: f for f in fields(ServiceConfig)}
 FLAGS: tuple[Flag, ...] = tuple(_flag(f) for f in _FIELDS.values() if "setting" in f.metadata)
-"""Every serve flag, in declaration order: what the CLI, the README's table and the chart's checks read."""
+"""Every serve flag, in declaration order: what the CLI, docs/reference.md's table and the chart's checks read."""
 
 
 def _valid_host_port(text: str) -> bool:
@@ -429,18 +457,24 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         }
         if flag.choices:  # validated by ServiceConfig, whose message is the same on every Python
             kwargs["metavar"] = "{" + ",".join(flag.choices) + "}"
-        kwargs["type"] = flag.type
+        # No argparse `type`: its refusal names the parser function ("invalid parse_bytes value");
+        # config_from parses the text and names the flag and the accepted form.
         parser.add_argument(f"--{flag.name}", **kwargs)
 
 
 def config_from(args: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> ServiceConfig:
-    """Build a ServiceConfig: parsed command-line values win, then KVCACHE_* variables, then defaults. A bad
-    command-line value is refused by the config's own checks (naming --flag); a bad variable names itself."""
+    """Build a ServiceConfig: command-line values win, then KVCACHE_* variables, then defaults. Command-line
+    values are the flags' text (parsed here, a refusal naming --flag and the accepted form) or already parsed
+    values; a bad value is refused by the config's own checks (naming --flag); a bad variable names itself."""
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     for flag in FLAGS:
         if flag.dest in args:
-            values[flag.dest] = args[flag.dest]
+            given = args[flag.dest]
+            try:
+                values[flag.dest] = flag.type(given) if isinstance(given, str) else given
+            except ValueError as e:
+                raise ConfigError(f"--{flag.name}: {e}") from None
         elif flag.env in environ:
             raw = environ[flag.env]
             if flag.choices and raw not in flag.choices:
@@ -448,7 +482,7 @@ def config_from(args: Mapping[str, Any], environ: Mapping[str, str] | None = Non
             try:
                 values[flag.dest] = flag.type(raw)
             except ValueError as e:
-                raise ConfigError(f"{flag.env}={raw!r}: {e}") from None
+                raise ConfigError(f"{flag.env}: {e}") from None
     if values.get("model"):
         given = set(values)
         values = fit_model({n: values.get(n, _FIELDS[n].default) for n in (*MODEL_LAYOUT, "dtype")} | values, given)

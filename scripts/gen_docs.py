@@ -1,6 +1,6 @@
-"""Regenerate (or check) the README's generated sections: flags, metrics and error reasons.
+"""Regenerate (or check) the generated sections of docs/reference.md: flags, metrics and error reasons.
 
-    python scripts/gen_docs.py          # rewrite README.md between the <!-- name:start/end --> markers
+    python scripts/gen_docs.py          # rewrite docs/reference.md between the <!-- name:start/end --> markers
     python scripts/gen_docs.py --check  # exit 1 naming the stale sections
 """
 
@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+REFERENCE = ROOT / "docs" / "reference.md"
 sys.path.insert(0, str(ROOT))
 
 from cache_service.config import FLAGS  # noqa: E402
@@ -72,26 +73,25 @@ def render(text: str) -> str:
     for name, make in SECTIONS.items():
         pattern = re.compile(rf"(<!-- {name}:start -->\n)(?:.*?\n)?(<!-- {name}:end -->)", re.S)
         if not pattern.search(text):
-            raise SystemExit(f"README.md has no <!-- {name}:start --> ... <!-- {name}:end --> section")
+            raise SystemExit(f"docs/reference.md has no <!-- {name}:start --> ... <!-- {name}:end --> section")
         text = pattern.sub(lambda m, make=make: m.group(1) + make() + "\n" + m.group(2), text)
     return text
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--check", action="store_true")
     args = ap.parse_args()
-    readme = ROOT / "README.md"
-    current = readme.read_text()
+    current = REFERENCE.read_text()
     fresh = render(current)
     if args.check:
         if fresh != current:
-            print("docs-check: README.md's generated sections are stale; run 'make docs'")
+            print("docs-check: docs/reference.md's generated sections are stale; run 'make docs'")
             return 1
-        print(f"docs-check: README.md sections {', '.join(SECTIONS)} are up to date")
+        print(f"docs-check: docs/reference.md sections {', '.join(SECTIONS)} are up to date")
         return 0
-    readme.write_text(fresh)
-    print(f"docs: rewrote README.md sections {', '.join(SECTIONS)}")
+    REFERENCE.write_text(fresh)
+    print(f"docs: rewrote docs/reference.md sections {', '.join(SECTIONS)}")
     return 0
 
 

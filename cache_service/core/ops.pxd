@@ -50,4 +50,4 @@ cdef class Ops:
     cpdef Py_ssize_t _kv_after_commit(self, SessionSlot s, Py_ssize_t generated, object kv_tokens) except -1
 
     @cython.locals(cached=Py_ssize_t)
-    cpdef Py_ssize_t finish_close(self, SessionSlot s, bint cache) except -1
+    cpdef Py_ssize_t finish_close(self, SessionSlot s, bint cache, str reason=*) except -1

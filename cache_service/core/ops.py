@@ -239,29 +239,32 @@ class Ops:
                                    "(the turn's cached tokens .. context with its reserved capacity)")
         return kv_tokens
 
-    def finish_close(self, s: SessionSlot, cache: bool) -> int:
-        """Release the session's KV and forget it. Returns the context tokens now cached (cache=True)."""
+    def finish_close(self, s: SessionSlot, cache: bool, reason: str = "client") -> int:
+        """Release the session's KV and forget it; `reason` (events.CLOSE_REASONS) is why, for its event.
+        Returns the context tokens now cached (cache=True)."""
         self._slots.drop_kv(s, cache=cache)
         cached = self._slots.cached_tokens(s) if cache else 0
         self._c.session_tokens -= s.committed_tokens
         self._sessions.remove(s)
         if self.recording:
-            self._changes.append(change("closed", s))
+            self._changes.append(change("closed", s, reason))
         if s.owner:
             lease = self._leases.find(s.owner)
             if lease is not None:
                 lease.sessions.discard(s.id)
         return cached
 
-    def reap_session(self, s: SessionSlot, *, count: bool = True) -> None:
+    def reap_session(self, s: SessionSlot, *, count: bool = True, reason: str = "timeout") -> None:
         """Close `s` now, aborting its turn if one is in flight; its committed KV goes to the radix
-        (unless a deferred close asked otherwise)."""
+        (unless a deferred close asked otherwise). `reason`: why (events.CLOSE_REASONS)."""
         cache = s.close_cache if s.state is CLOSING else True
         if s.state is not IDLE:
             self._slots.abort(s)
         if count and s.parked:
             self._c.expired_parked_sessions += 1
-        self.finish_close(s, cache)
+        if s.parked and reason == "timeout":
+            reason = "parked_timeout"
+        self.finish_close(s, cache, reason)
         self._c.reaped_sessions += count
 
     def park_sessions(self, session_ids: tuple[str, ...], now: float, *, fence: bool) -> None:
@@ -274,7 +277,7 @@ class Ops:
         timeout = self.config.parked_session_timeout_seconds
         for s in sessions:
             if s.state is CLOSING:
-                self.reap_session(s, count=False)
+                self.reap_session(s, count=False, reason="lease_ended")
                 continue
             in_turn = s.state is IN_TURN
             if in_turn:

@@ -493,7 +493,7 @@ def _span(buf: bytearray, start: int, end: int) -> bytes:
     return bytes(memoryview(buf)[start:end])
 
 
-def change(kind: str, s: SessionSlot) -> SessionChange:
+def change(kind: str, s: SessionSlot, reason: str = "") -> SessionChange:
     """The event record of session `s` having been `kind` ("opened", "closed", "demoted", "parked" (engine_id:
-    the former owner), "adopted" (engine_id: the new owner))."""
-    return SessionChange(kind, s.id, s.epoch, s.cache_salt, s.streaming, s.owner, s.identity)
+    the former owner), "adopted" (engine_id: the new owner)); `reason`: why it closed (events.CLOSE_REASONS)."""
+    return SessionChange(kind, s.id, s.epoch, s.cache_salt, s.streaming, s.owner, s.identity, reason)

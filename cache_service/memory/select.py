@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
@@ -43,6 +45,11 @@ class PoolSettings(Protocol):
     def gpu_memory_fraction(self) -> float:
         """Share of the GPU's free memory a GPU pool takes (0: sized by the layout's num_pages)."""
 
+    @property
+    def memory_sizing_fraction(self) -> float:
+        """Share of the free memory where the pool lives (the GPU's, or the host's) that sizes it when no size
+        was given (0: sized by the layout's num_pages)."""
+
     def layout(self) -> PoolLayout: ...
 
 
@@ -66,10 +73,22 @@ class CudaProbe:
     vmm: VmmProbe = VmmProbe(False, "")
 
 
-def probe_cuda() -> CudaProbe:
+NO_GPU = "no NVIDIA GPU device in {dev}"
+"""Why not, when the host has no GPU at all: said before any missing package (cupy is beside the point)."""
+
+
+def has_nvidia_device(dev: str = "/dev") -> bool:
+    """Whether `dev` holds an NVIDIA GPU device node (nvidia0, nvidia1, ...), as the driver (or a container
+    runtime passing GPUs through) creates it."""
+    return any(name.removeprefix("nvidia").isdigit() for name in os.listdir(dev) if name.startswith("nvidia"))
+
+
+def probe_cuda(dev: str = "/dev") -> CudaProbe:
     try:
         import cupy
     except ImportError:
+        if not has_nvidia_device(dev):
+            return CudaProbe(False, NO_GPU.format(dev=dev))
         return CudaProbe(False, "cupy is not installed (pip install 'kvcache[cuda]')")
     try:
         count = int(cupy.cuda.runtime.getDeviceCount())
@@ -127,6 +146,29 @@ class PoolChoice:
     pool: PoolBackend
     why: str
     removed_stale: tuple[str, ...] = ()
+    sized: str = ""
+    """How free memory sized the pool ("" when the flags gave its size)."""
+
+
+def host_free_bytes(backend: str, shm_dir: str, meminfo: str = "/proc/meminfo",
+                    cgroup: str = "/sys/fs/cgroup") -> int:
+    """Host memory a host pool can take now: MemAvailable, within this cgroup's memory.max (a container's
+    limit, which /proc/meminfo does not show), and for host_shm at most the free space of --shm-dir (a
+    tmpfs, often smaller than memory in a container)."""
+    with open(meminfo) as f:
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    try:
+        with open(os.path.join(cgroup, "memory.max")) as f:
+            limit = f.read().strip()
+        with open(os.path.join(cgroup, "memory.current")) as f:
+            used = int(f.read().strip())
+        if limit.isdigit():
+            available = min(available, max(int(limit) - used, 0))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 limit to read
+    if backend == "host_shm":
+        available = min(available, shutil.disk_usage(shm_dir).free)
+    return available
 
 
 def _size_flag(config: PoolSettings) -> str:
@@ -189,12 +231,15 @@ def gpu_free_bytes(backend: str, device: str) -> int:
                         f"({_one_line(e)}); use --pool-bytes") from None
 
 
-def fraction_layout(config: PoolSettings, free_bytes: int) -> PoolLayout:
-    """The layout with as many whole pages as --gpu-memory-fraction of `free_bytes` holds."""
+def fraction_layout(config: PoolSettings, free_bytes: int, fraction: float | None = None,
+                    flag: str = "--gpu-memory-fraction") -> PoolLayout:
+    """The layout with as many whole pages as `fraction` (default --gpu-memory-fraction) of `free_bytes`
+    holds; `flag` is named in the refusal."""
+    fraction = config.gpu_memory_fraction if fraction is None else fraction
     layout = config.layout()
-    pages = int(free_bytes * config.gpu_memory_fraction) // layout.bytes_per_page
+    pages = int(free_bytes * fraction) // layout.bytes_per_page
     if pages < 2:
-        raise PoolError(f"--gpu-memory-fraction {config.gpu_memory_fraction} of {format_bytes(free_bytes)} free "
+        raise PoolError(f"{flag} {fraction} of {format_bytes(free_bytes)} free "
                         f"holds {pages} page(s) of {format_bytes(layout.bytes_per_page)}; a pool needs 2")
     return replace(layout, num_pages=pages)
 
@@ -220,10 +265,12 @@ GPU_MISSING: dict[str, Callable[[CudaProbe], str]] = {
 
 
 def create_pool(config: PoolSettings, instance_id: str, probe: Callable[[], CudaProbe] | None = None,
-                free_bytes: Callable[[str, str], int] = gpu_free_bytes) -> PoolChoice:
+                free_bytes: Callable[[str, str], int] = gpu_free_bytes,
+                host_free: Callable[[str, str], int] = host_free_bytes) -> PoolChoice:
     """Create the configured pool (`choose_auto` decides `auto`); the returned `why` says which and why (it
     goes in the start line). `probe` defaults to `probe_gpu` on --device; `free_bytes(backend, device)`
-    sizes a pool by --gpu-memory-fraction."""
+    sizes a pool by --gpu-memory-fraction, and with `host_free(backend, shm_dir)` a pool sized by
+    `memory_sizing_fraction` (the returned `sized` says how)."""
     backend = config.backend
     if probe is None:
         probe = functools.partial(probe_gpu, config.device)
@@ -242,7 +289,17 @@ def create_pool(config: PoolSettings, instance_id: str, probe: Callable[[], Cuda
         free = free_bytes(backend, config.device)
         layout = fraction_layout(config, free)
         why += f"; {config.gpu_memory_fraction:g} of {format_bytes(free)} free"
+    sized = ""
+    if config.memory_sizing_fraction and not config.gpu_memory_fraction:
+        fraction = config.memory_sizing_fraction
+        if backend in GPU_MISSING:
+            free, where = free_bytes(backend, config.device), f"GPU {config.device}'s free memory"
+        else:
+            free = host_free(backend, config.shm_dir)
+            where = "free host memory" + (f", at most {config.shm_dir}'s free space," if backend == "host_shm" else "")
+        layout = fraction_layout(config, free, fraction, "--pool-memory-fraction")
+        sized = f"{fraction:g} of {format_bytes(free)} {where} (--pool-memory-fraction; --pool-bytes sets a size)"
     removed: tuple[str, ...] = ()
     if backend == "host_shm":
         removed = tuple(str(p) for p in remove_stale_pools(config.shm_dir, config.shm_prefix))
-    return PoolChoice(BACKENDS[backend](config, layout, instance_id), why, removed)
+    return PoolChoice(BACKENDS[backend](config, layout, instance_id), why, removed, sized)

@@ -45,6 +45,14 @@ from cache_service.core.events import Cleared, Record, Removed, SessionChange, S
 from cache_service.log import get_logger
 from protos.kvcache.v1 import kvcache_pb2 as pb
 
+CLOSE_REASONS = {
+    "": pb.SESSION_CLOSE_REASON_UNSPECIFIED,
+    "client": pb.SESSION_CLOSE_REASON_CLIENT,
+    "timeout": pb.SESSION_CLOSE_REASON_TIMEOUT,
+    "lease_ended": pb.SESSION_CLOSE_REASON_LEASE_ENDED,
+    "parked_timeout": pb.SESSION_CLOSE_REASON_PARKED_TIMEOUT,
+}
+"""The core's close reasons (core.events.CLOSE_REASONS) on the wire."""
 SALT_LORA_PREFIX = "cache_salt:"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The replay end marker's seq frame."""
@@ -114,7 +122,8 @@ def proto_event(record: Record, medium: str, page_size: int, tier_medium: str = 
             session_id=record.session_id, epoch=record.epoch, streaming=record.streaming,
             cache_salt=record.cache_salt, engine_id=record.engine_id))
     if record.kind == "closed":
-        return pb.KvEvent(session_closed=pb.SessionClosed(session_id=record.session_id, epoch=record.epoch))
+        return pb.KvEvent(session_closed=pb.SessionClosed(session_id=record.session_id, epoch=record.epoch,
+                                                          reason=CLOSE_REASONS[record.reason]))
     if record.kind == "parked":
         return pb.KvEvent(session_parked=pb.SessionParked(session_id=record.session_id, epoch=record.epoch,
                                                           former_engine_id=record.engine_id))

@@ -55,7 +55,13 @@ def claim_unix_path(path: str, purpose: str) -> str:
 def _claim(listen: str) -> str:
     """Refuse an address in use; return the path of a stale unix socket file it removed ("" if none)."""
     if listen.startswith("unix:"):
-        return claim_unix_path(listen[len("unix:"):], f"listen on {listen}")
+        path = listen[len("unix:"):]
+        parent = os.path.dirname(path) or "/"
+        if not os.path.isdir(parent):
+            # grpc would log its C-core's add_port failure first; refuse in one line naming the flag.
+            raise OSError(f"--listen {listen}: directory {parent} does not exist; create it, or give a socket path "
+                          "in an existing directory")
+        return claim_unix_path(path, f"listen on {listen}")
     host, _, port = listen.rpartition(":")
     if int(port) == 0:
         return ""

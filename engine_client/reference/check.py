@@ -53,18 +53,19 @@ def model_for(layout: PoolLayout, *, head_dim: int | None = None) -> ModelConfig
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--target", default=None, help="host:port or unix:/path (default $KVCACHE_TARGET or local)")
-    ap.add_argument("--mode", choices=("streaming", "regular"), default="streaming")
-    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--mode", choices=("streaming", "regular"), default="streaming",
+                    help="session kind (default %(default)s)")
+    ap.add_argument("--turns", type=int, default=6, help="turns to run and check (default %(default)s)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the user turns")
     ap.add_argument("--system-seed", type=int, default=1000, help="seed of the system prompt")
     ap.add_argument("--system-tokens", type=int, default=0, help="shared system prompt length")
-    ap.add_argument("--input-tokens", type=int, default=12)
-    ap.add_argument("--output-tokens", type=int, default=6)
+    ap.add_argument("--input-tokens", type=int, default=12, help="new user tokens per turn (default %(default)s)")
+    ap.add_argument("--output-tokens", type=int, default=6, help="tokens generated per turn (default %(default)s)")
     ap.add_argument("--abort-turn", type=int, default=0, help="abort this turn after 2 generated tokens")
-    ap.add_argument("--session-id", default="")
-    ap.add_argument("--cache-salt", default="")
+    ap.add_argument("--session-id", default="", help="session id (default: one the service makes)")
+    ap.add_argument("--cache-salt", default="", help="cache salt of the session (default: none)")
     ap.add_argument("--close-cache", action="store_true", help="close with cache=true")
     ap.add_argument("--tolerance", type=float, default=None,
                     help="largest logit difference accepted (default by dtype: float32 1e-4, float16 1e-2, "

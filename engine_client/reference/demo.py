@@ -35,11 +35,11 @@ from engine_client.reference.workload import (
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     add_workload_arguments(ap, turns=40)
     ap.add_argument("--batch-requests", type=int, default=48, help="requests for the continuous-batching part "
-                                                                   "(0 skips it)")
-    ap.add_argument("--max-batch", type=int, default=16, help="requests decoding together")
+                                                                   "(0 skips it; default %(default)s)")
+    ap.add_argument("--max-batch", type=int, default=16, help="requests decoding together (default %(default)s)")
     args = ap.parse_args(argv)
     modes = args.modes.split(",")
     torch.set_num_threads(1)  # one thread per chat; the chats are the parallelism

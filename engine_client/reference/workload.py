@@ -67,11 +67,12 @@ class Results:
 
 def add_workload_arguments(parser: argparse.ArgumentParser, *, turns: int) -> None:
     """The flags of a `Workload` (and --modes), shared by `make demo` and bench/session_latency.py."""
-    parser.add_argument("--sessions", type=int, default=4, help="concurrent chats")
-    parser.add_argument("--turns", type=int, default=turns)
-    parser.add_argument("--input-tokens", type=int, default=16)
-    parser.add_argument("--output-tokens", type=int, default=8)
-    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES))
+    parser.add_argument("--sessions", type=int, default=4, help="concurrent chats (default %(default)s)")
+    parser.add_argument("--turns", type=int, default=turns, help="turns of each chat (default %(default)s)")
+    parser.add_argument("--input-tokens", type=int, default=16, help="new user tokens per turn (default %(default)s)")
+    parser.add_argument("--output-tokens", type=int, default=8, help="tokens generated per turn (default %(default)s)")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES)
+                        + " (default: all)")
 
 
 def workload_from(args: argparse.Namespace) -> Workload:

@@ -86,9 +86,10 @@ def ttft(outputs: list[dict[str, Any]]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="make vllm-demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="make vllm-demo", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--keep", action="store_true", help="keep the work directory (model, logs)")
-    p.add_argument("--doc-tokens", type=int, default=512)
+    p.add_argument("--doc-tokens", type=int, default=512, help="tokens of each of the 4 documents the questions "
+                                                              "share (default %(default)s)")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="kvcache-vllm-demo-"))
     python = sys.executable

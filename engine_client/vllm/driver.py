@@ -154,7 +154,8 @@ class EngineProcess:
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m engine_client.vllm.driver", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m engine_client.vllm.driver", description=__doc__.split("\n\n")[0],
+                                allow_abbrev=False)
     p.add_argument("--model", required=True, help="a checkpoint directory (see save-model)")
     p.add_argument("--kvcache", default="", help="kvcache target (host:port or unix:/path); empty: vLLM alone")
     p.add_argument("--kvcache-extra", default="{}", help="more kv_connector_extra_config keys, as JSON")
@@ -172,7 +173,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def _save_model_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m engine_client.vllm.driver save-model")
+    p = argparse.ArgumentParser(prog="python -m engine_client.vllm.driver save-model", allow_abbrev=False)
     p.add_argument("--family", choices=FAMILIES, default="llama")
     p.add_argument("--out", required=True)
     for name, default in (("layers", 2), ("hidden", 128), ("heads", 2), ("kv-heads", 2), ("head-dim", 64),

@@ -55,7 +55,7 @@ def test_a_cached_session_announces_its_full_pages_and_eviction_removes_them(mak
     assert records == [
         SessionChange("opened", "s", 1, "", False, "", "alice"),
         Stored("", None, [H1, H2], [1, 2, 3, 4, 5, 6, 7, 8]),
-        SessionChange("closed", "s", 1, "", False, "", "alice"),
+        SessionChange("closed", "s", 1, "", False, "", "alice", "client"),
     ]
     # The same prefix again: the pages are duplicates, nothing new enters; one more page does.
     core.open_session("t")
@@ -117,3 +117,28 @@ def test_a_late_start_hashes_the_tree_and_its_snapshot_matches_live_recording(ma
         assert r.parent_hash is None or r.parent_hash in seen
         seen.update(r.hashes)
         assert r.token_ids.size == 4 * len(r.hashes)
+
+
+def test_a_closed_session_says_why_it_closed(make_core, clock: FakeClock) -> None:
+    """Client, timeout, lease end (released, expired, a held stream gone), and a close deferred to a turn's end."""
+    core = make_core(num_pages=16, page_size=4)
+    core.start_events()
+    core.open_session("by-client")
+    core.open_session("deferred")
+    core.append("deferred", toks(1, 2), 0)
+    core.close("by-client")
+    core.close("deferred")  # a turn in flight: it closes when the turn ends
+    core.commit("deferred", toks(3))
+    core.open_session("idle", timeout_seconds=5)
+    for engine in ("released", "expired"):
+        core.register_engine(engine, ttl_seconds=10)
+        core.open_session(f"of-{engine}", engine_id=engine)
+    held = core.register_engine("held", held=True)
+    core.open_session("of-held", engine_id="held")
+    core.unregister_engine("released")
+    core.end_held_lease("held", held.serial)
+    clock.advance(11)  # past idle's timeout and expired's TTL
+    core.reap()
+    closed = [(r.session_id, r.reason) for r in core.take_events() if r.kind == "closed"]
+    assert closed == [("by-client", "client"), ("deferred", "client"), ("of-released", "lease_ended"),
+                      ("of-held", "lease_ended"), ("of-expired", "lease_ended"), ("idle", "timeout")]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -12,12 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from cache_service.memory.select import probe_cuda_vmm
+from cache_service.memory.select import probe_cuda, probe_cuda_vmm
 from engine_client import KVCacheClient
 
 from .conftest import REPO, ServerProcess
 
 CLI = [sys.executable, "-m", "cache_service"]
+NO_GPU = probe_cuda().reason
+"""Why auto found no GPU for cuda_ipc here: no NVIDIA device node on a machine without a GPU (the tests run on
+CPU; tests/memory/test_cuda_ipc.py pins each wording)."""
 NO_VMM = probe_cuda_vmm().reason
 """Why this machine has no cuda_vmm, as the service words it: cuda-python is an optional extra, so the words
 depend on whether it is installed (tests/memory/test_cuda_vmm.py pins each wording with fakes)."""
@@ -34,7 +39,7 @@ def test_the_start_line_says_where_what_and_how_to_try_it(start_server: Callable
     assert re.fullmatch(rf"kvcache-service 0\.1\.0 listening on 127\.0\.0\.1:\d+ \(instance {server.instance_id}\)",
                         head)
     assert backend == (f"  backend  host_shm: /dev/shm/{server.shm_prefix}-{server.instance_id}.pool "
-                       "(auto: cupy is not installed (pip install 'kvcache[cuda]'))")
+                       f"(auto: {NO_GPU})")
     assert pool == ("  pool     512 pages x 8 tokens = 4,096 tokens, 8.0 MiB "
                     "(2 layers, 4 kv heads x 64, float16, 8 tokens/page)")
     assert metrics == "  metrics  disabled (--metrics-port)"
@@ -55,10 +60,33 @@ def test_serve_model_takes_the_layout_from_a_model_directory(start_server: Calla
     assert server.banner[2] == f"  model    {model}: Qwen2ForCausalLM, 28 layers, 4 kv heads x 128, bfloat16\n"
     assert server.banner[3] == ("  pool     72 pages x 16 tokens = 1,152 tokens, 63.9 MiB "
                                 "(28 layers, 4 kv heads x 128, bfloat16, 16 tokens/page)\n")
+    assert server.banner[4] == ("  sizing   --pool-bytes 64.0 MiB; a session holds at most 1,152 tokens "
+                                "(--max-session-tokens 131,072 is more than the pool holds)\n")
     with KVCacheClient(server.target) as client:
         layout = client.get_pool_info().layout
     assert (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype, layout.num_pages) == (
         28, 4, 128, "bfloat16", 73)
+
+
+def test_serve_model_without_a_size_takes_a_share_of_free_memory(start_server: Callable[..., ServerProcess]) -> None:
+    """No --num-pages / --pool-bytes: --pool-memory-fraction of the free host memory (here a small share, as
+    free memory varies), said on the start line with the flag to change it; sessions capped at the pool."""
+    server = start_server("--model", str(Path(REPO) / "tests" / "models" / "qwen2-7b.json"),
+                          "--pool-memory-fraction", "0.001")
+    pool = re.fullmatch(r"  pool     (\d+) pages x 16 tokens = ([\d,]+) tokens, .*\n", server.banner[3])
+    assert pool is not None
+    pages, tokens = int(pool.group(1)), pool.group(2)
+    assert int(tokens.replace(",", "")) == 16 * pages
+    sizing = re.fullmatch(r"  sizing   0\.001 of ([\d.]+) GiB free host memory, at most /dev/shm's free space, "
+                          r"\(--pool-memory-fraction; --pool-bytes sets a size\); a session holds at most "
+                          rf"{tokens} tokens \(--max-session-tokens 131,072 is more than the pool holds\)\n",
+                          server.banner[4])
+    assert sizing is not None, server.banner[4]
+    free_gib = float(sizing.group(1))  # printed to 0.1 GiB; a page of Qwen2-7B's layout is 917,504 bytes
+    low, high = (int((free_gib + d) * 2**30 * 0.001) // 917504 for d in (-0.05, 0.05))
+    assert low <= pages + 1 <= high  # page 0 is not counted on the start line
+    with KVCacheClient(server.target) as client:
+        assert client.get_pool_info().layout.num_pages == pages + 1
 
 
 def test_serve_model_refuses_a_sliding_window_model_in_one_line() -> None:
@@ -102,22 +130,28 @@ def test_environment_variables_configure_and_flags_win(start_server: Callable[..
         (["--num-pages", "1"], {}, "kvcache-service: error: --num-pages: must be >= 2 (page 0 is reserved)"),
         (["--backend", "tpu"], {}, "kvcache-service: error: --backend: 'tpu' is not one of auto, host_shm, "
                                    "host_memfd, cuda_ipc, cuda_vmm"),
-        (["--pool-bytes", "12xx"], {}, "kvcache-service serve: error: argument --pool-bytes: invalid parse_bytes "
-                                       "value: '12xx' (see --help)"),
+        (["--pool-bytes", "12xx"], {}, "kvcache-service: error: --pool-bytes: not a byte size: '12xx' (use e.g. "
+                                       "512Mi, 2Gi, 1G or a plain number)"),
+        (["--metrics-port", "abc"], {}, "kvcache-service: error: --metrics-port: not a port: 'abc' (use off or a "
+                                        "number in 0..65535)"),
+        (["--lease-ttl", "soon"], {}, "kvcache-service: error: --lease-ttl: not a number: 'soon' (e.g. 0.5 or 30)"),
+        (["--num-page", "10"], {}, "kvcache-service: error: unrecognized arguments: --num-page 10 (see --help)"),
+        ([], {"KVCACHE_POOL_BYTES": "1x"}, "kvcache-service: error: KVCACHE_POOL_BYTES: not a byte size: '1x' (use "
+                                           "e.g. 512Mi, 2Gi, 1G or a plain number)"),
         (["--num-pages", "64", "--pool-bytes", "1Mi"], {},
          "kvcache-service: error: --pool-bytes: set --num-pages or --pool-bytes, not both"),
         (["--listen", "nowhere"], {}, "kvcache-service: error: --listen: 'nowhere' is not host:port or "
                                       "unix:/absolute/path"),
-        ([], {"KVCACHE_NUM_PAGES": "many"}, "kvcache-service: error: KVCACHE_NUM_PAGES='many': invalid literal "
-                                            "for int() with base 10: 'many'"),
+        ([], {"KVCACHE_NUM_PAGES": "many"}, "kvcache-service: error: KVCACHE_NUM_PAGES: not a whole number: 'many' "
+                                            "(e.g. 1024)"),
         ([], {"KVCACHE_BACKEND": "tpu"}, "kvcache-service: error: KVCACHE_BACKEND='tpu': must be one of auto, "
                                          "host_shm, host_memfd, cuda_ipc, cuda_vmm"),
         (["--session-budget-fraction", "1.5"], {}, "kvcache-service: error: --session-budget-fraction: must be in "
                                                    "[0, 1], got 1.5"),
         (["--shm-dir", "/nonexistent/dir"], {}, "kvcache-service: error: --shm-dir /nonexistent/dir does not "
                                                 "exist or is not a directory"),
-        (["--backend", "cuda_ipc"], {}, "kvcache-service: error: --backend cuda_ipc needs a GPU: cupy is not "
-                                        "installed (pip install 'kvcache[cuda]'); use --backend host_shm"),
+        (["--backend", "cuda_ipc"], {}, f"kvcache-service: error: --backend cuda_ipc needs a GPU: {NO_GPU}; use "
+                                        "--backend host_shm"),
         (["--backend", "cuda_vmm"], {}, f"kvcache-service: error: --backend cuda_vmm needs a GPU: {NO_VMM}; use "
                                         "--backend host_shm"),
         (["--tenants-file", "/nonexistent/tenants.yaml"], {},
@@ -219,3 +253,57 @@ def test_events_prints_one_line_per_event(server: ServerProcess) -> None:
     with KVCacheClient(server.target) as client:
         client.close_session("cached")
         client.close_session("open")
+    after = run_cli("events", "--target", server.target, "--from-seq", str(int(seq) + 1), "--count", "2")
+    assert [line.split(" ", 2)[2] for line in after.stdout.splitlines()] == [
+        "session closed cached epoch=1 reason=client", "session closed open epoch=2 reason=client"]
+
+
+def test_a_busy_metrics_port_is_refused_in_one_line_naming_the_flag() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = run_cli("serve", "--listen", "127.0.0.1:0", "--metrics-port", str(port), "--shm-prefix",
+                       "kvtest-metrics-busy")
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr.splitlines() == [f"kvcache-service: error: --metrics-port: 127.0.0.1:{port} is in use (another "
+                                        "kvcache-service?); pick another port, 0 for a free one, or off"]
+    assert not list(Path("/dev/shm").glob("kvtest-metrics-busy-*"))  # the pool it made is gone
+
+
+def test_a_unix_socket_in_a_missing_directory_is_refused_in_one_line(tmp_path: Path) -> None:
+    listen = f"unix:{tmp_path}/missing/kvcache.sock"
+    proc = run_cli("serve", "--listen", listen, "--shm-prefix", "kvtest-unix-missing")
+    assert (proc.returncode, proc.stdout) == (1, "")
+    assert proc.stderr.splitlines() == [f"kvcache-service: error: --listen {listen}: directory {tmp_path}/missing "
+                                        "does not exist; create it, or give a socket path in an existing directory"]
+
+
+def test_on_call_tools_take_kvcache_target_and_no_abbreviations(server: ServerProcess) -> None:
+    health = run_cli("health", env={"KVCACHE_TARGET": server.target})
+    assert (health.returncode, health.stdout) == (0, f"{server.target}: SERVING\n")
+    abbreviated = run_cli("health", "--targ", server.target)
+    assert (abbreviated.returncode, abbreviated.stderr) == (
+        2, f"kvcache-service: error: unrecognized arguments: --targ {server.target} (see --help)\n")
+
+
+def test_stats_into_a_closed_pipe_stops_quietly(server: ServerProcess) -> None:
+    """`stats | head -1`: the reader is gone before the table is written; no BrokenPipeError traceback."""
+    proc = subprocess.Popen([*CLI, "stats", "--target", server.target], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    assert (proc.wait(timeout=30), proc.stderr.read()) == (141, "")  # as a command SIGPIPE stopped
+
+
+def test_json_output_is_snake_case_as_the_proto_and_grpcurl(server: ServerProcess) -> None:
+    with KVCacheClient(server.target) as client:
+        client.open_session("json-1")
+        stats = json.loads(run_cli("stats", "--target", server.target, "--json").stdout)
+        sessions = json.loads(run_cli("sessions", "--target", server.target, "--json").stdout)
+        events = json.loads(run_cli("events", "--target", server.target, "--json", "--count", "1").stdout)
+        client.close_session("json-1")
+    assert (stats["free_pages"], stats["page_size"], stats["sessions_idle"]) == (255, 4, 1)
+    assert "freePages" not in stats
+    assert sessions["sessions"][0]["session_id"] == "json-1" and sessions["total"] == 1
+    assert [e["session_opened"]["session_id"] for e in events["events"] if "session_opened" in e] == ["json-1"]

@@ -1,4 +1,5 @@
-"""Every README example marked `<!-- example: NAME -->` runs against a real server."""
+"""Every example marked `<!-- example: NAME -->` in README.md and docs/*.md runs against a real server, as
+printed (the default target replaced by the test server's); the start-line sample is the real start line."""
 
 from __future__ import annotations
 
@@ -6,13 +7,17 @@ import json
 import re
 import subprocess
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 from .conftest import REPO, ServerProcess
 
 README = (REPO / "README.md").read_text()
-EXAMPLES = dict(re.findall(r"<!-- example: ([\w-]+) -->\n```\w+\n(.*?)```", README, re.S))
+DOCS = {path: path.read_text() for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]}
+EXAMPLE = re.compile(r"<!-- example: ([\w-]+) -->\n```\w+\n(.*?)```", re.S)
+EXAMPLES = {name: code for text in DOCS.values() for name, code in EXAMPLE.findall(text)}
 DEFAULT_TARGET = "127.0.0.1:50051"
 
 
@@ -25,16 +30,43 @@ def run_example(name: str, server: ServerProcess) -> subprocess.CompletedProcess
     return proc
 
 
+def printed_after(marker: str) -> str:
+    """The README's text block right after `marker`'s example block: the output it shows."""
+    m = re.search(rf"<!-- example: {marker} -->\n```\w+\n.*?```\n.*?```text\n(.*?)```", README, re.S)
+    assert m is not None, f"no output block after the {marker} example"
+    return m.group(1)
+
+
 def test_the_readme_has_the_examples_this_test_runs() -> None:
     assert sorted(EXAMPLES) == ["grpcurl-explore", "grpcurl-session", "grpcurl-step", "on-call", "python-engine",
-                                "python-hf", "python-step"]
+                                "python-hf", "python-step", "tier-match", "tier-store"]
+    assert sum(len(EXAMPLE.findall(text)) for text in DOCS.values()) == len(EXAMPLES)  # no name used twice
     assert README.startswith("# kvcache\n\n```bash\nmake run ")
     assert README.splitlines()[4].startswith("make test ")
 
 
+def test_the_readme_reads_in_minutes() -> None:
+    """The front door: what, why, the two commands, one section per path; reference material is in docs/."""
+    assert len(README.splitlines()) <= 400
+    sections = re.findall(r"(?m)^## (.+)$", README)
+    assert sections == ["Prerequisites", "Quick start", "grpcurl", "Python engines", "Hugging Face transformers",
+                        "vLLM", "The reference engine and `make demo`", "Sessions",
+                        "Tiers: disk and Mooncake Store", "Kubernetes (Helm)", "On call"]
+    for link in re.findall(r"\]\(((?:docs/|helm/|SECURITY)[^)#]*)", README):
+        assert (REPO / link).exists(), link
+
+
 @pytest.fixture
-def default_layout_server(start_server) -> ServerProcess:  # type: ignore[no-untyped-def]
+def default_layout_server(start_server: Callable[..., ServerProcess]) -> ServerProcess:
     return start_server()  # the embedded default layout, as `make run` serves it
+
+
+def test_the_start_line_sample_is_what_make_run_prints(default_layout_server: ServerProcess) -> None:
+    m = re.search(r"<!-- banner -->\n```text\n(.*?)```", README, re.S)
+    assert m is not None
+    sample = m.group(1).replace("61cbb237ee624426", default_layout_server.instance_id)
+    sample = sample.replace("/dev/shm/kvcache-", f"/dev/shm/{default_layout_server.shm_prefix}-")
+    assert sample.replace(DEFAULT_TARGET, default_layout_server.address) == "".join(default_layout_server.banner)
 
 
 def test_grpcurl_explore(default_layout_server: ServerProcess) -> None:
@@ -81,11 +113,27 @@ def test_on_call_example(default_layout_server: ServerProcess) -> None:
     assert "invariant check" in out and "0 session(s)" in out and ": SERVING" in out
 
 
-def test_flags_and_metrics_tables_are_generated_and_current() -> None:
+def test_tier_examples_across_a_restart(start_server: Callable[..., ServerProcess], tmp_path: Path) -> None:
+    """The tier section: `make run ARGS="--tier disk --tier-dir DIR --page-size 4"`, a prompt stored, the
+    service stopped and started again on the same directory, and MatchPrefix answers what the README shows."""
+    flags = re.search(r'make run ARGS="(--tier disk --tier-dir \S+ --page-size 4)"', README)
+    assert flags is not None
+    args = flags.group(1).replace("/var/tmp/kvcache-tier", str(tmp_path / "tier")).split()
+    first = start_server(*args)
+    stored = run_example("tier-store", first).stdout
+    assert '"cached_tokens": 8' in stored  # the close: 2 full pages of the 10 committed tokens
+    code, _ = first.terminate()  # Ctrl-C: it offloads what is resident before it stops
+    assert code == 0
+    second = start_server(*args)
+    assert json.loads(run_example("tier-match", second).stdout) == json.loads(printed_after("tier-match"))
+
+
+def test_reference_tables_are_generated_and_current() -> None:
     proc = subprocess.run([sys.executable, "scripts/gen_docs.py", "--check"], cwd=REPO, capture_output=True,
                           text=True)
     assert proc.returncode == 0, proc.stdout
-    assert README.count("| `--") == len(__import__("cache_service.config", fromlist=["FLAGS"]).FLAGS)
+    reference = (REPO / "docs" / "reference.md").read_text()
+    assert reference.count("| `--") == len(__import__("cache_service.config", fromlist=["FLAGS"]).FLAGS)
 
 
 def test_python_hf_example(default_layout_server: ServerProcess) -> None:

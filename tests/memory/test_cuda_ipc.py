@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import types
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -127,9 +128,13 @@ def _fake_cupy(count: Any) -> types.ModuleType:
     return cupy
 
 
-def test_probe_without_cupy_driver_or_device(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_probe_without_cupy_driver_or_device(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy -> ImportError
-    assert probe_cuda() == CudaProbe(False, "cupy is not installed (pip install 'kvcache[cuda]')")
+    assert probe_cuda(str(tmp_path)) == CudaProbe(False, f"no NVIDIA GPU device in {tmp_path}")  # no GPU at all
+    (tmp_path / "nvidiactl").touch()
+    assert probe_cuda(str(tmp_path)) == CudaProbe(False, f"no NVIDIA GPU device in {tmp_path}")  # a driver node only
+    (tmp_path / "nvidia0").touch()  # a GPU, and no cupy to use it
+    assert probe_cuda(str(tmp_path)) == CudaProbe(False, "cupy is not installed (pip install 'kvcache[cuda]')")
 
     def no_driver() -> int:
         raise RuntimeError("cudaErrorInsufficientDriver: CUDA driver version is insufficient\n(trace)")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,6 +21,7 @@ from cache_service.memory.select import (
     choose_auto,
     create_pool,
     gpu_free_bytes,
+    host_free_bytes,
     probe_cuda_vmm,
 )
 from tests.fakes import FREE_BYTES, GRANULARITY, HANDLE, UUIDS, VA, FakeVmmDriver, ScriptedCuda, plain_arg
@@ -395,6 +398,75 @@ def test_a_fraction_too_small_for_two_pages_is_refused(backends: _Recorder) -> N
     assert str(err.value) == ("--gpu-memory-fraction 0.001 of 2.0 GiB free holds 1 page(s) of 2.0 MiB; a pool "
                               "needs 2")
     assert backends.made == []
+
+
+class _Unmade:
+    def close(self) -> None:
+        pass
+
+
+def unmade(backends: _Recorder) -> None:
+    """Host pools recorded but not made: the sizes these tests compute are gigabytes."""
+    for name in ("host_shm", "host_memfd"):
+        backends.real[name] = lambda config, layout, instance_id: _Unmade()
+
+
+MODEL = str(Path(__file__).parents[1] / "models" / "llama-3.1-8b.json")
+"""Llama 3.1 8B's layout: 32 layers, 8 KV heads x 128, bfloat16, so 2 MiB a page of 16 tokens."""
+
+
+@pytest.mark.parametrize(("backend", "probe", "sized"), [
+    ("auto", CudaProbe(False, "no NVIDIA GPU device in /dev", NO_CUDA_PYTHON),
+     "0.25 of 10.0 GiB free host memory, at most /dev/shm's free space, (--pool-memory-fraction; --pool-bytes sets a "
+     "size)"),
+    ("host_memfd", CudaProbe(False, "no NVIDIA GPU device in /dev", NO_CUDA_PYTHON),
+     "0.25 of 10.0 GiB free host memory (--pool-memory-fraction; --pool-bytes sets a size)"),
+    ("auto", CudaProbe(True, IPC.reason, VMM),
+     "0.25 of 10.0 GiB GPU 0's free memory (--pool-memory-fraction; --pool-bytes sets a size)"),
+])
+def test_a_model_without_a_size_takes_a_fraction_of_the_free_memory(backends: _Recorder, backend: str,
+                                                                     probe: CudaProbe, sized: str) -> None:
+    """`serve --model` with no --num-pages / --pool-bytes: --pool-memory-fraction (default 0.25) of the free
+    memory where the pool lives, the GPU's or the host's, instead of the default 1,024 pages."""
+    asked: list[tuple[str, str]] = []
+
+    def free(backend: str, where: str) -> int:
+        asked.append((backend, where))
+        return 10 * 2**30
+
+    unmade(backends)
+    config = ServiceConfig(backend=backend, model=MODEL, shm_prefix="kvtest-sized")
+    choice = create_pool(config, "x", probe=lambda: probe, free_bytes=free, host_free=free)
+    assert backends.layouts[0].num_pages == 1280  # 0.25 of 10 GiB in whole 2 MiB pages
+    assert choice.sized == sized
+    assert asked == [(backends.made[0], "0" if backends.made[0] == "cuda_vmm" else "/dev/shm")]
+    choice.pool.close()
+
+
+def test_a_model_with_a_size_is_not_sized_by_memory(backends: _Recorder) -> None:
+    unmade(backends)
+    for sizing in ({"num_pages": 10}, {"pool_bytes": 64 << 20}):
+        config = ServiceConfig(backend="host_memfd", model=MODEL, **sizing)  # type: ignore[arg-type]
+        choice = create_pool(config, "x", probe=lambda: CudaProbe(False, "none", NO_CUDA_PYTHON),
+                             host_free=lambda backend, where: pytest.fail("asked for free memory"))
+        assert choice.sized == ""
+        choice.pool.close()
+    assert [layout.num_pages for layout in backends.layouts] == [10, 32]
+
+
+def test_host_free_bytes_reads_mem_available_and_the_shm_dir(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:   2048 kB\n")
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    assert host_free_bytes("host_memfd", str(tmp_path), str(meminfo), str(cgroup)) == 2048 * 1024  # no limit file
+    assert host_free_bytes("host_shm", str(tmp_path), str(meminfo), str(cgroup)) == min(
+        2048 * 1024, shutil.disk_usage(tmp_path).free)
+    (cgroup / "memory.max").write_text("max\n")
+    (cgroup / "memory.current").write_text("4096\n")
+    assert host_free_bytes("host_memfd", str(tmp_path), str(meminfo), str(cgroup)) == 2048 * 1024  # no limit
+    (cgroup / "memory.max").write_text("1052672\n")  # a container's limit: 1 MiB left beyond the 4 KiB used
+    assert host_free_bytes("host_memfd", str(tmp_path), str(meminfo), str(cgroup)) == 1 << 20
 
 
 def test_the_free_memory_comes_from_cu_mem_get_info(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -45,6 +45,14 @@ class SessionState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SESSION_STATE_IN_TURN: _ClassVar[SessionState]
     SESSION_STATE_CLOSING: _ClassVar[SessionState]
     SESSION_STATE_PARKED: _ClassVar[SessionState]
+
+class SessionCloseReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SESSION_CLOSE_REASON_UNSPECIFIED: _ClassVar[SessionCloseReason]
+    SESSION_CLOSE_REASON_CLIENT: _ClassVar[SessionCloseReason]
+    SESSION_CLOSE_REASON_TIMEOUT: _ClassVar[SessionCloseReason]
+    SESSION_CLOSE_REASON_LEASE_ENDED: _ClassVar[SessionCloseReason]
+    SESSION_CLOSE_REASON_PARKED_TIMEOUT: _ClassVar[SessionCloseReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 SESSION_NOT_FOUND: ErrorReason
 ENGINE_NOT_FOUND: ErrorReason
@@ -73,6 +81,11 @@ SESSION_STATE_IDLE: SessionState
 SESSION_STATE_IN_TURN: SessionState
 SESSION_STATE_CLOSING: SessionState
 SESSION_STATE_PARKED: SessionState
+SESSION_CLOSE_REASON_UNSPECIFIED: SessionCloseReason
+SESSION_CLOSE_REASON_CLIENT: SessionCloseReason
+SESSION_CLOSE_REASON_TIMEOUT: SessionCloseReason
+SESSION_CLOSE_REASON_LEASE_ENDED: SessionCloseReason
+SESSION_CLOSE_REASON_PARKED_TIMEOUT: SessionCloseReason
 STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
 status_code: _descriptor.FieldDescriptor
 
@@ -843,12 +856,14 @@ class SessionOpened(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., streaming: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., engine_id: _Optional[str] = ...) -> None: ...
 
 class SessionClosed(_message.Message):
-    __slots__ = ("session_id", "epoch")
+    __slots__ = ("session_id", "epoch", "reason")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    reason: SessionCloseReason
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., reason: _Optional[_Union[SessionCloseReason, str]] = ...) -> None: ...
 
 class SessionDemoted(_message.Message):
     __slots__ = ("session_id", "epoch")
