@@ -64,20 +64,23 @@ class StepPlan:
 
 @dataclass
 class WorkerReport:
-    """What a worker did with a `StepPlan`: saves done (request -> (start, end)), requests whose save or load
-    failed, and an instance it cannot use at all (unmappable pool, layout mismatch) with the reason."""
+    """What the workers did with a `StepPlan`: saves done (request -> (start, end)), requests whose save or
+    load failed, an instance they cannot use at all (unmappable pool, layout mismatch) with the reason, and
+    the tensor-parallel ranks the report covers (vLLM aggregates every rank's report into one)."""
 
     saved: dict[str, tuple[int, int]] = field(default_factory=dict)
     save_failed: set[str] = field(default_factory=set)
     load_failed: set[str] = field(default_factory=set)
     unusable: tuple[str, str] | None = None
+    ranks: frozenset[int] = frozenset()
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         """Several workers' reports: a save counts where every worker made it."""
         saved = {r: (max(a[0], b[0]), min(a[1], b[1])) for r, a in self.saved.items()
                  if (b := other.saved.get(r)) is not None}
         failed = self.save_failed | other.save_failed | (self.saved.keys() ^ other.saved.keys())
-        return WorkerReport(saved, failed, self.load_failed | other.load_failed, self.unusable or other.unusable)
+        return WorkerReport(saved, failed, self.load_failed | other.load_failed, self.unusable or other.unusable,
+                            self.ranks | other.ranks)
 
 
 class _Sess:
@@ -167,9 +170,11 @@ class SchedulerSide:
     """One per vLLM scheduler. Methods are called on vLLM's scheduler thread only."""
 
     def __init__(self, config: ConnectorConfig, *, block_size: int, engine_id: str, client_factory: Callable[[], Any],
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 world_size: int = 1, clock: Callable[[], float] = time.perf_counter) -> None:
         self.config = config
         self.block_size = block_size
+        self.world_size = world_size
+        """Worker ranks whose reports a step's saves need (tensor parallel: every rank writes its heads)."""
         self.reserve_tokens = config.reserve_tokens or block_size
         self.counters = Counters()
         self._clock = clock
@@ -297,6 +302,13 @@ class SchedulerSide:
 
     def _confirm(self, report: WorkerReport) -> None:
         self._drain()
+        missing = self.world_size - len(report.ranks)
+        if missing > 0 and report.saved:
+            # a rank that did not report may not have written its heads: nothing of this step is confirmed
+            self._warn_once("ranks", "kvcache connector: a step's report covers %d of %d worker ranks; its saves "
+                            "are not committed", len(report.ranks), self.world_size)
+            report = WorkerReport({}, report.save_failed | report.saved.keys(), report.load_failed, report.unusable,
+                                  report.ranks)
         for req_id, (lo, hi) in report.saved.items():
             r = self._reqs.get(req_id)
             if r is not None and lo <= r.confirmed_end:

@@ -26,7 +26,7 @@ from engine_client.vllm.counters import Counters
 from engine_client.vllm.scheduler import StepPlan, WorkerReport
 from engine_client.vllm.transfer import LayerKV, TransferIndex, load_layer, save_layer
 
-__all__ = ["BlockSizeMismatch", "WorkerSide"]
+__all__ = ["BlockSizeMismatch", "HeadShard", "TensorParallelError", "WorkerSide", "head_shard"]
 
 log = logging.getLogger("engine_client.vllm")
 
@@ -44,6 +44,44 @@ def check_block_size(block_size: int, page_size: int) -> None:
             f"{block_size}), or run vLLM with --block-size a multiple of {page_size}")
 
 
+class TensorParallelError(LayoutMismatch):
+    """The model's KV heads cannot be split over this tensor-parallel degree the way vLLM splits them."""
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    """A tensor-parallel rank's share of the model's KV heads: pool heads `[lo, hi)`. `writer`: the rank
+    saves them (the first rank of each group of replicas; every rank loads)."""
+
+    rank: int = 0
+    lo: int = 0
+    hi: int = 0
+    writer: bool = True
+
+    @property
+    def num_heads(self) -> int:
+        return self.hi - self.lo
+
+
+def head_shard(rank: int, tp_size: int, total_kv_heads: int) -> HeadShard:
+    """The heads vLLM gives rank `rank` of `tp_size` for a model of `total_kv_heads` KV heads: a contiguous
+    `total / tp` of them, or, with fewer heads than ranks, one head held by `tp / total` consecutive ranks
+    (replicas), of which the first writes."""
+    if not 0 <= rank < tp_size or total_kv_heads < 1:
+        raise TensorParallelError(f"rank {rank} of tensor-parallel size {tp_size} with {total_kv_heads} KV heads")
+    if total_kv_heads >= tp_size:
+        if total_kv_heads % tp_size:
+            raise TensorParallelError(f"{total_kv_heads} KV heads do not split over tensor-parallel size {tp_size}")
+        n = total_kv_heads // tp_size
+        return HeadShard(rank, rank * n, (rank + 1) * n, True)
+    if tp_size % total_kv_heads:
+        raise TensorParallelError(f"tensor-parallel size {tp_size} is not a multiple of the model's "
+                                  f"{total_kv_heads} KV heads")
+    replicas = tp_size // total_kv_heads
+    head = rank // replicas
+    return HeadShard(rank, head, head + 1, rank % replicas == 0)
+
+
 @dataclass
 class _Step:
     plan: StepPlan
@@ -57,16 +95,19 @@ class _Step:
 
 
 class WorkerSide:
-    def __init__(self, client_factory: Callable[[], Any], *, block_size: int,
+    def __init__(self, client_factory: Callable[[], Any], *, block_size: int, shard: HeadShard | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self._make_client = client_factory
         self._client: Any = None
         self.block_size = block_size
+        self.shard = shard or HeadShard()
         self.counters = Counters()
         self._clock = clock
         self._layers: dict[str, tuple[int, LayerKV]] = {}
         self._model: dict[str, Any] = {}
         self._pool: MappedPool | None = None
+        self._pool_layers: list[torch.Tensor] = []
+        """The mapped pool's layers, cut to this rank's heads: `[2, pages, page_size, heads of the rank, dim]`."""
         self._unusable: dict[str, str] = {}
         """Instances this worker cannot use, with the reason."""
         self._step: _Step | None = None
@@ -77,8 +118,13 @@ class WorkerSide:
 
     def register(self, layers: list[tuple[str, LayerKV]], *, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype) -> None:
-        """`layers` in model order (pool layer i is the i-th). Raises LayoutMismatch when kvcache is reachable
-        and its pool cannot hold this model's KV; an unreachable kvcache is tried again when a plan needs it."""
+        """`layers` in model order (pool layer i is the i-th), each holding this rank's heads (`shard`) of the
+        model's `num_kv_heads`. Raises LayoutMismatch when kvcache is reachable and its pool cannot hold this
+        model's KV (all its heads); an unreachable kvcache is tried again when a plan needs it."""
+        held = {int(kv.k.shape[2]) for _, kv in layers}
+        if held - {self.shard.num_heads}:
+            raise TensorParallelError(f"rank {self.shard.rank} holds {sorted(held)} KV heads a layer; its share of the "
+                                      f"model's {num_kv_heads} is {self.shard.num_heads}")
         self._layers = {name: (i, kv) for i, (name, kv) in enumerate(layers)}
         self._model = {"num_layers": len(layers), "num_kv_heads": num_kv_heads, "head_dim": head_dim,
                        "dtype": dtype_name(dtype)}
@@ -87,7 +133,7 @@ class WorkerSide:
             info = client.get_pool_info()
             check_layout(info.layout, **self._model)
             check_block_size(self.block_size, info.layout.page_size)
-            self._pool = map_pool(info, auth_token=client.options.auth_token)
+            self._set_pool(map_pool(info, auth_token=client.options.auth_token))
         except (KVCacheClientError, PoolMappingError) as e:
             # unreachable, or its pool cannot be mapped here (yet): mapped again when a plan needs it
             log.warning("kvcache connector: cannot use kvcache at start (%s); vLLM computes until it can", e)
@@ -128,11 +174,17 @@ class WorkerSide:
             return str(e)
         except (KVCacheClientError, PoolMappingError) as e:
             return str(e)
-        old, self._pool = self._pool, pool
+        old = self._pool
+        self._set_pool(pool)
         if old is not None:
             old.close()
         log.info("kvcache connector: worker mapped the pool of instance %s", instance_id)
         return None
+
+    def _set_pool(self, pool: MappedPool) -> None:
+        self._pool = pool
+        lo, hi = self.shard.lo, self.shard.hi
+        self._pool_layers = [pool.tensor[i][:, :, :, lo:hi] for i in range(len(self._layers))]
 
     # ------------------------------------------------------------------ a step
 
@@ -141,7 +193,7 @@ class WorkerSide:
         self._step = None
         if plan is None or (not len(plan.loads) and not len(plan.saves)):
             return
-        step = _Step(plan, None, None, WorkerReport())
+        step = _Step(plan, None, None, WorkerReport(ranks=frozenset({self.shard.rank})))
         self._step = step
         problem = self._ensure_pool(plan.instance_id)
         if problem is not None:
@@ -168,7 +220,7 @@ class WorkerSide:
             return
         start = self._clock()
         try:
-            load_layer(self._pool.tensor[entry[0]], entry[1], step.loads)
+            load_layer(self._pool_layers[entry[0]], entry[1], step.loads)
             step.layers_loaded += 1
         except Exception as e:  # a copy that fails must not become wrong tokens: vLLM recomputes
             self._fail_loads(step, f"copy failed: {e}")
@@ -183,9 +235,12 @@ class WorkerSide:
         entry = self._layers.get(layer_name)
         if entry is None or self._pool is None:
             return
+        if not self.shard.writer:  # a replica: the first rank of its group writes these heads
+            step.layers_saved += 1
+            return
         start = self._clock()
         try:
-            save_layer(entry[1], self._pool.tensor[entry[0]], step.saves)
+            save_layer(entry[1], self._pool_layers[entry[0]], step.saves)
             step.layers_saved += 1
         except Exception as e:
             self._fail_saves(step, f"copy failed: {e}")
@@ -222,6 +277,7 @@ class WorkerSide:
         return out
 
     def close(self) -> None:
+        self._pool_layers = []
         if self._pool is not None:
             self._pool.close()
             self._pool = None

@@ -81,10 +81,10 @@ def test_a_chat_turn_waits_for_the_previous_turns_commit(server: ServerProcess) 
         side.allocated(r1, 0)
         plan = side.build_step(step(new=[(r1, 0, 50)]))
         assert (plan.saves.starts.tolist(), plan.saves.ends.tolist(), plan.save_reqs) == ([0], [50], ["r1"])
-        side.confirm(WorkerReport(saved={"r1": (0, 50)}))
+        side.confirm(WorkerReport(saved={"r1": (0, 50)}, ranks=frozenset({0})))
         for pos in range(50, 55):  # decode: each step saves the KV of the token it ran
             side.build_step(step(cached=[(r1, pos, 1)]))
-            side.confirm(WorkerReport(saved={"r1": (pos, pos + 1)}))
+            side.confirm(WorkerReport(saved={"r1": (pos, pos + 1)}, ranks=frozenset({0})))
         side.finished(req("r1", p1, "chat-w", out1))  # 56 tokens, KV for 55 (the last was sampled only)
 
         # turn 2 comes at once: turn 1's commit has not even been sent. It must wait for it, then append
@@ -110,4 +110,36 @@ def test_a_chat_turn_waits_for_the_previous_turns_commit(server: ServerProcess) 
         while client.list_sessions() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert client.list_sessions() == []
+    verify_stats(server.target)
+
+
+def test_tensor_parallel_saves_commit_only_once_every_rank_reported(server: ServerProcess) -> None:
+    # TP=2: a step's saves count once both ranks' reports (aggregated by vLLM into one) cover them; a report
+    # from rank 0 alone (rank 1 died mid-save, or sent nothing) commits nothing and leaves nothing locked
+    config = ConnectorConfig.from_extra({"kvcache_target": server.target, "kvcache_lookup_wait_seconds": 5.0}, env={})
+    side = SchedulerSide(config, block_size=BLOCK, engine_id="sched-tp", world_size=2,
+                         client_factory=lambda: KVCacheClient(server.target))
+    rng = np.random.default_rng(7)
+    p1, p2 = rng.integers(1, 500, 40).tolist(), rng.integers(1, 500, 40).tolist()
+    try:
+        deadline = time.monotonic() + 20
+        while not side.connected:
+            assert time.monotonic() < deadline, "the connector did not connect to kvcache"
+            time.sleep(0.02)
+        for r, ranks in ((req("r1", p1), frozenset({0})), (req("r2", p2), frozenset({0, 1}))):
+            assert ask(side, r)[0] == 0
+            side.allocated(r, 0)
+            plan = side.build_step(step(new=[(r, 0, 40)]))
+            assert (plan.saves.starts.tolist(), plan.saves.ends.tolist()) == ([0], [40])
+            side.confirm(WorkerReport(saved={r.request_id: (0, 40)}, ranks=ranks))
+            side.finished(req(r.request_id, r.prompt_token_ids, output=[3]))
+            side.build_step(step())  # the finish goes out with the next step
+        with KVCacheClient(server.target) as client:
+            deadline = time.monotonic() + 10
+            while (client.get_stats().sessions_in_turn or client.list_sessions()) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert client.list_sessions() == [] and client.get_stats().in_flight_pages == 0
+            assert [client.match_prefix(p).cached_tokens for p in (p1, p2)] == [0, 32]
+    finally:
+        side.close()
     verify_stats(server.target)
