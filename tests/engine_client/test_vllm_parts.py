@@ -65,7 +65,8 @@ def test_a_gpu_layout_is_read_from_its_memory_order_and_the_split_content(layout
     # the backends' own reading: (B, H, N, 2*D) -> transpose(1, 2).split(D, -1)
     key_cache, value_cache = kv.transpose(1, 2).split(D, dim=-1)
     assert torch.equal(view.k, key_cache) and torch.equal(view.v, value_cache)
-    assert view.k[2, 5, 1].tolist() == kv[2, 1, 5, :D].tolist() and view.v[3, 31, 0].tolist() == kv[3, 0, 31, D:].tolist()
+    assert view.k[2, 5, 1].tolist() == kv[2, 1, 5, :D].tolist()
+    assert view.v[3, 31, 0].tolist() == kv[3, 0, 31, D:].tolist()
 
 
 @pytest.mark.parametrize(("layout", "order", "packing", "shape", "message"), [
@@ -199,7 +200,8 @@ def test_ranks_copy_their_own_heads_of_a_full_heads_page() -> None:
     ranks = [cpu_view(torch.zeros(NB, 1, BS, 2 * D), heads=1) for _ in range(2)]
     for rank, view in enumerate(ranks):
         load_layer(pool[:, :, :, rank:rank + 1], view, index)
-        assert torch.equal(view.k[2, :16, 0], pool[0, 5, :, rank]) and torch.equal(view.v[2, 16:, 0], pool[1, 9, :, rank])
+        assert torch.equal(view.k[2, :16, 0], pool[0, 5, :, rank])
+        assert torch.equal(view.v[2, 16:, 0], pool[1, 9, :, rank])
     saved = torch.zeros_like(pool)
     for rank, view in enumerate(ranks):
         save_layer(view, saved[:, :, :, rank:rank + 1], index)
