@@ -97,7 +97,8 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 log.info("kvcache connector: kv_load_failure_policy set to 'recompute'")
             engine_id = f"vllm-{socket.gethostname()[:48]}-{os.getpid()}-{secrets.token_hex(3)}"
             self._scheduler = SchedulerSide(config, block_size=self._block_size, engine_id=engine_id,
-                                            client_factory=client, world_size=self._tp_size)
+                                            client_factory=client, world_size=self._tp_size,
+                                            role=str(self._kv_transfer_config.kv_role or "kv_both"))
         else:
             self._worker = WorkerSide(client, block_size=self._block_size)
 
@@ -145,7 +146,10 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._worker.begin(connector_metadata.plan if isinstance(connector_metadata, _Plan) else None)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        pass  # loads run layer by layer, in wait_for_layer_load
+        # a step's loads run layer by layer, in wait_for_layer_load; only asynchronous ones (requests in
+        # WAITING_FOR_REMOTE_KVS, which this step does not run) are copied here, every layer at once
+        if self._worker is not None:
+            self._worker.load_async()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._worker is not None:
@@ -158,6 +162,11 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def wait_for_save(self) -> None:
         if self._worker is not None:
             self._report = self._worker.end()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        return None, self._worker.take_received() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.invalid_blocks() if self._worker is not None else set()
@@ -183,11 +192,13 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
-        return self._scheduler.matched_tokens(request, num_computed_tokens), False
+        n = self._scheduler.matched_tokens(request, num_computed_tokens)
+        return n, self._scheduler.load_async(request, n)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self._scheduler is not None
-        self._scheduler.allocated(request, num_external_tokens)
+        self._scheduler.allocated(request, num_external_tokens,
+                                  list(blocks.get_block_ids()[0]) if num_external_tokens else None)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._scheduler is not None

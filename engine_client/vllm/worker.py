@@ -92,6 +92,8 @@ class _Step:
     layers_saved: int = 0
     load_ok: bool = True
     save_ok: bool = True
+    async_loads: TransferIndex | None = None
+    async_ok: bool = True
 
 
 class WorkerSide:
@@ -112,6 +114,8 @@ class WorkerSide:
         """Instances this worker cannot use, with the reason."""
         self._step: _Step | None = None
         self._invalid: set[int] = set()
+        self._received: set[str] = set()
+        """Requests whose asynchronous load is over (done or failed), to report to vLLM as finished receiving."""
         self._warned = False
 
     # ------------------------------------------------------------------ start
@@ -191,7 +195,7 @@ class WorkerSide:
     def begin(self, plan: StepPlan | None) -> None:
         """A new step: index its transfers and make sure the pool they name is mapped."""
         self._step = None
-        if plan is None or (not len(plan.loads) and not len(plan.saves)):
+        if plan is None or (not len(plan.loads) and not len(plan.saves) and not len(plan.async_loads)):
             return
         step = _Step(plan, None, None, WorkerReport(ranks=frozenset({self.shard.rank})))
         self._step = step
@@ -201,6 +205,7 @@ class WorkerSide:
                 step.report.unusable = (plan.instance_id, problem)
             self._fail_loads(step, problem)
             self._fail_saves(step, problem)
+            self._fail_async(step, problem)
             return
         device = self._pool.tensor.device if self._pool is not None else torch.device("cpu")
         if len(plan.loads):
@@ -209,6 +214,32 @@ class WorkerSide:
         if len(plan.saves):
             step.saves = TransferIndex.build(plan.saves, page_size=plan.page_size, block_size=self.block_size,
                                              device=device)
+        if len(plan.async_loads):
+            step.async_loads = TransferIndex.build(plan.async_loads, page_size=plan.page_size,
+                                                   block_size=self.block_size, device=device)
+
+    def load_async(self) -> None:
+        """Copy the step's asynchronous loads, every layer (vLLM's start_load_kv); their requests are then
+        reported finished receiving, failed ones with their blocks handed back to vLLM."""
+        step = self._step
+        if step is None or step.async_loads is None or not step.async_ok:
+            return
+        if self._pool is None:
+            self._fail_async(step, "no pool mapped")
+            return
+        start = self._clock()
+        try:
+            for i, kv in self._layers.values():
+                load_layer(self._pool_layers[i], kv, step.async_loads)
+        except Exception as e:  # a copy that fails must not become wrong tokens: vLLM recomputes
+            self._fail_async(step, f"copy failed: {e}")
+            return
+        finally:
+            self.counters.load_seconds += self._clock() - start
+        plan = step.plan
+        self.counters.load_tokens += plan.async_loads.num_tokens
+        self.counters.load_pages += plan.async_loads.num_pages(plan.page_size)
+        self._received |= set(plan.async_reqs)
 
     def load(self, layer_name: str) -> None:
         """Copy this layer's loads (called before the layer's attention runs)."""
@@ -271,6 +302,11 @@ class WorkerSide:
             self._warned = False  # the next failure starts a new episode: warn again
         return step.report
 
+    def take_received(self) -> set[str]:
+        """Requests whose asynchronous load ended since the last call (vLLM's finished receiving)."""
+        out, self._received = self._received, set()
+        return out
+
     def invalid_blocks(self) -> set[int]:
         """vLLM block ids whose load failed since the last call (vLLM recomputes them)."""
         out, self._invalid = self._invalid, set()
@@ -295,6 +331,17 @@ class WorkerSide:
         step.report.load_failed |= set(plan.load_reqs)
         self._invalid |= {int(b) for b in plan.loads.blocks}
         self.counters.load_errors += len(plan.load_reqs)
+        self._warn(why)
+
+    def _fail_async(self, step: _Step, why: str) -> None:
+        plan = step.plan
+        if not len(plan.async_loads) or not step.async_ok:
+            return
+        step.async_ok = False
+        step.report.load_failed |= set(plan.async_reqs)
+        self._invalid |= {int(b) for b in plan.async_loads.blocks}
+        self._received |= set(plan.async_reqs)
+        self.counters.load_errors += len(plan.async_reqs)
         self._warn(why)
 
     def _fail_saves(self, step: _Step, why: str) -> None:
