@@ -135,8 +135,7 @@ class WorkerSide:
         try:
             client = self._connect()
             info = client.get_pool_info()
-            check_layout(info.layout, **self._model)
-            check_block_size(self.block_size, info.layout.page_size)
+            self._check(info.layout)
             self._set_pool(map_pool(info, auth_token=client.options.auth_token))
         except (KVCacheClientError, PoolMappingError) as e:
             # unreachable, or its pool cannot be mapped here (yet): mapped again when a plan needs it
@@ -146,6 +145,18 @@ class WorkerSide:
             return
         log.info("kvcache connector: worker mapped the %s pool of instance %s (%d layers, %d pages of %d)",
                  info.backend, info.instance_id, info.layout.num_layers, info.layout.num_pages, info.layout.page_size)
+
+    def _check(self, layout: Any) -> None:
+        """The pool holds every KV head of the model, whatever the engine's tensor-parallel degree."""
+        try:
+            check_layout(layout, **self._model)
+        except LayoutMismatch as e:
+            if self.shard.num_heads == self._model["num_kv_heads"]:
+                raise
+            raise LayoutMismatch(f"{e}; the pool holds all {self._model['num_kv_heads']} KV heads of the model, "
+                                 f"whatever the engine's tensor-parallel size (rank {self.shard.rank} holds "
+                                 f"{self.shard.num_heads})") from None
+        check_block_size(self.block_size, layout.page_size)
 
     def _connect(self) -> Any:
         if self._client is None:
@@ -169,8 +180,7 @@ class WorkerSide:
             info = client.get_pool_info()
             if info.instance_id != instance_id:
                 return f"kvcache is instance {info.instance_id}, the plan names {instance_id}"
-            check_layout(info.layout, **self._model)
-            check_block_size(self.block_size, info.layout.page_size)
+            self._check(info.layout)
             pool = map_pool(info, auth_token=client.options.auth_token)
         except LayoutMismatch as e:
             self._unusable[instance_id] = str(e)
