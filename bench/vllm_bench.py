@@ -123,8 +123,8 @@ def copy_cost(shape: dict[str, int], pages: int, rounds: int) -> dict[str, float
     vllm = [torch.zeros(num_blocks, heads, BLOCK, 2 * dim) for _ in range(layers)]
     from engine_client.vllm.transfer import layer_kv
 
-    views: list[LayerKV] = [layer_kv(t, "CPU_ATTN", block_size=BLOCK, num_heads=heads, head_dim=dim, variant="vec")
-                            for t in vllm]
+    views: list[LayerKV] = [layer_kv(t, layout="LBHNC", order=(0, 1, 2, 3), packing="cpu_vec", block_size=BLOCK,
+                                     num_heads=heads, head_dim=dim) for t in vllm]
     rng = np.random.default_rng(0)
     page_ids = rng.permutation(np.arange(1, pages + 8, dtype=np.int32))[:pages]
     block_ids = rng.permutation(np.arange(num_blocks, dtype=np.int32))[: pages * PAGE // BLOCK]
