@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.vllm_bench            # 8 layers x 1024 hidden (prefill dominates on a CPU)
     .venv/bin/python -m bench.vllm_bench --quick    # the tiny test model, no vLLM-alone baseline (the smoke test)
+    .venv/bin/python -m bench.vllm_bench --tp       # tensor parallel (TP=2) and the prefill/decode split instead
 
 The engines are real vLLM processes (`.venv-vllm`, `make vllm-setup`) driven through
 `engine_client.vllm.driver`, a pair per side (engine A and engine B, like two replicas behind a router), on a
@@ -20,6 +21,12 @@ kvcache, back to back (the machine is shared: the two sides of a row are measure
   connector's sender thread, reported beside it).
 - worker-side copy cost per page (all layers): from the engines' counters, and an in-process measure of
   the same copy code on the bench model's layout (median of rounds).
+
+With `--tp`, the same model on other workloads: a TP=2 engine's second request on 4 documents and a second
+TP=2 engine on the same documents, on vLLM alone (its "second engine" is the alone engine under another
+cache salt: a cold prefix cache, without a fourth TP=2 engine on a 2-core machine) and on kvcache; and a
+prefill/decode split (a `kv_producer` engine prefills, a `kv_consumer` engine decodes with the producer's
+`kv_transfer_params`, loading asynchronously) against one engine doing both: the decode side's TTFT.
 
 Tokens with kvcache must equal vLLM alone. The machine is shared: times are medians, read them as such.
 """
@@ -123,8 +130,8 @@ def copy_cost(shape: dict[str, int], pages: int, rounds: int) -> dict[str, float
     vllm = [torch.zeros(num_blocks, heads, BLOCK, 2 * dim) for _ in range(layers)]
     from engine_client.vllm.transfer import layer_kv
 
-    views: list[LayerKV] = [layer_kv(t, "CPU_ATTN", block_size=BLOCK, num_heads=heads, head_dim=dim, variant="vec")
-                            for t in vllm]
+    views: list[LayerKV] = [layer_kv(t, layout="LBHNC", order=(0, 1, 2, 3), packing="cpu_vec", block_size=BLOCK,
+                                     num_heads=heads, head_dim=dim) for t in vllm]
     rng = np.random.default_rng(0)
     page_ids = rng.permutation(np.arange(1, pages + 8, dtype=np.int32))[:pages]
     block_ids = rng.permutation(np.arange(num_blocks, dtype=np.int32))[: pages * PAGE // BLOCK]
@@ -145,9 +152,107 @@ def copy_cost(shape: dict[str, int], pages: int, rounds: int) -> dict[str, float
             "page_kib": page_bytes / 1024}
 
 
+def start(python: Path, model: Path, work: Path, specs: dict[str, dict[str, Any]]) -> dict[str, EngineProcess]:
+    """Engines of `specs` (name -> EngineProcess keywords), two starting at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(name: str) -> EngineProcess:
+        print(f"[vllm_bench] starting {name}")
+        return EngineProcess(python, model, work / f"{name}.log", cwd=REPO, **specs[name])
+
+    with ThreadPoolExecutor(2) as pool:
+        futures = {name: pool.submit(one, name) for name in specs}
+        return {name: f.result() for name, f in futures.items()}
+
+
+def tp_main(python: Path, work: Path, shape: dict[str, Any], doc_tokens: int) -> int:
+    """TP=2 and the prefill/decode split (`--tp`): prints a table; 1 when tokens differ or the invariant broke."""
+    model = save_model("llama", work / "model", **shape)
+    service = KVCacheService(work / "kvcache.log", layers=shape["layers"], kv_heads=shape["kv_heads"],
+                             head_dim=shape["head_dim"], num_pages=8192)
+    tp2 = (*ENGINE_ARGS, "--tensor-parallel-size", "2")
+    specs: dict[str, dict[str, Any]] = {
+        "alone2": {"args": tp2}, "kv2-a": {"args": tp2, "kvcache": service.target},
+        "kv2-b": {"args": tp2, "kvcache": service.target}, "alone1": {"args": ENGINE_ARGS},
+        "producer": {"args": (*ENGINE_ARGS, "--kv-role", "kv_producer"), "kvcache": service.target},
+        "consumer": {"args": (*ENGINE_ARGS, "--kv-role", "kv_consumer"), "kvcache": service.target}}
+    engines: dict[str, EngineProcess] = {}
+    rows: list[tuple[str, str, str]] = []
+    same = True
+    try:
+        engines = start(python, model, work, specs)
+        docs = [tokens(i, doc_tokens) for i in range(4)]
+
+        def ask(engine: EngineProcess, seed: int, salt: str = "") -> tuple[int, float, list[list[int]]]:
+            reqs = [{"prompt": d + tokens(seed + i, 32), "max_tokens": 8, **({"cache_salt": salt} if salt else {})}
+                    for i, d in enumerate(docs)]
+            out = engine.generate(reqs)
+            return computed(out, reqs), statistics.median(o["ttft"] for o in out), [o["tokens"] for o in out]
+
+        def cell(c: int, ttft: float) -> str:
+            return f"{c:>9} {ttft * 1000:>8.1f} ms"
+
+        print("[vllm_bench] TP=2: first requests, then a second request on each engine and a second engine")
+        alone_first = ask(engines["alone2"], 100)
+        kv_first = ask(engines["kv2-a"], 100)
+        alone_second, kv_second = ask(engines["alone2"], 200), ask(engines["kv2-a"], 200)
+        alone_cold, kv_cold = ask(engines["alone2"], 200, salt="cold"), ask(engines["kv2-b"], 200)
+        same &= alone_first[2] == kv_first[2] and alone_second[2] == kv_second[2] == alone_cold[2] == kv_cold[2]
+        rows += [(f"TP=2, 4 docs x {doc_tokens} tok, first requests", cell(*alone_first[:2]), cell(*kv_first[:2])),
+                 ("TP=2, the same engine's second request", cell(*alone_second[:2]), cell(*kv_second[:2])),
+                 ("TP=2, a second engine, same docs", cell(*alone_cold[:2]), cell(*kv_cold[:2]))]
+
+        print("[vllm_bench] prefill/decode split against one engine")
+        reqs = [{"prompt": tokens(400 + i, doc_tokens) + tokens(500 + i, 32), "max_tokens": 16} for i in range(4)]
+        one = engines["alone1"].generate(reqs)
+        pre = engines["producer"].generate([dict(r, max_tokens=1) for r in reqs])
+        with KVCacheClient(service.target) as client:  # the producer's commits are in
+            deadline = time.monotonic() + 30
+            while client.get_stats().sessions_in_turn and time.monotonic() < deadline:
+                time.sleep(0.01)
+        dec = engines["consumer"].generate([dict(r, kv_transfer_params=o["kv_transfer_params"])
+                                            for r, o in zip(reqs, pre, strict=True)])
+        same &= [o["tokens"] for o in one] == [o["tokens"] for o in dec]
+        m = engines["consumer"].metrics()
+        loaded = int(m.get("kvcache_connector_load_tokens_total", 0))
+        total = sum(len(r["prompt"]) for r in reqs)
+        rows += [(f"one engine: 4 x {doc_tokens + 32} tok, TTFT", cell(computed(one, reqs),
+                                                                       statistics.median(o["ttft"] for o in one)), ""),
+                 ("split: producer's prefill (1 token)", "", cell(computed(pre, reqs),
+                                                                 statistics.median(o["ttft"] for o in pre))),
+                 ("split: consumer's TTFT (remote prefill)", "", cell(total - loaded,
+                                                                     statistics.median(o["ttft"] for o in dec)))]
+        ranks = [engines[n].metrics() for n in ("kv2-a", "kv2-b")]
+        copy = {k: sum(x.get(f"kvcache_connector_{k}_total", 0.0) for x in ranks)
+                for k in ("load_seconds", "load_pages", "save_seconds", "save_pages")}
+        for engine in engines.values():
+            engine.close()
+        engines.clear()
+        with KVCacheClient(service.target) as client:
+            st = client.get_stats(verify=True)
+        holds = st.verified and st.accounting_holds and st.sessions_in_turn == 0
+    finally:
+        for engine in engines.values():
+            engine.close()
+        service.close()
+    print()
+    print(f"{'workload':<44} {'vLLM alone':>21}   {'vLLM on kvcache':>21}")
+    print(f"{'':<44} {'computed':>9} {'TTFT p50':>11}   {'computed':>9} {'TTFT p50':>11}")
+    for name, left, right in rows:
+        print(f"{name:<44} {left or '':>21}   {right}")
+    print()
+    print(f"per rank (TP=2 engines, each rank its 2 of 4 KV heads): load "
+          f"{copy['load_seconds'] / max(copy['load_pages'], 1) * 1e6:.1f} us, save "
+          f"{copy['save_seconds'] / max(copy['save_pages'], 1) * 1e6:.1f} us a page touched")
+    print(f"[vllm_bench] kvcache's accounting invariant after the run: {'holds' if holds else 'BROKEN'}")
+    print(f"[vllm_bench] tokens equal to vLLM alone: {'yes' if same else 'NO'}")
+    return 0 if holds and same else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.vllm_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny model, small workloads, no vLLM-alone baseline")
+    p.add_argument("--tp", action="store_true", help="tensor parallel (TP=2) and prefill/decode workloads instead")
     p.add_argument("--vllm-python", default=str(REPO / ".venv-vllm" / "bin" / "python"))
     args = p.parse_args(argv)
     python = Path(args.vllm_python)
@@ -160,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="kvcache-vllm-bench-"))
     print(f"[vllm_bench] machine load {machine_load()}; model: random Llama {shape['layers']} layers x "
           f"{shape['hidden']} hidden, {shape['kv_heads']} KV heads of {shape['head_dim']}, float32; logs in {work}")
+    if args.tp:
+        return tp_main(python, work, shape, doc_tokens)
     model = save_model("llama", work / "model", **shape)
     service = KVCacheService(work / "kvcache.log", layers=shape["layers"], kv_heads=shape["kv_heads"],
                              head_dim=shape["head_dim"], num_pages=8192)

@@ -29,7 +29,7 @@ from engine_client.vllm.config import ConnectorConfig
 from engine_client.vllm.scheduler import SchedulerSide, StepPlan, WorkerReport
 from engine_client.vllm.stats import KVCacheConnectorPromMetrics, KVCacheConnectorStats
 from engine_client.vllm.transfer import KVLayoutError, LayerKV, layer_kv
-from engine_client.vllm.worker import WorkerSide
+from engine_client.vllm.worker import WorkerSide, head_shard
 
 __all__ = ["KVCacheConnector"]
 
@@ -72,9 +72,14 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._config = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         parallel = vllm_config.parallel_config
-        if parallel.world_size > 1:
-            raise ValueError(f"the kvcache connector runs one vLLM worker per engine (tensor_parallel_size=1, "
-                             f"pipeline_parallel_size=1); this engine has {parallel.world_size}")
+        split = {"pipeline_parallel_size": parallel.pipeline_parallel_size,
+                 "prefill_context_parallel_size": parallel.prefill_context_parallel_size,
+                 "decode_context_parallel_size": parallel.decode_context_parallel_size}
+        if any(n > 1 for n in split.values()):
+            raise ValueError(f"the kvcache connector splits KV over tensor-parallel ranks only (any "
+                             f"tensor_parallel_size); this engine has "
+                             f"{', '.join(f'{k}={v}' for k, v in split.items() if v > 1)}")
+        self._tp_size = int(parallel.tensor_parallel_size)
         self._spec = _full_attention_spec(kv_cache_config)
         self._block_size = int(self._spec.block_size) if self._spec is not None else vllm_config.cache_config.block_size
         config = self._config
@@ -92,7 +97,8 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 log.info("kvcache connector: kv_load_failure_policy set to 'recompute'")
             engine_id = f"vllm-{socket.gethostname()[:48]}-{os.getpid()}-{secrets.token_hex(3)}"
             self._scheduler = SchedulerSide(config, block_size=self._block_size, engine_id=engine_id,
-                                            client_factory=client)
+                                            client_factory=client, world_size=self._tp_size,
+                                            role=str(self._kv_transfer_config.kv_role or "kv_both"))
         else:
             self._worker = WorkerSide(client, block_size=self._block_size)
 
@@ -107,19 +113,32 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         spec = self._spec
         if spec is None:
             return
-        static = self._vllm_config.compilation_config.static_forward_context
-        heads, dim = int(spec.num_kv_heads), int(spec.head_size)
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        config = self._vllm_config
+        total_heads = int(config.model_config.get_total_num_kv_heads())
+        shard = head_shard(get_tensor_model_parallel_rank(), self._tp_size, total_heads)
+        self._worker.shard = shard
+        layout = _layout(config)
+        static = config.compilation_config.static_forward_context
+        dim = int(spec.head_size)
         layers: list[tuple[str, LayerKV]] = []
+        packings: list[tuple[str, str]] = []
         for name in sorted(kv_caches, key=_layer_index):
             kv = kv_caches[name]
-            layer = static.get(name)
-            backend = layer.attn_backend.get_name() if layer is not None else "unknown"
-            variant = str(getattr(layer, "isa", "") or _cpu_isa(kv.dtype, self._block_size, dim, self._vllm_config))
-            view = layer_kv(kv, backend, block_size=self._block_size, num_heads=heads, head_dim=dim, variant=variant)
+            packing = _packing(static.get(name), kv, self._block_size, dim, config)
+            view = layer_kv(kv, layout=layout.name, order=tuple(layout.layer_view_order), packing=packing,
+                            block_size=self._block_size, num_heads=int(spec.num_kv_heads), head_dim=dim)
             layers.append((name, view))
+            packings.append((name, packing))
         if layers:
-            _probe(static.get(layers[0][0]), kv_caches[layers[0][0]], layers[0][1])
-        self._worker.register(layers, num_kv_heads=heads, head_dim=dim, dtype=next(iter(kv_caches.values())).dtype)
+            first = layers[0][0]
+            _probe(static.get(first), kv_caches[first], layers[0][1], layout, packings[0][1])
+            log.info("kvcache connector: rank %d of %d reads KV layout %s (packing %s), KV heads %d-%d of %d%s",
+                     shard.rank, self._tp_size, layout.name, packings[0][1], shard.lo, shard.hi - 1, total_heads,
+                     "" if shard.writer else " (a replica: loads only, another rank saves them)")
+        self._worker.register(layers, num_kv_heads=total_heads, head_dim=dim,
+                              dtype=next(iter(kv_caches.values())).dtype)
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -127,7 +146,10 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._worker.begin(connector_metadata.plan if isinstance(connector_metadata, _Plan) else None)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        pass  # loads run layer by layer, in wait_for_layer_load
+        # a step's loads run layer by layer, in wait_for_layer_load; only asynchronous ones (requests in
+        # WAITING_FOR_REMOTE_KVS, which this step does not run) are copied here, every layer at once
+        if self._worker is not None:
+            self._worker.load_async()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._worker is not None:
@@ -140,6 +162,11 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def wait_for_save(self) -> None:
         if self._worker is not None:
             self._report = self._worker.end()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        return None, self._worker.take_received() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.invalid_blocks() if self._worker is not None else set()
@@ -165,11 +192,13 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
-        return self._scheduler.matched_tokens(request, num_computed_tokens), False
+        n = self._scheduler.matched_tokens(request, num_computed_tokens)
+        return n, self._scheduler.load_async(request, n)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self._scheduler is not None
-        self._scheduler.allocated(request, num_external_tokens)
+        self._scheduler.allocated(request, num_external_tokens,
+                                  list(blocks.get_block_ids()[0]) if num_external_tokens else None)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._scheduler is not None
@@ -217,6 +246,30 @@ def _layer_index(name: str) -> tuple[int, str]:
         return 1 << 30, name
 
 
+def _layout(vllm_config: Any) -> Any:
+    """The engine's resolved `KVCacheLayout` (vLLM's own description of every layer tensor's memory order)."""
+    try:
+        return vllm_config.cache_config.get_resolved_kv_cache_layout()
+    except ValueError as e:
+        raise KVLayoutError(f"vLLM has not resolved its KV cache layout ({e})") from None
+
+
+def _packing(layer: Any, kv: torch.Tensor, block_size: int, head_dim: int, vllm_config: Any) -> str:
+    """How the layer's backend packs a (block, head)'s content: vLLM's CPU attention packs K dim-major by
+    kernel (`vec`/`vec16` are read; `amx`, `neon`, ... are refused by name); every other backend puts a
+    token's K then its V along the content axis ("split"). The probe at start checks the answer."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    backend = getattr(layer, "attn_backend", None)
+    if not (isinstance(backend, type) and issubclass(backend, CPUAttentionBackend)):
+        return "split"
+    isa = str(getattr(layer, "isa", "") or _cpu_isa(kv.dtype, block_size, head_dim, vllm_config))
+    if isa not in ("vec", "vec16"):
+        raise KVLayoutError(f"CPU_ATTN with the {isa!r} kernel packs K in a layout the kvcache connector does not "
+                            "read (it reads the 'vec' and 'vec16' kernels' packing)")
+    return "cpu_vec"
+
+
 def _cpu_isa(dtype: torch.dtype, block_size: int, head_dim: int, vllm_config: Any) -> str:
     """The CPU attention kernel vLLM picks for this KV (its layers carry it once their backend is built)."""
     try:
@@ -226,32 +279,28 @@ def _cpu_isa(dtype: torch.dtype, block_size: int, head_dim: int, vllm_config: An
     return str(_get_attn_isa(dtype, block_size, head_dim, vllm_config.cache_config.cache_dtype))
 
 
-def _probe(layer: Any, kv: torch.Tensor, view: LayerKV) -> None:
-    """Write known K/V through the backend's own cache update into a scratch copy of `kv` and read it back
-    through `view`'s layout: a layout this connector misreads refuses to start instead of serving wrong KV."""
+def _probe(layer: Any, kv: torch.Tensor, view: LayerKV, layout: Any, packing: str) -> None:
+    """Write known K/V through the backend's own cache update into a two-block scratch tensor laid out as
+    `layout` says and read it back through the same view: a layout or packing this connector misreads
+    refuses to start instead of serving wrong KV."""
     update = getattr(getattr(layer, "impl", None), "do_kv_cache_update", None)
     if update is None:
         log.info("kvcache connector: attention backend has no do_kv_cache_update; layout not probed")
         return
-    bs = view.block_size
-    scratch = torch.zeros((2, *kv.shape[1:]), dtype=kv.dtype, device=kv.device)
-    heads, dim = view.k.shape[2], view.k.shape[3]
+    bs, heads, dim = view.block_size, int(view.k.shape[2]), int(view.k.shape[3])
+    order = tuple(layout.layer_view_order)
+    shape = (2, *kv.shape[1:])
+    scratch = torch.zeros([shape[a] for a in order], dtype=kv.dtype, device=kv.device).permute(
+        *[order.index(a) for a in range(4)])
     gen = torch.Generator(device="cpu").manual_seed(0)
     key = torch.randn(2 * bs, heads, dim, generator=gen).to(kv.dtype).to(kv.device)
     value = torch.randn(2 * bs, heads, dim, generator=gen).to(kv.dtype).to(kv.device)
     slots = torch.randperm(2 * bs, generator=gen).to(kv.device)
     update(layer, key, value, scratch, slots)
-    probe = LayerKV(*_rebind(view, scratch, kv))
+    probe = layer_kv(scratch, layout=layout.name, order=order, packing=packing, block_size=bs, num_heads=heads,
+                     head_dim=dim)
     blocks, offsets = slots // bs, slots % bs
     if not (torch.equal(probe.k[blocks, offsets], key) and torch.equal(probe.v[blocks, offsets], value)):
-        raise KVLayoutError(f"the KV layout of attention backend {layer.attn_backend.get_name()} is not the one the "
-                            "kvcache connector reads (a probe write read back different values)")
-
-
-def _rebind(view: LayerKV, scratch: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`view`'s K and V views, taken on `scratch` (same layout as `kv`) instead of `kv`."""
-    def moved(t: torch.Tensor) -> torch.Tensor:
-        offset = t.storage_offset() - kv.storage_offset()
-        return scratch.as_strided((2, *t.shape[1:]), t.stride(), scratch.storage_offset() + offset)
-
-    return moved(view.k), moved(view.v)
+        raise KVLayoutError(f"the KV layout {layout.name} (packing {packing}) of attention backend "
+                            f"{layer.attn_backend.get_name()} is not the one the kvcache connector reads (a probe "
+                            "write read back different values)")

@@ -39,10 +39,11 @@ __all__ = ["FAMILIES", "DriverError", "EngineProcess", "connector_config", "main
 FAMILIES = ("llama", "qwen2")
 
 
-def connector_config(target: str, **extra: Any) -> dict[str, Any]:
-    """The `kv_transfer_config` that runs vLLM on kvcache at `target`."""
+def connector_config(target: str, kv_role: str = "kv_both", **extra: Any) -> dict[str, Any]:
+    """The `kv_transfer_config` that runs vLLM on kvcache at `target` (`kv_role`: kv_both, or kv_producer /
+    kv_consumer for a prefill / decode engine)."""
     return {"kv_connector": "KVCacheConnector", "kv_connector_module_path": "engine_client.vllm",
-            "kv_role": "kv_both", "kv_connector_extra_config": {"kvcache_target": target, **extra}}
+            "kv_role": kv_role, "kv_connector_extra_config": {"kvcache_target": target, **extra}}
 
 
 def save_model(family: str, out: str | Path, *, layers: int = 2, hidden: int = 128, heads: int = 2,
@@ -159,6 +160,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="a checkpoint directory (see save-model)")
     p.add_argument("--kvcache", default="", help="kvcache target (host:port or unix:/path); empty: vLLM alone")
     p.add_argument("--kvcache-extra", default="{}", help="more kv_connector_extra_config keys, as JSON")
+    p.add_argument("--kv-role", default="kv_both", choices=("kv_both", "kv_producer", "kv_consumer"),
+                   help="the connector's role: kv_producer (a prefill engine) saves only, kv_consumer loads only")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks (on a CPU build each rank binds one core: VLLM_CPU_OMP_THREADS_BIND is set to "
+                        "'0|1|...' unless given)")
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-model-len", type=int, default=2048)
@@ -193,7 +199,10 @@ class Engine:
 
         kwargs: dict[str, Any] = {}
         if args.kvcache:
-            kwargs["kv_transfer_config"] = connector_config(args.kvcache, **json.loads(args.kvcache_extra))
+            extra = json.loads(args.kvcache_extra)
+            kwargs["kv_transfer_config"] = connector_config(args.kvcache, args.kv_role, **extra)
+        if args.tensor_parallel_size > 1:
+            kwargs["tensor_parallel_size"] = args.tensor_parallel_size
         if args.num_blocks:
             kwargs["num_gpu_blocks_override"] = args.num_blocks
         self.llm = LLM(model=args.model, skip_tokenizer_init=True, dtype=args.dtype, block_size=args.block_size,
@@ -301,6 +310,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "save-model":
         return _save_model_main(argv[1:])
     args = _parse(argv)
+    if args.tensor_parallel_size > 1 and os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind") == "nobind":
+        # vLLM's CPU ranks each bind their OpenMP threads to the cores named here ("nobind" refuses TP > 1:
+        # "Not enough allowed NUMA nodes"); ranks share cores when there are fewer cores than ranks
+        cores = os.cpu_count() or 1
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cores) for r in range(args.tensor_parallel_size))
     # The protocol keeps the real stdout; everything else written to fd 1 (vLLM's logs, its engine processes)
     # goes to stderr.
     proto = os.fdopen(os.dup(1), "w")

@@ -40,12 +40,22 @@ from engine_client.vllm.counters import Counters
 from engine_client.vllm.sender import Down, Finish, Sender, Sent, Up
 from engine_client.vllm.transfer import Transfers
 
-__all__ = ["CLOSE_PARAM", "SESSION_PARAM", "SchedulerSide", "StepPlan", "WorkerReport"]
+__all__ = ["CLOSE_PARAM", "PREFILL_PARAM", "REMOTE_PARAM", "ROLES", "SESSION_PARAM", "SchedulerSide", "StepPlan",
+           "WorkerReport"]
 
 log = logging.getLogger("engine_client.vllm")
 
 SESSION_PARAM = "kvcache_session_id"
 CLOSE_PARAM = "kvcache_close_session"
+REMOTE_PARAM = "do_remote_prefill"
+"""vLLM's flag for a request whose prompt was prefilled elsewhere (a producer's `kv_transfer_params`)."""
+PREFILL_PARAM = "kvcache_prefill_tokens"
+"""In a producer's `kv_transfer_params`: the prompt tokens whose KV it committed to kvcache."""
+
+ROLES: dict[str, tuple[bool, bool]] = {"kv_both": (True, True), "kv_producer": (False, True),
+                                       "kv_consumer": (True, False)}
+"""vLLM's `kv_role` -> (loads from kvcache, saves to kvcache). A producer (a prefill engine) saves the
+prompt's KV only and commits it as soon as every rank saved it; a consumer (a decode engine) only loads."""
 
 Tokens = npt.NDArray[np.int32]
 
@@ -60,24 +70,31 @@ class StepPlan:
     load_reqs: list[str] = field(default_factory=list)
     saves: Transfers = field(default_factory=Transfers.empty)
     save_reqs: list[str] = field(default_factory=list)
+    async_loads: Transfers = field(default_factory=Transfers.empty)
+    """Loads of requests waiting in WAITING_FOR_REMOTE_KVS: done in `start_load_kv`, all layers, and
+    reported back to vLLM as finished receiving (`async_reqs`)."""
+    async_reqs: list[str] = field(default_factory=list)
 
 
 @dataclass
 class WorkerReport:
-    """What a worker did with a `StepPlan`: saves done (request -> (start, end)), requests whose save or load
-    failed, and an instance it cannot use at all (unmappable pool, layout mismatch) with the reason."""
+    """What the workers did with a `StepPlan`: saves done (request -> (start, end)), requests whose save or
+    load failed, an instance they cannot use at all (unmappable pool, layout mismatch) with the reason, and
+    the tensor-parallel ranks the report covers (vLLM aggregates every rank's report into one)."""
 
     saved: dict[str, tuple[int, int]] = field(default_factory=dict)
     save_failed: set[str] = field(default_factory=set)
     load_failed: set[str] = field(default_factory=set)
     unusable: tuple[str, str] | None = None
+    ranks: frozenset[int] = frozenset()
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         """Several workers' reports: a save counts where every worker made it."""
         saved = {r: (max(a[0], b[0]), min(a[1], b[1])) for r, a in self.saved.items()
                  if (b := other.saved.get(r)) is not None}
         failed = self.save_failed | other.save_failed | (self.saved.keys() ^ other.saved.keys())
-        return WorkerReport(saved, failed, self.load_failed | other.load_failed, self.unusable or other.unusable)
+        return WorkerReport(saved, failed, self.load_failed | other.load_failed, self.unusable or other.unusable,
+                            self.ranks | other.ranks)
 
 
 class _Sess:
@@ -132,9 +149,9 @@ _DONE = "done"          # finished and handed back
 
 
 class _Req:
-    __slots__ = ("blocks", "capacity", "chat", "chat_close", "confirmed_end", "extending", "finished", "kv_start",
-                 "load", "num_computed", "output", "planned_end", "prompt", "req_id", "saving", "sess", "state",
-                 "ticket")
+    __slots__ = ("async_load", "blocks", "capacity", "chat", "chat_close", "confirmed_end", "extending", "finished",
+                 "kv_start", "load", "local", "num_computed", "output", "planned_end", "prompt", "remote", "req_id",
+                 "saving", "sess", "state", "ticket")
 
     def __init__(self, req_id: str, prompt: Tokens) -> None:
         self.req_id = req_id
@@ -153,6 +170,12 @@ class _Req:
         self.blocks: list[int] = []
         self.load: int = 0
         """External tokens vLLM took at its last admission (loaded this step)."""
+        self.local = 0
+        """vLLM's own prefix hit when it asked (an asynchronous load starts there)."""
+        self.remote = False
+        """Prefilled by a producer (`do_remote_prefill`): its load is asynchronous."""
+        self.async_load = False
+        """Its load goes in the next plan's `async_loads` (vLLM holds it in WAITING_FOR_REMOTE_KVS)."""
         self.planned_end = 0
         """Saves are planned up to here."""
         self.confirmed_end = 0
@@ -167,9 +190,15 @@ class SchedulerSide:
     """One per vLLM scheduler. Methods are called on vLLM's scheduler thread only."""
 
     def __init__(self, config: ConnectorConfig, *, block_size: int, engine_id: str, client_factory: Callable[[], Any],
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 world_size: int = 1, role: str = "kv_both", clock: Callable[[], float] = time.perf_counter) -> None:
+        if role not in ROLES:
+            raise ValueError(f"kv_role must be one of {', '.join(ROLES)}, got {role!r}")
         self.config = config
         self.block_size = block_size
+        self.role = role
+        self.loads, self.saves = ROLES[role]
+        self.world_size = world_size
+        """Worker ranks whose reports a step's saves need (tensor parallel: every rank writes its heads)."""
         self.reserve_tokens = config.reserve_tokens or block_size
         self.counters = Counters()
         self._clock = clock
@@ -191,6 +220,8 @@ class SchedulerSide:
         self._commits: list[_Sess] = []
         """Streaming sessions whose commit is in the batch being built (their ticket is set when it is sent)."""
         self._queued: list[_Req] = []
+        self._async: list[_Req] = []
+        """Requests whose asynchronous load goes in the next plan."""
         self._up = False
         self._usable = False
         self._generation = 0
@@ -229,22 +260,34 @@ class SchedulerSide:
                     self._drain()
                 if r.state in (_QUEUED, _SENT):
                     return None
-            if r.state != _READY:
+            if r.state != _READY or not self.loads:
                 return 0
+            r.local = num_computed_tokens
             valid = max(r.kv_start, r.confirmed_end)
             return max(0, min(valid, int(request.num_tokens) - 1) - num_computed_tokens)
         finally:
             self._lock.release()
             self.counters.scheduler_seconds += self._clock() - start
 
-    def allocated(self, request: Any, num_external_tokens: int) -> None:
-        """vLLM allocated blocks for `request`, `num_external_tokens` of them to load from kvcache."""
+    def load_async(self, request: Any, num_external_tokens: int | None) -> bool:
+        """Whether vLLM should hold `request` in WAITING_FOR_REMOTE_KVS while its `num_external_tokens` load
+        (a producer's prefill, `do_remote_prefill`: its load runs in a step of its own)."""
+        with self._lock:
+            r = self._reqs.get(request.request_id)
+            return bool(num_external_tokens) and r is not None and r.state == _READY and r.remote
+
+    def allocated(self, request: Any, num_external_tokens: int, block_ids: list[int] | None = None) -> None:
+        """vLLM allocated blocks for `request`, `num_external_tokens` of them to load from kvcache (for an
+        asynchronous load: into `block_ids`, the request's blocks, in the next step's plan)."""
         with self._lock:
             r = self._reqs.get(request.request_id)
             if r is None or r.state != _READY:
                 return
             r.load = num_external_tokens
             self.counters.hit_tokens += num_external_tokens
+            if num_external_tokens and r.remote and block_ids is not None:
+                r.blocks, r.async_load = list(block_ids), True
+                self._async.append(r)
 
     def build_step(self, out: Any) -> StepPlan:
         """The step's transfers from vLLM's scheduler output; sends the step's queued ops in one Step."""
@@ -283,7 +326,15 @@ class SchedulerSide:
                 if r is not None:
                     r.blocks, r.load = [], 0
                     r.planned_end = r.confirmed_end
+            waiting: list[tuple[int, int, Any, Any]] = []
+            for r in self._async:
+                if r.async_load and r.state == _READY and r.sess is not None and r.load:
+                    waiting.append(self._range(r, r.sess, r.local, r.local + r.load, plan.page_size, self.block_size))
+                    plan.async_reqs.append(r.req_id)
+                r.async_load, r.load = False, 0
+            self._async.clear()
             plan.loads, plan.saves = Transfers.build(loads), Transfers.build(saves)
+            plan.async_loads = Transfers.build(waiting)
             self._finish_due(None)
             self._flush()
             return plan
@@ -297,9 +348,21 @@ class SchedulerSide:
             return
         with self._lock:
             self._confirm(report)
+            if self.role == "kv_producer":
+                # its requests save nothing after their prompt: those that finished commit now, so that the
+                # decode engine a router sends them to next finds their pages
+                self._finish_due(None)
+                self._flush()
 
     def _confirm(self, report: WorkerReport) -> None:
         self._drain()
+        missing = self.world_size - len(report.ranks)
+        if missing > 0 and report.saved:
+            # a rank that did not report may not have written its heads: nothing of this step is confirmed
+            self._warn_once("ranks", "kvcache connector: a step's report covers %d of %d worker ranks; its saves "
+                            "are not committed", len(report.ranks), self.world_size)
+            report = WorkerReport({}, report.save_failed | report.saved.keys(), report.load_failed, report.unusable,
+                                  report.ranks)
         for req_id, (lo, hi) in report.saved.items():
             r = self._reqs.get(req_id)
             if r is not None and lo <= r.confirmed_end:
@@ -325,9 +388,12 @@ class SchedulerSide:
             r.finished = True
             r.output = np.asarray(request.output_token_ids, dtype=np.int32)
             r.num_computed = request.num_computed_tokens
-            params = None
+            params: dict[str, Any] | None = None
             if r.sess is not None and r.sess.streaming:
                 params = {SESSION_PARAM: r.sess.id}
+            if self.role == "kv_producer" and r.state == _READY:
+                kv = min(max(r.kv_start, r.planned_end), r.num_computed)
+                params = {**(params or {}), REMOTE_PARAM: True, PREFILL_PARAM: kv}
             if r.state == _READY:
                 self._finishing.append((start, r))
                 if r.sess is not None and r.sess.streaming:
@@ -401,6 +467,8 @@ class SchedulerSide:
             return self._skip(r)  # kvcache keys KV by token ids alone: these prompts' KV is not theirs
         params = request.kv_transfer_params or {}
         salt = request.cache_salt or ""
+        r.remote = bool(params.get(REMOTE_PARAM))
+        r.saving = self.saves
         chat_id = params.get(SESSION_PARAM)
         if chat_id:
             r.chat_close = bool(params.get(CLOSE_PARAM, False))
@@ -578,6 +646,8 @@ class SchedulerSide:
             plan.load_reqs.append(r.req_id)
             r.load = 0
         end = computed + scheduled
+        if self.role == "kv_producer":
+            end = min(end, int(r.prompt.size))  # a prefill engine saves the prompt only
         if r.saving:
             lo = max(r.kv_start, min(r.planned_end, computed))
             hi = min(end, r.capacity, len(r.blocks) * bs)

@@ -5,9 +5,13 @@ blocks and a save copies what vLLM computed into the session's pages. Both sides
 different page sizes and layouts:
 
 - the pool: `pool[layer]` is `[2, num_pages, page_size, heads, dim]` (K then V), token-major;
-- vLLM: a per-layer tensor whose layout belongs to the attention backend. `LAYOUTS` maps each backend
-  name this module knows to a function that views the tensor as K and V, each `[blocks, block_size,
-  heads, dim]` (strided views, never copies). Any other backend is refused with its name and shape.
+- vLLM 0.32: a per-layer tensor with logical axes `[B, H, N, C]` (blocks, the rank's KV heads, tokens of
+  a block, content) whose memory order is the engine's `KVCacheLayout` (LBHNC "HND", LBNHC "NHD", ...):
+  `layer_kv` checks the tensor's strides against that layout and views it as K and V, each `[blocks,
+  block_size, heads, dim]` (strided views, never copies), through the content's packing (`PACKINGS`:
+  K then V along C for the GPU backends, CPU attention's own per-(block, head) packing). A layout or
+  packing it cannot read is refused by name. With tensor parallelism a rank's tensor holds its heads
+  only: the worker passes the pool's matching head slice, so the copies below never see other heads.
 
 A transfer moves positions `[start, end)` of one request; a step's transfers become one set of index
 arrays (`TransferIndex`, built with numpy, nothing per token in Python) and each layer is then two
@@ -28,20 +32,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-__all__ = ["LAYOUTS", "KVLayoutError", "LayerKV", "TransferIndex", "Transfers", "layer_kv", "load_layer",
-           "save_layer"]
+__all__ = ["LOGICAL_AXES", "PACKINGS", "KVLayoutError", "LayerKV", "TransferIndex", "Transfers", "check_layout_order",
+           "layer_kv", "load_layer", "save_layer"]
 
 Int64Array = npt.NDArray[np.int64]
 Int32Array = npt.NDArray[np.int32]
 
 
 class KVLayoutError(ValueError):
-    """vLLM's KV tensor is not in a layout this connector can copy; the message names backend and shape."""
+    """vLLM's KV tensor is not in a layout this connector can copy; the message names layout, packing and shape."""
 
 
 @dataclass(frozen=True)
@@ -56,38 +61,70 @@ class LayerKV:
         return int(self.k.shape[1])
 
 
-def _cpu_attn(kv: torch.Tensor, block_size: int, num_heads: int, head_dim: int, variant: str) -> LayerKV:
-    """vLLM 0.32's CPU attention with the `vec`/`vec16` kernels: `[blocks, heads, block_size, 2 * dim]`, each
-    (block, head) holding its K as `[dim, block_size]` (dim-major, for the kernel's dot products) and then
-    its V as `[block_size, dim]`. Other kernels (`amx`, `neon`, ...) pack K differently: refused."""
-    if variant not in ("vec", "vec16"):
-        raise KVLayoutError(f"CPU_ATTN with the {variant!r} kernel packs K in a layout the kvcache connector does "
-                            "not read (it reads the 'vec' and 'vec16' kernels' layout)")
-    if kv.dim() != 4 or tuple(kv.shape[1:]) != (num_heads, block_size, 2 * head_dim):
-        raise KVLayoutError(f"CPU_ATTN KV of shape {tuple(kv.shape)} is not [blocks, {num_heads}, {block_size}, "
-                            f"{2 * head_dim}]")
-    if kv.stride(3) != 1 or kv.stride(2) != 2 * head_dim or kv.stride(1) != block_size * 2 * head_dim:
-        raise KVLayoutError(f"CPU_ATTN KV with strides {kv.stride()} is not packed per block")
-    halves = kv.view(kv.shape[0], num_heads, 2, block_size * head_dim)
-    k = halves[:, :, 0].view(kv.shape[0], num_heads, head_dim, block_size).permute(0, 3, 1, 2)
-    v = halves[:, :, 1].view(kv.shape[0], num_heads, block_size, head_dim).permute(0, 2, 1, 3)
+LOGICAL_AXES = ("B", "H", "N", "C")
+"""vLLM 0.32's logical axes of a layer's KV tensor: blocks, KV heads, tokens of a block, content (a token's K
+and V of one head)."""
+
+
+def check_layout_order(kv: torch.Tensor, order: tuple[int, ...], layout: str) -> None:
+    """Refuse `kv` (a logical `[B, H, N, C]` layer tensor) unless its strides put the axes in memory in
+    `order` (outermost first; vLLM's `KVCacheLayout.layer_view_order`, e.g. `(0, 2, 1, 3)` for NHD).
+    Axes of size 1 may have any stride."""
+    if kv.dim() != 4 or sorted(order) != [0, 1, 2, 3]:
+        raise KVLayoutError(f"KV layout {layout}: a layer tensor of shape {tuple(kv.shape)} with axis order {order} "
+                            f"is not a [B, H, N, C] tensor")
+    strides = [kv.stride(a) for a in order if kv.shape[a] > 1]
+    if any(outer < inner for outer, inner in pairwise(strides)):
+        physical = "".join(LOGICAL_AXES[a] for a in order)
+        raise KVLayoutError(f"KV layout {layout} puts the axes in memory as {physical}, but the layer tensor of "
+                            f"shape {tuple(kv.shape)} has strides {kv.stride()}")
+
+
+def _split(kv: torch.Tensor, block_size: int, num_heads: int, head_dim: int) -> LayerKV:
+    """vLLM 0.32's GPU backends (FlashAttention, FlashInfer, Triton attention): a token's content is its K
+    then its V (`(B, H, N, 2 * dim) -> split(dim, -1)`); the strides give the layout (NHD, HND, ...)."""
+    _check_shape(kv, "split", block_size, num_heads, head_dim)
+    return LayerKV(k=kv[..., :head_dim].transpose(1, 2), v=kv[..., head_dim:].transpose(1, 2))
+
+
+def _cpu_vec(kv: torch.Tensor, block_size: int, num_heads: int, head_dim: int) -> LayerKV:
+    """vLLM 0.32's CPU attention with the `vec`/`vec16` kernels: each (block, head) holds its `[N, C]`
+    bytes as K `[dim, block_size]` (dim-major, for the kernel's dot products) and then V `[block_size,
+    dim]`, so the (block, head) interior must be one contiguous run (layout LBHNC)."""
+    _check_shape(kv, "cpu_vec", block_size, num_heads, head_dim)
+    if kv.stride(3) != 1 or kv.stride(2) != 2 * head_dim:
+        raise KVLayoutError(f"packing cpu_vec: a (block, head) of the KV tensor with strides {kv.stride()} is not "
+                            "one contiguous run")
+    nb, sb, sh = kv.shape[0], kv.stride(0), kv.stride(1)
+    base = kv.storage_offset()
+    k = kv.as_strided((nb, block_size, num_heads, head_dim), (sb, 1, sh, block_size), base)
+    v = kv.as_strided((nb, block_size, num_heads, head_dim), (sb, head_dim, sh, 1), base + block_size * head_dim)
     return LayerKV(k=k, v=v)
 
 
-LAYOUTS: dict[str, Callable[[torch.Tensor, int, int, int, str], LayerKV]] = {"CPU_ATTN": _cpu_attn}
-"""Attention backend name (vLLM's `get_name()`) -> the function that views one layer's KV tensor, given the
-backend's kernel variant (CPU_ATTN: the layer's `isa`)."""
+def _check_shape(kv: torch.Tensor, packing: str, block_size: int, num_heads: int, head_dim: int) -> None:
+    if kv.dim() != 4 or tuple(kv.shape[1:]) != (num_heads, block_size, 2 * head_dim):
+        raise KVLayoutError(f"packing {packing}: KV of shape {tuple(kv.shape)} is not [blocks, {num_heads}, "
+                            f"{block_size}, {2 * head_dim}]")
 
 
-def layer_kv(kv: torch.Tensor, backend: str, *, block_size: int, num_heads: int, head_dim: int,
-             variant: str = "") -> LayerKV:
-    """View `kv`, a layer's KV tensor from attention backend `backend` (kernel `variant`), as K and V."""
-    view = LAYOUTS.get(backend)
+PACKINGS: dict[str, Callable[[torch.Tensor, int, int, int], LayerKV]] = {"split": _split, "cpu_vec": _cpu_vec}
+"""How a (block, head)'s `[N, C]` content holds K and V -> the function that views a layer tensor as K and V.
+The axes outside the content are read from the tensor's strides (checked against vLLM's layout)."""
+
+
+def layer_kv(kv: torch.Tensor, *, layout: str, order: tuple[int, ...], packing: str, block_size: int, num_heads: int,
+             head_dim: int) -> LayerKV:
+    """View `kv`, one layer's logical `[B, H, N, C]` KV tensor, as K and V: its axes laid out as vLLM's
+    `KVCacheLayout` `layout` says (`order`: that layout's `layer_view_order`), its content packed as
+    `packing` (a `PACKINGS` key). Anything else is refused by name."""
+    view = PACKINGS.get(packing)
     if view is None:
-        raise KVLayoutError(f"the kvcache connector cannot read the KV layout of attention backend {backend!r} "
-                            f"(tensor shape {tuple(kv.shape)}, strides {kv.stride()}); it knows "
-                            f"{', '.join(sorted(LAYOUTS))}")
-    return view(kv, block_size, num_heads, head_dim, variant)
+        raise KVLayoutError(f"the kvcache connector cannot read KV content packed as {packing!r} (layout {layout}, "
+                            f"tensor shape {tuple(kv.shape)}, strides {kv.stride()}); it reads "
+                            f"{', '.join(sorted(PACKINGS))}")
+    check_layout_order(kv, order, layout)
+    return view(kv, block_size, num_heads, head_dim)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from engine_client.vllm.counters import Counters
 from engine_client.vllm.scheduler import StepPlan, WorkerReport
 from engine_client.vllm.transfer import LayerKV, TransferIndex, load_layer, save_layer
 
-__all__ = ["BlockSizeMismatch", "WorkerSide"]
+__all__ = ["BlockSizeMismatch", "HeadShard", "TensorParallelError", "WorkerSide", "head_shard"]
 
 log = logging.getLogger("engine_client.vllm")
 
@@ -44,6 +44,44 @@ def check_block_size(block_size: int, page_size: int) -> None:
             f"{block_size}), or run vLLM with --block-size a multiple of {page_size}")
 
 
+class TensorParallelError(LayoutMismatch):
+    """The model's KV heads cannot be split over this tensor-parallel degree the way vLLM splits them."""
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    """A tensor-parallel rank's share of the model's KV heads: pool heads `[lo, hi)`. `writer`: the rank
+    saves them (the first rank of each group of replicas; every rank loads)."""
+
+    rank: int = 0
+    lo: int = 0
+    hi: int = 0
+    writer: bool = True
+
+    @property
+    def num_heads(self) -> int:
+        return self.hi - self.lo
+
+
+def head_shard(rank: int, tp_size: int, total_kv_heads: int) -> HeadShard:
+    """The heads vLLM gives rank `rank` of `tp_size` for a model of `total_kv_heads` KV heads: a contiguous
+    `total / tp` of them, or, with fewer heads than ranks, one head held by `tp / total` consecutive ranks
+    (replicas), of which the first writes."""
+    if not 0 <= rank < tp_size or total_kv_heads < 1:
+        raise TensorParallelError(f"rank {rank} of tensor-parallel size {tp_size} with {total_kv_heads} KV heads")
+    if total_kv_heads >= tp_size:
+        if total_kv_heads % tp_size:
+            raise TensorParallelError(f"{total_kv_heads} KV heads do not split over tensor-parallel size {tp_size}")
+        n = total_kv_heads // tp_size
+        return HeadShard(rank, rank * n, (rank + 1) * n, True)
+    if tp_size % total_kv_heads:
+        raise TensorParallelError(f"tensor-parallel size {tp_size} is not a multiple of the model's "
+                                  f"{total_kv_heads} KV heads")
+    replicas = tp_size // total_kv_heads
+    head = rank // replicas
+    return HeadShard(rank, head, head + 1, rank % replicas == 0)
+
+
 @dataclass
 class _Step:
     plan: StepPlan
@@ -54,40 +92,51 @@ class _Step:
     layers_saved: int = 0
     load_ok: bool = True
     save_ok: bool = True
+    async_loads: TransferIndex | None = None
+    async_ok: bool = True
 
 
 class WorkerSide:
-    def __init__(self, client_factory: Callable[[], Any], *, block_size: int,
+    def __init__(self, client_factory: Callable[[], Any], *, block_size: int, shard: HeadShard | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self._make_client = client_factory
         self._client: Any = None
         self.block_size = block_size
+        self.shard = shard or HeadShard()
         self.counters = Counters()
         self._clock = clock
         self._layers: dict[str, tuple[int, LayerKV]] = {}
         self._model: dict[str, Any] = {}
         self._pool: MappedPool | None = None
+        self._pool_layers: list[torch.Tensor] = []
+        """The mapped pool's layers, cut to this rank's heads: `[2, pages, page_size, heads of the rank, dim]`."""
         self._unusable: dict[str, str] = {}
         """Instances this worker cannot use, with the reason."""
         self._step: _Step | None = None
         self._invalid: set[int] = set()
+        self._received: set[str] = set()
+        """Requests whose asynchronous load is over (done or failed), to report to vLLM as finished receiving."""
         self._warned = False
 
     # ------------------------------------------------------------------ start
 
     def register(self, layers: list[tuple[str, LayerKV]], *, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype) -> None:
-        """`layers` in model order (pool layer i is the i-th). Raises LayoutMismatch when kvcache is reachable
-        and its pool cannot hold this model's KV; an unreachable kvcache is tried again when a plan needs it."""
+        """`layers` in model order (pool layer i is the i-th), each holding this rank's heads (`shard`) of the
+        model's `num_kv_heads`. Raises LayoutMismatch when kvcache is reachable and its pool cannot hold this
+        model's KV (all its heads); an unreachable kvcache is tried again when a plan needs it."""
+        held = {int(kv.k.shape[2]) for _, kv in layers}
+        if held - {self.shard.num_heads}:
+            raise TensorParallelError(f"rank {self.shard.rank} holds {sorted(held)} KV heads a layer; its share of the "
+                                      f"model's {num_kv_heads} is {self.shard.num_heads}")
         self._layers = {name: (i, kv) for i, (name, kv) in enumerate(layers)}
         self._model = {"num_layers": len(layers), "num_kv_heads": num_kv_heads, "head_dim": head_dim,
                        "dtype": dtype_name(dtype)}
         try:
             client = self._connect()
             info = client.get_pool_info()
-            check_layout(info.layout, **self._model)
-            check_block_size(self.block_size, info.layout.page_size)
-            self._pool = map_pool(info, auth_token=client.options.auth_token)
+            self._check(info.layout)
+            self._set_pool(map_pool(info, auth_token=client.options.auth_token))
         except (KVCacheClientError, PoolMappingError) as e:
             # unreachable, or its pool cannot be mapped here (yet): mapped again when a plan needs it
             log.warning("kvcache connector: cannot use kvcache at start (%s); vLLM computes until it can", e)
@@ -96,6 +145,18 @@ class WorkerSide:
             return
         log.info("kvcache connector: worker mapped the %s pool of instance %s (%d layers, %d pages of %d)",
                  info.backend, info.instance_id, info.layout.num_layers, info.layout.num_pages, info.layout.page_size)
+
+    def _check(self, layout: Any) -> None:
+        """The pool holds every KV head of the model, whatever the engine's tensor-parallel degree."""
+        try:
+            check_layout(layout, **self._model)
+        except LayoutMismatch as e:
+            if self.shard.num_heads == self._model["num_kv_heads"]:
+                raise
+            raise LayoutMismatch(f"{e}; the pool holds all {self._model['num_kv_heads']} KV heads of the model, "
+                                 f"whatever the engine's tensor-parallel size (rank {self.shard.rank} holds "
+                                 f"{self.shard.num_heads})") from None
+        check_block_size(self.block_size, layout.page_size)
 
     def _connect(self) -> Any:
         if self._client is None:
@@ -119,8 +180,7 @@ class WorkerSide:
             info = client.get_pool_info()
             if info.instance_id != instance_id:
                 return f"kvcache is instance {info.instance_id}, the plan names {instance_id}"
-            check_layout(info.layout, **self._model)
-            check_block_size(self.block_size, info.layout.page_size)
+            self._check(info.layout)
             pool = map_pool(info, auth_token=client.options.auth_token)
         except LayoutMismatch as e:
             self._unusable[instance_id] = str(e)
@@ -128,20 +188,26 @@ class WorkerSide:
             return str(e)
         except (KVCacheClientError, PoolMappingError) as e:
             return str(e)
-        old, self._pool = self._pool, pool
+        old = self._pool
+        self._set_pool(pool)
         if old is not None:
             old.close()
         log.info("kvcache connector: worker mapped the pool of instance %s", instance_id)
         return None
+
+    def _set_pool(self, pool: MappedPool) -> None:
+        self._pool = pool
+        lo, hi = self.shard.lo, self.shard.hi
+        self._pool_layers = [pool.tensor[i][:, :, :, lo:hi] for i in range(len(self._layers))]
 
     # ------------------------------------------------------------------ a step
 
     def begin(self, plan: StepPlan | None) -> None:
         """A new step: index its transfers and make sure the pool they name is mapped."""
         self._step = None
-        if plan is None or (not len(plan.loads) and not len(plan.saves)):
+        if plan is None or (not len(plan.loads) and not len(plan.saves) and not len(plan.async_loads)):
             return
-        step = _Step(plan, None, None, WorkerReport())
+        step = _Step(plan, None, None, WorkerReport(ranks=frozenset({self.shard.rank})))
         self._step = step
         problem = self._ensure_pool(plan.instance_id)
         if problem is not None:
@@ -149,6 +215,7 @@ class WorkerSide:
                 step.report.unusable = (plan.instance_id, problem)
             self._fail_loads(step, problem)
             self._fail_saves(step, problem)
+            self._fail_async(step, problem)
             return
         device = self._pool.tensor.device if self._pool is not None else torch.device("cpu")
         if len(plan.loads):
@@ -157,6 +224,32 @@ class WorkerSide:
         if len(plan.saves):
             step.saves = TransferIndex.build(plan.saves, page_size=plan.page_size, block_size=self.block_size,
                                              device=device)
+        if len(plan.async_loads):
+            step.async_loads = TransferIndex.build(plan.async_loads, page_size=plan.page_size,
+                                                   block_size=self.block_size, device=device)
+
+    def load_async(self) -> None:
+        """Copy the step's asynchronous loads, every layer (vLLM's start_load_kv); their requests are then
+        reported finished receiving, failed ones with their blocks handed back to vLLM."""
+        step = self._step
+        if step is None or step.async_loads is None or not step.async_ok:
+            return
+        if self._pool is None:
+            self._fail_async(step, "no pool mapped")
+            return
+        start = self._clock()
+        try:
+            for i, kv in self._layers.values():
+                load_layer(self._pool_layers[i], kv, step.async_loads)
+        except Exception as e:  # a copy that fails must not become wrong tokens: vLLM recomputes
+            self._fail_async(step, f"copy failed: {e}")
+            return
+        finally:
+            self.counters.load_seconds += self._clock() - start
+        plan = step.plan
+        self.counters.load_tokens += plan.async_loads.num_tokens
+        self.counters.load_pages += plan.async_loads.num_pages(plan.page_size)
+        self._received |= set(plan.async_reqs)
 
     def load(self, layer_name: str) -> None:
         """Copy this layer's loads (called before the layer's attention runs)."""
@@ -168,7 +261,7 @@ class WorkerSide:
             return
         start = self._clock()
         try:
-            load_layer(self._pool.tensor[entry[0]], entry[1], step.loads)
+            load_layer(self._pool_layers[entry[0]], entry[1], step.loads)
             step.layers_loaded += 1
         except Exception as e:  # a copy that fails must not become wrong tokens: vLLM recomputes
             self._fail_loads(step, f"copy failed: {e}")
@@ -183,9 +276,12 @@ class WorkerSide:
         entry = self._layers.get(layer_name)
         if entry is None or self._pool is None:
             return
+        if not self.shard.writer:  # a replica: the first rank of its group writes these heads
+            step.layers_saved += 1
+            return
         start = self._clock()
         try:
-            save_layer(entry[1], self._pool.tensor[entry[0]], step.saves)
+            save_layer(entry[1], self._pool_layers[entry[0]], step.saves)
             step.layers_saved += 1
         except Exception as e:
             self._fail_saves(step, f"copy failed: {e}")
@@ -216,12 +312,18 @@ class WorkerSide:
             self._warned = False  # the next failure starts a new episode: warn again
         return step.report
 
+    def take_received(self) -> set[str]:
+        """Requests whose asynchronous load ended since the last call (vLLM's finished receiving)."""
+        out, self._received = self._received, set()
+        return out
+
     def invalid_blocks(self) -> set[int]:
         """vLLM block ids whose load failed since the last call (vLLM recomputes them)."""
         out, self._invalid = self._invalid, set()
         return out
 
     def close(self) -> None:
+        self._pool_layers = []
         if self._pool is not None:
             self._pool.close()
             self._pool = None
@@ -239,6 +341,17 @@ class WorkerSide:
         step.report.load_failed |= set(plan.load_reqs)
         self._invalid |= {int(b) for b in plan.loads.blocks}
         self.counters.load_errors += len(plan.load_reqs)
+        self._warn(why)
+
+    def _fail_async(self, step: _Step, why: str) -> None:
+        plan = step.plan
+        if not len(plan.async_loads) or not step.async_ok:
+            return
+        step.async_ok = False
+        step.report.load_failed |= set(plan.async_reqs)
+        self._invalid |= {int(b) for b in plan.async_loads.blocks}
+        self._received |= set(plan.async_reqs)
+        self.counters.load_errors += len(plan.async_reqs)
         self._warn(why)
 
     def _fail_saves(self, step: _Step, why: str) -> None:

@@ -1,6 +1,7 @@
-"""The parts of `engine_client.vllm` that need no vLLM: settings, the copies between vLLM's CPU layout and
-the pool, the block-size check, counters and worker reports. The connector itself is tested against the
-real vLLM in tests/vllm."""
+"""The parts of `engine_client.vllm` that need no vLLM: settings, the views of vLLM's layer tensors (CPU and
+GPU layouts, on CPU tensors) and the copies between them and the pool, tensor-parallel head shards, the
+block-size check, counters and worker reports. The connector itself is tested against the real vLLM in
+tests/vllm (tests/vllm/test_layouts.py builds the GPU backends' tensors with vLLM's own layout code)."""
 
 from __future__ import annotations
 
@@ -13,15 +14,28 @@ from engine_client.vllm.counters import COUNTER_HELP, Counters
 from engine_client.vllm.scheduler import WorkerReport
 from engine_client.vllm.transfer import (
     KVLayoutError,
+    LayerKV,
     TransferIndex,
     Transfers,
     layer_kv,
     load_layer,
     save_layer,
 )
-from engine_client.vllm.worker import BlockSizeMismatch, check_block_size
+from engine_client.vllm.worker import (
+    BlockSizeMismatch,
+    HeadShard,
+    TensorParallelError,
+    check_block_size,
+    head_shard,
+)
 
 NB, H, BS, D, PS = 4, 2, 32, 64, 16
+HND, NHD = (0, 1, 2, 3), (0, 2, 1, 3)
+"""vLLM's `KVCacheLayout.LBHNC` and `.LBNHC` `layer_view_order` (memory order of [B, H, N, C])."""
+
+
+def cpu_view(kv: torch.Tensor, heads: int = H) -> LayerKV:
+    return layer_kv(kv, layout="LBHNC", order=HND, packing="cpu_vec", block_size=BS, num_heads=heads, head_dim=D)
 
 
 def cpu_kv() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -37,19 +51,37 @@ def cpu_kv() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def test_the_cpu_attention_layout_is_read_as_k_and_v_per_block_and_offset() -> None:
     kv, k, v = cpu_kv()
-    view = layer_kv(kv, "CPU_ATTN", block_size=BS, num_heads=H, head_dim=D, variant="vec")
+    view = cpu_view(kv)
     assert torch.equal(view.k, k) and torch.equal(view.v, v)
     assert view.k.data_ptr() == kv.data_ptr()  # views, not copies
 
 
-@pytest.mark.parametrize(("backend", "variant", "shape", "message"), [
-    ("FLASH_ATTN", "", (NB, H, BS, 2 * D), "cannot read the KV layout of attention backend 'FLASH_ATTN'"),
-    ("CPU_ATTN", "amx", (NB, H, BS, 2 * D), "with the 'amx' kernel packs K in a layout"),
-    ("CPU_ATTN", "vec", (NB, H, 16, 2 * D), "is not [blocks, 2, 32, 128]"),
+@pytest.mark.parametrize(("layout", "order"), [("LBHNC", HND), ("LBNHC", NHD)])
+def test_a_gpu_layout_is_read_from_its_memory_order_and_the_split_content(layout: str, order: tuple[int, ...]) -> None:
+    # the tensor as vLLM allocates it: memory in `order`, viewed as logical [B, H, N, 2 * D]
+    shape = (NB, H, BS, 2 * D)
+    kv = torch.randn([shape[a] for a in order]).permute(*[order.index(a) for a in range(4)])
+    view = layer_kv(kv, layout=layout, order=order, packing="split", block_size=BS, num_heads=H, head_dim=D)
+    # the backends' own reading: (B, H, N, 2*D) -> transpose(1, 2).split(D, -1)
+    key_cache, value_cache = kv.transpose(1, 2).split(D, dim=-1)
+    assert torch.equal(view.k, key_cache) and torch.equal(view.v, value_cache)
+    assert view.k[2, 5, 1].tolist() == kv[2, 1, 5, :D].tolist()
+    assert view.v[3, 31, 0].tolist() == kv[3, 0, 31, D:].tolist()
+
+
+@pytest.mark.parametrize(("layout", "order", "packing", "shape", "message"), [
+    ("LBHNC", HND, "amx", (NB, H, BS, 2 * D), "cannot read KV content packed as 'amx' (layout LBHNC"),
+    ("LBHNC", HND, "cpu_vec", (NB, H, 16, 2 * D), "packing cpu_vec: KV of shape (4, 2, 16, 128) is not [blocks, 2, 32, "
+                                                  "128]"),
+    ("LBNHC", NHD, "split", (NB, H, BS, 2 * D), "KV layout LBNHC puts the axes in memory as BNHC, but the layer tensor "
+                                               "of shape (4, 2, 32, 128) has strides (8192, 4096, 128, 1)"),
+    ("LBHNC", (0, 1, 2), "split", (NB, H, BS, 2 * D), "is not a [B, H, N, C] tensor"),
 ])
-def test_layouts_it_cannot_read_are_refused(backend: str, variant: str, shape: tuple[int, ...], message: str) -> None:
-    with pytest.raises(KVLayoutError, match=message.replace("[", r"\[").replace("(", r"\(")):
-        layer_kv(torch.zeros(shape), backend, block_size=BS, num_heads=H, head_dim=D, variant=variant)
+def test_layouts_it_cannot_read_are_refused(layout: str, order: tuple[int, ...], packing: str, shape: tuple[int, ...],
+                                            message: str) -> None:
+    with pytest.raises(KVLayoutError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        layer_kv(torch.zeros(shape), layout=layout, order=order, packing=packing, block_size=BS, num_heads=H,
+                 head_dim=D)
 
 
 def test_a_transfer_index_maps_positions_to_pool_slots_and_vllm_blocks() -> None:
@@ -72,7 +104,7 @@ def test_loads_and_saves_copy_exactly_the_indexed_positions(dtype: torch.dtype) 
     # bfloat16 has no numpy dtype: CPU copies move elements as integers of their size, bit for bit
     pool = torch.randn(2, 12, PS, H, D).to(dtype)  # one layer: [K/V, pages, page_size, heads, dim]
     kv = torch.zeros(NB, H, BS, 2 * D, dtype=dtype)
-    view = layer_kv(kv, "CPU_ATTN", block_size=BS, num_heads=H, head_dim=D, variant="vec")
+    view = cpu_view(kv)
     t = Transfers.build([(16, 48, np.array([11, 4], np.int32), np.array([3, 0], np.int32))])
     index = TransferIndex.build(t, page_size=PS, block_size=BS)
     load_layer(pool, view, index)
@@ -136,3 +168,47 @@ def test_worker_reports_merge_to_what_every_worker_did() -> None:
     assert merged.saved == {"r1": (0, 48)}
     assert merged.save_failed == {"r2", "r4"}  # r2 was saved by one worker only
     assert merged.load_failed == {"r3"}
+
+
+@pytest.mark.parametrize(("tp", "total", "shards"), [
+    (1, 2, [HeadShard(0, 0, 2, True)]),
+    (2, 2, [HeadShard(0, 0, 1, True), HeadShard(1, 1, 2, True)]),
+    (2, 8, [HeadShard(0, 0, 4, True), HeadShard(1, 4, 8, True)]),
+    # fewer KV heads than ranks: consecutive ranks hold one head; the first of them writes it
+    (4, 2, [HeadShard(0, 0, 1, True), HeadShard(1, 0, 1, False), HeadShard(2, 1, 2, True), HeadShard(3, 1, 2, False)]),
+    (8, 1, [HeadShard(r, 0, 1, r == 0) for r in range(8)]),
+])
+def test_each_rank_holds_the_heads_vllm_gives_it(tp: int, total: int, shards: list[HeadShard]) -> None:
+    assert [head_shard(r, tp, total) for r in range(tp)] == shards
+
+
+@pytest.mark.parametrize(("rank", "tp", "total", "message"), [
+    (0, 4, 6, "6 KV heads do not split over tensor-parallel size 4"),
+    (0, 6, 4, "tensor-parallel size 6 is not a multiple of the model's 4 KV heads"),
+    (2, 2, 2, "rank 2 of tensor-parallel size 2 with 2 KV heads"),
+])
+def test_head_splits_vllm_cannot_make_are_refused(rank: int, tp: int, total: int, message: str) -> None:
+    with pytest.raises(TensorParallelError, match=message):
+        head_shard(rank, tp, total)
+
+
+def test_ranks_copy_their_own_heads_of_a_full_heads_page() -> None:
+    # TP=2 over 2 heads: each rank's tensor holds one head; the pool page holds both
+    pool = torch.randn(2, 12, PS, H, D)
+    t = Transfers.build([(0, 32, np.array([5, 9], np.int32), np.array([2], np.int32))])
+    index = TransferIndex.build(t, page_size=PS, block_size=BS)
+    ranks = [cpu_view(torch.zeros(NB, 1, BS, 2 * D), heads=1) for _ in range(2)]
+    for rank, view in enumerate(ranks):
+        load_layer(pool[:, :, :, rank:rank + 1], view, index)
+        assert torch.equal(view.k[2, :16, 0], pool[0, 5, :, rank])
+        assert torch.equal(view.v[2, 16:, 0], pool[1, 9, :, rank])
+    saved = torch.zeros_like(pool)
+    for rank, view in enumerate(ranks):
+        save_layer(view, saved[:, :, :, rank:rank + 1], index)
+    assert torch.equal(saved[:, [5, 9]], pool[:, [5, 9]])  # both ranks' heads: the whole page
+
+
+def test_a_report_covers_the_ranks_that_sent_it() -> None:
+    a = WorkerReport(saved={"r1": (0, 64)}, ranks=frozenset({0}))
+    b = WorkerReport(saved={"r1": (0, 64)}, ranks=frozenset({1}))
+    assert a.merge(b) == WorkerReport(saved={"r1": (0, 64)}, ranks=frozenset({0, 1}))

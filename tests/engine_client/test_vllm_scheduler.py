@@ -1,7 +1,8 @@
 """The connector's scheduler side against a real kvcache, driven step by step the way vLLM's scheduler calls
 it (its request and scheduler-output objects are plain attribute bags here; no vLLM import), so the order
 of events that a real engine leaves to timing is fixed: a chat turn that arrives while the previous turn's
-commit is still on its way. tests/vllm runs the same code inside the real vLLM."""
+commit is still on its way, saves of tensor-parallel ranks. Also the worker side's layout check against
+that kvcache. tests/vllm runs the same code inside the real vLLM."""
 
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
-from engine_client import KVCacheClient
+from engine_client import KVCacheClient, LayoutMismatch
 from engine_client.vllm.config import ConnectorConfig
 from engine_client.vllm.scheduler import SchedulerSide, WorkerReport
+from engine_client.vllm.transfer import LayerKV, layer_kv
+from engine_client.vllm.worker import WorkerSide, head_shard
 from tests.integration.conftest import ServerProcess, verify_stats
 
 PAGE, BLOCK = 16, 32
@@ -81,10 +85,10 @@ def test_a_chat_turn_waits_for_the_previous_turns_commit(server: ServerProcess) 
         side.allocated(r1, 0)
         plan = side.build_step(step(new=[(r1, 0, 50)]))
         assert (plan.saves.starts.tolist(), plan.saves.ends.tolist(), plan.save_reqs) == ([0], [50], ["r1"])
-        side.confirm(WorkerReport(saved={"r1": (0, 50)}))
+        side.confirm(WorkerReport(saved={"r1": (0, 50)}, ranks=frozenset({0})))
         for pos in range(50, 55):  # decode: each step saves the KV of the token it ran
             side.build_step(step(cached=[(r1, pos, 1)]))
-            side.confirm(WorkerReport(saved={"r1": (pos, pos + 1)}))
+            side.confirm(WorkerReport(saved={"r1": (pos, pos + 1)}, ranks=frozenset({0})))
         side.finished(req("r1", p1, "chat-w", out1))  # 56 tokens, KV for 55 (the last was sampled only)
 
         # turn 2 comes at once: turn 1's commit has not even been sent. It must wait for it, then append
@@ -127,4 +131,58 @@ def test_a_chat_turn_waits_for_the_previous_turns_commit(server: ServerProcess) 
             assert client.get_stats().adopted_sessions == 1
     finally:
         side.close()
+    verify_stats(server.target)
+
+
+def test_tensor_parallel_saves_commit_only_once_every_rank_reported(server: ServerProcess) -> None:
+    # TP=2: a step's saves count once both ranks' reports (aggregated by vLLM into one) cover them; a report
+    # from rank 0 alone (rank 1 died mid-save, or sent nothing) commits nothing and leaves nothing locked
+    config = ConnectorConfig.from_extra({"kvcache_target": server.target, "kvcache_lookup_wait_seconds": 5.0}, env={})
+    side = SchedulerSide(config, block_size=BLOCK, engine_id="sched-tp", world_size=2,
+                         client_factory=lambda: KVCacheClient(server.target))
+    rng = np.random.default_rng(7)
+    p1, p2 = rng.integers(1, 500, 40).tolist(), rng.integers(1, 500, 40).tolist()
+    try:
+        deadline = time.monotonic() + 20
+        while not side.connected:
+            assert time.monotonic() < deadline, "the connector did not connect to kvcache"
+            time.sleep(0.02)
+        for r, ranks in ((req("r1", p1), frozenset({0})), (req("r2", p2), frozenset({0, 1}))):
+            assert ask(side, r)[0] == 0
+            side.allocated(r, 0)
+            plan = side.build_step(step(new=[(r, 0, 40)]))
+            assert (plan.saves.starts.tolist(), plan.saves.ends.tolist()) == ([0], [40])
+            side.confirm(WorkerReport(saved={r.request_id: (0, 40)}, ranks=ranks))
+            side.finished(req(r.request_id, r.prompt_token_ids, output=[3]))
+            side.build_step(step())  # the finish goes out with the next step
+        with KVCacheClient(server.target) as client:
+            deadline = time.monotonic() + 10
+            while (client.get_stats().sessions_in_turn or client.list_sessions()) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert client.list_sessions() == [] and client.get_stats().in_flight_pages == 0
+            assert [client.match_prefix(p).cached_tokens for p in (p1, p2)] == [0, 32]
+    finally:
+        side.close()
+    verify_stats(server.target)
+
+
+def cpu_view(kv: torch.Tensor, heads: int) -> LayerKV:
+    return layer_kv(kv, layout="LBHNC", order=(0, 1, 2, 3), packing="cpu_vec", block_size=BLOCK, num_heads=heads,
+                    head_dim=64)
+
+
+def test_a_tensor_parallel_rank_checks_the_pool_against_all_the_models_heads(server: ServerProcess) -> None:
+    # rank 1 of TP=4 over a model of 4 KV heads holds 1 head; the module's pool holds 2: refused, naming the
+    # model's full head count and the serve flags that fit it
+    worker = WorkerSide(lambda: KVCacheClient(server.target), block_size=BLOCK, shard=head_shard(1, 4, 4))
+    layers = [(f"l{i}", cpu_view(torch.zeros(4, 1, BLOCK, 128), heads=1)) for i in range(2)]
+    with pytest.raises(LayoutMismatch) as e:
+        worker.register(layers, num_kv_heads=4, head_dim=64, dtype=torch.float32)
+    worker.close()
+    assert str(e.value) == (
+        "pool layout (layers=2, kv_heads=2, head_dim=64, dtype=float32) does not match the model (layers=2, "
+        "kv_heads=4, head_dim=64, dtype=float32): serve a pool that fits with `kvcache-service serve --num-layers 2 "
+        "--num-kv-heads 4 --head-dim 64 --dtype float32` (make run ARGS=\"--num-layers 2 --num-kv-heads 4 "
+        "--head-dim 64 --dtype float32\"); the pool holds all 4 KV heads of the model, whatever the engine's "
+        "tensor-parallel size (rank 1 holds 1)")
     verify_stats(server.target)

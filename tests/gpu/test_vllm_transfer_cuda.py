@@ -2,9 +2,9 @@
 on the same device take the torch path (index_select / index_put_ / index_copy_ on device tensors) and move
 exactly what the CPU path moves, bit for bit.
 
-vLLM's CUDA build is not installed here, so the "vLLM" side is a device tensor in vLLM's FlashAttention shape
-(`[2, blocks, block_size, heads, dim]`); which GPU attention layouts the connector reads is a separate matter
-(today it knows only vLLM's CPU attention and refuses the rest, see docs/vllm.md)."""
+vLLM's CUDA build is not installed here, so the "vLLM" side is a device tensor with K and V as `[blocks,
+block_size, heads, dim]` views; how the connector views vLLM 0.32's layer tensors in each `KVCacheLayout`
+is checked on CPU tensors built by vLLM's own layout code (tests/vllm/test_layouts.py, docs/vllm.md)."""
 
 from __future__ import annotations
 

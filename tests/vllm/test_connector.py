@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from engine_client import KVCacheClient, SessionNotFound
 from tests.integration.conftest import ServerProcess, verify_stats
 from tests.loopback import free_port, wait_until
 
-from .conftest import PAGE, VllmEngine, drained, kvcache_server, request, tokens
+from .conftest import ENGINE_ARGS, PAGE, VllmEngine, drained, kvcache_server, request, tokens
 
 pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.timeout(900)]  # real vLLM engines start in ~20-60 s
 
@@ -317,3 +318,69 @@ def _wait_for_engine(engine: VllmEngine, server: ServerProcess) -> None:
                f"the vLLM engine's connector on kvcache instance {server.instance_id}")
     with KVCacheClient(server.target) as client:
         assert client.get_stats().engines == 1
+
+
+@pytest.fixture(scope="module")
+def split(model: Path, engine_log_dir: Path, kvcache: ServerProcess) -> Iterator[tuple[VllmEngine, VllmEngine]]:
+    """A prefill engine (`kv_role: kv_producer`) and a decode engine (`kv_consumer`) on the module's kvcache,
+    started together."""
+    with ThreadPoolExecutor(2) as pool:
+        started = [pool.submit(VllmEngine, model, engine_log_dir / f"{role}.log", kvcache=kvcache.target,
+                               args=(*ENGINE_ARGS, "--kv-role", role)) for role in ("kv_producer", "kv_consumer")]
+        engines = [f.result() for f in started]
+    yield engines[0], engines[1]
+    for engine in engines:
+        engine.close()
+
+
+def _delta(engine: VllmEngine, before: dict[str, float], name: str) -> float:
+    return engine.metrics().get(name, 0.0) - before.get(name, 0.0)
+
+
+def test_prefill_on_a_producer_then_decode_on_a_consumer_both_paths(
+        alone: VllmEngine, split: tuple[VllmEngine, VllmEngine], engines: Engines, kvcache: ServerProcess) -> None:
+    producer, consumer = split
+    lengths = (45, 100)
+    plain = [request(prompt(300 + i, n), 8) for i, n in enumerate(lengths)]
+    remote = [request(prompt(310 + i, n), 8) for i, n in enumerate(lengths)]
+    want_plain, want_remote = reference(alone, plain), reference(alone, remote)
+
+    # the router: prefill on the producer (one token), then the whole request on the consumer
+    pre = producer.generate([dict(r, max_tokens=1) for r in plain + remote])
+    assert tokens(pre) == [w[:1] for w in want_plain + want_remote]
+    params = [o["kv_transfer_params"] for o in pre]
+    assert [(p["do_remote_prefill"], p["kvcache_prefill_tokens"]) for p in params] == [(True, n) for n in lengths * 2]
+    drained(kvcache.target)  # committed (the producer commits once its ranks' saves are confirmed)
+
+    # plain path: the consumer's prefix hit; it computes only what is past the last full page
+    before = consumer.metrics()
+    out = consumer.generate(plain)
+    assert tokens(out) == want_plain
+    assert [o["num_cached_tokens"] for o in out] == [hits(n) for n in lengths] == [32, 96]
+    assert _delta(consumer, before, "vllm:request_prefill_kv_computed_tokens_sum") == 13 + 4  # < a page each
+
+    # do_remote_prefill: the consumer holds each request in WAITING_FOR_REMOTE_KVS while its load runs
+    # (vLLM then reports the producer's cached tokens, 0, as num_cached_tokens, and counts the prompt as
+    # computed; its external-hit counter says what was loaded: all but 13 and 4 tokens, less than a page)
+    before = consumer.metrics()
+    out = consumer.generate([dict(r, kv_transfer_params=p) for r, p in zip(remote, params[2:], strict=True)])
+    assert tokens(out) == want_remote and [o["num_cached_tokens"] for o in out] == [0, 0]
+    assert _delta(consumer, before, "vllm:external_prefix_cache_hits_total") == 32 + 96 == 145 - (13 + 4)
+    assert _delta(consumer, before, "kvcache_connector_load_tokens_total") == 32 + 96
+    assert consumer.metrics().get("kvcache_connector_save_tokens_total", 0) == 0  # a consumer never saves
+    drained(kvcache.target)
+
+    # pages gone (never prefilled here): the consumer computes the prompt
+    gone = [request(prompt(320, 70), 8)]
+    out = consumer.generate([dict(gone[0], kv_transfer_params={"do_remote_prefill": True})])
+    assert tokens(out) == reference(alone, gone) and out[0]["num_cached_tokens"] == 0
+
+    # a producer never loads: a prompt another engine saved is computed again
+    saved = [request(prompt(330, 60), 1)]
+    assert engines.current.generate(saved)[0]["num_cached_tokens"] == 0
+    drained(kvcache.target)
+    before = producer.metrics()
+    out = producer.generate(saved)
+    assert tokens(out) == reference(alone, saved) and out[0]["num_cached_tokens"] == 0
+    assert _delta(producer, before, "kvcache_connector_load_tokens_total") == 0
+    assert _delta(producer, before, "kvcache_connector_hit_tokens_total") == 0

@@ -1,0 +1,149 @@
+"""Tensor-parallel vLLM on kvcache: engines of one model at TP 1, 2 and 4 share prefixes through the pool,
+token-exact, and a rank that dies mid-run commits nothing.
+
+The model is a tiny Llama with 4 attention heads over 2 KV heads (GQA), so TP=2 gives each rank one KV head
+and TP=4 gives ranks 0/1 head 0 and ranks 2/3 head 1 (replicas: the first of each pair saves). The pool
+holds both heads (the module's kvcache: 2 layers, 2 KV heads of 64), whatever the engine's TP. The engines
+are started once, two at a time (a TP=2 engine is 3 processes; start 30-100 s on this 2-core machine).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine_client import KVCacheClient
+from engine_client.vllm.driver import save_model
+from tests.integration.conftest import ServerProcess
+from tests.loopback import wait_until
+
+from .conftest import ENGINE_ARGS, VllmEngine, drained, request, tokens
+from .test_connector import hits, prompt
+
+pytestmark = [pytest.mark.xdist_group("vllm-b"), pytest.mark.timeout(1200)]  # TP engines start in 30-100 s
+
+
+def tp(n: int) -> tuple[str, ...]:
+    return (*ENGINE_ARGS, "--tensor-parallel-size", str(n))
+
+
+@pytest.fixture(scope="module")
+def gqa_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4 attention heads over 2 KV heads of 64 (the module's pool layout), 2 layers, float32."""
+    return save_model("llama", tmp_path_factory.mktemp("gqa") / "llama", heads=4, kv_heads=2, hidden=256)
+
+
+@pytest.fixture(scope="module")
+def tp_engines(gqa_model: Path, engine_log_dir: Path, kvcache: ServerProcess) -> Iterator[dict[str, VllmEngine]]:
+    """`alone2` (TP=2 without kvcache: the reference), `a2` and `b2` (TP=2 on kvcache), `one` (TP=1 on
+    kvcache); `four` (TP=4 on kvcache) is started by its test."""
+    specs: dict[str, dict[str, Any]] = {
+        "alone2": {"args": tp(2)},
+        "a2": {"args": tp(2), "kvcache": kvcache.target},
+        "one": {"args": tp(1), "kvcache": kvcache.target},
+        "b2": {"args": tp(2), "kvcache": kvcache.target},
+    }
+    engines: dict[str, VllmEngine] = {}
+
+    def start(name: str) -> None:
+        engines[name] = VllmEngine(gqa_model, engine_log_dir / f"tp-{name}.log", **specs[name])
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            for future in [pool.submit(start, name) for name in specs]:
+                future.result()
+        yield engines
+    finally:
+        for engine in engines.values():
+            engine.close()
+
+
+def test_tp2_tokens_equal_vllm_alone_and_tp1_and_tp2_engines_share_prefixes_both_ways(
+        tp_engines: dict[str, VllmEngine], kvcache: ServerProcess) -> None:
+    alone2, a2, one, b2 = (tp_engines[n] for n in ("alone2", "a2", "one", "b2"))
+    lengths = (37, 90, 150)
+    first = [request(prompt(200 + i, n)) for i, n in enumerate(lengths)]
+    second = [request(prompt(210 + i, n)) for i, n in enumerate(lengths)]
+    want_first, want_second = tokens(alone2.generate(first)), tokens(alone2.generate(second))
+
+    out = a2.generate(first)  # TP=2 on kvcache: computes and saves (each rank its head)
+    assert tokens(out) == want_first and [o["num_cached_tokens"] for o in out] == [0, 0, 0]
+    drained(kvcache.target)
+    with KVCacheClient(kvcache.target) as client:
+        assert [client.match_prefix(r["prompt"]).cached_tokens for r in first] == [32, 80, 144]
+    assert a2.metrics().get("kvcache_connector_save_errors_total", 0) == 0
+
+    out = one.generate(first)  # TP=1 reuses what TP=2 saved: both heads are in the pool
+    assert tokens(out) == want_first and [o["num_cached_tokens"] for o in out] == [hits(n) for n in lengths]
+    out = one.generate(second)  # ... and saves prompts of its own
+    assert tokens(out) == want_second and [o["num_cached_tokens"] for o in out] == [0, 0, 0]
+    drained(kvcache.target)
+
+    # a second TP=2 engine reuses the first TP=2 engine's prompts and the TP=1 engine's
+    out = b2.generate(first + second)
+    assert tokens(out) == want_first + want_second
+    assert [o["num_cached_tokens"] for o in out] == [hits(n) for n in lengths] * 2 == [32, 80, 144] * 2
+    m = b2.metrics()
+    assert m["kvcache_connector_hit_tokens_total"] == 2 * (32 + 80 + 144)
+    # the load counters add up over the two ranks: each loaded every hit token (its head of it)
+    assert m["kvcache_connector_load_tokens_total"] == 2 * 2 * (32 + 80 + 144)
+
+
+def test_tp4_over_two_kv_heads_shares_with_tp1(tp_engines: dict[str, VllmEngine], gqa_model: Path,
+                                               engine_log_dir: Path, kvcache: ServerProcess) -> None:
+    alone2, one = tp_engines["alone2"], tp_engines["one"]
+    lengths = (50, 120)
+    old = [request(prompt(200 + i, n)) for i, n in enumerate((37, 90))]  # saved by the test above (or now)
+    new = [request(prompt(220 + i, n)) for i, n in enumerate(lengths)]
+    want_old, want_new = tokens(alone2.generate(old)), tokens(alone2.generate(new))
+    assert tokens(one.generate(old)) == want_old
+    drained(kvcache.target)
+
+    with VllmEngine(gqa_model, engine_log_dir / "tp-four.log", kvcache=kvcache.target, args=tp(4)) as four:
+        log = four.log_text()
+        for rank, (head, role) in enumerate([(0, ""), (0, " (a replica"), (1, ""), (1, " (a replica")]):
+            line = re.search(rf"rank {rank} of 4 reads KV layout LBHNC \(packing cpu_vec\), KV heads {head}-{head} of "
+                             rf"2(.*)", log)
+            assert line is not None and line.group(1).startswith(role) and (role or not line.group(1))
+        out = four.generate(old)  # TP=4 loads what TP=1 saved: every rank loads its head
+        assert tokens(out) == want_old and [o["num_cached_tokens"] for o in out] == [32, 80]
+        out = four.generate(new)  # and saves its own: ranks 0 and 2 write the two heads
+        assert tokens(out) == want_new and [o["num_cached_tokens"] for o in out] == [0, 0]
+        drained(kvcache.target)
+    out = one.generate(new)
+    assert tokens(out) == want_new and [o["num_cached_tokens"] for o in out] == [hits(n) for n in lengths] == [48, 112]
+
+
+def test_a_rank_that_dies_mid_run_commits_nothing_and_locks_nothing(
+        tp_engines: dict[str, VllmEngine], kvcache: ServerProcess) -> None:
+    b2 = tp_engines.pop("b2")  # this test ends it
+    work = [request(prompt(230 + i, 100), 300) for i in range(3)]  # 3 x 400 tokens: no preemption
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            b2.generate(work)
+        except BaseException as e:  # the engine dies with its rank: the driver answers an error or exits
+            failed.append(e)
+
+    rank1 = re.search(r"\(Worker_TP1 pid=(\d+)\)", b2.log_text())
+    assert rank1 is not None, "the engine's log names its rank-1 worker"
+    with KVCacheClient(kvcache.target) as client:
+        runner = threading.Thread(target=run)
+        runner.start()
+        # the requests are in their turns (pages locked) and saving: kill rank 1
+        wait_until(lambda: client.get_stats().sessions_in_turn == len(work), "the requests' turns started", 60)
+        os.kill(int(rank1.group(1)), signal.SIGKILL)
+        runner.join(timeout=180)
+        assert not runner.is_alive() and failed, "the engine went on without its rank 1"
+        b2.close()
+        drained(kvcache.target)  # the engine's lease ended: its turns were aborted, nothing in flight
+        assert [client.match_prefix(r["prompt"]).cached_tokens for r in work] == [0, 0, 0]
