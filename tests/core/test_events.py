@@ -120,8 +120,9 @@ def test_a_late_start_hashes_the_tree_and_its_snapshot_matches_live_recording(ma
 
 
 def test_a_closed_session_says_why_it_closed(make_core, clock: FakeClock) -> None:
-    """Client, timeout, lease end (released, expired, a held stream gone), and a close deferred to a turn's end."""
-    core = make_core(num_pages=16, page_size=4)
+    """Client, timeout, a close deferred to a turn's end, a deferred close at its engine's lease end, and a
+    parked session nobody adopted; a lease's end parks the others (closes nothing)."""
+    core = make_core(num_pages=16, page_size=4, parked_session_timeout_seconds=20)
     core.start_events()
     core.open_session("by-client")
     core.open_session("deferred")
@@ -130,15 +131,18 @@ def test_a_closed_session_says_why_it_closed(make_core, clock: FakeClock) -> Non
     core.close("deferred")  # a turn in flight: it closes when the turn ends
     core.commit("deferred", toks(3))
     core.open_session("idle", timeout_seconds=5)
-    for engine in ("released", "expired"):
-        core.register_engine(engine, ttl_seconds=10)
-        core.open_session(f"of-{engine}", engine_id=engine)
-    held = core.register_engine("held", held=True)
-    core.open_session("of-held", engine_id="held")
+    core.register_engine("released", ttl_seconds=10)
+    core.open_session("of-released", engine_id="released")
+    core.open_session("closing", engine_id="released")
+    core.append("closing", toks(4, 5), 0)
+    core.close("closing")  # deferred behind the turn the lease's end aborts
     core.unregister_engine("released")
-    core.end_held_lease("held", held.serial)
-    clock.advance(11)  # past idle's timeout and expired's TTL
+    clock.advance(11)  # past idle's timeout, within the parked timeout
     core.reap()
-    closed = [(r.session_id, r.reason) for r in core.take_events() if r.kind == "closed"]
-    assert closed == [("by-client", "client"), ("deferred", "client"), ("of-released", "lease_ended"),
-                      ("of-held", "lease_ended"), ("of-expired", "lease_ended"), ("idle", "timeout")]
+    clock.advance(10)  # past the parked timeout
+    core.reap()
+    events = core.take_events()
+    closed = [(r.session_id, r.reason) for r in events if r.kind == "closed"]
+    assert closed == [("by-client", "client"), ("deferred", "client"), ("closing", "lease_ended"),
+                      ("idle", "timeout"), ("of-released", "parked_timeout")]
+    assert [(r.session_id, r.engine_id) for r in events if r.kind == "parked"] == [("of-released", "released")]
