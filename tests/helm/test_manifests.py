@@ -158,7 +158,8 @@ def test_nothing_else_turns_host_ipc_on(chart: helm.Chart, values: dict[str, Any
 # The examples' opt-ins: the node directory of the pool socket, which engine pods mount.
 HOST_PATHS: dict[str, list[Obj]] = {
     "gpu-daemonset": [{"name": "pool-socket", "hostPath": {"path": "/run/kvcache", "type": "DirectoryOrCreate"}}],
-    "vllm-daemonset": [{"name": "pool-socket", "hostPath": {"path": "/run/kvcache", "type": "DirectoryOrCreate"}}],
+    "vllm-daemonset": [{"name": "pool-socket", "hostPath": {"path": "/run/kvcache", "type": "DirectoryOrCreate"}},
+                       {"name": "step-socket", "hostPath": {"path": "/run/kvcache-lane", "type": "DirectoryOrCreate"}}],
     "mooncake-tier": [{"name": "pool-socket", "hostPath": {"path": "/run/kvcache", "type": "DirectoryOrCreate"}}],
 }
 
@@ -169,8 +170,11 @@ def test_no_host_namespaces_or_host_paths_by_default(chart: helm.Chart) -> None:
         assert not {"hostNetwork", "hostPID"} & set(spec), case
         host_paths = HOST_PATHS.get(case, [])
         assert [v for v in spec["volumes"] if "hostPath" in v] == host_paths, case
-        opted_in = (values or {}).get("poolSocket", {}).get("hostPath", "")  # on only through the value itself
-        assert opted_in == (host_paths[0]["hostPath"]["path"] if host_paths else ""), case
+        opted_in = {"pool-socket": (values or {}).get("poolSocket", {}).get("hostPath", ""),
+                    "step-socket": (values or {}).get("stepSocket", {}).get("hostPath", "")}
+        # each on only through its own value
+        assert {name: path for name, path in opted_in.items() if path} == {
+            v["name"]: v["hostPath"]["path"] for v in host_paths}, case
 
 
 def test_host_path_is_an_opt_in_with_a_warning(chart: helm.Chart) -> None:
