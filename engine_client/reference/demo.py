@@ -29,6 +29,7 @@ from engine_client.reference.workload import (
     results_table,
     run_batching,
     run_mode,
+    runs_table,
     same_outputs,
     workload_from,
 )
@@ -40,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-requests", type=int, default=48, help="requests for the continuous-batching part "
                                                                    "(0 skips it; default %(default)s)")
     ap.add_argument("--max-batch", type=int, default=16, help="requests decoding together (default %(default)s)")
+    ap.add_argument("--runs", type=int, default=1, help="times the modes run, in turn (each run under cache salts of "
+                                                        "its own); with more than 1, a table of the median and "
+                                                        "min-max over the runs follows (default %(default)s)")
     args = ap.parse_args(argv)
     modes = args.modes.split(",")
     torch.set_num_threads(1)  # one thread per chat; the chats are the parallelism
@@ -55,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
         for mode in modes:
             progress = Progress(mode, args.sessions * args.turns)
             results.append(run_mode(mode, workload, target=service.target, config=config, progress=progress.tick))
+        rounds = [results]
+        for run in range(1, args.runs):  # the modes in turn again, so a change of the machine's load hits each
+            rounds.append([run_mode(mode, workload, target=service.target, config=config,
+                                  progress=Progress(f"{mode} #{run + 1}", args.sessions * args.turns).tick, run=run)
+                         for mode in modes])
         for r in results:  # the same chats again, answers replayed: the cache's own cost, no model
             replays.append(run_mode(r.mode, workload, target=service.target, config=config, replay=r))
         baseline = ("speedup is against no_session: the whole history sent every turn, matched in the radix "
@@ -63,7 +72,11 @@ def main(argv: list[str] | None = None) -> int:
         print(results_table(results, "seconds"))
         print("\nCache operations only (the same turns replayed without the model), per turn; same baseline")
         print(results_table(replays, "seconds"))
-        agree = same_outputs(results)
+        if args.runs > 1:
+            print(f"\nEnd to end over {args.runs} runs (the first is the table above): where the ranges of two "
+                  "modes overlap, the difference is noise")
+            print(runs_table(rounds))
+        agree = all(same_outputs([*results, *later]) for later in rounds)
         print(f"\nall modes generated the same tokens: {'yes' if agree else 'NO'} "
               f"({sum(len(o) for o in results[0].outputs)} tokens per mode)")
         if args.batch_requests:

@@ -117,9 +117,9 @@ class Progress:
 
 
 def run_mode(mode: str, workload: Workload, *, target: str | None, config: ModelConfig,
-             progress: Callable[[], None] | None = None, replay: Results | None = None) -> Results:
+             progress: Callable[[], None] | None = None, replay: Results | None = None, run: int = 0) -> Results:
     """Run `workload.sessions` chats concurrently (one thread each) in `mode`, under a cache salt of its own
-    (so runs sharing a service never hit each other's KV).
+    (so runs sharing a service never hit each other's KV; `run` > 0 repeats a mode under a salt of its own).
 
     With `replay` (the results of a run with the model), no model runs: each turn replays the recorded
     answer and only the kvcache operations are timed.
@@ -134,7 +134,7 @@ def run_mode(mode: str, workload: Workload, *, target: str | None, config: Model
     model = engine.model if engine is not None else ReferenceModel(config)
     errors: list[BaseException] = []
 
-    salt = f"{mode}/replay" if replay is not None else mode
+    salt = (f"{mode}/replay" if replay is not None else mode) + (f"/run-{run}" if run else "")
 
     def chat(i: int) -> None:
         try:
@@ -319,6 +319,21 @@ def results_table(results: Sequence[Results], what: str = "seconds", baseline: s
             speed = f"{'-':>8} {'-':>9}"
         lines.append(f"{r.mode:<18} {all_ms:>9.3f} {last_ms:>9.3f} {speed}  "
                      f"{r.cached_tokens.mean():>15.1f} {r.computed_tokens.mean():>17.1f}")
+    return "\n".join(lines)
+
+
+def runs_table(runs: Sequence[Sequence[Results]], what: str = "seconds", baseline: str = "no_session") -> str:
+    """Per mode over repeated runs (`runs[k]`: run k's results, one per mode): the median and min-max of the
+    mean ms/turn, and of the speedup over `baseline` in the same run."""
+    hdr = f"{'mode':<18} {'ms/turn: median (min-max)':>30} {'speedup: median (min-max)':>30}"
+    lines = [hdr, "-" * len(hdr)]
+    for i, mode in enumerate(r.mode for r in runs[0]):
+        ms = [run[i].mean_ms(what) for run in runs]
+        base = [next((r.mean_ms(what) for r in run if r.mode == baseline), 0.0) for run in runs]
+        speed = [b / m for b, m in zip(base, ms, strict=True) if b > 0 and m > 0]
+        cell = f"{np.median(ms):.3f} ({min(ms):.3f}-{max(ms):.3f})" if any(ms) else "-"
+        sp = f"{np.median(speed):.2f}x ({min(speed):.2f}-{max(speed):.2f})" if speed else "-"
+        lines.append(f"{mode:<18} {cell:>30} {sp:>30}")
     return "\n".join(lines)
 
 

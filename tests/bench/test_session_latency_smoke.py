@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,12 +31,18 @@ def test_session_latency_prints_both_tables_and_writes_the_plot(tmp_path: Path,
 
 def test_make_demo_runs_the_four_modes_and_continuous_batching_and_stops_cleanly() -> None:
     proc = subprocess.run([sys.executable, "-m", "engine_client.reference.demo", "--sessions", "2", "--turns", "3",
-                           "--batch-requests", "6", "--max-batch", "3"],
+                           "--batch-requests", "6", "--max-batch", "3", "--runs", "2"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("kvcache-service 0.1.0 listening on unix:")
     assert "all modes generated the same tokens: yes (48 tokens per mode)" in lines
+    # over the 2 runs: each mode's median ms/turn with its (min-max), and its speedup's against no_session
+    over = lines[lines.index("mode                    ms/turn: median (min-max)      speedup: median (min-max)") + 2:]
+    rows = [line.split() for line in over[:len(MODES)]]
+    assert [r[0] for r in rows] == list(MODES)
+    assert all(re.fullmatch(r"\(\d+\.\d{3}-\d+\.\d{3}\)", r[2]) for r in rows[1:]), rows  # no_cache's too
+    assert rows[1][3:] == ["1.00x", "(1.00-1.00)"]  # no_session against itself
     assert any(line.startswith("service accounting verified: ") for line in lines)
     batching = [line.split("  ")[0] for line in lines if line.startswith(("one at a time ", "batched"))]
     assert batching == ["one at a time", "batched", "batched, pipelined"]
