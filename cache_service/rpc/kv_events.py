@@ -40,7 +40,7 @@ from typing import Any
 
 import msgpack
 
-from cache_service.core import KVCacheCore
+from cache_service.core import KVCacheCore, SessionState
 from cache_service.core.events import Cleared, Record, Removed, SessionChange, Stored
 from cache_service.log import get_logger
 from protos.kvcache.v1 import kvcache_pb2 as pb
@@ -303,12 +303,15 @@ class EventHub:
 
     def snapshot(self, visible: Visible | None) -> list[pb.WatchEventsResponse]:
         """The current tree and open sessions as snapshot messages at `last_seq`: `cleared`, the stored
-        pages (parents before children), the opened sessions. Call right after `flush` so the live
-        batches that follow continue from it."""
+        pages (parents before children), the opened sessions (each parked one followed by its `parked`).
+        Call right after `flush` so the live batches that follow continue from it."""
         records: list[Record] = [Cleared(), *self.core.event_snapshot()]
         for info in self.core.list_sessions():
             records.append(SessionChange("opened", info.session_id, info.epoch, info.cache_salt, info.streaming,
                                          info.engine_id, info.identity))
+            if info.state is SessionState.PARKED:
+                records.append(SessionChange("parked", info.session_id, info.epoch, info.cache_salt, info.streaming,
+                                             info.former_engine_id, info.identity))
         events = [proto_event(r, self.medium, self.page_size, self.tier_medium) for r in records
                   if visible is None or visible(r)]
         ts = self._clock()

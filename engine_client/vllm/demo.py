@@ -41,16 +41,18 @@ MODEL_SHAPE: dict[str, Any] = {"layers": 6, "hidden": 1024, "heads": 16, "kv_hea
 
 
 class KVCacheService:
-    """`kvcache-service serve` on a free loopback port, shaped like a model, with its log in `log`."""
+    """`kvcache-service serve` on a free loopback port, shaped like a model, with its log in `log` (`args`:
+    more `serve` flags)."""
 
     def __init__(self, log: Path, *, layers: int, kv_heads: int, head_dim: int, dtype: str = "float32",
-                 page_size: int = 16, num_pages: int = 4096, python: str = sys.executable) -> None:
+                 page_size: int = 16, num_pages: int = 4096, python: str = sys.executable,
+                 args: tuple[str, ...] = ()) -> None:
         self._log = open(log, "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [python, "-m", "cache_service", "serve", "--listen", "127.0.0.1:0", "--num-layers", str(layers),
              "--num-kv-heads", str(kv_heads), "--head-dim", str(head_dim), "--dtype", dtype,
              "--page-size", str(page_size), "--num-pages", str(num_pages),
-             "--shm-prefix", f"kvvllm-{uuid.uuid4().hex[:6]}", "--log-format", "json"],
+             "--shm-prefix", f"kvvllm-{uuid.uuid4().hex[:6]}", "--log-format", "json", *args],
             stdout=subprocess.PIPE, stderr=self._log, text=True)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()

@@ -227,6 +227,13 @@ def test_a_parked_session_and_its_adoption_are_announced(start_thread_server: Ca
         parked = stream.next()
         assert kinds(parked) == ["session_parked"]
         assert parked.events[0].session_parked == pb.SessionParked(session_id="chat", epoch=1, former_engine_id="a")
+        late = Stream(server)  # a router that starts now learns it from the snapshot
+        try:
+            snap = late.next()
+            assert kinds(snap) == ["cleared", "session_opened", "session_parked"]
+            assert snap.events[2].session_parked == parked.events[0].session_parked
+        finally:
+            late.close()
         stub.AppendSession(pb.AppendSessionRequest(session_id="chat", token_ids=[1, 2, 3], engine_id="b"),
                            timeout=10)
         adopted = stream.next()
