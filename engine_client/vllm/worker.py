@@ -255,6 +255,7 @@ class WorkerSide:
         plan = step.plan
         self.counters.load_tokens += plan.async_loads.num_tokens
         self.counters.load_pages += plan.async_loads.num_pages(plan.page_size)
+        self.counters.async_loads += len(plan.async_reqs)
         self._received |= set(plan.async_reqs)
 
     def load(self, layer_name: str) -> None:

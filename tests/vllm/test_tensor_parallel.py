@@ -96,6 +96,18 @@ def test_tp2_tokens_equal_vllm_alone_and_tp1_and_tp2_engines_share_prefixes_both
     # the load counters add up over the two ranks: each loaded every hit token (its head of it)
     assert m["kvcache_connector_load_tokens_total"] == 2 * 2 * (32 + 80 + 144)
 
+    # a request prefilled elsewhere (do_remote_prefill): both ranks load it asynchronously and vLLM waits for
+    # both to report it received
+    third = [request(prompt(240, 100))]
+    want_third = tokens(alone2.generate(third))
+    assert tokens(one.generate(third)) == want_third
+    drained(kvcache.target)
+    out = b2.generate([dict(third[0], kv_transfer_params={"do_remote_prefill": True})])
+    assert tokens(out) == want_third and out[0]["num_cached_tokens"] == 96
+    after = b2.metrics()
+    assert after["kvcache_connector_load_tokens_total"] - m["kvcache_connector_load_tokens_total"] == 2 * 96
+    assert after["kvcache_connector_async_loads_total"] == 2  # one request, loaded by each of the two ranks
+
 
 def test_tp4_over_two_kv_heads_shares_with_tp1(tp_engines: dict[str, VllmEngine], gqa_model: Path,
                                                engine_log_dir: Path, kvcache: ServerProcess) -> None:
