@@ -35,6 +35,20 @@ def tp(n: int) -> tuple[str, ...]:
     return (*ENGINE_ARGS, "--tensor-parallel-size", str(n))
 
 
+SHM = Path("/dev/shm")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _vllm_shm_files_removed() -> Iterator[None]:
+    """vLLM's CPU ranks talk through /dev/shm files (`vllm_dist_<id>-tp:...-cpushm_<rank>`, 4 MiB each) that a
+    killed engine leaves behind (the rank this module kills, an engine whose exit outlasts its close): the
+    ones that appeared while this module's engines ran are removed once they are all gone."""
+    before = set(SHM.glob("vllm_dist_*"))
+    yield
+    for path in set(SHM.glob("vllm_dist_*")) - before:
+        path.unlink(missing_ok=True)
+
+
 @pytest.fixture(scope="module")
 def gqa_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """4 attention heads over 2 KV heads of 64 (the module's pool layout), 2 layers, float32."""
