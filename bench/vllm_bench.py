@@ -200,7 +200,7 @@ def tp_main(python: Path, work: Path, shape: dict[str, Any], doc_tokens: int) ->
         same &= alone_first[2] == kv_first[2] and alone_second[2] == kv_second[2] == alone_cold[2] == kv_cold[2]
         rows += [(f"TP=2, 4 docs x {doc_tokens} tok, first requests", cell(*alone_first[:2]), cell(*kv_first[:2])),
                  ("TP=2, the same engine's second request", cell(*alone_second[:2]), cell(*kv_second[:2])),
-                 ("TP=2, a second engine, same docs", cell(*alone_cold[:2]), cell(*kv_cold[:2]))]
+                 ("TP=2, a second engine, the same prompts", cell(*alone_cold[:2]), cell(*kv_cold[:2]))]
 
         print("[vllm_bench] prefill/decode split against one engine")
         reqs = [{"prompt": tokens(400 + i, doc_tokens) + tokens(500 + i, 32), "max_tokens": 16} for i in range(4)]

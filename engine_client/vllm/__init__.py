@@ -8,7 +8,10 @@ or `LLM(model, kv_transfer_config={...the same...})`. Each request's prompt is a
 (or, with `kv_transfer_params={"kvcache_session_id": "<id>"}`, a turn of that streaming session): the
 tokens kvcache holds beyond vLLM's own prefix cache are loaded into vLLM's blocks, and the KV vLLM computes
 is saved into the session's pages and committed when the request finishes, so every engine on the same
-kvcache reuses it. See docs/design.md §7 and the README's vLLM section.
+kvcache reuses it. Any tensor-parallel size: the pool holds all the model's KV heads and each rank copies its
+own. `kv_role` `kv_producer` (a prefill engine) saves only and returns `do_remote_prefill` params that a
+`kv_consumer` (a decode engine, loads only) takes. See docs/design.md §7, docs/vllm.md and the README's
+vLLM section.
 
 Modules: `config` (the `kv_connector_extra_config` keys), `scheduler` and `sender` (the scheduler side),
 `worker` and `transfer` (the worker side: pool mapping, layouts, copies), `counters` and `stats`

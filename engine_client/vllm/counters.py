@@ -27,6 +27,8 @@ COUNTER_HELP: dict[str, str] = {
     "save_tokens": "tokens of KV copied from vLLM's blocks into the kvcache pool",
     "save_pages": "kvcache pages those saves wrote",
     "save_seconds": "time spent copying saves",
+    "async_loads": "requests a worker loaded asynchronously (do_remote_prefill: vLLM held them in "
+                   "WAITING_FOR_REMOTE_KVS meanwhile), once per worker",
     "load_errors": "loads that failed (their blocks were handed back to vLLM to recompute)",
     "save_errors": "saves that failed (the request's KV was committed only up to its last saved position)",
     "errors": "calls to kvcache that failed (unreachable, restarted, refused)",
@@ -51,6 +53,7 @@ class Counters:
     save_tokens: int = 0
     save_pages: int = 0
     save_seconds: float = 0.0
+    async_loads: int = 0
     load_errors: int = 0
     save_errors: int = 0
     errors: int = 0

@@ -11,9 +11,16 @@ A request's life on kvcache:
    until that commit is back (so it appends to the committed history instead of missing the session).
 2. `allocated` says how many vLLM took; `build_step` plans their load (pool -> vLLM blocks) and, every
    step, the save of what vLLM computed (vLLM blocks -> the session's pages) as `Transfers`, growing the
-   turn (`extend`, queued one reservation ahead) as decode nears its capacity.
-3. The workers report what they saved (`confirm`); at `finished` the request commits what was saved and
-   its regular session closes, so the KV enters the radix for every engine.
+   turn (`extend`, queued one reservation ahead) as decode nears its capacity. A request a producer
+   prefilled (`do_remote_prefill`) is loaded asynchronously: vLLM holds it in WAITING_FOR_REMOTE_KVS and
+   its load goes in the next plan's `async_loads`, done by the workers in a step of its own.
+3. The workers report what they saved (`confirm`; with tensor parallelism vLLM merges every rank's report,
+   and a save counts only where the merged report covers all `world_size` ranks); at `finished` the
+   request commits what was saved and its regular session closes, so the KV enters the radix for every
+   engine.
+
+`role` (vLLM's `kv_role`, `ROLES`): `kv_both` loads and saves; `kv_producer` never loads, saves the prompt
+only and commits as soon as the workers confirm it; `kv_consumer` never saves.
 
 Anything that goes wrong (kvcache unreachable or restarted, a refused append, a failed save) turns the
 request's kvcache use off, never its correctness: vLLM computes what kvcache does not hold.

@@ -7,6 +7,12 @@ loads before that layer's attention runs and `save` one layer's saves after it; 
 saved (so only saved KV is ever committed) and which loads failed (their blocks go back to vLLM to
 recompute). A plan naming another kvcache instance than the mapped one (kvcache restarted) maps the new
 pool first; when that cannot be done, the step's loads and saves fail, and vLLM computes.
+
+With tensor parallelism each rank's worker holds its `HeadShard` of the model's KV heads: it copies that
+slice of every full-heads pool page (a replica rank loads it and leaves saving it to the first rank of
+its group) and reports its rank, so the scheduler side counts a save only once every rank made it.
+Asynchronous loads (`load_async`, from vLLM's start_load_kv) copy every layer at once and are reported
+to vLLM as finished receiving (`take_received`).
 """
 
 from __future__ import annotations
@@ -249,6 +255,7 @@ class WorkerSide:
         plan = step.plan
         self.counters.load_tokens += plan.async_loads.num_tokens
         self.counters.load_pages += plan.async_loads.num_pages(plan.page_size)
+        self.counters.async_loads += len(plan.async_reqs)
         self._received |= set(plan.async_reqs)
 
     def load(self, layer_name: str) -> None:

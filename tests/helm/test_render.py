@@ -156,9 +156,9 @@ def test_lint_reports_schema_violations() -> None:
     assert "- at '/config/numPages': minimum: got -1, want 0\n" in report["errors"]
 
 
-def test_examples_are_the_three_modes_the_two_tiers_and_vllm_in_two() -> None:
+def test_examples_are_the_three_modes_the_two_tiers_and_vllm_in_three() -> None:
     assert sorted(EXAMPLES) == ["cpu", "disk-tier", "gpu-daemonset", "mooncake-tier", "sidecar", "vllm-daemonset",
-                                "vllm-sidecar"]
+                                "vllm-prefill-decode", "vllm-sidecar"]
     rendered = sorted(p.name for p in render_tool.RENDERED_DIR.glob("*.yaml"))
     assert rendered == sorted(p.name for p in EXAMPLES.values()), "a rendered example has no values file"
 
@@ -166,7 +166,7 @@ def test_examples_are_the_three_modes_the_two_tiers_and_vllm_in_two() -> None:
 @pytest.mark.parametrize(
     ("name", "mode"), [("cpu", "deployment"), ("gpu-daemonset", "daemonset"), ("sidecar", "sidecar"),
                        ("disk-tier", "deployment"), ("mooncake-tier", "daemonset"),
-                       ("vllm-daemonset", "daemonset"), ("vllm-sidecar", "sidecar")]
+                       ("vllm-daemonset", "daemonset"), ("vllm-sidecar", "sidecar"), ("vllm-prefill-decode", "sidecar")]
 )
 def test_each_example_runs_its_mode(chart: helm.Chart, name: str, mode: str) -> None:
     values = render_tool.load_values(EXAMPLES[name])
@@ -186,8 +186,8 @@ def test_generated_files_are_current(chart: helm.Chart) -> None:
 def test_check_command_passes_on_the_committed_tree(capsys: pytest.CaptureFixture[str]) -> None:
     assert render_tool.main(["--check"]) == 0
     out = capsys.readouterr().out
-    assert "[chart] lint --strict: clean (defaults and 7 examples)" in out
-    assert "[chart] generated files up to date (7 rendered examples, README values table)" in out
+    assert "[chart] lint --strict: clean (defaults and 8 examples)" in out
+    assert "[chart] generated files up to date (8 rendered examples, README values table)" in out
 
 
 def test_check_command_fails_on_a_stale_example(

@@ -367,6 +367,7 @@ def test_prefill_on_a_producer_then_decode_on_a_consumer_both_paths(
     assert tokens(out) == want_remote and [o["num_cached_tokens"] for o in out] == [0, 0]
     assert _delta(consumer, before, "vllm:external_prefix_cache_hits_total") == 32 + 96 == 145 - (13 + 4)
     assert _delta(consumer, before, "kvcache_connector_load_tokens_total") == 32 + 96
+    assert _delta(consumer, before, "kvcache_connector_async_loads_total") == 2
     assert consumer.metrics().get("kvcache_connector_save_tokens_total", 0) == 0  # a consumer never saves
     drained(kvcache.target)
 

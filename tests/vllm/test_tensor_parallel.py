@@ -35,6 +35,20 @@ def tp(n: int) -> tuple[str, ...]:
     return (*ENGINE_ARGS, "--tensor-parallel-size", str(n))
 
 
+SHM = Path("/dev/shm")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _vllm_shm_files_removed() -> Iterator[None]:
+    """vLLM's CPU ranks talk through /dev/shm files (`vllm_dist_<id>-tp:...-cpushm_<rank>`, 4 MiB each) that a
+    killed engine leaves behind (the rank this module kills, an engine whose exit outlasts its close): the
+    ones that appeared while this module's engines ran are removed once they are all gone."""
+    before = set(SHM.glob("vllm_dist_*"))
+    yield
+    for path in set(SHM.glob("vllm_dist_*")) - before:
+        path.unlink(missing_ok=True)
+
+
 @pytest.fixture(scope="module")
 def gqa_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """4 attention heads over 2 KV heads of 64 (the module's pool layout), 2 layers, float32."""
@@ -95,6 +109,18 @@ def test_tp2_tokens_equal_vllm_alone_and_tp1_and_tp2_engines_share_prefixes_both
     assert m["kvcache_connector_hit_tokens_total"] == 2 * (32 + 80 + 144)
     # the load counters add up over the two ranks: each loaded every hit token (its head of it)
     assert m["kvcache_connector_load_tokens_total"] == 2 * 2 * (32 + 80 + 144)
+
+    # a request prefilled elsewhere (do_remote_prefill): both ranks load it asynchronously and vLLM waits for
+    # both to report it received
+    third = [request(prompt(240, 100))]
+    want_third = tokens(alone2.generate(third))
+    assert tokens(one.generate(third)) == want_third
+    drained(kvcache.target)
+    out = b2.generate([dict(third[0], kv_transfer_params={"do_remote_prefill": True})])
+    assert tokens(out) == want_third and out[0]["num_cached_tokens"] == 96
+    after = b2.metrics()
+    assert after["kvcache_connector_load_tokens_total"] - m["kvcache_connector_load_tokens_total"] == 2 * 96
+    assert after["kvcache_connector_async_loads_total"] == 2  # one request, loaded by each of the two ranks
 
 
 def test_tp4_over_two_kv_heads_shares_with_tp1(tp_engines: dict[str, VllmEngine], gqa_model: Path,
