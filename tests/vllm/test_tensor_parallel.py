@@ -25,7 +25,7 @@ from engine_client.vllm.driver import save_model
 from tests.integration.conftest import ServerProcess
 from tests.loopback import wait_until
 
-from .conftest import ENGINE_ARGS, VllmEngine, drained, request, tokens
+from .conftest import ENGINE_ARGS, VllmEngine, dead_requests, drained, request, tokens
 from .test_connector import hits, prompt
 
 pytestmark = [pytest.mark.xdist_group("vllm-b"), pytest.mark.timeout(1200)]  # TP engines start in 30-100 s
@@ -172,4 +172,6 @@ def test_a_rank_that_dies_mid_run_commits_nothing_and_locks_nothing(
         assert not runner.is_alive() and failed, "the engine went on without its rank 1"
         b2.close()
         drained(kvcache.target)  # the engine's lease ended: its turns were aborted, nothing in flight
+        parked = dead_requests(client.list_sessions())  # its requests parked with nothing to keep
+        assert len(parked) == len(work), parked
         assert [client.match_prefix(r["prompt"]).cached_tokens for r in work] == [0, 0, 0]
