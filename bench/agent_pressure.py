@@ -81,16 +81,16 @@ class Pool:
     def __init__(self, target: str) -> None:
         self.client = KVCacheClient(target)
 
-    def settle(self, open_sessions: set[str]) -> float:
+    def settle(self, open_sessions: set[str]) -> tuple[float, float]:
         """Wait (at most 30 s) until no turn is in flight and the open sessions are exactly `open_sessions`;
-        return the physical usage then."""
+        return the physical usage then and the share of the usable pages that sessions hold."""
         deadline = time.monotonic() + 30
         while True:
             st = self.client.get_stats()
             ids = {s.session_id for s in self.client.list_sessions()}
             if st.sessions_in_turn == 0 and st.in_flight_pages == 0 and st.sessions_closing == 0 \
                     and ids == open_sessions:
-                return float(st.physical_usage)
+                return float(st.physical_usage), st.session_held_pages / (st.num_pages - 1)
             if time.monotonic() > deadline:
                 raise SystemExit(f"[agent_pressure] kvcache did not settle: {st.sessions_in_turn} in turn, open "
                                  f"sessions {sorted(ids)}, expected {sorted(open_sessions)}")
@@ -102,10 +102,11 @@ class Pool:
 
 def run(mode: str, engine: EngineProcess, pool: Pool | None, sz: Sizes) -> dict[str, Any]:
     """The schedule on one engine: per main turn (prompt, cached, computed), the subagents' prompt and
-    computed tokens, the usage after each request, every answer's tokens."""
+    computed tokens, the physical usage and the session-held share after each request, every answer's tokens."""
     main_history = tokens(1, sz.main_system) + tokens(2, sz.main_history)
     main: list[dict[str, int]] = []
     usage: list[tuple[str, float]] = []
+    held: list[float] = []
     answers: list[list[int]] = []
     sub_prompt = sub_computed = 0
     for kind, i in SCHEDULE:
@@ -117,7 +118,9 @@ def run(mode: str, engine: EngineProcess, pool: Pool | None, sz: Sizes) -> dict[
             cached = int(out["num_cached_tokens"])
             main.append({"prompt": len(prompt), "cached": cached, "computed": len(prompt) - cached})
             if pool is not None:
-                usage.append((f"M{i + 1}", pool.settle(set())))
+                use, share = pool.settle(set())
+                usage.append((f"M{i + 1}", use))
+                held.append(share)
             continue
         history = tokens(100 + i, sz.sub_system) + tokens(200 + i, sz.sub_task)
         sid = f"subagent-{i + 1}"
@@ -135,9 +138,11 @@ def run(mode: str, engine: EngineProcess, pool: Pool | None, sz: Sizes) -> dict[
             sub_computed += len(prompt) - int(out["num_cached_tokens"])
             if pool is not None:
                 still_open = {sid} if mode == "sessions" and not last else set()
-                usage.append((f"S{i + 1}.{t + 1}", pool.settle(still_open)))
+                use, share = pool.settle(still_open)
+                usage.append((f"S{i + 1}.{t + 1}", use))
+                held.append(share)
     return {"main": main, "sub_prompt": sub_prompt, "sub_computed": sub_computed, "usage": usage,
-            "answers": answers}
+            "held": held, "answers": answers}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer, shorter turns on a smaller pool (the smoke test)")
     p.add_argument("--plot", default=str(REPO / "docs" / "agent_pressure.png"),
                    help="where to write the PNG plot ('' writes none)")
+    p.add_argument("--eviction-policy", choices=("lru", "lfu"), default="lru", help="kvcache's radix eviction order")
     p.add_argument("--vllm-python", default=str(REPO / ".venv-vllm" / "bin" / "python"))
     args = p.parse_args(argv)
     python = Path(args.vllm_python)
@@ -160,15 +166,15 @@ def main(argv: list[str] | None = None) -> int:
           f"{SHAPE['hidden']} hidden, {SHAPE['kv_heads']} KV heads of {SHAPE['head_dim']}, float32; logs in {work}")
     print(f"[agent_pressure] KV: vLLM alone {alone_blocks - 1} blocks of {BLOCK} ({pool_tokens} tokens); on kvcache "
           f"vLLM {working_blocks - 1} blocks ({sz.max_model_len} tokens, one request's worth) and a pool of "
-          f"{sz.pool_pages} pages of {PAGE} ({pool_tokens} tokens)")
+          f"{sz.pool_pages} pages of {PAGE} ({pool_tokens} tokens), radix eviction {args.eviction_policy}")
     model = save_model("llama", work / "model", **SHAPE)
     results: dict[str, dict[str, Any]] = {}
     invariant: dict[str, bool] = {}
     for mode in MODES:
         on_kvcache = mode != "alone"
         service = KVCacheService(work / f"kvcache-{mode}.log", layers=SHAPE["layers"], kv_heads=SHAPE["kv_heads"],
-                                 head_dim=SHAPE["head_dim"], page_size=PAGE, num_pages=sz.pool_pages + 1
-                                 ) if on_kvcache else None
+                                 head_dim=SHAPE["head_dim"], page_size=PAGE, num_pages=sz.pool_pages + 1,
+                                 args=("--eviction-policy", args.eviction_policy)) if on_kvcache else None
         blocks = working_blocks if on_kvcache else alone_blocks
         engine: EngineProcess | None = None
         pool: Pool | None = None
@@ -247,10 +253,12 @@ def plot(r: dict[str, dict[str, Any]], path: Path) -> None:
     hits.set_xticks(range(3), ["M1", "M2", "M3"])
     hits.set_ylabel("main agent: prefix hit tokens")
     hits.set_title("main-agent turns: cached (num_cached_tokens)")
+    hits.set_ylim(0, max(prompts) * 1.45)
     hits.legend(fontsize=8, loc="upper left")
     labels = [label for label, _ in r["regular"]["usage"]]
     for mode, style in (("regular", "-"), ("sessions", "--")):
         use.plot(range(len(labels)), [u for _, u in r[mode]["usage"]], style, label=TITLES[mode])
+    use.plot(range(len(labels)), r["sessions"]["held"], ":", label="kvcache, sessions: held by the open session")
     for x, label in enumerate(labels):
         if label.startswith("M"):
             use.axvline(x, color="grey", linewidth=0.8, linestyle=":")
@@ -259,7 +267,7 @@ def plot(r: dict[str, dict[str, Any]], path: Path) -> None:
     use.set_xlabel("request (M = main-agent turn, the rest subagent turns)")
     use.set_ylabel("kvcache physical usage")
     use.set_title("kvcache pool: 1 - free / usable pages after each request", pad=14)
-    use.legend(fontsize=8, loc="lower right")
+    use.legend(fontsize=8, loc="center right")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
