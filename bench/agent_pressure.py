@@ -1,6 +1,6 @@
 """KV pressure from an agent and its subagents: does the main agent's prefix survive the subagents' cycles?
 
-    .venv/bin/python -m bench.agent_pressure            # the full run (3 engines, one after another; ~3-5 min)
+    .venv/bin/python -m bench.agent_pressure            # the full run (~1.5 min on 2 cores)
     .venv/bin/python -m bench.agent_pressure --quick    # fewer, shorter turns (the smoke test)
 
 Dynamo's session-routing work (ai-dynamo/dynamo#7665) measured this on SGLang: 3 main-agent turns
@@ -13,7 +13,8 @@ like theirs, on real vLLM engines (`.venv-vllm`, `make vllm-setup`, driven throu
 M = a main-agent turn: a long system prompt and history, each turn adding a user message (the last
 subagents' reports) to the whole conversation so far. S = a subagent: its own system prompt and task, then
 9-15 turns, each adding a tool result to its growing history. One request at a time (an agent waits for
-its answer), three ways, each on a fresh engine (and a fresh kvcache):
+its answer), three ways, each on its own engine (and its own kvcache; the engines start together, then
+each mode runs while the others wait idle):
 
 - `alone`:    vLLM alone, its own prefix cache, with as many KV tokens as kvcache's pool;
 - `regular`:  vLLM on kvcache (`KVCacheConnector`), every request a regular one;
@@ -34,6 +35,7 @@ import argparse
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +43,7 @@ from typing import Any
 from bench.common import REPO, machine_load
 from engine_client import KVCacheClient
 from engine_client.vllm.demo import KVCacheService, tokens
-from engine_client.vllm.driver import EngineProcess, save_model
+from engine_client.vllm.driver import DriverError, EngineProcess, save_model
 
 SHAPE: dict[str, Any] = {"layers": 2, "hidden": 128, "heads": 2, "kv_heads": 2, "head_dim": 64, "intermediate": 256}
 PAGE, BLOCK = 16, 32
@@ -170,36 +172,49 @@ def main(argv: list[str] | None = None) -> int:
     model = save_model("llama", work / "model", **SHAPE)
     results: dict[str, dict[str, Any]] = {}
     invariant: dict[str, bool] = {}
-    for mode in MODES:
-        on_kvcache = mode != "alone"
-        service = KVCacheService(work / f"kvcache-{mode}.log", layers=SHAPE["layers"], kv_heads=SHAPE["kv_heads"],
-                                 head_dim=SHAPE["head_dim"], page_size=PAGE, num_pages=sz.pool_pages + 1,
-                                 args=("--eviction-policy", args.eviction_policy)) if on_kvcache else None
-        blocks = working_blocks if on_kvcache else alone_blocks
-        engine: EngineProcess | None = None
-        pool: Pool | None = None
-        try:
-            print(f"[agent_pressure] {TITLES[mode]}: starting the engine")
-            engine = EngineProcess(python, model, work / f"{mode}.log", kvcache=service.target if service else "",
-                                   args=("--num-blocks", str(blocks), "--max-model-len", str(sz.max_model_len)),
-                                   cwd=REPO)
-            pool = Pool(service.target) if service else None
-            start = time.perf_counter()
-            results[mode] = run(mode, engine, pool, sz)
-            print(f"[agent_pressure] {TITLES[mode]}: {len(results[mode]['answers'])} requests in "
-                  f"{time.perf_counter() - start:.1f} s")
+    services = {mode: KVCacheService(work / f"kvcache-{mode}.log", layers=SHAPE["layers"], kv_heads=SHAPE["kv_heads"],
+                                     head_dim=SHAPE["head_dim"], page_size=PAGE, num_pages=sz.pool_pages + 1,
+                                     args=("--eviction-policy", args.eviction_policy))
+                for mode in MODES if mode != "alone"}
+    engines: dict[str, EngineProcess] = {}
+    try:
+        # the three engines start together (a start is mostly vLLM's import and setup, ~20-30 s here); each
+        # mode then runs alone on the machine while the others wait idle, each on its own pool
+        print("[agent_pressure] starting the three engines")
+        with ThreadPoolExecutor(len(MODES)) as pool_of_starts:
+            starts = {mode: pool_of_starts.submit(
+                EngineProcess, python, model, work / f"{mode}.log",
+                kvcache=services[mode].target if mode in services else "",
+                args=("--num-blocks", str(working_blocks if mode in services else alone_blocks),
+                      "--max-model-len", str(sz.max_model_len), "--no-warmup"), cwd=REPO) for mode in MODES}
+        failed = []
+        for mode, start in starts.items():
+            try:
+                engines[mode] = start.result()
+            except DriverError as e:
+                failed.append(f"{TITLES[mode]}: {e}")
+        if failed:
+            print("[agent_pressure] an engine did not start:\n" + "\n".join(failed))
+            return 1
+        for mode in MODES:
+            pool = Pool(services[mode].target) if mode in services else None
+            try:
+                began = time.perf_counter()
+                results[mode] = run(mode, engines[mode], pool, sz)
+                print(f"[agent_pressure] {TITLES[mode]}: {len(results[mode]['answers'])} requests in "
+                      f"{time.perf_counter() - began:.1f} s")
+                engines.pop(mode).close()
+                if pool is not None:  # the engine is gone: nothing of it left locked or in flight
+                    st = pool.client.get_stats(verify=True)
+                    invariant[mode] = st.verified and st.accounting_holds and st.sessions_in_turn == 0
+            finally:
+                if pool is not None:
+                    pool.close()
+    finally:
+        for engine in engines.values():
             engine.close()
-            engine = None
-            if pool is not None:
-                st = pool.client.get_stats(verify=True)
-                invariant[mode] = st.verified and st.accounting_holds and st.sessions_in_turn == 0
-        finally:
-            if engine is not None:
-                engine.close()
-            if pool is not None:
-                pool.close()
-            if service is not None:
-                service.close()
+        for service in services.values():
+            service.close()
     print_table(results, sz)
     if args.plot:
         plot(results, Path(args.plot))
