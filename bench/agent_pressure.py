@@ -26,7 +26,8 @@ as many tokens as vLLM alone has. Reported per main-agent turn: the prefix hit t
 from vLLM's RequestOutput) and the prompt tokens computed; the subagents' computed tokens; kvcache's
 physical usage (GetStats: 1 - free / usable pages) after every request, as a table and a PNG plot
 (`--plot`, default docs/agent_pressure.png; `--plot ''` writes none). Greedy tokens must be the same in the
-three modes.
+three modes. `--close drop` ends each subagent's session from this bench's client with cache=false (SGLang's
+close frees the session's KV; the connector's caches it); `--eviction-policy lfu` changes kvcache's radix order.
 """
 
 from __future__ import annotations
@@ -102,9 +103,11 @@ class Pool:
         self.client.close()
 
 
-def run(mode: str, engine: EngineProcess, pool: Pool | None, sz: Sizes) -> dict[str, Any]:
+def run(mode: str, engine: EngineProcess, pool: Pool | None, sz: Sizes, drop: bool = False) -> dict[str, Any]:
     """The schedule on one engine: per main turn (prompt, cached, computed), the subagents' prompt and
-    computed tokens, the physical usage and the session-held share after each request, every answer's tokens."""
+    computed tokens, the physical usage and the session-held share after each request, every answer's tokens.
+    `drop`: a subagent's session is closed by this client with cache=false after its last turn, not by the
+    connector (which closes with cache=true)."""
     main_history = tokens(1, sz.main_system) + tokens(2, sz.main_history)
     main: list[dict[str, int]] = []
     usage: list[tuple[str, float]] = []
@@ -132,15 +135,18 @@ def run(mode: str, engine: EngineProcess, pool: Pool | None, sz: Sizes) -> dict[
             last = t == sz.sub_turns[i] - 1
             if mode == "sessions":
                 req["kv_transfer_params"] = {"kvcache_session_id": sid, **({"kvcache_close_session": True}
-                                                                            if last else {})}
+                                                                            if last and not drop else {})}
             out = engine.generate([req])[0]
             history = prompt + out["tokens"]
             answers.append(out["tokens"])
             sub_prompt += len(prompt)
             sub_computed += len(prompt) - int(out["num_cached_tokens"])
             if pool is not None:
-                still_open = {sid} if mode == "sessions" and not last else set()
+                still_open = {sid} if mode == "sessions" and (drop or not last) else set()
                 use, share = pool.settle(still_open)
+                if mode == "sessions" and drop and last:
+                    pool.client.close_session(sid, cache=False)
+                    use, share = pool.settle(set())
                 usage.append((f"S{i + 1}.{t + 1}", use))
                 held.append(share)
     return {"main": main, "sub_prompt": sub_prompt, "sub_computed": sub_computed, "usage": usage,
@@ -153,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", default=str(REPO / "docs" / "agent_pressure.png"),
                    help="where to write the PNG plot ('' writes none)")
     p.add_argument("--eviction-policy", choices=("lru", "lfu"), default="lru", help="kvcache's radix eviction order")
+    p.add_argument("--close", choices=("connector", "drop"), default="connector",
+                   help="how a subagent's session ends: its last turn asks the connector to close it "
+                        "(kvcache_close_session, cache=true), or this client closes it with cache=false")
     p.add_argument("--vllm-python", default=str(REPO / ".venv-vllm" / "bin" / "python"))
     args = p.parse_args(argv)
     python = Path(args.vllm_python)
@@ -168,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{SHAPE['hidden']} hidden, {SHAPE['kv_heads']} KV heads of {SHAPE['head_dim']}, float32; logs in {work}")
     print(f"[agent_pressure] KV: vLLM alone {alone_blocks - 1} blocks of {BLOCK} ({pool_tokens} tokens); on kvcache "
           f"vLLM {working_blocks - 1} blocks ({sz.max_model_len} tokens, one request's worth) and a pool of "
-          f"{sz.pool_pages} pages of {PAGE} ({pool_tokens} tokens), radix eviction {args.eviction_policy}")
+          f"{sz.pool_pages} pages of {PAGE} ({pool_tokens} tokens), radix eviction {args.eviction_policy}, subagent "
+          f"sessions closed {'by the connector (cache=true)' if args.close == 'connector' else 'with cache=false'}")
     model = save_model("llama", work / "model", **SHAPE)
     results: dict[str, dict[str, Any]] = {}
     invariant: dict[str, bool] = {}
@@ -200,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             pool = Pool(services[mode].target) if mode in services else None
             try:
                 began = time.perf_counter()
-                results[mode] = run(mode, engines[mode], pool, sz)
+                results[mode] = run(mode, engines[mode], pool, sz, drop=args.close == "drop")
                 print(f"[agent_pressure] {TITLES[mode]}: {len(results[mode]['answers'])} requests in "
                       f"{time.perf_counter() - began:.1f} s")
                 engines.pop(mode).close()
