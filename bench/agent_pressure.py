@@ -1,6 +1,6 @@
 """KV pressure from an agent and its subagents: does the main agent's prefix survive the subagents' cycles?
 
-    .venv/bin/python -m bench.agent_pressure            # the full run (3 engines, one after another; ~3-5 min)
+    .venv/bin/python -m bench.agent_pressure            # the full run (~1.5 min on 2 cores)
     .venv/bin/python -m bench.agent_pressure --quick    # fewer, shorter turns (the smoke test)
 
 Dynamo's session-routing work (ai-dynamo/dynamo#7665) measured this on SGLang: 3 main-agent turns
@@ -13,7 +13,8 @@ like theirs, on real vLLM engines (`.venv-vllm`, `make vllm-setup`, driven throu
 M = a main-agent turn: a long system prompt and history, each turn adding a user message (the last
 subagents' reports) to the whole conversation so far. S = a subagent: its own system prompt and task, then
 9-15 turns, each adding a tool result to its growing history. One request at a time (an agent waits for
-its answer), three ways, each on a fresh engine (and a fresh kvcache):
+its answer), three ways, each on its own engine (and its own kvcache; the engines start together, then
+each mode runs while the others wait idle):
 
 - `alone`:    vLLM alone, its own prefix cache, with as many KV tokens as kvcache's pool;
 - `regular`:  vLLM on kvcache (`KVCacheConnector`), every request a regular one;
@@ -25,7 +26,8 @@ as many tokens as vLLM alone has. Reported per main-agent turn: the prefix hit t
 from vLLM's RequestOutput) and the prompt tokens computed; the subagents' computed tokens; kvcache's
 physical usage (GetStats: 1 - free / usable pages) after every request, as a table and a PNG plot
 (`--plot`, default docs/agent_pressure.png; `--plot ''` writes none). Greedy tokens must be the same in the
-three modes.
+three modes. `--close drop` ends each subagent's session from this bench's client with cache=false (SGLang's
+close frees the session's KV; the connector's caches it); `--eviction-policy lfu` changes kvcache's radix order.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import argparse
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +44,7 @@ from typing import Any
 from bench.common import REPO, machine_load
 from engine_client import KVCacheClient
 from engine_client.vllm.demo import KVCacheService, tokens
-from engine_client.vllm.driver import EngineProcess, save_model
+from engine_client.vllm.driver import DriverError, EngineProcess, save_model
 
 SHAPE: dict[str, Any] = {"layers": 2, "hidden": 128, "heads": 2, "kv_heads": 2, "head_dim": 64, "intermediate": 256}
 PAGE, BLOCK = 16, 32
@@ -81,16 +84,16 @@ class Pool:
     def __init__(self, target: str) -> None:
         self.client = KVCacheClient(target)
 
-    def settle(self, open_sessions: set[str]) -> float:
+    def settle(self, open_sessions: set[str]) -> tuple[float, float]:
         """Wait (at most 30 s) until no turn is in flight and the open sessions are exactly `open_sessions`;
-        return the physical usage then."""
+        return the physical usage then and the share of the usable pages that sessions hold."""
         deadline = time.monotonic() + 30
         while True:
             st = self.client.get_stats()
             ids = {s.session_id for s in self.client.list_sessions()}
             if st.sessions_in_turn == 0 and st.in_flight_pages == 0 and st.sessions_closing == 0 \
                     and ids == open_sessions:
-                return float(st.physical_usage)
+                return float(st.physical_usage), st.session_held_pages / (st.num_pages - 1)
             if time.monotonic() > deadline:
                 raise SystemExit(f"[agent_pressure] kvcache did not settle: {st.sessions_in_turn} in turn, open "
                                  f"sessions {sorted(ids)}, expected {sorted(open_sessions)}")
@@ -100,12 +103,15 @@ class Pool:
         self.client.close()
 
 
-def run(mode: str, engine: EngineProcess, pool: Pool | None, sz: Sizes) -> dict[str, Any]:
+def run(mode: str, engine: EngineProcess, pool: Pool | None, sz: Sizes, drop: bool = False) -> dict[str, Any]:
     """The schedule on one engine: per main turn (prompt, cached, computed), the subagents' prompt and
-    computed tokens, the usage after each request, every answer's tokens."""
+    computed tokens, the physical usage and the session-held share after each request, every answer's tokens.
+    `drop`: a subagent's session is closed by this client with cache=false after its last turn, not by the
+    connector (which closes with cache=true)."""
     main_history = tokens(1, sz.main_system) + tokens(2, sz.main_history)
     main: list[dict[str, int]] = []
     usage: list[tuple[str, float]] = []
+    held: list[float] = []
     answers: list[list[int]] = []
     sub_prompt = sub_computed = 0
     for kind, i in SCHEDULE:
@@ -117,7 +123,9 @@ def run(mode: str, engine: EngineProcess, pool: Pool | None, sz: Sizes) -> dict[
             cached = int(out["num_cached_tokens"])
             main.append({"prompt": len(prompt), "cached": cached, "computed": len(prompt) - cached})
             if pool is not None:
-                usage.append((f"M{i + 1}", pool.settle(set())))
+                use, share = pool.settle(set())
+                usage.append((f"M{i + 1}", use))
+                held.append(share)
             continue
         history = tokens(100 + i, sz.sub_system) + tokens(200 + i, sz.sub_task)
         sid = f"subagent-{i + 1}"
@@ -127,17 +135,22 @@ def run(mode: str, engine: EngineProcess, pool: Pool | None, sz: Sizes) -> dict[
             last = t == sz.sub_turns[i] - 1
             if mode == "sessions":
                 req["kv_transfer_params"] = {"kvcache_session_id": sid, **({"kvcache_close_session": True}
-                                                                            if last else {})}
+                                                                            if last and not drop else {})}
             out = engine.generate([req])[0]
             history = prompt + out["tokens"]
             answers.append(out["tokens"])
             sub_prompt += len(prompt)
             sub_computed += len(prompt) - int(out["num_cached_tokens"])
             if pool is not None:
-                still_open = {sid} if mode == "sessions" and not last else set()
-                usage.append((f"S{i + 1}.{t + 1}", pool.settle(still_open)))
+                still_open = {sid} if mode == "sessions" and (drop or not last) else set()
+                use, share = pool.settle(still_open)
+                if mode == "sessions" and drop and last:
+                    pool.client.close_session(sid, cache=False)
+                    use, share = pool.settle(set())
+                usage.append((f"S{i + 1}.{t + 1}", use))
+                held.append(share)
     return {"main": main, "sub_prompt": sub_prompt, "sub_computed": sub_computed, "usage": usage,
-            "answers": answers}
+            "held": held, "answers": answers}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer, shorter turns on a smaller pool (the smoke test)")
     p.add_argument("--plot", default=str(REPO / "docs" / "agent_pressure.png"),
                    help="where to write the PNG plot ('' writes none)")
+    p.add_argument("--eviction-policy", choices=("lru", "lfu"), default="lru", help="kvcache's radix eviction order")
+    p.add_argument("--close", choices=("connector", "drop"), default="connector",
+                   help="how a subagent's session ends: its last turn asks the connector to close it "
+                        "(kvcache_close_session, cache=true), or this client closes it with cache=false")
     p.add_argument("--vllm-python", default=str(REPO / ".venv-vllm" / "bin" / "python"))
     args = p.parse_args(argv)
     python = Path(args.vllm_python)
@@ -160,40 +177,54 @@ def main(argv: list[str] | None = None) -> int:
           f"{SHAPE['hidden']} hidden, {SHAPE['kv_heads']} KV heads of {SHAPE['head_dim']}, float32; logs in {work}")
     print(f"[agent_pressure] KV: vLLM alone {alone_blocks - 1} blocks of {BLOCK} ({pool_tokens} tokens); on kvcache "
           f"vLLM {working_blocks - 1} blocks ({sz.max_model_len} tokens, one request's worth) and a pool of "
-          f"{sz.pool_pages} pages of {PAGE} ({pool_tokens} tokens)")
+          f"{sz.pool_pages} pages of {PAGE} ({pool_tokens} tokens), radix eviction {args.eviction_policy}, subagent "
+          f"sessions closed {'by the connector (cache=true)' if args.close == 'connector' else 'with cache=false'}")
     model = save_model("llama", work / "model", **SHAPE)
     results: dict[str, dict[str, Any]] = {}
     invariant: dict[str, bool] = {}
-    for mode in MODES:
-        on_kvcache = mode != "alone"
-        service = KVCacheService(work / f"kvcache-{mode}.log", layers=SHAPE["layers"], kv_heads=SHAPE["kv_heads"],
-                                 head_dim=SHAPE["head_dim"], page_size=PAGE, num_pages=sz.pool_pages + 1
-                                 ) if on_kvcache else None
-        blocks = working_blocks if on_kvcache else alone_blocks
-        engine: EngineProcess | None = None
-        pool: Pool | None = None
-        try:
-            print(f"[agent_pressure] {TITLES[mode]}: starting the engine")
-            engine = EngineProcess(python, model, work / f"{mode}.log", kvcache=service.target if service else "",
-                                   args=("--num-blocks", str(blocks), "--max-model-len", str(sz.max_model_len)),
-                                   cwd=REPO)
-            pool = Pool(service.target) if service else None
-            start = time.perf_counter()
-            results[mode] = run(mode, engine, pool, sz)
-            print(f"[agent_pressure] {TITLES[mode]}: {len(results[mode]['answers'])} requests in "
-                  f"{time.perf_counter() - start:.1f} s")
+    services = {mode: KVCacheService(work / f"kvcache-{mode}.log", layers=SHAPE["layers"], kv_heads=SHAPE["kv_heads"],
+                                     head_dim=SHAPE["head_dim"], page_size=PAGE, num_pages=sz.pool_pages + 1,
+                                     args=("--eviction-policy", args.eviction_policy))
+                for mode in MODES if mode != "alone"}
+    engines: dict[str, EngineProcess] = {}
+    try:
+        # the three engines start together (a start is mostly vLLM's import and setup, ~20-30 s here); each
+        # mode then runs alone on the machine while the others wait idle, each on its own pool
+        print("[agent_pressure] starting the three engines")
+        with ThreadPoolExecutor(len(MODES)) as pool_of_starts:
+            starts = {mode: pool_of_starts.submit(
+                EngineProcess, python, model, work / f"{mode}.log",
+                kvcache=services[mode].target if mode in services else "",
+                args=("--num-blocks", str(working_blocks if mode in services else alone_blocks),
+                      "--max-model-len", str(sz.max_model_len), "--no-warmup"), cwd=REPO) for mode in MODES}
+        failed = []
+        for mode, start in starts.items():
+            try:
+                engines[mode] = start.result()
+            except DriverError as e:
+                failed.append(f"{TITLES[mode]}: {e}")
+        if failed:
+            print("[agent_pressure] an engine did not start:\n" + "\n".join(failed))
+            return 1
+        for mode in MODES:
+            pool = Pool(services[mode].target) if mode in services else None
+            try:
+                began = time.perf_counter()
+                results[mode] = run(mode, engines[mode], pool, sz, drop=args.close == "drop")
+                print(f"[agent_pressure] {TITLES[mode]}: {len(results[mode]['answers'])} requests in "
+                      f"{time.perf_counter() - began:.1f} s")
+                engines.pop(mode).close()
+                if pool is not None:  # the engine is gone: nothing of it left locked or in flight
+                    st = pool.client.get_stats(verify=True)
+                    invariant[mode] = st.verified and st.accounting_holds and st.sessions_in_turn == 0
+            finally:
+                if pool is not None:
+                    pool.close()
+    finally:
+        for engine in engines.values():
             engine.close()
-            engine = None
-            if pool is not None:
-                st = pool.client.get_stats(verify=True)
-                invariant[mode] = st.verified and st.accounting_holds and st.sessions_in_turn == 0
-        finally:
-            if engine is not None:
-                engine.close()
-            if pool is not None:
-                pool.close()
-            if service is not None:
-                service.close()
+        for service in services.values():
+            service.close()
     print_table(results, sz)
     if args.plot:
         plot(results, Path(args.plot))
@@ -247,10 +278,12 @@ def plot(r: dict[str, dict[str, Any]], path: Path) -> None:
     hits.set_xticks(range(3), ["M1", "M2", "M3"])
     hits.set_ylabel("main agent: prefix hit tokens")
     hits.set_title("main-agent turns: cached (num_cached_tokens)")
+    hits.set_ylim(0, max(prompts) * 1.45)
     hits.legend(fontsize=8, loc="upper left")
     labels = [label for label, _ in r["regular"]["usage"]]
     for mode, style in (("regular", "-"), ("sessions", "--")):
         use.plot(range(len(labels)), [u for _, u in r[mode]["usage"]], style, label=TITLES[mode])
+    use.plot(range(len(labels)), r["sessions"]["held"], ":", label="kvcache, sessions: held by the open session")
     for x, label in enumerate(labels):
         if label.startswith("M"):
             use.axvline(x, color="grey", linewidth=0.8, linestyle=":")
@@ -259,7 +292,7 @@ def plot(r: dict[str, dict[str, Any]], path: Path) -> None:
     use.set_xlabel("request (M = main-agent turn, the rest subagent turns)")
     use.set_ylabel("kvcache physical usage")
     use.set_title("kvcache pool: 1 - free / usable pages after each request", pad=14)
-    use.legend(fontsize=8, loc="lower right")
+    use.legend(fontsize=8, loc="center right")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
