@@ -11,13 +11,14 @@ python=${1:-python3}
 venv=${2:-.venv-sglang}
 sglang=sglang==0.5.23
 torch=(torch==2.14.1 torchvision==0.29.1)
-# SGLang's own pins where it has them (apache-tvm-ffi, compressed-tensors, sentencepiece, transformers); triton as
-# torch 2.14.1 pins it (~=3.8.0: a newer one makes pip swap torch for the local 2.13.0+cpu).
+# SGLang's own pins where it has them (apache-tvm-ffi, compressed-tensors, sentencepiece, tokenizers,
+# transformers); triton as torch 2.14.1 pins it (~=3.8.0: a newer one makes pip swap torch for the local
+# 2.13.0+cpu).
 light=(
   numpy==2.3.5 orjson==3.13.0 psutil==7.2.2 pybase64==1.5.1 requests==2.34.2 packaging==26.4 pillow==13.0.0
   starlette==1.10.0 msgspec==0.22.0 pydantic==2.14.4 pyzmq==27.3.0 tqdm==4.70.1 ipython==9.18.1
   aiohttp==3.14.5 dill==0.4.1 apache-tvm-ffi==0.1.11 transformers==5.19.0 triton==3.8.0
-  sentencepiece==0.2.1 compressed-tensors==0.18.0 gguf==0.19.0
+  sentencepiece==0.2.1 tokenizers==0.23.2 compressed-tensors==0.18.0 gguf==0.19.0
 )
 
 step() { printf '[sglang-setup] %s\n' "$*"; }
