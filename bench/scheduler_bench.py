@@ -7,6 +7,8 @@
                                                         # side by side, rounds interleaved
     python -m bench.scheduler_bench --transport both    # over TCP loopback and a unix socket, rounds interleaved
     python -m bench.scheduler_bench --transport all     # TCP gRPC, unix gRPC and the step lane, rounds interleaved
+    python -m bench.scheduler_bench --transport all --sglang   # and SGLang's in-process RadixCache doing the same
+                                                               # radix work (bench/sglang_radix.py, .venv-sglang)
 
 The trace: page 16; 8 system prompts of 2,048 tokens; each request is a regular session whose prompt is one
 system prompt + 256 unique tokens (2,304 tokens), with 64 tokens generated over 4 steps: the engine reserves
@@ -35,6 +37,11 @@ Transports (`--transport`): TCP loopback and a unix socket carry gRPC; `lane` se
 step lane (`--step-socket`, DESIGN §10), the client taking it as `KVCacheClient.step` does by default.
 The second table is the handler in this process, without a transport (decode, interceptor + handler,
 encode), per op kind: the same steps split into one Step per kind, in the order that keeps them valid.
+
+With `--sglang` (after `make sglang-setup`), each round also runs `bench/sglang_radix.py` in .venv-sglang: SGLang's
+in-process RadixCache doing the same trace's radix work a step (match + lock at admission, insert + unlock at
+finish), and the report ends with SGLang's median a step over each transport's §9 Step client wall (the ratio, >1
+where the Step is faster; DESIGN §10's target is >= 1.5x on the lane).
 
 With `--against REV` the server table is measured for the service and client of commit REV (exported with
 `git archive` into a temporary directory, with this harness copied in; its compiled hot path built first, as
@@ -571,12 +578,56 @@ def against(rev: str, steps: int, rounds: int, build: bool = True, transport: st
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def alternate(runs: dict[str, tuple[str, str]], steps: int, rounds: int) -> int:
+SGLANG_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
+"""`make sglang-setup`'s interpreter, where bench/sglang_radix.py imports SGLang's RadixCache."""
+SGLANG_LABEL = "SGLang in-process"
+
+
+def sglang_round(steps: int) -> dict[str, Any] | str:
+    """One run of bench/sglang_radix.py in .venv-sglang (a fresh process): its JSON, or why it failed."""
+    done = subprocess.run([str(SGLANG_PYTHON), "-m", "bench.sglang_radix", "--steps", str(steps)], cwd=REPO,
+                          capture_output=True, text=True, check=False)
+    if done.returncode:
+        return (done.stderr.strip() or done.stdout.strip())[-500:]
+    out: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    return out
+
+
+def sglang_report(merged: dict[str, dict[str, Phase]], sglang: list[dict[str, Any]]) -> Iterator[str]:
+    """SGLang's radix work a step (median over every round's steps) and its ratio to each run's §9 Step client
+    wall (how many times faster the Step is; the ratio of medians)."""
+    samples = [us for out in sglang for us in out["step_us"]]
+    first = sglang[0]
+    theirs = _median(samples)
+    per_round = ", ".join(f"{out['median_us']:,.0f}" for out in sglang)
+    yield (f"{SGLANG_LABEL}: RadixCache of sglang {first['sglang']} (torch {first['torch']}, CPU), the trace's radix "
+           f"work a step ({first['finishes']} insert + dec_lock_ref, {first['admissions']} match_prefix + "
+           f"inc_lock_ref; {first['matched_tokens_per_admission']:.0f} tokens matched an admission): median "
+           f"{theirs:,.0f} us over {len(samples)} steps in {len(sglang)} rounds "
+           f"(round medians {per_round})")
+    yield f"{'SGLang / Step client wall':<27} {'§9 Step':>10} {BURST_S9:>16}"
+    for label, phases in merged.items():
+        cells = [theirs / _median(phases[name].wall) if name in phases else float("nan")
+                 for name in ("§9 Step", BURST_S9)]
+        yield f"{label:<27} {cells[0]:>9.2f}x {cells[1]:>15.2f}x"
+
+
+def alternate(runs: dict[str, tuple[str, str]], steps: int, rounds: int, sglang: bool = False) -> int:
     """The server table of each run (label -> (tree, transport)), from alternating rounds of fresh processes;
-    each row the median over all of that run's rounds."""
+    each row the median over all of that run's rounds. With `sglang`, each round also runs SGLang's RadixCache on
+    the same trace (bench/sglang_radix.py in .venv-sglang), and the report ends with the ratios."""
     merged: dict[str, dict[str, Phase]] = {label: {} for label in runs}
+    sglang_rounds: list[dict[str, Any]] = []
     loads: list[float] = []
     for r in range(rounds):
+        if sglang:
+            loads.append(os.getloadavg()[0])
+            out = sglang_round(steps)
+            if isinstance(out, str):
+                print(f"scheduler_bench: {SGLANG_LABEL} failed: {out}", file=sys.stderr)
+                return 1
+            sglang_rounds.append(out)
+            print(f"  ... round {r + 1}/{rounds}: {SGLANG_LABEL}", file=sys.stderr, flush=True)
         for label, (cwd, transport) in runs.items():
             loads.append(os.getloadavg()[0])
             done = subprocess.run([sys.executable, "-m", "bench.scheduler_bench", "--only", "server", "--steps",
@@ -596,8 +647,13 @@ def alternate(runs: dict[str, tuple[str, str]], steps: int, rounds: int) -> int:
                 break
             if line:
                 print(line)
+    if sglang_rounds:
+        print()
+        for line in sglang_report(merged, sglang_rounds):
+            print(line)
     print("target: the §9 Step's client wall at most 1,300 us over gRPC (§9), 1,200 us over the step lane (§10; "
-          "moonshot 1,000 us); an empty Step under 50 us on the lane; a refusal Step no dearer")
+          "moonshot 1,000 us); an empty Step under 50 us on the lane; a refusal Step no dearer"
+          + ("; on the lane >= 1.5x SGLang's in-process radix (moonshot 2x)" if sglang_rounds else ""))
     return 0
 
 
@@ -614,19 +670,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transport", choices=["tcp", "unix", "lane", "both", "all"], default="tcp",
                     help="the server table over TCP loopback, a unix socket (gRPC), the step lane (--step-socket), "
                          "or both gRPC ones / all three (alternating rounds)")
+    ap.add_argument("--sglang", action="store_true",
+                    help="also run SGLang's in-process RadixCache on the same trace in each round "
+                         "(bench/sglang_radix.py in .venv-sglang: `make sglang-setup` first) and print the ratios")
     ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # alternating rounds' child processes
     args = ap.parse_args(argv)
     steps, warmup = (8, 6) if args.quick else (args.steps, 20)
     if args.against:
         if args.transport in ("both", "all"):
             ap.error("--against compares trees on one transport: pick tcp, unix or lane")
+        if args.sglang:
+            ap.error("--sglang goes with --transport, not --against")
         return against(args.against, steps, args.rounds, build=not args.no_build, transport=args.transport)
+    if args.sglang and not SGLANG_PYTHON.exists():
+        print(f"scheduler_bench: --sglang needs {SGLANG_PYTHON.relative_to(REPO)} (SGLang's RadixCache): run "
+              "`make sglang-setup` first", file=sys.stderr)
+        return 2
     if args.transport == "both":
         return alternate({"TCP loopback": (str(REPO), "tcp"), "unix socket": (str(REPO), "unix")}, steps,
-                         args.rounds)
+                         args.rounds, args.sglang)
     if args.transport == "all":
         return alternate({"TCP gRPC": (str(REPO), "tcp"), "unix gRPC": (str(REPO), "unix"),
-                          "step lane": (str(REPO), "lane")}, steps, args.rounds)
+                          "step lane": (str(REPO), "lane")}, steps, args.rounds, args.sglang)
+    if args.sglang:  # one transport, in alternating rounds with SGLang
+        label = {"tcp": "TCP gRPC", "unix": "unix gRPC", "lane": "step lane"}[args.transport]
+        return alternate({label: (str(REPO), args.transport)}, steps, args.rounds, sglang=True)
     if args.json:
         print(_phases_json(server_table(steps, warmup, args.transport)))
         return 0
