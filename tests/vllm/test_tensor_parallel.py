@@ -165,13 +165,16 @@ def test_a_rank_that_dies_mid_run_commits_nothing_and_locks_nothing(
     with KVCacheClient(kvcache.target) as client:
         runner = threading.Thread(target=run)
         runner.start()
-        # the requests are in their turns (pages locked) and saving: kill rank 1
-        wait_until(lambda: client.get_stats().sessions_in_turn == len(work), "the requests' turns started", 60)
+        # requests are in their turns (pages locked) and saving: kill rank 1 (vLLM may admit them over
+        # several steps, so the first turn in flight is the signal, not all three at once)
+        wait_until(lambda: client.get_stats().sessions_in_turn >= 1, "a request's turn started", 120)
         os.kill(int(rank1.group(1)), signal.SIGKILL)
         runner.join(timeout=180)
         assert not runner.is_alive() and failed, "the engine went on without its rank 1"
         b2.close()
         drained(kvcache.target)  # the engine's lease ended: its turns were aborted, nothing in flight
-        parked = dead_requests(client.list_sessions())  # its requests parked with nothing to keep
-        assert len(parked) == len(work), parked
+        sessions = client.list_sessions()
+        parked = dead_requests(sessions)  # the requests it had begun parked with nothing to keep
+        assert 1 <= len(parked) <= len(work), sessions
+        assert [s for s in sessions if not s.streaming and s not in parked] == []
         assert [client.match_prefix(r["prompt"]).cached_tokens for r in work] == [0, 0, 0]
