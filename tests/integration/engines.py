@@ -81,7 +81,7 @@ def staller(args: argparse.Namespace) -> dict[str, object]:
     turn and prints its page table; then (stopped and resumed by the test) it waits for a line on stdin,
     writes POISON into every page of its turn, as a resumed engine finishing its kernels would, and tries
     to commit. Prints one JSON line per stage."""
-    from engine_client import ClientOptions, KVCacheClientError
+    from engine_client import ClientOptions
 
     options = ClientOptions(auth_token=args.auth_token)
     with KVCacheClient(args.target, options) as client, map_pool(client) as pool:
@@ -95,23 +95,34 @@ def staller(args: argparse.Namespace) -> dict[str, object]:
         print(json.dumps({"engine_id": lease.engine_id, "held": lease.held, "pages": pages,
                           "context_tokens": turn.context_tokens}), flush=True)
         sys.stdin.readline()  # the test stops this process here, lets the lease lapse, resumes it, writes a line
-        t[:, :, pages] = POISON
-        try:
-            s.commit()
-            outcome = "committed"
-        except KVCacheClientError as e:
-            outcome = e.reason
-        # The heartbeat thread woke with this one: give it a few intervals to hear LEASE_EXPIRED (the commit
-        # above may have raced ahead of it), so the report says what the client learned, not who ran first.
-        deadline = time.monotonic() + 20 * args.ttl
-        while not args.hold and client.lease_error is None and time.monotonic() < deadline:
-            time.sleep(args.ttl / 20)
-        print(json.dumps({"wrote_pages": pages, "commit": outcome,
-                          "lease_error": client.lease_error.reason if client.lease_error else ""}), flush=True)
-        sys.stdin.readline()
+        outcome = _write_as_stalled(client, s, t, pages, args)
         if outcome == "committed":
             s.close()
     return {"exited": True}
+
+
+def _write_as_stalled(client: KVCacheClient, s: Session, t: torch.Tensor, pages: list[int],
+                      args: argparse.Namespace) -> str:
+    """A stalled engine resumed: write POISON into `pages`, try to commit, print what the client learned
+    (`wrote_pages`, `commit`, `lease_error`) and wait for a line on stdin. Returns the commit's outcome
+    ("committed" or the refusal's reason)."""
+    from engine_client import KVCacheClientError
+
+    t[:, :, pages] = POISON
+    try:
+        s.commit()
+        outcome = "committed"
+    except KVCacheClientError as e:
+        outcome = e.reason
+    # The heartbeat thread woke with this one: give it a few intervals to hear LEASE_EXPIRED (the commit
+    # above may have raced ahead of it), so the report says what the client learned, not who ran first.
+    deadline = time.monotonic() + 20 * args.ttl
+    while not args.hold and client.lease_error is None and time.monotonic() < deadline:
+        time.sleep(args.ttl / 20)
+    print(json.dumps({"wrote_pages": pages, "commit": outcome,
+                      "lease_error": client.lease_error.reason if client.lease_error else ""}), flush=True)
+    sys.stdin.readline()
+    return outcome
 
 
 def chatter(args: argparse.Namespace) -> dict[str, object]:
@@ -121,7 +132,7 @@ def chatter(args: argparse.Namespace) -> dict[str, object]:
     tokens, 4 reserved) and writes its KV too. It prints its state and waits on stdin (the test kills or
     stops it here); on a line, as a stalled engine resumed, it writes POISON into every page its turn could
     write and tries to commit, prints what it heard, and waits for stdin to close."""
-    from engine_client import ClientOptions, KVCacheClientError
+    from engine_client import ClientOptions
 
     with KVCacheClient(args.target, ClientOptions(auth_token=args.auth_token)) as client, \
             map_pool(client) as pool:
@@ -145,18 +156,7 @@ def chatter(args: argparse.Namespace) -> dict[str, object]:
         sys.stdin.readline()
         first = (s.turn.cached_tokens if s.turn is not None else s.kv_tokens) // s.page_size
         written = s.page_table.tolist()[first:]
-        t[:, :, written] = POISON
-        try:
-            s.commit()
-            outcome = "committed"
-        except KVCacheClientError as e:
-            outcome = e.reason
-        deadline = time.monotonic() + 20 * args.ttl
-        while not args.hold and client.lease_error is None and time.monotonic() < deadline:
-            time.sleep(args.ttl / 20)
-        print(json.dumps({"wrote_pages": written, "commit": outcome,
-                          "lease_error": client.lease_error.reason if client.lease_error else ""}), flush=True)
-        sys.stdin.readline()
+        _write_as_stalled(client, s, t, written, args)
     return {"exited": True}
 
 
