@@ -13,7 +13,7 @@ BUF_VERSION := 1.75.0
 BUF := $(TOOLS)/node_modules/.bin/buf
 
 .DEFAULT_GOAL := help
-.PHONY: help setup native conformance-setup vllm-setup sglang-setup run test lint typecheck unit proto proto-check docs docs-check chart-render chart-check bench demo failover-demo hf-demo vllm-demo vllm-serve vllm-clean-shm gpu-test clean
+.PHONY: help setup native conformance-setup vllm-setup sglang-setup run test lint typecheck unit proto proto-check docs docs-check chart-render chart-check bench demo failover-demo hf-demo vllm-demo vllm-serve vllm-clean-shm gpu-test gpu-carry clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -114,6 +114,9 @@ vllm-clean-shm: ## remove the /dev/shm/__KMP_REGISTERED_LIB_* files that stopped
 
 gpu-test: setup ## on a GPU machine (torch; cupy for cuda_ipc, cuda-python for cuda_vmm): tests/gpu and the bandwidth table
 	@$(PY) scripts/gpu_check.py
+
+gpu-carry: setup vllm-setup ## pack .gpu-carry/ for a GPU machine without a registry: wheels and vLLM's Python sources (docs/gpu.md)
+	@bash scripts/gpu_carry.sh
 
 clean: ## remove .venv and caches
 	rm -rf $(VENV) $(CONFORMANCE) $(VLLM_VENV) $(SGLANG_VENV) $(TOOLS) .pytest_cache .mypy_cache .ruff_cache .hypothesis

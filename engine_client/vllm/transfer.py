@@ -26,6 +26,13 @@ measured 3.5-3.8 ms a page). A strided copy is memory-bound, so one thread costs
 Page-granular variants (one index per page: `index_put_` on a `[blocks, pages per block, ...]` view, or
 `index_copy_` of contiguous rows) were measured too and were slower (98-114 us a page) than this token
 index, whose inner runs are a head's `dim` values.
+
+A host pool serves a GPU engine as a CPU tier: a load gathers its positions on the host into a pinned
+buffer (`HostStaging`), copies it to the device asynchronously and scatters it into vLLM's blocks there;
+a save gathers on the device, copies into a pinned buffer asynchronously and scatters into the pool when
+the step's saves are flushed (`HostStaging.flush`, at the end of the step). Nothing waits per page: a
+pinned buffer is reused once the copy that last used it is over, and a step's saves wait once, at the
+flush.
 """
 
 from __future__ import annotations
@@ -38,8 +45,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-__all__ = ["LOGICAL_AXES", "PACKINGS", "KVLayoutError", "LayerKV", "TransferIndex", "Transfers", "check_layout_order",
-           "layer_kv", "load_layer", "save_layer"]
+__all__ = ["LOGICAL_AXES", "PACKINGS", "HostStaging", "KVLayoutError", "LayerKV", "TransferIndex", "Transfers",
+           "check_layout_order", "layer_kv", "load_layer", "save_layer"]
 
 Int64Array = npt.NDArray[np.int64]
 Int32Array = npt.NDArray[np.int32]
@@ -178,15 +185,17 @@ class Transfers:
 
 @dataclass(frozen=True)
 class TransferIndex:
-    """Per-token index tensors of a set of transfers: pool slot, vLLM block and offset in the block."""
+    """Per-token index tensors of a set of transfers: pool slot (on the pool's device), vLLM block and offset
+    in the block (on vLLM's)."""
 
     pool_slots: torch.Tensor
     blocks: torch.Tensor
     offsets: torch.Tensor
 
     @classmethod
-    def build(cls, t: Transfers, *, page_size: int, block_size: int, device: torch.device | str = "cpu"
-              ) -> TransferIndex:
+    def build(cls, t: Transfers, *, page_size: int, block_size: int, device: torch.device | str = "cpu",
+              pool_device: torch.device | str | None = None) -> TransferIndex:
+        """`device`: where vLLM's KV is; `pool_device`: where the pool is (default: the same)."""
         lengths = t.ends - t.starts
         total = int(lengths.sum())
         which = np.repeat(np.arange(len(t)), lengths)
@@ -198,8 +207,8 @@ class TransferIndex:
         blocks = t.blocks[block_idx].astype(np.int64)
         offsets = pos % block_size
         dev = torch.device(device)
-        return cls(torch.from_numpy(pool_slots).to(dev), torch.from_numpy(blocks).to(dev),
-                   torch.from_numpy(offsets).to(dev))
+        return cls(torch.from_numpy(pool_slots).to(torch.device(pool_device) if pool_device is not None else dev),
+                   torch.from_numpy(blocks).to(dev), torch.from_numpy(offsets).to(dev))
 
     def __len__(self) -> int:
         return int(self.pool_slots.shape[0])
@@ -218,31 +227,167 @@ def _host(t: torch.Tensor) -> npt.NDArray[np.generic]:
     return t.view(_BITS[t.element_size()]).numpy()
 
 
-def load_layer(pool_layer: torch.Tensor, dst: LayerKV, index: TransferIndex) -> None:
-    """Copy the indexed positions of one layer from the pool into vLLM's blocks."""
+class HostStaging:
+    """Pinned host buffers between a host pool and a GPU engine's KV (a CPU tier for GPU engines).
+
+    A buffer is reused once the copy that last used it has finished (a CUDA event, polled, never waited
+    on per page); a save's scatter into the pool waits for its copy at `flush`, once a step. Pinned bytes
+    beyond `budget_bytes` flush the pending saves and wait for the loads in flight before more are taken,
+    so memory stays bounded whatever a step moves. Not thread-safe: one per worker."""
+
+    def __init__(self, budget_bytes: int = 256 << 20) -> None:
+        self.budget_bytes = budget_bytes
+        self._free: list[torch.Tensor] = []
+        self._in_flight: list[tuple[torch.cuda.Event, torch.Tensor]] = []
+        self._pending: list[tuple[torch.cuda.Event, torch.Tensor, Callable[[torch.Tensor], None]]] = []
+        self.pinned_bytes = 0
+        """Pinned bytes held (free, in flight and pending)."""
+        self.flushes = 0
+
+    def buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A pinned host tensor of `shape` whose memory no copy in flight uses. Buffers are whole powers of
+        two from 4 KiB, so they are reused across steps of different sizes."""
+        nbytes = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+        size = 1 << max(nbytes - 1, 4095).bit_length()
+        self._reclaim()
+        raw = self._take(nbytes)
+        if raw is None and self.pinned_bytes + size > self.budget_bytes:
+            self.flush()
+            self._drain()
+            raw = self._take(nbytes)
+        if raw is None:  # over the budget only when nothing held could be freed
+            raw = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            self.pinned_bytes += size
+        return raw[:nbytes].view(dtype).view(shape)
+
+    def _take(self, nbytes: int) -> torch.Tensor | None:
+        fits = [b for b in self._free if b.numel() >= nbytes]
+        if not fits:
+            return None
+        raw = min(fits, key=lambda b: b.numel())
+        self._free.remove(raw)
+        return raw
+
+    def in_flight(self, buf: torch.Tensor) -> None:
+        """`buf` was handed to a copy queued on the current stream: free it once that copy is over."""
+        self._in_flight.append((_recorded_event(), _base(buf)))
+
+    def pending(self, buf: torch.Tensor, scatter: Callable[[torch.Tensor], None]) -> None:
+        """A device-to-host copy into `buf` is queued on the current stream: `scatter(buf)` runs at `flush`."""
+        self._pending.append((_recorded_event(), buf, scatter))
+
+    def flush(self) -> None:
+        """Wait for the pending saves' copies, once, and scatter them into the pool."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        pending[-1][0].synchronize()  # events of one stream complete in order
+        self.flushes += 1
+        for _, buf, scatter in pending:
+            scatter(buf)
+            self._free.append(_base(buf))
+
+    def discard(self) -> None:
+        """Drop the pending saves unwritten (their step failed), keeping their buffers."""
+        pending, self._pending = self._pending, []
+        if pending:
+            pending[-1][0].synchronize()
+        self._free.extend(_base(buf) for _, buf, _ in pending)
+
+    def _reclaim(self) -> None:
+        done = [e for e in self._in_flight if e[0].query()]  # type: ignore[no-untyped-call]  # torch: untyped
+        if done:
+            self._in_flight = [e for e in self._in_flight if e not in done]
+            self._free.extend(buf for _, buf in done)
+
+    def _drain(self) -> None:
+        if self._in_flight:
+            self._in_flight[-1][0].synchronize()
+            self._free.extend(buf for _, buf in self._in_flight)
+            self._in_flight = []
+
+
+def _recorded_event() -> torch.cuda.Event:
+    """A CUDA event recorded on the current stream: done once the work queued so far is."""
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch: untyped
+    event.record()
+    return event
+
+
+def _base(buf: torch.Tensor) -> torch.Tensor:
+    """The whole pinned byte buffer a `HostStaging.buffer` view was cut from."""
+    base = buf._base if buf._base is not None else buf
+    return base.view(torch.uint8) if base.dtype != torch.uint8 else base
+
+
+def _paths(pool_layer: torch.Tensor, kv: LayerKV, staging: HostStaging | None) -> str:
+    """How a layer's copy runs: "host" (both on CPU), "device" (same device), "staged" (host pool, GPU KV)."""
+    pool, engine = pool_layer.device, kv.k.device
+    if pool.type == "cpu" and engine.type == "cpu":
+        return "host"
+    if pool == engine:
+        return "device"
+    if pool.type == "cpu" and staging is not None:
+        return "staged"
+    raise ValueError(f"the pool is on {pool} and vLLM's KV on {engine}: a copy between them needs the pool on "
+                     f"vLLM's device or in host memory{' (with a HostStaging)' if pool.type == 'cpu' else ''}")
+
+
+def load_layer(pool_layer: torch.Tensor, dst: LayerKV, index: TransferIndex,
+               staging: HostStaging | None = None) -> None:
+    """Copy the indexed positions of one layer from the pool into vLLM's blocks (through `staging` when the
+    pool is in host memory and vLLM's KV on a GPU)."""
     if not len(index):
         return
     k, v = _planes(pool_layer)
-    if pool_layer.device.type == "cpu":
+    path = _paths(pool_layer, dst, staging)
+    if path == "host":
         slots, where = index.pool_slots.numpy(), (index.blocks.numpy(), index.offsets.numpy())
         _host(dst.k)[where] = _host(k)[slots]
         _host(dst.v)[where] = _host(v)[slots]
         return
     where_t = (index.blocks, index.offsets)
-    dst.k.index_put_(where_t, k.index_select(0, index.pool_slots))
-    dst.v.index_put_(where_t, v.index_select(0, index.pool_slots))
+    if path == "device":
+        dst.k.index_put_(where_t, k.index_select(0, index.pool_slots))
+        dst.v.index_put_(where_t, v.index_select(0, index.pool_slots))
+        return
+    assert staging is not None
+    slots = index.pool_slots.numpy()
+    buf = staging.buffer((2, slots.size, *k.shape[1:]), k.dtype)
+    np.take(_host(k), slots, axis=0, out=_host(buf[0]))
+    np.take(_host(v), slots, axis=0, out=_host(buf[1]))
+    on_device = buf.to(dst.k.device, non_blocking=True)
+    staging.in_flight(buf)
+    dst.k.index_put_(where_t, on_device[0])
+    dst.v.index_put_(where_t, on_device[1])
 
 
-def save_layer(src: LayerKV, pool_layer: torch.Tensor, index: TransferIndex) -> None:
-    """Copy the indexed positions of one layer from vLLM's blocks into the pool."""
+def save_layer(src: LayerKV, pool_layer: torch.Tensor, index: TransferIndex,
+               staging: HostStaging | None = None) -> None:
+    """Copy the indexed positions of one layer from vLLM's blocks into the pool (through `staging` when the
+    pool is in host memory and vLLM's KV on a GPU: the pool is written at `staging.flush()`)."""
     if not len(index):
         return
     k, v = _planes(pool_layer)
-    if pool_layer.device.type == "cpu":
+    path = _paths(pool_layer, src, staging)
+    if path == "host":
         slots, where = index.pool_slots.numpy(), (index.blocks.numpy(), index.offsets.numpy())
         _host(k)[slots] = _host(src.k)[where]
         _host(v)[slots] = _host(src.v)[where]
         return
     where_t = (index.blocks, index.offsets)
-    k.index_copy_(0, index.pool_slots, src.k[where_t])
-    v.index_copy_(0, index.pool_slots, src.v[where_t])
+    if path == "device":
+        k.index_copy_(0, index.pool_slots, src.k[where_t])
+        v.index_copy_(0, index.pool_slots, src.v[where_t])
+        return
+    assert staging is not None
+    slots = index.pool_slots.numpy()
+    buf = staging.buffer((2, slots.size, *k.shape[1:]), k.dtype)
+    buf[0].copy_(src.k[where_t], non_blocking=True)
+    buf[1].copy_(src.v[where_t], non_blocking=True)
+
+    def scatter(b: torch.Tensor) -> None:
+        _host(k)[slots] = _host(b[0])
+        _host(v)[slots] = _host(b[1])
+
+    staging.pending(buf, scatter)

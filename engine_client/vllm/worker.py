@@ -30,7 +30,7 @@ from engine_client.layout import LayoutMismatch, check_layout, dtype_name
 from engine_client.mapping import MappedPool, map_pool
 from engine_client.vllm.counters import Counters
 from engine_client.vllm.scheduler import StepPlan, WorkerReport
-from engine_client.vllm.transfer import LayerKV, TransferIndex, load_layer, save_layer
+from engine_client.vllm.transfer import HostStaging, LayerKV, TransferIndex, load_layer, save_layer
 
 __all__ = ["BlockSizeMismatch", "HeadShard", "TensorParallelError", "WorkerSide", "head_shard"]
 
@@ -123,6 +123,8 @@ class WorkerSide:
         self._received: set[str] = set()
         """Requests whose asynchronous load is over (done or failed), to report to vLLM as finished receiving."""
         self._warned = False
+        self._staging: HostStaging | None = None
+        """Pinned buffers, when the pool is in host memory and vLLM's KV on a GPU (a CPU tier for GPU engines)."""
 
     # ------------------------------------------------------------------ start
 
@@ -205,6 +207,16 @@ class WorkerSide:
         self._pool = pool
         lo, hi = self.shard.lo, self.shard.hi
         self._pool_layers = [pool.tensor[i][:, :, :, lo:hi] for i in range(len(self._layers))]
+        if pool.tensor.device.type == "cpu" and self._engine_device().type != "cpu" and self._staging is None:
+            self._staging = HostStaging()
+            log.info("kvcache connector: the pool is in host memory and vLLM's KV on %s: copies go through pinned "
+                     "staging buffers", self._engine_device())
+
+    def _engine_device(self) -> torch.device:
+        """Where vLLM's KV is (the first layer's device; CPU before any layer is registered)."""
+        for _, kv in self._layers.values():
+            return kv.k.device
+        return torch.device("cpu")
 
     # ------------------------------------------------------------------ a step
 
@@ -223,16 +235,17 @@ class WorkerSide:
             self._fail_saves(step, problem)
             self._fail_async(step, problem)
             return
-        device = self._pool.tensor.device if self._pool is not None else torch.device("cpu")
+        where = {"device": self._engine_device(),
+                 "pool_device": self._pool.tensor.device if self._pool is not None else torch.device("cpu")}
         if len(plan.loads):
             step.loads = TransferIndex.build(plan.loads, page_size=plan.page_size, block_size=self.block_size,
-                                             device=device)
+                                             **where)
         if len(plan.saves):
             step.saves = TransferIndex.build(plan.saves, page_size=plan.page_size, block_size=self.block_size,
-                                             device=device)
+                                             **where)
         if len(plan.async_loads):
             step.async_loads = TransferIndex.build(plan.async_loads, page_size=plan.page_size,
-                                                   block_size=self.block_size, device=device)
+                                                   block_size=self.block_size, **where)
 
     def load_async(self) -> None:
         """Copy the step's asynchronous loads, every layer (vLLM's start_load_kv); their requests are then
@@ -246,7 +259,7 @@ class WorkerSide:
         start = self._clock()
         try:
             for i, kv in self._layers.values():
-                load_layer(self._pool_layers[i], kv, step.async_loads)
+                load_layer(self._pool_layers[i], kv, step.async_loads, self._staging)
         except Exception as e:  # a copy that fails must not become wrong tokens: vLLM recomputes
             self._fail_async(step, f"copy failed: {e}")
             return
@@ -268,7 +281,7 @@ class WorkerSide:
             return
         start = self._clock()
         try:
-            load_layer(self._pool_layers[entry[0]], entry[1], step.loads)
+            load_layer(self._pool_layers[entry[0]], entry[1], step.loads, self._staging)
             step.layers_loaded += 1
         except Exception as e:  # a copy that fails must not become wrong tokens: vLLM recomputes
             self._fail_loads(step, f"copy failed: {e}")
@@ -288,7 +301,7 @@ class WorkerSide:
             return
         start = self._clock()
         try:
-            save_layer(entry[1], self._pool_layers[entry[0]], step.saves)
+            save_layer(entry[1], self._pool_layers[entry[0]], step.saves, self._staging)
             step.layers_saved += 1
         except Exception as e:
             self._fail_saves(step, f"copy failed: {e}")
@@ -307,6 +320,14 @@ class WorkerSide:
                                    "call the connector for every layer)")
         if step.saves is not None and step.save_ok and step.layers_saved != n:
             self._fail_saves(step, f"{step.layers_saved} of {n} layers were saved")
+        if self._staging is not None and step.save_ok:
+            start = self._clock()
+            try:
+                self._staging.flush()  # the step's saves reach the pool before they are reported saved
+            except Exception as e:
+                self._fail_saves(step, f"copy failed: {e}")
+            finally:
+                self.counters.save_seconds += self._clock() - start
         if step.loads is not None and step.load_ok:
             self.counters.load_tokens += plan.loads.num_tokens
             self.counters.load_pages += plan.loads.num_pages(plan.page_size)
@@ -331,6 +352,9 @@ class WorkerSide:
 
     def close(self) -> None:
         self._pool_layers = []
+        if self._staging is not None:
+            self._staging.discard()
+            self._staging = None
         if self._pool is not None:
             self._pool.close()
             self._pool = None
@@ -366,6 +390,8 @@ class WorkerSide:
         if not len(plan.saves) or not step.save_ok:
             return
         step.save_ok = False
+        if self._staging is not None:
+            self._staging.discard()
         step.report.save_failed |= set(plan.save_reqs)
         self.counters.save_errors += len(plan.save_reqs)
         self._warn(why)

@@ -14,10 +14,10 @@ import numpy as np
 import torch
 
 from engine_client import KVCacheClient, map_pool
-from engine_client.vllm.transfer import LayerKV, TransferIndex, Transfers, load_layer, save_layer
+from engine_client.vllm.transfer import HostStaging, LayerKV, TransferIndex, Transfers, load_layer, save_layer
 from tests.integration.conftest import ServerProcess
 
-from .conftest import GPU_VMM_POOL
+from .conftest import GPU_VMM_POOL, HOST_POOL
 
 GPU_NEEDS = "cuda_vmm"
 BS = 8
@@ -62,3 +62,46 @@ def test_loads_and_saves_on_the_gpu_move_what_the_cpu_path_moves(
         assert torch.equal(layer.cpu(), expected) and not torch.equal(expected, before)
         untouched = [p for p in range(num_pages) if p not in (7, 3, 12, 30, 5, 21)]
         assert torch.equal(layer[:, untouched].cpu(), before[:, untouched])
+
+
+def test_a_host_pool_serves_gpu_kv_through_pinned_staging(start_server: Callable[..., ServerProcess]) -> None:
+    """A host_shm pool as the CPU tier of a GPU engine: loads and saves of every layer go through pinned
+    buffers (at most `budget_bytes` of them: a save past it flushes early), reach the same bytes as the CPU
+    path, and the pool holds the saves only once they are flushed."""
+    server = start_server(*HOST_POOL)
+    with KVCacheClient(server.target) as client, map_pool(client) as pool:
+        layers, _, _, page_size, heads, dim = pool.tensor.shape
+        assert not pool.tensor.is_cuda and (layers, page_size) == (2, 4)
+        gen = torch.Generator().manual_seed(5)
+        for i in range(layers):
+            pool.tensor[i, :, 1:40].copy_(torch.randn(2, 39, page_size, heads, dim, generator=gen))
+        t = Transfers.build([(4, 22, np.array([7, 3, 12, 30, 5], np.int32), np.array([6, 2, 9], np.int32)),
+                             (40, 43, np.array([21], np.int32), np.array([4], np.int32))])
+        index = TransferIndex.build(t, page_size=page_size, block_size=BS, device="cuda", pool_device="cpu")
+        cpu_index = TransferIndex.build(t, page_size=page_size, block_size=BS)
+        assert index.blocks.is_cuda and not index.pool_slots.is_cuda
+        # a layer's 21 positions take 2 x 21 x heads x dim x 2 bytes = 21,504: one 32 KiB buffer, the budget
+        staging = HostStaging(budget_bytes=32768)
+
+        vllm = [torch.zeros(2, 10, BS, heads, dim, dtype=pool.tensor.dtype, device="cuda") for _ in range(layers)]
+        for i in range(layers):
+            load_layer(pool.tensor[i], _flash(vllm[i]), index, staging)
+        torch.cuda.synchronize()
+        for i in range(layers):
+            want = torch.zeros(2, 10, BS, heads, dim, dtype=pool.tensor.dtype)
+            load_layer(pool.tensor[i], _flash(want), cpu_index)
+            assert torch.equal(vllm[i].cpu(), want) and want.any()
+        assert staging.pinned_bytes == 32768  # the second layer waited for the first's copy and reused its buffer
+
+        before = pool.tensor.clone()
+        computed = [torch.randn(2, 10, BS, heads, dim, device="cuda").to(pool.tensor.dtype) for _ in range(layers)]
+        expected = before.clone()
+        for i in range(layers):
+            save_layer(_flash(computed[i]), pool.tensor[i], index, staging)
+            save_layer(_flash(computed[i].cpu()), expected[i], cpu_index)
+        # the second layer's save found the budget spent: the first layer's save was flushed to make room
+        assert staging.flushes == 1 and torch.equal(pool.tensor[0], expected[0])
+        assert torch.equal(pool.tensor[1], before[1])
+        staging.flush()
+        assert staging.flushes == 2 and torch.equal(pool.tensor, expected) and not torch.equal(expected, before)
+        assert staging.pinned_bytes == 32768
