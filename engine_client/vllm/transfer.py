@@ -381,13 +381,13 @@ def save_layer(src: LayerKV, pool_layer: torch.Tensor, index: TransferIndex,
         v.index_copy_(0, index.pool_slots, src.v[where_t])
         return
     assert staging is not None
-    slots = index.pool_slots
+    pool_slots = index.pool_slots
     buf = staging.buffer((2, len(index), *k.shape[1:]), k.dtype)
     buf[0].copy_(src.k[where_t], non_blocking=True)
     buf[1].copy_(src.v[where_t], non_blocking=True)
 
     def scatter(b: torch.Tensor) -> None:
-        k.index_copy_(0, slots, b[0])
-        v.index_copy_(0, slots, b[1])
+        k.index_copy_(0, pool_slots, b[0])
+        v.index_copy_(0, pool_slots, b[1])
 
     staging.pending(buf, scatter)
