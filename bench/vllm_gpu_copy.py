@@ -31,14 +31,14 @@ LAYOUTS = ("LBNHC", "LBHNC")
 """vLLM's NHD (FlashAttention's default) and HND layouts: per layer, the axes outermost first."""
 
 
-def vllm_layers(layout: str, blocks: int) -> list[LayerKV]:
+def vllm_layers(layout: str, blocks: int, layers: int = LAYERS, device: str = "cuda") -> list[LayerKV]:
     """Layer tensors as vLLM's GPU worker holds them in `layout` (`[B, H, N, 2 * dim]` logically), viewed by
     the connector."""
     physical = layout[1:]  # the axes of one layer in memory, e.g. "BNHC"
     sizes = {"B": blocks, "H": HEADS, "N": PAGE, "C": 2 * DIM}
     out = []
-    for _ in range(LAYERS):
-        t = torch.randn(*(sizes[a] for a in physical), device="cuda").to(torch.bfloat16)
+    for _ in range(layers):
+        t = torch.randn(*(sizes[a] for a in physical), device=device).to(torch.bfloat16)
         logical = t.permute(*(physical.index(a) for a in "BHNC"))
         out.append(layer_kv(logical, layout=layout, order=tuple("BHNC".index(a) for a in physical), packing="split",
                             block_size=PAGE, num_heads=HEADS, head_dim=DIM))
