@@ -1,5 +1,6 @@
 """Tensor-parallel vLLM on kvcache: engines of one model at TP 1, 2 and 4 share prefixes through the pool,
-token-exact, and a rank that dies mid-run commits nothing.
+token-exact; a rank that dies mid-run commits nothing; a kvcache killed mid-run and restarted costs hits,
+never tokens, on every rank.
 
 The model is a tiny Llama with 4 attention heads over 2 KV heads (GQA), so TP=2 gives each rank one KV head
 and TP=4 gives ranks 0/1 head 0 and ranks 2/3 head 1 (replicas: the first of each pair saves). The pool
@@ -23,9 +24,9 @@ import pytest
 from engine_client import KVCacheClient
 from engine_client.vllm.driver import save_model
 from tests.integration.conftest import ServerProcess
-from tests.loopback import wait_until
+from tests.loopback import free_port, wait_until
 
-from .conftest import ENGINE_ARGS, VllmEngine, dead_requests, drained, request, tokens
+from .conftest import ENGINE_ARGS, VllmEngine, dead_requests, drained, kvcache_server, request, tokens
 from .test_connector import hits, prompt
 
 pytestmark = [pytest.mark.xdist_group("vllm-b"), pytest.mark.timeout(1200)]  # TP engines start in 30-100 s
@@ -47,6 +48,22 @@ def _vllm_shm_files_removed() -> Iterator[None]:
     yield
     for path in set(SHM.glob("vllm_dist_*")) - before:
         path.unlink(missing_ok=True)
+
+
+SUCCESSORS: list[ServerProcess] = []
+"""kvcache services started at the module kvcache's address after a test killed it (stopped at the end)."""
+
+
+@pytest.fixture(scope="module")
+def kvcache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The module's kvcache service, at a fixed loopback port so that a successor can take its address."""
+    server = kvcache_server(tmp_path_factory.mktemp("kvcache") / "server.log", listen=f"127.0.0.1:{free_port()}")
+    yield server
+    for s in [server, *SUCCESSORS]:
+        if s.proc.poll() is None:
+            code, _ = s.terminate()
+            assert code == 0, s.log_tail()
+        s.close()
 
 
 @pytest.fixture(scope="module")
@@ -178,3 +195,44 @@ def test_a_rank_that_dies_mid_run_commits_nothing_and_locks_nothing(
         assert 1 <= len(parked) <= len(work), sessions
         assert [s for s in sessions if not s.streaming and s not in parked] == []
         assert [client.match_prefix(r["prompt"]).cached_tokens for r in work] == [0, 0, 0]
+
+
+def test_kvcache_killed_mid_run_and_restarted_costs_hits_never_tokens_on_every_rank(
+        tp_engines: dict[str, VllmEngine], kvcache: ServerProcess, tmp_path: Path) -> None:
+    alone2, a2, one = tp_engines["alone2"], tp_engines["a2"], tp_engines["one"]
+    work = [request(prompt(250 + i, 70 + 9 * i), 24) for i in range(4)]
+    fresh = [request(prompt(260 + i, 70 + 9 * i), 8) for i in range(4)]
+    want, want_fresh = tokens(alone2.generate(work)), tokens(alone2.generate(fresh))
+    killer = threading.Timer(0.5, kvcache.kill)
+    killer.start()
+    assert tokens(a2.generate(work)) == want  # killed mid-run: both ranks compute on
+    killer.join()
+
+    successor = kvcache_server(tmp_path / "successor.log", listen=kvcache.target)
+    SUCCESSORS.append(successor)
+    said = f"kvcache restarted (instance {kvcache.instance_id} -> {successor.instance_id})"
+    for engine in (a2, one):
+        wait_until(lambda e=engine: said in e.log_text(), "the engine's scheduler on the restarted kvcache")
+    assert tokens(a2.generate(work)) == want  # an empty kvcache: saved again, by both ranks
+    drained(successor.target)
+    with KVCacheClient(successor.target) as client:
+        assert [client.match_prefix(r["prompt"]).cached_tokens for r in work] == [64, 64, 80, 96]
+
+    # prompts the TP=2 engine never saw (nothing in its own prefix cache), saved by the TP=1 engine: both
+    # ranks load their heads of them from the restarted kvcache's pool, which each mapped anew
+    assert tokens(one.generate(fresh)) == want_fresh
+    drained(successor.target)
+    before = a2.metrics()
+    out = a2.generate(fresh)
+    assert tokens(out) == want_fresh and [o["num_cached_tokens"] for o in out] == [64, 64, 80, 96]
+    after = a2.metrics()
+    loaded = after["kvcache_connector_load_tokens_total"] - before.get("kvcache_connector_load_tokens_total", 0)
+    assert loaded == 2 * (64 + 64 + 80 + 96)
+    assert after.get("kvcache_connector_load_errors_total", 0) == 0
+    # one warning for the episode (the scheduler's), none from the ranks: their copies never failed
+    warned = re.findall(r"WARNING .*(kvcache connector: .*?)(?: \(|;|$)", a2.log_text(), re.MULTILINE)
+    assert warned == [f"kvcache connector: kvcache at {kvcache.target} is unreachable",
+                      "kvcache connector: kvcache restarted"], warned
+    mapped = re.findall(rf"\(Worker_TP(\d) pid=\d+\) .*worker mapped the pool of instance {successor.instance_id}",
+                        a2.log_text())
+    assert sorted(mapped) == ["0", "1"]
