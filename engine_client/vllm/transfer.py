@@ -295,10 +295,13 @@ class HostStaging:
         self._free.extend(_base(buf) for _, buf, _ in pending)
 
     def _reclaim(self) -> None:
-        done = [e for e in self._in_flight if e[0].query()]  # type: ignore[no-untyped-call]  # torch: untyped
-        if done:
-            self._in_flight = [e for e in self._in_flight if e not in done]
-            self._free.extend(buf for _, buf in done)
+        busy = []
+        for event, buf in self._in_flight:
+            if event.query():  # type: ignore[no-untyped-call]  # torch: untyped
+                self._free.append(buf)
+            else:
+                busy.append((event, buf))
+        self._in_flight = busy
 
     def _drain(self) -> None:
         if self._in_flight:
