@@ -14,7 +14,9 @@ import numpy as np
 import torch
 
 from engine_client import KVCacheClient, map_pool
+from engine_client.vllm.scheduler import StepPlan
 from engine_client.vllm.transfer import HostStaging, LayerKV, TransferIndex, Transfers, load_layer, save_layer
+from engine_client.vllm.worker import WorkerSide, head_shard
 from tests.integration.conftest import ServerProcess
 
 from .conftest import GPU_VMM_POOL, HOST_POOL
@@ -105,3 +107,51 @@ def test_a_host_pool_serves_gpu_kv_through_pinned_staging(start_server: Callable
         staging.flush()
         assert staging.flushes == 2 and torch.equal(pool.tensor, expected) and not torch.equal(expected, before)
         assert staging.pinned_bytes == 32768
+
+
+def test_the_worker_stages_a_host_pool_for_gpu_kv_and_reports_saves_once_they_reach_the_pool(
+        start_server: Callable[..., ServerProcess]) -> None:
+    """The connector's worker with GPU layers over a host_shm pool: it stages (made when it maps the pool),
+    a step's saves reach the pool at the step's end, before it reports them saved, and loads come back."""
+    server = start_server(*HOST_POOL)
+    worker = WorkerSide(lambda: KVCacheClient(server.target), block_size=BS, shard=head_shard(0, 1, 4))
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    tensors = [torch.randn(2, 10, BS, 4, 64, generator=gen, device="cuda").half() for _ in range(2)]
+    worker.register([(f"layer.{i}", _flash(t)) for i, t in enumerate(tensors)], num_kv_heads=4, head_dim=64,
+                    dtype=torch.float16)
+    try:
+        with KVCacheClient(server.target) as client, map_pool(client) as pool:
+            instance = client.get_pool_info().instance_id
+            t = Transfers.build([(4, 22, np.array([7, 3, 12, 30, 5], np.int32), np.array([6, 2, 9], np.int32)),
+                                 (40, 43, np.array([21], np.int32), np.array([4], np.int32))])
+            cpu_index = TransferIndex.build(t, page_size=4, block_size=BS)
+            before = pool.tensor.clone()
+            expected = before.clone()
+            for i, kv in enumerate(tensors):
+                save_layer(_flash(kv.cpu()), expected[i], cpu_index)
+
+            worker.begin(StepPlan(instance_id=instance, page_size=4, saves=t, save_reqs=["a", "b"]))
+            for i in range(2):
+                worker.save(f"layer.{i}")
+            assert torch.equal(pool.tensor, before)  # staged: the pool is written at the step's end
+            report = worker.end()
+            assert report is not None and report.saved == {"a": (4, 22), "b": (40, 43)} and not report.save_failed
+            assert torch.equal(pool.tensor, expected) and not torch.equal(expected, before)
+
+            for kv in tensors:
+                kv.zero_()
+            worker.begin(StepPlan(instance_id=instance, page_size=4, loads=t, load_reqs=["a", "b"]))
+            for i in range(2):
+                worker.load(f"layer.{i}")
+            report = worker.end()
+            assert report is not None and not report.load_failed
+            torch.cuda.synchronize()
+            for i, kv in enumerate(tensors):
+                want = torch.zeros(2, 10, BS, 4, 64, dtype=torch.float16)
+                load_layer(pool.tensor[i], _flash(want), cpu_index)
+                assert torch.equal(kv.cpu(), want) and want.any()
+            c = worker.counters
+            assert (c.save_tokens, c.load_tokens, c.save_pages, c.load_pages) == (21, 21, 6, 6)
+            assert (c.save_errors, c.load_errors) == (0, 0)
+    finally:
+        worker.close()
