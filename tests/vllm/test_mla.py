@@ -4,8 +4,8 @@ vLLM's `CPU_MLA` backend, block size 16) on a pool `serve --model` builds from i
 vLLM's CPU platform turns its own prefix caching off for MLA, so kvcache is the only prefix cache here:
 every cached token an engine reports came from the pool. Engines (started once, two at a time): `alone`
 (vLLM without kvcache, the reference tokens), `one` (TP=1 on kvcache) and `two` (TP=2 on kvcache: both
-ranks hold the whole latent, rank 0 saves and both load). Seen here: the module takes ~75 s on an idle
-machine (engine starts), ~130 s under a load of 4.
+ranks hold the whole latent, rank 0 saves and both load). Seen here: the module takes ~60 s (the engines'
+starts ~43 s, their exits ~8 s), ~130 s under a load of 4.
 
 Requests go one at a time (`each`): vLLM 0.32's CPU MLA is not batch-invariant here (the same four prompts
 in one batch and one by one give other greedy tokens from the second token on, vLLM alone included), so a
