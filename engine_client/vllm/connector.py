@@ -153,9 +153,8 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     ) -> tuple[list[tuple[str, LayerKV]], str]:
         """MLA layers as their latents' halves (`mla_latent`), proved by the backend's own cache write."""
         layers = [(name, mla_latent(kv, block_size=self._block_size, latent_dim=dim)) for name, kv in kv_caches]
-        if layers:
-            _probe_mla(static.get(kv_caches[0][0]), kv_caches[0][1], layers[0][1])
-        return layers, f"MLA latents of {dim}"
+        probed = bool(layers) and _probe_mla(static.get(kv_caches[0][0]), kv_caches[0][1], layers[0][1])
+        return layers, f"MLA latents of {dim}" + (" (probed by the backend's cache write)" if probed else "")
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -331,16 +330,16 @@ def _probe(layer: Any, kv: torch.Tensor, view: LayerKV, layout: Any, packing: st
                             "write read back different values)")
 
 
-def _probe_mla(layer: Any, kv: torch.Tensor, view: LayerKV) -> None:
+def _probe_mla(layer: Any, kv: torch.Tensor, view: LayerKV) -> bool:
     """Write known latents (`kv_c_normed`, then `k_pe`) through the MLA backend's own cache update into a
     two-block scratch tensor shaped like `kv` and read them back through `mla_latent`: a latent this
-    connector misreads refuses to start instead of serving wrong KV."""
+    connector misreads refuses to start instead of serving wrong KV. False: the backend has no such update."""
     impl = getattr(layer, "impl", None)
     update = getattr(impl, "do_kv_cache_update", None)
     rank = getattr(impl, "kv_lora_rank", None)
     if update is None or not isinstance(rank, int):
         log.info("kvcache connector: MLA backend has no do_kv_cache_update; latent layout not probed")
-        return
+        return False
     bs, half = view.block_size, int(view.k.shape[3])
     scratch = torch.zeros((2, *kv.shape[1:]), dtype=kv.dtype, device=kv.device)
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -354,3 +353,4 @@ def _probe_mla(layer: Any, kv: torch.Tensor, view: LayerKV) -> None:
     if not torch.equal(got, latent):
         raise KVLayoutError(f"the MLA latent layout of {type(impl).__name__} is not the one the kvcache connector "
                             "reads (a probe write read back different values)")
+    return True

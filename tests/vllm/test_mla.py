@@ -105,6 +105,8 @@ def test_mla_tokens_equal_vllm_alone_when_the_prefix_comes_from_kvcache(
     assert [o["num_cached_tokens"] for o in out] == [hits(n) for n in lengths]
     metrics = one.metrics()
     assert metrics["vllm:prefix_cache_hits_total"] == 0
+    assert ("kvcache connector: rank 0 of 1 reads MLA latents of 576 (probed by the backend's cache write), KV heads "
+            "0-0 of 1\n") in one.log_text()
     assert metrics["kvcache_connector_load_tokens_total"] == sum(hits(n) for n in lengths) == 288
 
 
