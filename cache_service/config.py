@@ -19,12 +19,12 @@ from cache_service.core.config import CoreConfig
 from cache_service.core.eviction import EVICTION_POLICIES
 from cache_service.core.tiering import TIER_POLICIES
 from cache_service.memory.base import format_bytes
-from kvcache_common.layout import DTYPE_NAMES, PoolLayout
+from kvcache_common.layout import ATTENTION_KINDS, DTYPE_NAMES, PoolLayout
 from kvcache_common.model import ModelConfigError, ModelLayout, UnsupportedModel, read_model_layout
 
 BACKEND_CHOICES = ("auto", "host_shm", "host_memfd", "cuda_ipc", "cuda_vmm")
 GPU_BACKENDS = ("cuda_ipc", "cuda_vmm")
-MODEL_LAYOUT = ("num_layers", "num_kv_heads", "head_dim")
+MODEL_LAYOUT = ("attention", "num_layers", "num_kv_heads", "head_dim")
 """The layout fields --model sets (and --dtype, unless given: the KV element type may differ from the model's)."""
 TIER_CHOICES = ("none", "disk", "mooncake")
 MOONCAKE_MIN_SEGMENT_BYTES = 16 << 20
@@ -127,7 +127,11 @@ class ServiceConfig:
                          "the KV element type)", metavar="PATH")
     num_layers: int = setting(2, "transformer layers in the pool layout", at_least=1)
     num_kv_heads: int = setting(4, "KV heads per layer", at_least=1)
-    head_dim: int = setting(64, "head dimension", at_least=1)
+    head_dim: int = setting(64, "head dimension (--attention mla: the latent's width, kv_lora_rank + "
+                            "qk_rope_head_dim)", at_least=1)
+    attention: str = setting("full", "what the pool keeps per token and layer: full (K and V per KV head) or mla "
+                             "(multi-head latent attention: one latent of --head-dim values, --num-kv-heads 1)",
+                             choices=tuple(ATTENTION_KINDS))
     dtype: str = setting("float16", "KV element type", choices=DTYPE_NAMES)
     page_size: int = setting(16, "tokens per page", at_least=1)
     num_pages: int = setting(0, f"pages in the pool, page 0 included (default {DEFAULT_NUM_PAGES} unless --pool-bytes "
@@ -260,8 +264,8 @@ class ServiceConfig:
     # ------------------------------------------------------------------ derived
 
     def _dims(self) -> dict[str, Any]:
-        return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
-                "dtype": self.dtype, "page_size": self.page_size}
+        return {"attention": self.attention, "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
+                "head_dim": self.head_dim, "dtype": self.dtype, "page_size": self.page_size}
 
     @property
     def bytes_per_page(self) -> int:
@@ -299,6 +303,12 @@ class ServiceConfig:
             if not ok:
                 raise ConfigError(f"--{flag}: {why}")
 
+        kind = ATTENTION_KINDS[self.attention]
+        need(kind.fixed_heads is None or self.num_kv_heads == kind.fixed_heads, "num-kv-heads",
+             f"must be {kind.fixed_heads} with --attention {kind.name} (one latent per token), got {self.num_kv_heads}")
+        need(self.head_dim % kind.planes_split == 0, "head-dim",
+             f"must be even with --attention {kind.name} (the latent's halves go in the K and V planes), got "
+             f"{self.head_dim}")
         need(not self.pool_socket or self.pool_socket.startswith("/")
              or (self.pool_socket.startswith("@") and len(self.pool_socket) > 1), "pool-socket",
              f"{self.pool_socket!r} is not an absolute path or @name")

@@ -12,7 +12,7 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
-from engine_client.errors import InvalidTokens
+from engine_client.errors import InvalidTokens, PoolMappingError
 from engine_client.types import (
     AppendResult,
     CloseResult,
@@ -79,7 +79,18 @@ def _record(cls: type[T], message: Any, **overrides: Any) -> T:
 
 
 def pool_info(r: pb.GetPoolInfoResponse) -> PoolInfo:
-    return _record(PoolInfo, r, layout=_record(PoolLayout, r.layout))
+    return _record(PoolInfo, r, layout=_record(PoolLayout, r.layout, attention=_attention(r.layout)))
+
+
+def _attention(layout: pb.PoolLayout) -> str:
+    """The pool's attention kind (`ATTENTION_KIND_MLA` -> "mla"); a service older than layer groups sends none and
+    its pool is full attention. Only one-group pools exist: a service with more groups is newer than this client."""
+    if not layout.groups:
+        return "full"
+    if len(layout.groups) > 1:
+        raise PoolMappingError(f"the pool has {len(layout.groups)} layer groups; this engine client reads one-group "
+                               "pools (upgrade it)")
+    return pb.AttentionKind.Name(layout.groups[0].kind).removeprefix("ATTENTION_KIND_").lower()
 
 
 def lease(r: pb.RegisterEngineResponse) -> EngineLease:

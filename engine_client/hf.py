@@ -59,9 +59,16 @@ def model_layout(model: Any) -> dict[str, Any]:
 
 
 def check_model(model: Any, layout: PoolLayout) -> None:
-    """Raise UnsupportedModel unless every layer is full attention, and LayoutMismatch (naming both layouts
+    """Raise UnsupportedModel unless every layer is full attention (MLA models too: transformers caches them
+    expanded), and LayoutMismatch (naming both layouts
     and the serve flags that fit) unless the pool holds this model's K/V."""
     config = model.config.get_text_config(decoder=True)
+    rank = getattr(config, "kv_lora_rank", None)
+    if rank:
+        raise UnsupportedModel(
+            f"{type(model).__name__} uses multi-head latent attention (kv_lora_rank={rank}): transformers caches its "
+            "K and V expanded per head, not the latent an MLA pool keeps; serve it with vLLM on kvcache "
+            "(engine_client.vllm)")
     layer_types, _ = get_layer_types_and_kwargs(config)
     other = sorted({t for t in layer_types if t != "full_attention"})
     if other:

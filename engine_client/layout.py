@@ -4,14 +4,15 @@
     check_layout(client.get_pool_info().layout, num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
 
 A mismatch raises `LayoutMismatch` naming both layouts and the `kvcache-service serve` flags that would
-fit the model. Page size and page count are the service's choice: any page size works.
+fit the model. Page size and page count are the service's choice: any page size works. An MLA model
+(`attention="mla"`) has one KV "head" whose `head_dim` is its latent's width (kv_lora_rank + qk_rope_head_dim).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvcache_common.layout import DTYPE_NAMES, PoolLayout
+from kvcache_common.layout import DTYPE_NAMES, PoolLayout, describe_kv
 
 __all__ = ["LayoutMismatch", "check_layout", "dtype_name"]
 
@@ -25,21 +26,25 @@ def dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def check_layout(pool: PoolLayout, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: Any) -> None:
-    """Raise `LayoutMismatch` unless `pool` has this many layers, KV heads and head dim, in this dtype."""
-    want = (num_layers, num_kv_heads, head_dim, dtype_name(dtype))
-    have = (pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype)
+def check_layout(pool: PoolLayout, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: Any,
+                 attention: str = "full") -> None:
+    """Raise `LayoutMismatch` unless `pool` holds this kind of attention (`ATTENTION_KINDS` name) with this many
+    layers, KV heads and head dim, in this dtype."""
+    want = (attention, num_layers, num_kv_heads, head_dim, dtype_name(dtype))
+    have = (pool.attention, pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype)
     if want == have:
         return
-    if want[3] not in DTYPE_NAMES:
-        raise LayoutMismatch(f"the model's dtype {want[3]} is not a pool dtype (one of {', '.join(DTYPE_NAMES)})")
-    flags = (f"--num-layers {num_layers} --num-kv-heads {num_kv_heads} --head-dim {head_dim} "
-             f"--dtype {want[3]}")
+    if want[4] not in DTYPE_NAMES:
+        raise LayoutMismatch(f"the model's dtype {want[4]} is not a pool dtype (one of {', '.join(DTYPE_NAMES)})")
+    flags = (f"{'' if attention == 'full' else f'--attention {attention} '}--num-layers {num_layers} "
+             f"--num-kv-heads {num_kv_heads} --head-dim {head_dim} --dtype {want[4]}")
     raise LayoutMismatch(
         f"pool layout {_describe(*have)} does not match the model {_describe(*want)}: serve a pool that fits "
         f"with `kvcache-service serve {flags}` (make run ARGS=\"{flags}\")"
     )
 
 
-def _describe(num_layers: int, num_kv_heads: int, head_dim: int, dtype: str) -> str:
-    return f"(layers={num_layers}, kv_heads={num_kv_heads}, head_dim={head_dim}, dtype={dtype})"
+def _describe(attention: str, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str) -> str:
+    if attention == "full":  # the words every full-attention message has used
+        return f"(layers={num_layers}, kv_heads={num_kv_heads}, head_dim={head_dim}, dtype={dtype})"
+    return f"({describe_kv(attention, num_layers, num_kv_heads, head_dim)}, dtype={dtype})"

@@ -4,10 +4,12 @@ pool with, and what an engine's model must match.
     layout = read_model_layout("/models/Llama-3.1-8B")      # a directory with config.json, or the file
     layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype
 
-Only models whose every layer keeps per-head K and V for every position fit a kvcache session: sliding-window
-attention (a window shorter than the context), hybrid stacks (linear attention, state-space or recurrent
-layers beside attention) and multi-head latent attention (one compressed latent per token) are refused with
-`UnsupportedModel`, whose message says why. Plain JSON reading: no transformers, torch or network.
+Two kinds of attention fit a kvcache session: full attention, every layer keeping per-head K and V for every
+position, and multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi K2), every layer keeping one latent of
+`kv_lora_rank + qk_rope_head_dim` values per position (`attention="mla"`, one "head" of that width).
+Sliding-window attention (a window shorter than the context) and hybrid stacks (linear attention, state-space
+or recurrent layers beside attention) are refused with `UnsupportedModel`, whose message says why. Plain JSON
+reading: no transformers, torch or network.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvcache_common.layout import DTYPE_NAMES
+from kvcache_common.layout import DTYPE_NAMES, describe_kv
 
 __all__ = ["ModelConfigError", "ModelLayout", "UnsupportedModel", "model_layout", "read_model_layout"]
 
@@ -42,15 +44,19 @@ class ModelLayout:
     """The model's own dtype name (one of `DTYPE_NAMES`), or None when its config names none."""
     architecture: str
     """`architectures[0]`, else `model_type` (for messages)."""
+    attention: str = "full"
+    """A `kvcache_common.layout.ATTENTION_KINDS` name: "mla" for a latent of `head_dim` per token and layer."""
 
     def describe(self) -> str:
         dtype = self.dtype or "dtype unset"
-        return f"{self.num_layers} layers, {self.num_kv_heads} kv heads x {self.head_dim}, {dtype}"
+        return f"{describe_kv(self.attention, self.num_layers, self.num_kv_heads, self.head_dim)}, {dtype}"
 
     def flags(self) -> str:
         """The serve flags that fit this model."""
         dtype = f" --dtype {self.dtype}" if self.dtype else ""
-        return f"--num-layers {self.num_layers} --num-kv-heads {self.num_kv_heads} --head-dim {self.head_dim}{dtype}"
+        attention = f"--attention {self.attention} " if self.attention != "full" else ""
+        return (f"{attention}--num-layers {self.num_layers} --num-kv-heads {self.num_kv_heads} "
+                f"--head-dim {self.head_dim}{dtype}")
 
 
 # Config keys by meaning, in the order they are tried (GPT-2, Falcon and friends use older names).
@@ -94,6 +100,11 @@ def model_layout(config: Mapping[str, Any]) -> ModelLayout:
     arch = _architecture(outer, config)
     _refuse_unsupported(config, arch)
     layers = _int(config, _LAYERS, "the layer count")
+    if config.get("kv_lora_rank"):
+        latent = _int(config, ("kv_lora_rank",), "the MLA latent rank") + _int(
+            config, ("qk_rope_head_dim",), "the MLA rope head dim")
+        return ModelLayout(num_layers=layers, num_kv_heads=1, head_dim=latent, dtype=_dtype(config) or _dtype(outer),
+                           architecture=arch, attention="mla")
     heads = _int(config, _HEADS, "the attention head count")
     kv_heads = _first(config, _KV_HEADS)
     if kv_heads is None and config.get("multi_query"):
@@ -120,9 +131,6 @@ def _refuse_unsupported(config: Mapping[str, Any], arch: str) -> None:
     if config.get("is_encoder_decoder"):
         raise UnsupportedModel(f"{arch} is an encoder-decoder model: its cross-attention K/V comes from the "
                                f"encoder's output, and {keeps} of one decoder sequence")
-    if config.get("kv_lora_rank"):
-        raise UnsupportedModel(f"{arch} uses multi-head latent attention (kv_lora_rank={config['kv_lora_rank']}): "
-                               f"it caches one compressed latent per token, and {keeps}")
     model_type = str(config.get("model_type", ""))
     if model_type in _RECURRENT_MODEL_TYPES:
         raise UnsupportedModel(f"{arch} ({model_type}) is a recurrent/state-space model with no attention K/V to "

@@ -9,6 +9,7 @@ import pytest
 
 from cache_service.app import core_config
 from cache_service.config import FLAGS, ConfigError, ServiceConfig, add_serve_arguments, config_from, parse_bytes
+from kvcache_common.layout import PoolLayout
 
 
 @pytest.mark.parametrize(("text", "value"), [
@@ -192,8 +193,35 @@ def test_an_agreeing_layout_flag_is_fine_and_a_direct_config_reads_the_model_too
         ServiceConfig(model=model, num_kv_heads=2)  # a field other than its default was asked for
 
 
+def test_an_mla_model_builds_an_mla_pool_and_the_flags_describe_one_without_it() -> None:
+    model = str(MODELS / "deepseek-v3.json")
+    config = parse(["--model", model, "--num-pages", "4"])
+    assert config.layout() == PoolLayout(num_layers=61, num_kv_heads=1, head_dim=576, dtype="bfloat16", page_size=16,
+                                         num_pages=4, attention="mla")
+    flags = parse(["--attention", "mla", "--num-layers", "61", "--num-kv-heads", "1", "--head-dim", "576", "--dtype",
+                   "bfloat16", "--num-pages", "4"])
+    assert flags.layout() == config.layout()
+    assert flags.bytes_per_page == 61 * 16 * 576 * 2
+    assert parse(["--model", model, "--attention", "mla"]).attention == "mla"
+    with pytest.raises(ConfigError) as err:
+        parse(["--model", model, "--attention", "full"])
+    assert str(err.value) == (f"--attention: full disagrees with --model {model} (attention mla); leave it out and the "
+                              "model's is used")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--attention", "mla"], "--num-kv-heads: must be 1 with --attention mla (one latent per token), got 4"),
+    (["--attention", "mla", "--num-kv-heads", "1", "--head-dim", "575"],
+     "--head-dim: must be even with --attention mla (the latent's halves go in the K and V planes), got 575"),
+    (["--attention", "sliding"], "--attention: 'sliding' is not one of full, mla"),
+])
+def test_mla_flags_that_cannot_make_a_pool(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse(argv)
+    assert str(err.value) == message
+
+
 @pytest.mark.parametrize(("name", "start"), [
-    ("deepseek-v3", "--model: DeepseekV3ForCausalLM uses multi-head latent attention"),
     ("gemma-3-4b-text", "--model: Gemma3ForCausalLM has sliding_attention layers"),
     ("missing", "--model: {m} does not exist"),
 ])

@@ -40,11 +40,16 @@ class Namespace:
     head_dim: int
     dtype: str
     page_size: int
+    attention: str = "full"
+    """The layout's attention kind: an MLA pool never shares pages with a full-attention one of equal sizes."""
 
     def encode(self) -> bytes:
-        """The canonical bytes of the namespace: the version, then each field length-prefixed (u32 LE)."""
+        """The canonical bytes of the namespace: the version, then each field length-prefixed (u32 LE); the
+        attention kind is a last field only when it is not "full" (so full-attention keys stay what they were)."""
         parts = [self.model_name.encode(), *(str(v).encode() for v in (
             self.num_layers, self.num_kv_heads, self.head_dim)), self.dtype.encode(), str(self.page_size).encode()]
+        if self.attention != "full":
+            parts.append(self.attention.encode())
         return NAMESPACE_VERSION + b"".join(struct.pack("<I", len(p)) + p for p in parts)
 
     def root(self, cache_salt: str) -> bytes:

@@ -11,6 +11,7 @@ from cache_service.core import KVCacheError, Reason, SessionInfo, SessionState, 
 from cache_service.core.errors import invalid_argument
 from cache_service.core.types import PageArray, TokenArray
 from cache_service.tier.stats import TierStats
+from kvcache_common.layout import PoolLayout
 from protos.kvcache.v1 import kvcache_pb2 as pb
 
 _STATES = {
@@ -21,6 +22,14 @@ _STATES = {
 }
 STATE_FILTERS = {code: state for state, code in _STATES.items()}
 """A ListSessions state filter -> the core's state (UNSPECIFIED is no filter)."""
+
+
+def pool_layout(layout: PoolLayout) -> pb.PoolLayout:
+    """The pool's layout with its layer groups (an `ATTENTION_KINDS` name `x` is `ATTENTION_KIND_X`)."""
+    groups = [pb.LayerGroup(kind=f"ATTENTION_KIND_{g.kind.upper()}", num_layers=g.num_layers,
+                            num_kv_heads=g.num_kv_heads, head_dim=g.head_dim) for g in layout.groups]
+    return pb.PoolLayout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
+                         dtype=layout.dtype, page_size=layout.page_size, num_pages=layout.num_pages, groups=groups)
 
 
 def request_tokens(request: Any, max_tokens: int) -> TokenArray:

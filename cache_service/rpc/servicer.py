@@ -66,9 +66,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         self._clock = clock
         self._started = clock()
         self._pool_info = pb.GetPoolInfoResponse(
-            layout=pb.PoolLayout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
-                                 head_dim=layout.head_dim, dtype=layout.dtype, page_size=layout.page_size,
-                                 num_pages=layout.num_pages),
+            layout=convert.pool_layout(layout),
             backend=handle.backend, shm_path=handle.shm_path, cuda_ipc_handle=handle.cuda_ipc_handle,
             device_uuid=handle.device_uuid, size_bytes=handle.size_bytes, instance_id=instance_id,
             offset_bytes=handle.offset_bytes, page_bytes=layout.page_bytes, server_version=__version__,

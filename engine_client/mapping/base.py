@@ -1,7 +1,8 @@
 """What every pool importer shares: the `MappedPool` it returns, the dtype table and the importer contract.
 
-`MappedPool.tensor` has the pool's shape `[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]`;
-`pool[layer]` is the `[2, pages, page_size, heads, dim]` layout paged-attention kernels use. Map once per
+`MappedPool.tensor` has the pool's shape `[num_layers, 2, num_pages, page_size, num_kv_heads, plane_dim]`;
+`pool[layer]` is the `[2, pages, page_size, heads, dim]` layout paged-attention kernels use (`plane_dim` is the
+head dim; an MLA pool's is half the latent, whose halves are the K and V planes: `PoolLayout.attention`). Map once per
 process and keep it: every session's page ids index into it. `close()` drops this object's mapping;
 tensors you derived from it keep the memory mapped until they are freed too.
 """

@@ -28,7 +28,7 @@ from engine_client.client import KVCacheClient
 from engine_client.vllm.config import ConnectorConfig
 from engine_client.vllm.scheduler import SchedulerSide, StepPlan, WorkerReport
 from engine_client.vllm.stats import KVCacheConnectorPromMetrics, KVCacheConnectorStats
-from engine_client.vllm.transfer import KVLayoutError, LayerKV, layer_kv
+from engine_client.vllm.transfer import KVLayoutError, LayerKV, layer_kv, mla_latent
 from engine_client.vllm.worker import WorkerSide, head_shard
 
 __all__ = ["KVCacheConnector"]
@@ -80,7 +80,7 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
                              f"tensor_parallel_size); this engine has "
                              f"{', '.join(f'{k}={v}' for k, v in split.items() if v > 1)}")
         self._tp_size = int(parallel.tensor_parallel_size)
-        self._spec = _full_attention_spec(kv_cache_config)
+        self._spec, self._attention = _attention_spec(kv_cache_config)
         self._block_size = int(self._spec.block_size) if self._spec is not None else vllm_config.cache_config.block_size
         config = self._config
 
@@ -116,29 +116,45 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         config = self._vllm_config
-        total_heads = int(config.model_config.get_total_num_kv_heads())
+        # an MLA layer keeps one latent per token, which every tensor-parallel rank holds whole
+        total_heads = 1 if self._attention == "mla" else int(config.model_config.get_total_num_kv_heads())
         shard = head_shard(get_tensor_model_parallel_rank(), self._tp_size, total_heads)
         self._worker.shard = shard
-        layout = _layout(config)
         static = config.compilation_config.static_forward_context
         dim = int(spec.head_size)
+        names = sorted(kv_caches, key=_layer_index)
+        layers, described = _VIEWS[self._attention](self, [(n, kv_caches[n]) for n in names], static, dim)
+        if layers:
+            log.info("kvcache connector: rank %d of %d reads %s, KV heads %d-%d of %d%s", shard.rank, self._tp_size,
+                     described, shard.lo, shard.hi - 1, total_heads,
+                     "" if shard.writer else " (a replica: loads only, another rank saves them)")
+        self._worker.register(layers, num_kv_heads=total_heads, head_dim=dim,
+                              dtype=next(iter(kv_caches.values())).dtype, attention=self._attention)
+
+    def _full_layers(self, kv_caches: list[tuple[str, torch.Tensor]], static: dict[str, Any], dim: int
+                     ) -> tuple[list[tuple[str, LayerKV]], str]:
+        """Full-attention layers as K and V views, through the engine's KV layout and the backend's packing."""
+        config, spec = self._vllm_config, self._spec
+        layout = _layout(config)
         layers: list[tuple[str, LayerKV]] = []
-        packings: list[tuple[str, str]] = []
-        for name in sorted(kv_caches, key=_layer_index):
-            kv = kv_caches[name]
+        packings: list[str] = []
+        for name, kv in kv_caches:
             packing = _packing(static.get(name), kv, self._block_size, dim, config)
             view = layer_kv(kv, layout=layout.name, order=tuple(layout.layer_view_order), packing=packing,
                             block_size=self._block_size, num_heads=int(spec.num_kv_heads), head_dim=dim)
             layers.append((name, view))
-            packings.append((name, packing))
+            packings.append(packing)
         if layers:
-            first = layers[0][0]
-            _probe(static.get(first), kv_caches[first], layers[0][1], layout, packings[0][1])
-            log.info("kvcache connector: rank %d of %d reads KV layout %s (packing %s), KV heads %d-%d of %d%s",
-                     shard.rank, self._tp_size, layout.name, packings[0][1], shard.lo, shard.hi - 1, total_heads,
-                     "" if shard.writer else " (a replica: loads only, another rank saves them)")
-        self._worker.register(layers, num_kv_heads=total_heads, head_dim=dim,
-                              dtype=next(iter(kv_caches.values())).dtype)
+            first = kv_caches[0]
+            _probe(static.get(first[0]), first[1], layers[0][1], layout, packings[0])
+        return layers, f"KV layout {layout.name} (packing {packings[0] if packings else '-'})"
+
+    def _mla_layers(self, kv_caches: list[tuple[str, torch.Tensor]], static: dict[str, Any], dim: int
+                    ) -> tuple[list[tuple[str, LayerKV]], str]:
+        """MLA layers as their latents' halves (`mla_latent`), proved by the backend's own cache write."""
+        layers = [(name, mla_latent(kv, block_size=self._block_size, latent_dim=dim)) for name, kv in kv_caches]
+        probed = bool(layers) and _probe_mla(static.get(kv_caches[0][0]), kv_caches[0][1], layers[0][1])
+        return layers, f"MLA latents of {dim}" + (" (probed by the backend's cache write)" if probed else "")
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -225,16 +241,24 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return KVCacheConnectorPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
-def _full_attention_spec(kv_cache_config: Any) -> Any:
-    """The single full-attention KV spec every layer shares; hybrid and sliding-window models are refused."""
+_SPEC_KINDS = {"FullAttentionSpec": "full", "MLAAttentionSpec": "mla"}
+"""vLLM's KV spec of a cache group -> the pool's attention kind that holds it."""
+
+_VIEWS = {"full": KVCacheConnector._full_layers, "mla": KVCacheConnector._mla_layers}
+"""The pool's attention kind -> how a worker views its layers' KV tensors."""
+
+
+def _attention_spec(kv_cache_config: Any) -> tuple[Any, str]:
+    """The single KV spec every layer shares (full attention or MLA) and its kind; hybrid and sliding-window
+    models are refused."""
     if kv_cache_config is None:
-        return None
+        return None, "full"
     groups = kv_cache_config.kv_cache_groups
     kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
-    if len(groups) != 1 or kinds != ["FullAttentionSpec"]:
+    if len(groups) != 1 or kinds[0] not in _SPEC_KINDS:
         raise ValueError(f"the kvcache connector keeps the KV of every position, so every layer must be full "
-                         f"attention in one KV cache group; this model has {len(groups)} group(s) of {kinds}")
-    return groups[0].kv_cache_spec
+                         f"attention or MLA in one KV cache group; this model has {len(groups)} group(s) of {kinds}")
+    return groups[0].kv_cache_spec, _SPEC_KINDS[kinds[0]]
 
 
 def _layer_index(name: str) -> tuple[int, str]:
@@ -304,3 +328,29 @@ def _probe(layer: Any, kv: torch.Tensor, view: LayerKV, layout: Any, packing: st
         raise KVLayoutError(f"the KV layout {layout.name} (packing {packing}) of attention backend "
                             f"{layer.attn_backend.get_name()} is not the one the kvcache connector reads (a probe "
                             "write read back different values)")
+
+
+def _probe_mla(layer: Any, kv: torch.Tensor, view: LayerKV) -> bool:
+    """Write known latents (`kv_c_normed`, then `k_pe`) through the MLA backend's own cache update into a
+    two-block scratch tensor shaped like `kv` and read them back through `mla_latent`: a latent this
+    connector misreads refuses to start instead of serving wrong KV. False: the backend has no such update."""
+    impl = getattr(layer, "impl", None)
+    update = getattr(impl, "do_kv_cache_update", None)
+    rank = getattr(impl, "kv_lora_rank", None)
+    if update is None or not isinstance(rank, int):
+        log.info("kvcache connector: MLA backend has no do_kv_cache_update; latent layout not probed")
+        return False
+    bs, half = view.block_size, int(view.k.shape[3])
+    scratch = torch.zeros((2, *kv.shape[1:]), dtype=kv.dtype, device=kv.device)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    latent = torch.randn(2 * bs, 2 * half, generator=gen).to(kv.dtype).to(kv.device)
+    slots = torch.randperm(2 * bs, generator=gen).to(kv.device)
+    update(latent[:, :rank].contiguous(), latent[:, None, rank:].contiguous(), scratch, slots, "auto",
+           torch.ones(1, device=kv.device))
+    probe = mla_latent(scratch, block_size=bs, latent_dim=2 * half)
+    blocks, offsets = slots // bs, slots % bs
+    got = torch.cat([probe.k[blocks, offsets, 0], probe.v[blocks, offsets, 0]], dim=-1)
+    if not torch.equal(got, latent):
+        raise KVLayoutError(f"the MLA latent layout of {type(impl).__name__} is not the one the kvcache connector "
+                            "reads (a probe write read back different values)")
+    return True

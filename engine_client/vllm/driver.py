@@ -3,6 +3,7 @@ and the tests use it; an engine takes ~20 s to start on a small CPU machine).
 
     python -m engine_client.vllm.driver --model DIR [--kvcache 127.0.0.1:50051] [--block-size 32] ...
     python -m engine_client.vllm.driver save-model --family llama --out DIR [--layers 2 --hidden 128 ...]
+    (families: llama, qwen2, deepseek_v2: MLA, a latent of 512 + 64 per token, as vLLM's CPU MLA kernel needs)
 
 The engine is `vllm.LLM` with token-id prompts (no tokenizer), greedy sampling, float32 by default; with
 `--kvcache` it runs on kvcache through `KVCacheConnector`. It prints `{"ready": true, ...}` once started,
@@ -36,7 +37,7 @@ from typing import Any, TextIO
 
 __all__ = ["FAMILIES", "DriverError", "EngineProcess", "connector_config", "main", "save_model"]
 
-FAMILIES = ("llama", "qwen2")
+FAMILIES = ("llama", "qwen2", "deepseek_v2")
 
 
 def connector_config(target: str, kv_role: str = "kv_both", **extra: Any) -> dict[str, Any]:
@@ -49,9 +50,20 @@ def connector_config(target: str, kv_role: str = "kv_both", **extra: Any) -> dic
 def save_model(family: str, out: str | Path, *, layers: int = 2, hidden: int = 128, heads: int = 2,
                kv_heads: int = 2, head_dim: int = 64, intermediate: int = 256, vocab: int = 512, seed: int = 0,
                dtype: str = "float32") -> Path:
-    """A random-initialised checkpoint of `family` ("llama" or "qwen2") saved in `out` (nothing downloaded)."""
+    """A random-initialised checkpoint of `family` (`FAMILIES`) saved in `out` (nothing downloaded). deepseek_v2
+    is MLA with vLLM's CPU kernel's latent (kv_lora_rank 512 + qk_rope_head_dim 64; `kv_heads` and `head_dim`
+    do not apply), 4 routed experts of which 2 per token, its first layer dense, weights drawn with std 0.06 (at
+    transformers' 0.02 its greedy tokens are near-ties that flip with any change of float order; at 0.2 the two
+    layers amplify such changes)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        DeepseekV2Config,
+        DeepseekV2ForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     shape = {"vocab_size": vocab, "hidden_size": hidden, "intermediate_size": intermediate,
              "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
@@ -61,6 +73,12 @@ def save_model(family: str, out: str | Path, *, layers: int = 2, hidden: int = 1
         model = LlamaForCausalLM(LlamaConfig(**shape))
     elif family == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**shape, use_sliding_window=False))
+    elif family == "deepseek_v2":
+        mla = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32, "v_head_dim": 32,
+               "q_lora_rank": None, "num_key_value_heads": heads, "n_routed_experts": 4, "num_experts_per_tok": 2,
+               "n_shared_experts": 1, "moe_intermediate_size": 64, "first_k_dense_replace": 1, "n_group": 1,
+               "topk_group": 1, "initializer_range": 0.06}
+        model = DeepseekV2ForCausalLM(DeepseekV2Config(**(shape | mla)))
     else:
         raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
     model = model.to(getattr(torch, dtype))
@@ -188,8 +206,8 @@ def _save_model_main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     path = save_model(a.family, a.out, layers=a.layers, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads,
                       head_dim=a.head_dim, intermediate=a.intermediate, vocab=a.vocab, seed=a.seed)
-    print(f"saved a random {a.family} ({a.layers} layers, hidden {a.hidden}, {a.kv_heads} KV heads of {a.head_dim}) "
-          f"in {path}")
+    kv = "an MLA latent of 576" if a.family == "deepseek_v2" else f"{a.kv_heads} KV heads of {a.head_dim}"
+    print(f"saved a random {a.family} ({a.layers} layers, hidden {a.hidden}, {kv}) in {path}")
     return 0
 
 

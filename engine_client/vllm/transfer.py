@@ -12,6 +12,10 @@ different page sizes and layouts:
   K then V along C for the GPU backends, CPU attention's own per-(block, head) packing). A layout or
   packing it cannot read is refused by name. With tensor parallelism a rank's tensor holds its heads
   only: the worker passes the pool's matching head slice, so the copies below never see other heads.
+- vLLM 0.32's MLA backends (`MLAAttentionSpec`): one latent of `kv_lora_rank + qk_rope_head_dim` values per
+  token, no heads and no V, a layer tensor `[blocks, block_size, latent]` (`[blocks, 1, block_size, latent]`
+  where vLLM adds the head axis); `mla_latent` views its first half as K and its second half as V, one "head",
+  which is how an MLA pool stores it (`kvcache_common.layout`), so the copies below serve both kinds.
 
 A transfer moves positions `[start, end)` of one request; a step's transfers become one set of index
 arrays (`TransferIndex`, built with numpy, nothing per token in Python) and each layer is then two
@@ -46,7 +50,7 @@ import numpy.typing as npt
 import torch
 
 __all__ = ["LOGICAL_AXES", "PACKINGS", "HostStaging", "KVLayoutError", "LayerKV", "TransferIndex", "Transfers",
-           "check_layout_order", "layer_kv", "load_layer", "save_layer"]
+           "check_layout_order", "layer_kv", "load_layer", "mla_latent", "save_layer"]
 
 Int64Array = npt.NDArray[np.int64]
 Int32Array = npt.NDArray[np.int32]
@@ -132,6 +136,22 @@ def layer_kv(kv: torch.Tensor, *, layout: str, order: tuple[int, ...], packing: 
                             f"{', '.join(sorted(PACKINGS))}")
     check_layout_order(kv, order, layout)
     return view(kv, block_size, num_heads, head_dim)
+
+
+def mla_latent(kv: torch.Tensor, *, block_size: int, latent_dim: int) -> LayerKV:
+    """View `kv`, one MLA layer's `[blocks, block_size, latent_dim]` tensor (or `[blocks, 1, block_size,
+    latent_dim]`), as the pool stores a latent: its first half as K and its second half as V, each `[blocks,
+    block_size, 1, latent_dim / 2]` (strided views of the same memory). Each token's latent must be one
+    contiguous run, tokens of a block one after another; anything else is refused by name."""
+    latent = kv.squeeze(1) if kv.dim() == 4 and kv.shape[1] == 1 else kv
+    if latent.dim() != 3 or tuple(latent.shape[1:]) != (block_size, latent_dim) or latent_dim % 2:
+        raise KVLayoutError(f"MLA: a layer tensor of shape {tuple(kv.shape)} is not [blocks, {block_size}, "
+                            f"{latent_dim}] (or [blocks, 1, {block_size}, {latent_dim}]) with an even latent")
+    if latent.stride(2) != 1 or latent.stride(1) != latent_dim:
+        raise KVLayoutError(f"MLA: a layer tensor of shape {tuple(kv.shape)} with strides {kv.stride()} does not "
+                            "hold each token's latent as one contiguous run, a block's tokens in order")
+    half = latent_dim // 2
+    return LayerKV(k=latent[..., :half].unsqueeze(2), v=latent[..., half:].unsqueeze(2))
 
 
 @dataclass(frozen=True)

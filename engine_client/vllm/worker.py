@@ -129,9 +129,10 @@ class WorkerSide:
     # ------------------------------------------------------------------ start
 
     def register(self, layers: list[tuple[str, LayerKV]], *, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, attention: str = "full") -> None:
         """`layers` in model order (pool layer i is the i-th), each holding this rank's heads (`shard`) of the
-        model's `num_kv_heads`. Raises LayoutMismatch when kvcache is reachable and its pool cannot hold this
+        model's `num_kv_heads` (MLA, `attention="mla"`: one "head", the latent of `head_dim`, as K and V halves:
+        `transfer.mla_latent`). Raises LayoutMismatch when kvcache is reachable and its pool cannot hold this
         model's KV (all its heads); an unreachable kvcache is tried again when a plan needs it."""
         held = {int(kv.k.shape[2]) for _, kv in layers}
         if held - {self.shard.num_heads}:
@@ -139,7 +140,7 @@ class WorkerSide:
                                       f"model's {num_kv_heads} is {self.shard.num_heads}")
         self._layers = {name: (i, kv) for i, (name, kv) in enumerate(layers)}
         self._model = {"num_layers": len(layers), "num_kv_heads": num_kv_heads, "head_dim": head_dim,
-                       "dtype": dtype_name(dtype)}
+                       "dtype": dtype_name(dtype), "attention": attention}
         try:
             client = self._connect()
             info = client.get_pool_info()

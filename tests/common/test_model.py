@@ -18,8 +18,10 @@ MODELS = Path(__file__).resolve().parent.parent / "models"
     ("qwen2-7b", ModelLayout(28, 4, 128, "bfloat16", "Qwen2ForCausalLM")),  # head_dim from 3584 / 28
     ("mistral-7b-v0.3", ModelLayout(32, 8, 128, "bfloat16", "MistralForCausalLM")),
     ("llava-1.5-7b", ModelLayout(32, 32, 128, "float16", "LlavaForConditionalGeneration")),  # its text_config
+    # MLA: one latent of kv_lora_rank 512 + qk_rope_head_dim 64 per token and layer
+    ("deepseek-v3", ModelLayout(61, 1, 576, "bfloat16", "DeepseekV3ForCausalLM", "mla")),
 ])
-def test_the_layout_of_a_full_attention_model(name: str, layout: ModelLayout) -> None:
+def test_the_layout_of_a_full_attention_or_mla_model(name: str, layout: ModelLayout) -> None:
     assert read_model_layout(MODELS / f"{name}.json") == layout
 
 
@@ -40,8 +42,6 @@ def test_a_model_directory_is_read_through_its_config_json(tmp_path: Path) -> No
                        "for every position, so only a stack of full-attention layers fits"),
     ("jamba-mini", "JambaForCausalLM has mamba layers: a kvcache session keeps per-head K and V for every position, "
                    "so only a stack of full-attention layers fits"),
-    ("deepseek-v3", "DeepseekV3ForCausalLM uses multi-head latent attention (kv_lora_rank=512): it caches one "
-                    "compressed latent per token, and a kvcache session keeps per-head K and V for every position"),
     ("t5-small", "T5ForConditionalGeneration is an encoder-decoder model: its cross-attention K/V comes from the "
                  "encoder's output, and a kvcache session keeps per-head K and V for every position of one decoder "
                  "sequence"),
@@ -50,6 +50,16 @@ def test_attention_a_session_cannot_hold_is_refused_with_the_reason(name: str, r
     with pytest.raises(UnsupportedModel) as err:
         read_model_layout(MODELS / f"{name}.json")
     assert str(err.value) == reason
+
+
+def test_an_mla_model_is_described_with_the_flags_that_fit_it() -> None:
+    layout = read_model_layout(MODELS / "deepseek-v3.json")
+    assert layout.flags() == "--attention mla --num-layers 61 --num-kv-heads 1 --head-dim 576 --dtype bfloat16"
+    assert layout.describe() == "61 layers, MLA latent 576 (its halves in the K and V planes), bfloat16"
+    config = json.loads((MODELS / "deepseek-v3.json").read_text())
+    with pytest.raises(ModelConfigError) as err:
+        model_layout({k: v for k, v in config.items() if k != "qk_rope_head_dim"})
+    assert str(err.value) == "missing the MLA rope head dim (qk_rope_head_dim)"
 
 
 def test_a_window_as_long_as_the_context_is_full_attention() -> None:

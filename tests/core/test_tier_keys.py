@@ -20,6 +20,13 @@ def test_the_namespace_encoding_is_versioned_and_length_prefixed() -> None:
                               + b"\x03\0\0\x00128" + b"\x08\0\0\0bfloat16" + b"\x02\0\0\x0016")
 
 
+def test_a_kind_other_than_full_attention_is_a_last_field() -> None:
+    mla = Namespace("dsv3", 61, 1, 576, "bfloat16", 16, "mla")
+    assert mla.encode() == Namespace("dsv3", 61, 1, 576, "bfloat16", 16).encode() + b"\x03\0\0\0mla"
+    assert Namespace("dsv3", 61, 1, 576, "bfloat16", 16, "full").encode() == Namespace(
+        "dsv3", 61, 1, 576, "bfloat16", 16).encode()  # full-attention keys are what they were before kinds
+
+
 def test_roots_are_pinned() -> None:
     assert LLAMA.root("").hex() == "3fd25ad78fc8aecb4eca11c92e46917dd5b5f6d81b830d5473e8c04d65fda4a3"
     assert LLAMA.root("tenant-a").hex() == "396d19788b8627c67e4dd03acffdc1c9ad348f77062656fde95f5cb81d22fa1e"
@@ -62,6 +69,7 @@ def test_a_big_endian_array_gives_the_same_keys() -> None:
     Namespace("llama-3-8b", 32, 8, 128, "float16", 16),
     Namespace("llama-3-8b", 32, 8, 128, "bfloat16", 32),
     Namespace("llama-3-8b3", 2, 8, 128, "bfloat16", 16),  # no ambiguity between adjacent fields
+    Namespace("llama-3-8b", 32, 8, 128, "bfloat16", 16, "mla"),  # another attention kind
 ])
 def test_any_namespace_field_changes_the_root(other: Namespace) -> None:
     assert other.root("") != LLAMA.root("")

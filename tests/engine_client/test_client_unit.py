@@ -18,8 +18,9 @@ from engine_client import (
     ServiceUnavailable,
     SessionBusy,
 )
-from engine_client._codec import pack_tokens
-from engine_client.errors import KVCacheClientError, error_from_rpc
+from engine_client._codec import pack_tokens, pool_info
+from engine_client.errors import KVCacheClientError, PoolMappingError, error_from_rpc
+from protos.kvcache.v1 import kvcache_pb2 as pb
 
 
 def test_the_target_comes_from_kvcache_target_when_not_given(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -87,3 +88,15 @@ def test_error_metadata_is_kept() -> None:
     err = error_from_rpc(FakeRpcError(grpc.StatusCode.FAILED_PRECONDITION, "busy", "SESSION_BUSY", session_id="s1"))
     assert err.metadata == {"session_id": "s1"}
     assert str(err) == "SESSION_BUSY: busy"
+
+
+def test_a_pools_attention_kind_is_read_from_its_layer_group() -> None:
+    layout = {"num_layers": 2, "num_kv_heads": 1, "head_dim": 576, "dtype": "float32", "page_size": 16, "num_pages": 4}
+    mla = pb.LayerGroup(kind=pb.ATTENTION_KIND_MLA, num_layers=2, num_kv_heads=1, head_dim=576)
+    got = pool_info(pb.GetPoolInfoResponse(layout=pb.PoolLayout(**layout, groups=[mla])))
+    assert (got.layout.attention, got.layout.shape) == ("mla", (2, 2, 4, 16, 1, 288))
+    # a service older than layer groups sends none: its pool is full attention
+    assert pool_info(pb.GetPoolInfoResponse(layout=pb.PoolLayout(**layout))).layout.attention == "full"
+    with pytest.raises(PoolMappingError) as err:
+        pool_info(pb.GetPoolInfoResponse(layout=pb.PoolLayout(**layout, groups=[mla, mla])))
+    assert str(err.value) == "the pool has 2 layer groups; this engine client reads one-group pools (upgrade it)"

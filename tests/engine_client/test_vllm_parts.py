@@ -19,6 +19,7 @@ from engine_client.vllm.transfer import (
     Transfers,
     layer_kv,
     load_layer,
+    mla_latent,
     save_layer,
 )
 from engine_client.vllm.worker import (
@@ -119,6 +120,39 @@ def test_loads_and_saves_copy_exactly_the_indexed_positions(dtype: torch.dtype) 
     save_layer(view, empty, index)
     assert torch.equal(empty[:, 11], pool[:, 11]) and torch.equal(empty[:, 4], pool[:, 4])
     assert not empty[:, [p for p in range(12) if p not in (4, 11)]].any()
+
+
+def test_an_mla_latent_is_read_as_its_halves_and_copied_whole_through_the_pool() -> None:
+    latent = torch.randn(NB, 16, 576, generator=torch.Generator().manual_seed(3))  # vLLM's [blocks, 16, latent]
+    for kv in (latent, latent.unsqueeze(1)):  # register_kv_caches' [blocks, 1, 16, latent] too
+        view = mla_latent(kv, block_size=16, latent_dim=576)
+        assert view.k.shape == view.v.shape == (NB, 16, 1, 288)
+        assert torch.equal(view.k[:, :, 0], latent[..., :288]) and torch.equal(view.v[:, :, 0], latent[..., 288:])
+        assert view.k.data_ptr() == kv.data_ptr()  # views, not copies
+    pool = torch.zeros(2, 6, PS, 1, 288)  # an MLA pool's layer: [K/V, pages, page_size, 1, latent / 2]
+    index = TransferIndex.build(Transfers.build([(0, 32, np.array([5, 2], np.int32), np.array([1, 3], np.int32))]),
+                                page_size=PS, block_size=16)
+    save_layer(mla_latent(latent, block_size=16, latent_dim=576), pool, index)
+    assert torch.equal(torch.cat([pool[0, 5, :, 0], pool[1, 5, :, 0]], -1), latent[1])
+    assert torch.equal(torch.cat([pool[0, 2, :, 0], pool[1, 2, :, 0]], -1), latent[3])
+    back = torch.zeros_like(latent)
+    load_layer(pool, mla_latent(back, block_size=16, latent_dim=576), index)
+    assert torch.equal(back[[1, 3]], latent[[1, 3]]) and not back[[0, 2]].any()
+
+
+@pytest.mark.parametrize(("kv", "message"), [
+    (torch.zeros(4, 16, 512), "MLA: a layer tensor of shape (4, 16, 512) is not [blocks, 16, 576] (or [blocks, 1, 16, "
+                              "576]) with an even latent"),
+    (torch.zeros(4, 2, 16, 576), "MLA: a layer tensor of shape (4, 2, 16, 576) is not [blocks, 16, 576] (or [blocks, "
+                                 "1, 16, 576]) with an even latent"),
+    (torch.zeros(4, 576, 16).transpose(1, 2), "MLA: a layer tensor of shape (4, 16, 576) with strides (9216, 1, 16) "
+                                               "does not hold each token's latent as one contiguous run, a block's "
+                                               "tokens in order"),
+])
+def test_mla_tensors_it_cannot_read_are_refused(kv: torch.Tensor, message: str) -> None:
+    with pytest.raises(KVLayoutError) as err:
+        mla_latent(kv, block_size=16, latent_dim=576)
+    assert str(err.value) == message
 
 
 def test_block_size_must_be_a_multiple_of_the_page_size() -> None:

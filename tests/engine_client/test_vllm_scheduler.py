@@ -19,7 +19,7 @@ import torch
 from engine_client import KVCacheClient, LayoutMismatch
 from engine_client.vllm.config import ConnectorConfig
 from engine_client.vllm.scheduler import SchedulerSide, WorkerReport
-from engine_client.vllm.transfer import LayerKV, layer_kv
+from engine_client.vllm.transfer import LayerKV, layer_kv, mla_latent
 from engine_client.vllm.worker import WorkerSide, head_shard
 from tests.integration.conftest import ServerProcess, verify_stats
 
@@ -186,3 +186,44 @@ def test_a_tensor_parallel_rank_checks_the_pool_against_all_the_models_heads(ser
         "--head-dim 64 --dtype float32\"); the pool holds all 4 KV heads of the model, whatever the engine's "
         "tensor-parallel size (rank 1 holds 1)")
     verify_stats(server.target)
+
+
+def mla_layers(n: int = 2) -> list[tuple[str, LayerKV]]:
+    return [(f"l{i}", mla_latent(torch.zeros(4, 1, PAGE, 576), block_size=PAGE, latent_dim=576)) for i in range(n)]
+
+
+def test_an_mla_model_and_a_full_attention_pool_refuse_each_other_naming_both_and_the_flags_that_fit(
+        server: ServerProcess, tmp_path: Path) -> None:
+    worker = WorkerSide(lambda: KVCacheClient(server.target), block_size=PAGE, shard=head_shard(0, 1, 1))
+    with pytest.raises(LayoutMismatch) as e:
+        worker.register(mla_layers(), num_kv_heads=1, head_dim=576, dtype=torch.float32, attention="mla")
+    worker.close()
+    flags = "--attention mla --num-layers 2 --num-kv-heads 1 --head-dim 576 --dtype float32"
+    assert str(e.value) == (
+        "pool layout (layers=2, kv_heads=2, head_dim=64, dtype=float32) does not match the model (2 layers, MLA latent "
+        f"576 (its halves in the K and V planes), dtype=float32): serve a pool that fits with `kvcache-service serve "
+        f"{flags}` (make run ARGS=\"{flags}\")")
+    verify_stats(server.target)
+
+    mla = ServerProcess("--page-size", str(PAGE), "--num-pages", "8", "--attention", "mla", "--num-layers", "2",
+                        "--num-kv-heads", "1", "--head-dim", "576", "--dtype", "float32",
+                        log_path=tmp_path / "mla.log")
+    try:
+        worker = WorkerSide(lambda: KVCacheClient(mla.target), block_size=BLOCK, shard=head_shard(0, 1, 2))
+        with pytest.raises(LayoutMismatch) as e:
+            worker.register([(f"l{i}", cpu_view(torch.zeros(4, 2, BLOCK, 128), heads=2)) for i in range(2)],
+                            num_kv_heads=2, head_dim=64, dtype=torch.float32)
+        worker.close()
+        flags = "--num-layers 2 --num-kv-heads 2 --head-dim 64 --dtype float32"
+        assert str(e.value) == (
+            "pool layout (2 layers, MLA latent 576 (its halves in the K and V planes), dtype=float32) does not match "
+            "the model (layers=2, kv_heads=2, head_dim=64, dtype=float32): serve a pool that fits with "
+            f"`kvcache-service serve {flags}` (make run ARGS=\"{flags}\")")
+        # every tensor-parallel rank of an MLA model holds the whole latent: rank 1 of 2 maps the pool, loads only
+        worker = WorkerSide(lambda: KVCacheClient(mla.target), block_size=PAGE, shard=head_shard(1, 2, 1))
+        worker.register(mla_layers(), num_kv_heads=1, head_dim=576, dtype=torch.float32, attention="mla")
+        assert (worker.shard.lo, worker.shard.hi, worker.shard.writer) == (0, 1, False)
+        worker.close()
+        verify_stats(mla.target)
+    finally:
+        mla.close()

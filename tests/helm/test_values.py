@@ -268,6 +268,7 @@ FLAG_CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "num-layers": ({"config": {"numLayers": 32}}, {"value": "32"}),
     "num-kv-heads": ({"config": {"numKvHeads": 8}}, {"value": "8"}),
     "head-dim": ({"config": {"headDim": 128}}, {"value": "128"}),
+    "attention": ({"config": {"attention": "mla", "numKvHeads": 1, "headDim": 576}}, {"value": "mla"}),
     "dtype": ({"config": {"dtype": "bfloat16"}}, {"value": "bfloat16"}),
     "page-size": ({"config": {"pageSize": 32}}, {"value": "32"}),
     "num-pages": ({"config": {"numPages": 4096}}, {"value": "4096"}),

@@ -13,6 +13,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # configs only: a test must never reach the hub
 
 from transformers import (
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     LogitsProcessor,
@@ -214,6 +216,21 @@ def test_a_sliding_window_model_is_refused_with_the_reason(start_server: Callabl
         SessionChat(client, model)
     assert str(err.value).startswith("MistralForCausalLM has sliding_attention layers (sliding_window=8): a kvcache "
                                      "session keeps the K/V of every position")
+    with KVCacheClient(server.target) as client:
+        assert client.list_sessions() == []  # refused before opening anything
+
+
+def test_an_mla_model_is_refused_with_the_reason(start_server: Callable[..., ServerProcess]) -> None:
+    server = start_server("--attention", "mla", "--num-layers", "2", "--num-kv-heads", "1", "--head-dim", "576",
+                          "--dtype", "float32", "--page-size", "4", "--num-pages", "8")
+    torch.manual_seed(0)
+    model = DeepseekV2ForCausalLM(DeepseekV2Config(**SHAPE, kv_lora_rank=512, qk_rope_head_dim=64, q_lora_rank=None,
+                                                   n_routed_experts=2, num_experts_per_tok=1)).eval()
+    with KVCacheClient(server.target) as client, pytest.raises(UnsupportedModel) as err:
+        SessionChat(client, model)
+    assert str(err.value) == ("DeepseekV2ForCausalLM uses multi-head latent attention (kv_lora_rank=512): "
+                              "transformers caches its K and V expanded per head, not the latent an MLA pool keeps; "
+                              "serve it with vLLM on kvcache (engine_client.vllm)")
     with KVCacheClient(server.target) as client:
         assert client.list_sessions() == []  # refused before opening anything
 

@@ -11,11 +11,29 @@ from google.rpc import error_details_pb2, status_pb2
 
 from cache_service.core import CoreConfig, KVCacheCore, KVCacheError, Reason, SessionInfo, Stats
 from cache_service.core.errors import invalid_argument
-from cache_service.rpc.convert import SERVICE_STATS_FIELDS, request_tokens, session_info, stats, tier_stats
+from cache_service.rpc.convert import (
+    SERVICE_STATS_FIELDS,
+    pool_layout,
+    request_tokens,
+    session_info,
+    stats,
+    tier_stats,
+)
 from cache_service.rpc.errors import add_status, add_status_proto, status_for, status_proto
 from cache_service.tier.stats import TierStats
+from kvcache_common.layout import PoolLayout
 from protos.kvcache.v1 import kvcache_pb2 as pb
 from tests.fakes import FakeClock
+
+
+@pytest.mark.parametrize(("attention", "heads", "dim", "kind"), [
+    ("full", 4, 64, pb.ATTENTION_KIND_FULL), ("mla", 1, 576, pb.ATTENTION_KIND_MLA)])
+def test_the_pool_layout_names_its_one_layer_group(attention: str, heads: int, dim: int, kind: int) -> None:
+    layout = PoolLayout(num_layers=3, num_kv_heads=heads, head_dim=dim, dtype="bfloat16", page_size=16, num_pages=9,
+                        attention=attention)
+    assert pool_layout(layout) == pb.PoolLayout(
+        num_layers=3, num_kv_heads=heads, head_dim=dim, dtype="bfloat16", page_size=16, num_pages=9,
+        groups=[pb.LayerGroup(kind=kind, num_layers=3, num_kv_heads=heads, head_dim=dim)])
 
 
 def test_listed_and_packed_tokens_decode_to_the_same_int32_array() -> None:

@@ -25,6 +25,16 @@ def test_geometry_and_chunk_offsets_follow_the_pool_layout() -> None:
     assert list(chunk_offsets(LAYOUT, 5)) == [5 * 128, plane + 5 * 128, 2 * plane + 5 * 128, 3 * plane + 5 * 128]
 
 
+def test_an_mla_pages_value_is_its_latents_exactly() -> None:
+    # one latent of 576 per token and layer, its halves in the K and V planes: a value holds 2 x 16 x 576 floats
+    mla = PoolLayout(num_layers=2, num_kv_heads=1, head_dim=576, dtype="float32", page_size=16, num_pages=8,
+                     attention="mla")
+    g = geometry(mla)
+    assert (g.num_chunks, g.chunk_bytes, g.value_bytes) == (4, 16 * 288 * 4, 64 + 2 * 16 * 576 * 4)
+    plane = 8 * 16 * 288 * 4
+    assert list(chunk_offsets(mla, 3)) == [3 * 18432 + i * plane for i in range(4)]
+
+
 def test_a_pages_chunks_are_the_engines_k_and_v_in_layer_order(pool: Pool) -> None:
     written = pool.write(9, seed=1)
     buffers = pool.memory.page(9)

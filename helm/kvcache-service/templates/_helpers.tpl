@@ -206,11 +206,12 @@ same way.
 {{- end -}}
 {{- end -}}
 
-{{/* Bytes of one page across all layers, K and V. */}}
+{{/* Bytes of one page across all layers, K and V (MLA: one latent of headDim per token, its halves in K and V). */}}
 {{- define "kvcache.pageBytes" -}}
 {{- $c := .Values.config -}}
 {{- $dtypeBytes := get (dict "float16" 2 "bfloat16" 2 "float32" 4 "float8_e4m3fn" 1 "float8_e5m2" 1) $c.dtype -}}
-{{- mul (int64 $c.numLayers) 2 (int64 $c.pageSize) (int64 $c.numKvHeads) (int64 $c.headDim) $dtypeBytes -}}
+{{- $planes := ternary 1 2 (eq (toString $c.attention) "mla") -}}
+{{- mul (int64 $c.numLayers) $planes (int64 $c.pageSize) (int64 $c.numKvHeads) (int64 $c.headDim) $dtypeBytes -}}
 {{- end -}}
 
 {{/* Bytes of the pool: numPages pages, else as many whole pages as poolBytes holds (with a model config, whose
@@ -402,7 +403,7 @@ Whole numbers render as integers (Helm holds every number as a float64, and "1.0
 {{- define "kvcache.env" -}}
 {{- $model := or .Values.config.model .Values.modelConfig.configMap -}}
 {{- range $key, $value := omit .Values.config "mooncakeLocalHostname" }}
-{{- if not (or (and (eq $key "model") $.Values.modelConfig.configMap) (and $model (has $key (list "numLayers" "numKvHeads" "headDim" "dtype")))) }}
+{{- if not (or (and (eq $key "model") $.Values.modelConfig.configMap) (and $model (has $key (list "attention" "numLayers" "numKvHeads" "headDim" "dtype")))) }}
 - name: {{ printf "KVCACHE_%s" ($key | snakecase | upper) }}
   {{- if and (kindIs "float64" $value) (eq $value (floor $value)) }}
   value: {{ int64 $value | quote }}

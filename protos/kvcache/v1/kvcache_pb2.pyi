@@ -31,6 +31,12 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROLE_REQUIRED: _ClassVar[ErrorReason]
     SESSION_LIMIT: _ClassVar[ErrorReason]
 
+class AttentionKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ATTENTION_KIND_UNSPECIFIED: _ClassVar[AttentionKind]
+    ATTENTION_KIND_FULL: _ClassVar[AttentionKind]
+    ATTENTION_KIND_MLA: _ClassVar[AttentionKind]
+
 class StepFlag(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     STEP_FLAG_UNSPECIFIED: _ClassVar[StepFlag]
@@ -72,6 +78,9 @@ BAD_TOKEN: ErrorReason
 SALT_NOT_ALLOWED: ErrorReason
 ROLE_REQUIRED: ErrorReason
 SESSION_LIMIT: ErrorReason
+ATTENTION_KIND_UNSPECIFIED: AttentionKind
+ATTENTION_KIND_FULL: AttentionKind
+ATTENTION_KIND_MLA: AttentionKind
 STEP_FLAG_UNSPECIFIED: StepFlag
 STEP_FLAG_SET: StepFlag
 STEP_FLAG_KV_TOKENS: StepFlag
@@ -90,20 +99,34 @@ STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
 status_code: _descriptor.FieldDescriptor
 
 class PoolLayout(_message.Message):
-    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "page_size", "num_pages")
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "page_size", "num_pages", "groups")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: str
     page_size: int
     num_pages: int
-    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ...) -> None: ...
+    groups: _containers.RepeatedCompositeFieldContainer[LayerGroup]
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[LayerGroup, _Mapping]]] = ...) -> None: ...
+
+class LayerGroup(_message.Message):
+    __slots__ = ("kind", "num_layers", "num_kv_heads", "head_dim")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    kind: AttentionKind
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    def __init__(self, kind: _Optional[_Union[AttentionKind, str]] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
 
 class GetPoolInfoRequest(_message.Message):
     __slots__ = ()
