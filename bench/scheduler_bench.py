@@ -292,13 +292,9 @@ def server_table(steps: int, warmup: int, transport: str = "tcp") -> dict[str, P
 
         scraped = [step_handler_seconds(metrics_port)]
 
-        def run(name: str, ops: list[tuple[str, str, Any]], expect_ok: bool) -> None:
-            phase = phases[name]
-            before = scraped[0]  # the last step's scrape: one a step, after its call
-            # An untimed call between the scrape and the Step: the service has finished answering the
-            # scrape (its HTTP exchange and the render of every metric) and the channel is warm, as between
-            # two Steps of a scheduler that nobody scrapes in the middle.
-            client.get_pool_info()
+        def timed_step(phase: Phase, ops: list[tuple[str, str, Any]], expect_ok: bool) -> TimedBatch:
+            """One Step through the client: its build, wall and read timed into `phase`, every op's outcome
+            checked (all went through, or with `expect_ok` False all were refused)."""
             t0 = time.perf_counter()
             batch = TimedBatch()
             fill(batch, ops)
@@ -307,11 +303,21 @@ def server_table(steps: int, warmup: int, transport: str = "tcp") -> dict[str, P
             t2 = time.perf_counter()
             ok = read(outcomes)
             t3 = time.perf_counter()
-            after = scraped[0] = step_handler_seconds(metrics_port)
             assert ok == (len(outcomes) if expect_ok else 0), [o.error for o in outcomes if not o.ok][:3]
             phase.build.append((t1 - t0) * 1e6)
             phase.wall.append((t2 - t1) * 1e6)
             phase.read.append(batch.read_us + (t3 - t2) * 1e6)
+            return batch
+
+        def run(name: str, ops: list[tuple[str, str, Any]], expect_ok: bool) -> None:
+            phase = phases[name]
+            before = scraped[0]  # the last step's scrape: one a step, after its call
+            # An untimed call between the scrape and the Step: the service has finished answering the
+            # scrape (its HTTP exchange and the render of every metric) and the channel is warm, as between
+            # two Steps of a scheduler that nobody scrapes in the middle.
+            client.get_pool_info()
+            batch = timed_step(phase, ops, expect_ok)
+            after = scraped[0] = step_handler_seconds(metrics_port)
             t0 = time.perf_counter()
             data = batch.built.SerializeToString() if batch.wire_us is None else b""
             t1 = time.perf_counter()
@@ -340,19 +346,7 @@ def server_table(steps: int, warmup: int, transport: str = "tcp") -> dict[str, P
             phase = phases[name]
             before = step_handler_seconds(metrics_port)
             for ops in batches:
-                t0 = time.perf_counter()
-                batch = TimedBatch()
-                fill(batch, ops)
-                t1 = time.perf_counter()
-                outcomes = client.step(batch)
-                t2 = time.perf_counter()
-                ok = read(outcomes)
-                t3 = time.perf_counter()
-                assert ok == len(outcomes), [o.error for o in outcomes if not o.ok][:3]
-                phase.build.append((t1 - t0) * 1e6)
-                phase.wall.append((t2 - t1) * 1e6)
-                phase.read.append(batch.read_us + (t3 - t2) * 1e6)
-                phase.encode.append(batch.wire_us or 0.0)
+                phase.encode.append(timed_step(phase, ops, True).wire_us or 0.0)
             after = step_handler_seconds(metrics_port)
             phase.handler_sum += after[0] - before[0]
             phase.handler_count += after[1] - before[1]

@@ -267,7 +267,7 @@ class HostStaging:
     def buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A pinned host tensor of `shape` whose memory no copy in flight uses. Buffers are whole powers of
         two from 4 KiB, so they are reused across steps of different sizes."""
-        nbytes = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+        nbytes = int(np.prod(shape)) * dtype.itemsize
         size = 1 << max(nbytes - 1, 4095).bit_length()
         self._reclaim()
         raw = self._take(nbytes)
@@ -343,7 +343,7 @@ def _base(buf: torch.Tensor) -> torch.Tensor:
     return base.view(torch.uint8) if base.dtype != torch.uint8 else base
 
 
-def _paths(pool_layer: torch.Tensor, kv: LayerKV, staging: HostStaging | None) -> str:
+def _copy_path(pool_layer: torch.Tensor, kv: LayerKV, staging: HostStaging | None) -> str:
     """How a layer's copy runs: "host" (both on CPU), "device" (same device), "staged" (host pool, GPU KV)."""
     pool, engine = pool_layer.device, kv.k.device
     if pool.type == "cpu" and engine.type == "cpu":
@@ -363,7 +363,7 @@ def load_layer(pool_layer: torch.Tensor, dst: LayerKV, index: TransferIndex,
     if not len(index):
         return
     k, v = _planes(pool_layer)
-    path = _paths(pool_layer, dst, staging)
+    path = _copy_path(pool_layer, dst, staging)
     if path == "host":
         slots, where = index.pool_slots.numpy(), (index.blocks.numpy(), index.offsets.numpy())
         _host(dst.k)[where] = _host(k)[slots]
@@ -392,7 +392,7 @@ def save_layer(src: LayerKV, pool_layer: torch.Tensor, index: TransferIndex,
     if not len(index):
         return
     k, v = _planes(pool_layer)
-    path = _paths(pool_layer, src, staging)
+    path = _copy_path(pool_layer, src, staging)
     if path == "host":
         slots, where = index.pool_slots.numpy(), (index.blocks.numpy(), index.offsets.numpy())
         _host(k)[slots] = _host(src.k)[where]

@@ -22,6 +22,7 @@ from engine_client.vllm.scheduler import SchedulerSide, WorkerReport
 from engine_client.vllm.transfer import LayerKV, layer_kv, mla_latent
 from engine_client.vllm.worker import WorkerSide, head_shard
 from tests.integration.conftest import ServerProcess, verify_stats
+from tests.loopback import wait_until
 
 PAGE, BLOCK = 16, 32
 
@@ -73,10 +74,7 @@ def test_a_chat_turn_waits_for_the_previous_turns_commit(server: ServerProcess) 
     side = SchedulerSide(config, block_size=BLOCK, engine_id="sched-test",
                          client_factory=lambda: KVCacheClient(server.target))
     try:
-        deadline = time.monotonic() + 20
-        while not side.connected:
-            assert time.monotonic() < deadline, "the connector did not connect to kvcache"
-            time.sleep(0.02)
+        wait_until(lambda: side.connected, "the connector connected to kvcache", poll=0.02)
         p1 = np.random.default_rng(1).integers(1, 500, 50).tolist()
         out1 = [7, 8, 9, 10, 11, 12]
         r1 = req("r1", p1, "chat-w")
@@ -110,19 +108,14 @@ def test_a_chat_turn_waits_for_the_previous_turns_commit(server: ServerProcess) 
     finally:
         side.close()
     with KVCacheClient(server.target) as client:  # the connector's lease ended: its chat's session parked
-        deadline = time.monotonic() + 10
-        while client.get_session("chat-w").state != "PARKED" and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: client.get_session("chat-w").state == "PARKED", "the chat's session parked", 10)
         parked = client.get_session("chat-w")
         assert (parked.state, parked.engine_id, parked.kv_tokens) == ("PARKED", "", 55)
     # vLLM restarted: the next engine's turn 2 finds the session parked, adopts it and loads the whole history
     side = SchedulerSide(config, block_size=BLOCK, engine_id="sched-test-2",
                          client_factory=lambda: KVCacheClient(server.target))
     try:
-        deadline = time.monotonic() + 20
-        while not side.connected:
-            assert time.monotonic() < deadline, "the connector did not connect to kvcache"
-            time.sleep(0.02)
+        wait_until(lambda: side.connected, "the connector connected to kvcache", poll=0.02)
         assert ask(side, req("r2-again", p2, "chat-w"))[0] == 55
         with KVCacheClient(server.target) as client:
             info = client.get_session("chat-w")
@@ -143,10 +136,7 @@ def test_tensor_parallel_saves_commit_only_once_every_rank_reported(server: Serv
     rng = np.random.default_rng(7)
     p1, p2 = rng.integers(1, 500, 40).tolist(), rng.integers(1, 500, 40).tolist()
     try:
-        deadline = time.monotonic() + 20
-        while not side.connected:
-            assert time.monotonic() < deadline, "the connector did not connect to kvcache"
-            time.sleep(0.02)
+        wait_until(lambda: side.connected, "the connector connected to kvcache", poll=0.02)
         for r, ranks in ((req("r1", p1), frozenset({0})), (req("r2", p2), frozenset({0, 1}))):
             assert ask(side, r)[0] == 0
             side.allocated(r, 0)
@@ -156,9 +146,8 @@ def test_tensor_parallel_saves_commit_only_once_every_rank_reported(server: Serv
             side.finished(req(r.request_id, r.prompt_token_ids, output=[3]))
             side.build_step(step())  # the finish goes out with the next step
         with KVCacheClient(server.target) as client:
-            deadline = time.monotonic() + 10
-            while (client.get_stats().sessions_in_turn or client.list_sessions()) and time.monotonic() < deadline:
-                time.sleep(0.02)
+            wait_until(lambda: not (client.get_stats().sessions_in_turn or client.list_sessions()),
+                       "no turn in flight and no session open", 10, poll=0.02)
             assert client.list_sessions() == [] and client.get_stats().in_flight_pages == 0
             assert [client.match_prefix(p).cached_tokens for p in (p1, p2)] == [0, 32]
     finally:

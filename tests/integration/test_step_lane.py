@@ -35,6 +35,7 @@ from engine_client import (
 from kvcache_common import step_lane as wire
 from protos.kvcache.v1 import kvcache_pb2 as pb
 from tests.integration.conftest import ServerProcess, verify_stats
+from tests.loopback import wait_until
 from tests.tier.engine import TIER_ARGS, Engine, disk_tier, prompt, write_then_evict
 
 pytestmark = [pytest.mark.xdist_group("step_lane")]  # one module service on one worker (make test: --dist loadgroup)
@@ -103,10 +104,7 @@ def invariant(request: pytest.FixtureRequest) -> Iterator[None]:
 
 def wait_for_line(log: Path, event: str) -> None:
     """Until the service's log has a line of `event` (it logs what a peer did when it notices)."""
-    deadline = time.monotonic() + 10
-    while f'"{event}"' not in log.read_text():
-        assert time.monotonic() < deadline, f"no {event} line in the service's log"
-        time.sleep(0.02)
+    wait_until(lambda: f'"{event}"' in log.read_text(), f"a {event} line in the service's log", 10, poll=0.02)
 
 
 def state(client: KVCacheClient) -> Any:
@@ -631,10 +629,7 @@ def test_the_vllm_connectors_steps_take_the_lane(start_server: Callable[..., Ser
     side = SchedulerSide(config, block_size=32, engine_id="lane-sched",
                          client_factory=lambda: KVCacheClient(server.target))
     try:
-        deadline = time.monotonic() + 20
-        while not side.connected:
-            assert time.monotonic() < deadline, "the connector did not connect to kvcache"
-            time.sleep(0.02)
+        wait_until(lambda: side.connected, "the connector connected to kvcache", poll=0.02)
         prompt = list(range(1, 41))
         request = SimpleNamespace(request_id="r1", prompt_token_ids=prompt, num_tokens=40, mm_features=None,
                                   lora_request=None, resumable=False, cache_salt=None, kv_transfer_params=None,
@@ -642,6 +637,7 @@ def test_the_vllm_connectors_steps_take_the_lane(start_server: Callable[..., Ser
         idle = SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[], preempted_req_ids=set(),
                                scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[],
                                                                      num_computed_tokens=[], resumed_req_ids=set()))
+        deadline = time.monotonic() + 20
         answer = side.matched_tokens(request, 0)
         while answer is None:  # "ask again": vLLM runs a step and asks again
             assert time.monotonic() < deadline, "the lookup was not answered"

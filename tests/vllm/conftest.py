@@ -13,6 +13,8 @@ in flight and no regular session left open (finished and aborted requests commit
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +52,34 @@ class VllmEngine(EngineProcess):
             return super().command(cmd, timeout)
         except DriverError as e:
             raise AssertionError(str(e)) from None
+
+
+@contextmanager
+def started_engines(model: Path, log_dir: Path, prefix: str, specs: dict[str, dict[str, Any]]
+                    ) -> Iterator[dict[str, VllmEngine]]:
+    """The engines `specs` names (name -> `VllmEngine` keyword arguments), started two at a time (a start is
+    CPU-bound for ~20-60 s here), logging to `log_dir/<prefix>-<name>.log`; at exit the ones still in the
+    dict are closed all at once (a TP engine takes ~15 s to exit)."""
+    engines: dict[str, VllmEngine] = {}
+
+    def start(name: str) -> None:
+        engines[name] = VllmEngine(model, log_dir / f"{prefix}-{name}.log", **specs[name])
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            for future in [pool.submit(start, name) for name in specs]:
+                future.result()
+        yield engines
+    finally:
+        with ThreadPoolExecutor(max(1, len(engines))) as pool:
+            list(pool.map(VllmEngine.close, list(engines.values())))
+
+
+def stop_cleanly(server: ServerProcess) -> None:
+    """SIGTERM a module's kvcache: it must exit 0 (after the invariant checks of the tests that used it)."""
+    code, _ = server.terminate()
+    server.close()
+    assert code == 0, server.log_tail()
 
 
 def request(prompt: list[int], max_tokens: int = 8, **more: Any) -> dict[str, Any]:
@@ -99,9 +129,7 @@ def kvcache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]
     """The module's kvcache service (page 16, the tiny models' layout)."""
     server = kvcache_server(tmp_path_factory.mktemp("kvcache") / "server.log")
     yield server
-    code, _ = server.terminate()
-    server.close()
-    assert code == 0, server.log_tail()
+    stop_cleanly(server)
 
 
 @pytest.fixture(autouse=True)

@@ -15,7 +15,6 @@ batch's tokens would depend on when each request was admitted, which the connect
 from __future__ import annotations
 
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ from engine_client import KVCacheClient
 from engine_client.vllm.driver import save_model
 from tests.integration.conftest import ServerProcess
 
-from .conftest import PAGE, VllmEngine, drained, request, tokens
+from .conftest import PAGE, VllmEngine, drained, request, started_engines, stop_cleanly, tokens
 from .test_connector import hits, prompt
 
 pytestmark = [pytest.mark.xdist_group("vllm-b"), pytest.mark.timeout(900)]  # real vLLM engines start in ~20-60 s
@@ -45,9 +44,7 @@ def kvcache(mla_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     server = ServerProcess("--model", str(mla_model), "--page-size", str(PAGE), "--num-pages", "256",
                            log_path=tmp_path_factory.mktemp("kvcache-mla") / "server.log")
     yield server
-    code, _ = server.terminate()
-    server.close()
-    assert code == 0, server.log_tail()
+    stop_cleanly(server)
 
 
 @pytest.fixture(scope="module")
@@ -57,19 +54,8 @@ def mla_engines(mla_model: Path, engine_log_dir: Path, kvcache: ServerProcess) -
         "one": {"args": MLA_ARGS, "kvcache": kvcache.target},
         "two": {"args": (*MLA_ARGS, "--tensor-parallel-size", "2"), "kvcache": kvcache.target},
     }
-    engines: dict[str, VllmEngine] = {}
-
-    def start(name: str) -> None:
-        engines[name] = VllmEngine(mla_model, engine_log_dir / f"mla-{name}.log", **specs[name])
-
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            for future in [pool.submit(start, name) for name in specs]:
-                future.result()
+    with started_engines(mla_model, engine_log_dir, "mla", specs) as engines:
         yield engines
-    finally:
-        with ThreadPoolExecutor(3) as pool:  # a TP=2 engine takes ~15 s to exit: the three at once
-            list(pool.map(VllmEngine.close, engines.values()))
 
 
 def each(engine: VllmEngine, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -15,7 +15,6 @@ import re
 import signal
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,17 @@ from engine_client.vllm.driver import save_model
 from tests.integration.conftest import ServerProcess
 from tests.loopback import free_port, wait_until
 
-from .conftest import ENGINE_ARGS, VllmEngine, dead_requests, drained, kvcache_server, request, tokens
+from .conftest import (
+    ENGINE_ARGS,
+    VllmEngine,
+    dead_requests,
+    drained,
+    kvcache_server,
+    request,
+    started_engines,
+    stop_cleanly,
+    tokens,
+)
 from .test_connector import hits, prompt
 
 pytestmark = [pytest.mark.xdist_group("vllm-b"), pytest.mark.timeout(1200)]  # TP engines start in 30-100 s
@@ -61,9 +70,9 @@ def kvcache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]
     yield server
     for s in [server, *SUCCESSORS]:
         if s.proc.poll() is None:
-            code, _ = s.terminate()
-            assert code == 0, s.log_tail()
-        s.close()
+            stop_cleanly(s)
+        else:
+            s.close()  # the one a test killed leaves its pool file to this
 
 
 @pytest.fixture(scope="module")
@@ -82,19 +91,8 @@ def tp_engines(gqa_model: Path, engine_log_dir: Path, kvcache: ServerProcess) ->
         "one": {"args": tp(1), "kvcache": kvcache.target},
         "b2": {"args": tp(2), "kvcache": kvcache.target},
     }
-    engines: dict[str, VllmEngine] = {}
-
-    def start(name: str) -> None:
-        engines[name] = VllmEngine(gqa_model, engine_log_dir / f"tp-{name}.log", **specs[name])
-
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            for future in [pool.submit(start, name) for name in specs]:
-                future.result()
+    with started_engines(gqa_model, engine_log_dir, "tp", specs) as engines:
         yield engines
-    finally:
-        for engine in engines.values():
-            engine.close()
 
 
 def test_tp2_tokens_equal_vllm_alone_and_tp1_and_tp2_engines_share_prefixes_both_ways(
