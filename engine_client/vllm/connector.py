@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -61,9 +62,13 @@ class _Report(KVConnectorWorkerMetadata):  # type: ignore[misc]
         return _Report(self.report.merge(other.report)) if isinstance(other, _Report) else self
 
 
-class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
+class KVCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """vLLM on kvcache: `--kv-transfer-config '{"kv_connector": "KVCacheConnector", "kv_connector_module_path":
     "engine_client.vllm", "kv_role": "kv_both", "kv_connector_extra_config": {"kvcache_target": "HOST:PORT"}}'`.
+
+    It supports vLLM's hybrid KV cache manager (`SupportsHMA`): a model with sliding-window and full-attention
+    layers keeps its per-group block tables, and the connector copies each layer through its own group's
+    blocks, never touching the null block where a window dropped one.
     """
 
     _cache_hit_source = CacheHitSource.HOST
@@ -80,7 +85,8 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
                              f"tensor_parallel_size); this engine has "
                              f"{', '.join(f'{k}={v}' for k, v in split.items() if v > 1)}")
         self._tp_size = int(parallel.tensor_parallel_size)
-        self._spec, self._attention = _attention_spec(kv_cache_config)
+        self._groups = _kv_groups(kv_cache_config)
+        self._spec, self._attention = self._groups.spec, self._groups.attention
         self._block_size = int(self._spec.block_size) if self._spec is not None else vllm_config.cache_config.block_size
         config = self._config
 
@@ -98,7 +104,8 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             engine_id = f"vllm-{socket.gethostname()[:48]}-{os.getpid()}-{secrets.token_hex(3)}"
             self._scheduler = SchedulerSide(config, block_size=self._block_size, engine_id=engine_id,
                                             client_factory=client, world_size=self._tp_size,
-                                            role=str(self._kv_transfer_config.kv_role or "kv_both"))
+                                            role=str(self._kv_transfer_config.kv_role or "kv_both"),
+                                            groups=len(self._groups.windows))
         else:
             self._worker = WorkerSide(client, block_size=self._block_size)
 
@@ -124,12 +131,16 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         dim = int(spec.head_size)
         names = sorted(kv_caches, key=_layer_index)
         layers, described = _VIEWS[self._attention](self, [(n, kv_caches[n]) for n in names], static, dim)
+        if any(self._groups.windows):
+            described += f", {self._groups.describe()}"
         if layers:
             log.info("kvcache connector: rank %d of %d reads %s, KV heads %d-%d of %d%s", shard.rank, self._tp_size,
                      described, shard.lo, shard.hi - 1, total_heads,
                      "" if shard.writer else " (a replica: loads only, another rank saves them)")
+        groups = self._groups
         self._worker.register(layers, num_kv_heads=total_heads, head_dim=dim,
-                              dtype=next(iter(kv_caches.values())).dtype, attention=self._attention)
+                              dtype=next(iter(kv_caches.values())).dtype, attention=self._attention,
+                              groups=[groups.of_layer.get(n, 0) for n in names], windows=groups.windows)
 
     def _full_layers(self, kv_caches: list[tuple[str, torch.Tensor]], static: dict[str, Any], dim: int
                      ) -> tuple[list[tuple[str, LayerKV]], str]:
@@ -214,7 +225,7 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self._scheduler is not None
         self._scheduler.allocated(request, num_external_tokens,
-                                  list(blocks.get_block_ids()[0]) if num_external_tokens else None)
+                                  [list(b) for b in blocks.get_block_ids()] if num_external_tokens else None)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._scheduler is not None
@@ -226,6 +237,12 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._scheduler.confirm(meta.report)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return False, self._scheduler.finished(request)
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid manager's `request_finished`: saves are made step by step, so nothing holds the blocks."""
         assert self._scheduler is not None
         return False, self._scheduler.finished(request)
 
@@ -241,24 +258,56 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return KVCacheConnectorPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
-_SPEC_KINDS = {"FullAttentionSpec": "full", "MLAAttentionSpec": "mla"}
-"""vLLM's KV spec of a cache group -> the pool's attention kind that holds it."""
+_SPEC_KINDS = {"FullAttentionSpec": "full", "MLAAttentionSpec": "mla", "SlidingWindowSpec": "sliding_window"}
+"""vLLM's KV spec of a cache group -> the pool's layer-group kind that holds it."""
 
 _VIEWS = {"full": KVCacheConnector._full_layers, "mla": KVCacheConnector._mla_layers}
-"""The pool's attention kind -> how a worker views its layers' KV tensors."""
+"""The pool's page format (attention kind) -> how a worker views its layers' KV tensors."""
 
 
-def _attention_spec(kv_cache_config: Any) -> tuple[Any, str]:
-    """The single KV spec every layer shares (full attention or MLA) and its kind; hybrid and sliding-window
-    models are refused."""
+@dataclass(frozen=True)
+class _KVGroups:
+    """vLLM's KV cache groups as the connector copies them: one page shape, each group's window."""
+
+    spec: Any
+    """The first group's spec (block size, KV heads, head size: every group's)."""
+    attention: str
+    """The pool's page format: "full" (full attention and sliding window) or "mla"."""
+    windows: tuple[int, ...] = (0,)
+    """Each group's sliding window in tokens (0: full attention or MLA)."""
+    of_layer: dict[str, int] = field(default_factory=dict)
+    """Layer name -> its group."""
+
+    def describe(self) -> str:
+        """vLLM's groups in words: "4 KV cache groups (3 sliding window 32, 1 full attention)"."""
+        window = sum(1 for w in self.windows if w)
+        kinds = [f"{window} sliding window {max(self.windows)}"] if window else []
+        if len(self.windows) > window:
+            kinds.append(f"{len(self.windows) - window} full attention")
+        return f"{len(self.windows)} KV cache group{'s' if len(self.windows) > 1 else ''} ({', '.join(kinds)})"
+
+
+def _kv_groups(kv_cache_config: Any) -> _KVGroups:
+    """The model's KV cache groups: one of full attention or MLA, or full-attention and sliding-window groups
+    (vLLM's hybrid manager) of one page shape; anything else is refused with what the model has."""
     if kv_cache_config is None:
-        return None, "full"
+        return _KVGroups(None, "full")
     groups = kv_cache_config.kv_cache_groups
-    kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
-    if len(groups) != 1 or kinds[0] not in _SPEC_KINDS:
-        raise ValueError(f"the kvcache connector keeps the KV of every position, so every layer must be full "
-                         f"attention or MLA in one KV cache group; this model has {len(groups)} group(s) of {kinds}")
-    return groups[0].kv_cache_spec, _SPEC_KINDS[kinds[0]]
+    kinds = [_SPEC_KINDS.get(type(g.kv_cache_spec).__name__) for g in groups]
+    names = sorted({type(g.kv_cache_spec).__name__ for g in groups})
+    shapes = {(int(g.kv_cache_spec.block_size), int(g.kv_cache_spec.num_kv_heads), int(g.kv_cache_spec.head_size),
+               g.kv_cache_spec.dtype) for g in groups}
+    windows = tuple(int(g.kv_cache_spec.sliding_window) if k == "sliding_window" else 0 for g, k in zip(
+        groups, kinds, strict=True))
+    one_kind = len(groups) == 1 and kinds[0] is not None
+    hybrid = bool(groups) and set(kinds) <= {"full", "sliding_window"} and len(shapes) == 1
+    if not (one_kind or hybrid) or len({w for w in windows if w}) > 1:
+        raise ValueError(f"the kvcache connector keeps the KV of every position in pages of one shape: every layer "
+                         f"must be full attention, MLA, or sliding-window attention of one window beside full "
+                         f"attention with the same KV heads and head size; this model has {len(groups)} KV cache "
+                         f"group(s) of {names}" + (f" with windows {sorted(set(windows))}" if any(windows) else ""))
+    of_layer = {name: g for g, group in enumerate(groups) for name in group.layer_names}
+    return _KVGroups(groups[0].kv_cache_spec, "mla" if kinds[0] == "mla" else "full", windows, of_layer)
 
 
 def _layer_index(name: str) -> tuple[int, str]:

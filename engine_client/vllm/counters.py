@@ -23,6 +23,8 @@ COUNTER_HELP: dict[str, str] = {
     "commits": "requests whose KV was committed to kvcache at their finish",
     "load_tokens": "tokens of KV copied from the kvcache pool into vLLM's blocks",
     "load_pages": "kvcache pages those loads read",
+    "load_window_pages": "of load_pages, those read into sliding-window layers (only the window before the hit "
+                         "point: vLLM drops the rest)",
     "load_seconds": "time spent copying loads",
     "save_tokens": "tokens of KV copied from vLLM's blocks into the kvcache pool",
     "save_pages": "kvcache pages those saves wrote",
@@ -30,6 +32,8 @@ COUNTER_HELP: dict[str, str] = {
     "async_loads": "requests a worker loaded asynchronously (do_remote_prefill: vLLM held them in "
                    "WAITING_FOR_REMOTE_KVS meanwhile), once per worker",
     "load_errors": "loads that failed (their blocks were handed back to vLLM to recompute)",
+    "window_skipped_saves": "requests that stopped saving at positions a sliding window had already dropped "
+                            "(vLLM's own prefix hit reached past kvcache's)",
     "save_errors": "saves that failed (the request's KV was committed only up to its last saved position)",
     "errors": "calls to kvcache that failed (unreachable, restarted, refused)",
 }
@@ -49,11 +53,13 @@ class Counters:
     commits: int = 0
     load_tokens: int = 0
     load_pages: int = 0
+    load_window_pages: int = 0
     load_seconds: float = 0.0
     save_tokens: int = 0
     save_pages: int = 0
     save_seconds: float = 0.0
     async_loads: int = 0
+    window_skipped_saves: int = 0
     load_errors: int = 0
     save_errors: int = 0
     errors: int = 0

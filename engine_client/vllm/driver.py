@@ -37,7 +37,7 @@ from typing import Any, TextIO
 
 __all__ = ["FAMILIES", "DriverError", "EngineProcess", "connector_config", "main", "save_model"]
 
-FAMILIES = ("llama", "qwen2", "deepseek_v2")
+FAMILIES = ("llama", "qwen2", "deepseek_v2", "gemma3", "mistral")
 
 
 def connector_config(target: str, kv_role: str = "kv_both", **extra: Any) -> dict[str, Any]:
@@ -49,18 +49,24 @@ def connector_config(target: str, kv_role: str = "kv_both", **extra: Any) -> dic
 
 def save_model(family: str, out: str | Path, *, layers: int = 2, hidden: int = 128, heads: int = 2,
                kv_heads: int = 2, head_dim: int = 64, intermediate: int = 256, vocab: int = 512, seed: int = 0,
-               dtype: str = "float32") -> Path:
+               dtype: str = "float32", sliding_window: int = 32) -> Path:
     """A random-initialised checkpoint of `family` (`FAMILIES`) saved in `out` (nothing downloaded). deepseek_v2
     is MLA with vLLM's CPU kernel's latent (kv_lora_rank 512 + qk_rope_head_dim 64; `kv_heads` and `head_dim`
     do not apply), 4 routed experts of which 2 per token, its first layer dense, weights drawn with std 0.06 (at
     transformers' 0.02 its greedy tokens are near-ties that flip with any change of float order; at 0.2 the two
-    layers amplify such changes)."""
+    layers amplify such changes). gemma3 (text-only Gemma-3) attends within the last `sliding_window` tokens in
+    every layer but each fourth, which is full attention (Gemma-3's own ratio is 5 to 1); mistral attends within
+    the window in every layer."""
     import torch
     from transformers import (
         DeepseekV2Config,
         DeepseekV2ForCausalLM,
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
         LlamaConfig,
         LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
     )
@@ -79,6 +85,12 @@ def save_model(family: str, out: str | Path, *, layers: int = 2, hidden: int = 1
                "n_shared_experts": 1, "moe_intermediate_size": 64, "first_k_dense_replace": 1, "n_group": 1,
                "topk_group": 1, "initializer_range": 0.06}
         model = DeepseekV2ForCausalLM(DeepseekV2Config(**(shape | mla)))
+    elif family == "gemma3":
+        kinds = ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(layers)]
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**shape, sliding_window=sliding_window, layer_types=kinds,
+                                                   initializer_range=0.06))
+    elif family == "mistral":
+        model = MistralForCausalLM(MistralConfig(**shape, sliding_window=sliding_window))
     else:
         raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
     model = model.to(getattr(torch, dtype))
@@ -201,12 +213,15 @@ def _save_model_main(argv: list[str]) -> int:
     p.add_argument("--family", choices=FAMILIES, default="llama")
     p.add_argument("--out", required=True)
     for name, default in (("layers", 2), ("hidden", 128), ("heads", 2), ("kv-heads", 2), ("head-dim", 64),
-                          ("intermediate", 256), ("vocab", 512), ("seed", 0)):
+                          ("intermediate", 256), ("vocab", 512), ("seed", 0), ("sliding-window", 32)):
         p.add_argument(f"--{name}", type=int, default=default)
     a = p.parse_args(argv)
     path = save_model(a.family, a.out, layers=a.layers, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads,
-                      head_dim=a.head_dim, intermediate=a.intermediate, vocab=a.vocab, seed=a.seed)
+                      head_dim=a.head_dim, intermediate=a.intermediate, vocab=a.vocab, seed=a.seed,
+                      sliding_window=a.sliding_window)
     kv = "an MLA latent of 576" if a.family == "deepseek_v2" else f"{a.kv_heads} KV heads of {a.head_dim}"
+    if a.family in ("gemma3", "mistral"):
+        kv += f", sliding window {a.sliding_window}"
     print(f"saved a random {a.family} ({a.layers} layers, hidden {a.hidden}, {kv}) in {path}")
     return 0
 

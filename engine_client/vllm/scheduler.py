@@ -45,7 +45,7 @@ from engine_client.types import AppendResult, CommitResult, ExtendResult, PoolIn
 from engine_client.vllm.config import ConnectorConfig
 from engine_client.vllm.counters import Counters
 from engine_client.vllm.sender import Down, Finish, Sender, Sent, Up
-from engine_client.vllm.transfer import Transfers
+from engine_client.vllm.transfer import NULL_BLOCK, Transfers
 
 __all__ = ["CLOSE_PARAM", "PREFILL_PARAM", "REMOTE_PARAM", "ROLES", "SESSION_PARAM", "SchedulerSide", "StepPlan",
            "WorkerReport"]
@@ -174,7 +174,8 @@ class _Req:
         """Positions below this have KV in kvcache at the turn's start (the append's cached_tokens)."""
         self.capacity = 0
         self.extending = False
-        self.blocks: list[int] = []
+        self.blocks: list[list[int]] = []
+        """vLLM's block ids of the request in each KV cache group (null block 0 where a window dropped one)."""
         self.load: int = 0
         """External tokens vLLM took at its last admission (loaded this step)."""
         self.local = 0
@@ -197,7 +198,8 @@ class SchedulerSide:
     """One per vLLM scheduler. Methods are called on vLLM's scheduler thread only."""
 
     def __init__(self, config: ConnectorConfig, *, block_size: int, engine_id: str, client_factory: Callable[[], Any],
-                 world_size: int = 1, role: str = "kv_both", clock: Callable[[], float] = time.perf_counter) -> None:
+                 world_size: int = 1, role: str = "kv_both", clock: Callable[[], float] = time.perf_counter,
+                 groups: int = 1) -> None:
         if role not in ROLES:
             raise ValueError(f"kv_role must be one of {', '.join(ROLES)}, got {role!r}")
         self.config = config
@@ -205,6 +207,8 @@ class SchedulerSide:
         self.role = role
         self.loads, self.saves = ROLES[role]
         self.world_size = world_size
+        self.groups = groups
+        """vLLM's KV cache groups (a hybrid model's window and full-attention layers have block tables of their own)."""
         """Worker ranks whose reports a step's saves need (tensor parallel: every rank writes its heads)."""
         self.reserve_tokens = config.reserve_tokens or block_size
         self.counters = Counters()
@@ -283,9 +287,10 @@ class SchedulerSide:
             r = self._reqs.get(request.request_id)
             return bool(num_external_tokens) and r is not None and r.state == _READY and r.remote
 
-    def allocated(self, request: Any, num_external_tokens: int, block_ids: list[int] | None = None) -> None:
+    def allocated(self, request: Any, num_external_tokens: int, block_ids: list[list[int]] | None = None) -> None:
         """vLLM allocated blocks for `request`, `num_external_tokens` of them to load from kvcache (for an
-        asynchronous load: into `block_ids`, the request's blocks, in the next step's plan)."""
+        asynchronous load: into `block_ids`, the request's blocks in each KV cache group, in the next step's
+        plan)."""
         with self._lock:
             r = self._reqs.get(request.request_id)
             if r is None or r.state != _READY:
@@ -293,7 +298,7 @@ class SchedulerSide:
             r.load = num_external_tokens
             self.counters.hit_tokens += num_external_tokens
             if num_external_tokens and r.remote and block_ids is not None:
-                r.blocks, r.async_load = list(block_ids), True
+                r.blocks, r.async_load = [list(b) for b in block_ids], True
                 self._async.append(r)
 
     def build_step(self, out: Any) -> StepPlan:
@@ -314,7 +319,7 @@ class SchedulerSide:
             for new in out.scheduled_new_reqs:
                 r = self._reqs.get(new.req_id)
                 if r is not None and r.state == _READY:
-                    r.blocks = list(new.block_ids[0])
+                    r.blocks = [list(b) for b in new.block_ids]
                     self._plan(r, new.num_computed_tokens, scheduled.get(new.req_id, 0), plan, loads, saves)
             cached = out.scheduled_cached_reqs
             resumed = cached.resumed_req_ids
@@ -324,9 +329,12 @@ class SchedulerSide:
                     continue
                 new_blocks = cached.new_block_ids[i]
                 if req_id in resumed:
-                    r.blocks = list(new_blocks[0]) if new_blocks is not None else []
+                    r.blocks = [list(b) for b in new_blocks] if new_blocks is not None else []
                 elif new_blocks is not None:
-                    r.blocks.extend(new_blocks[0])
+                    if not r.blocks:
+                        r.blocks = [[] for _ in new_blocks]
+                    for mine, more in zip(r.blocks, new_blocks, strict=True):
+                        mine.extend(more)
                 self._plan(r, cached.num_computed_tokens[i], scheduled.get(req_id, 0), plan, loads, saves)
             for req_id in out.preempted_req_ids or ():
                 r = self._reqs.get(req_id)
@@ -340,8 +348,8 @@ class SchedulerSide:
                     plan.async_reqs.append(r.req_id)
                 r.async_load, r.load = False, 0
             self._async.clear()
-            plan.loads, plan.saves = Transfers.build(loads), Transfers.build(saves)
-            plan.async_loads = Transfers.build(waiting)
+            plan.loads, plan.saves = Transfers.build(loads, self.groups), Transfers.build(saves, self.groups)
+            plan.async_loads = Transfers.build(waiting, self.groups)
             self._finish_due(None)
             self._flush()
             return plan
@@ -657,11 +665,18 @@ class SchedulerSide:
             end = min(end, int(r.prompt.size))  # a prefill engine saves the prompt only
         if r.saving:
             lo = max(r.kv_start, min(r.planned_end, computed))
-            hi = min(end, r.capacity, len(r.blocks) * bs)
+            hi = min(end, r.capacity, min((len(b) for b in r.blocks), default=0) * bs)
             if hi > lo:
-                saves.append(self._range(r, sess, lo, hi, ps, bs))
-                plan.save_reqs.append(r.req_id)
-                r.planned_end = hi
+                save = self._range(r, sess, lo, hi, ps, bs)
+                if (save[3] == NULL_BLOCK).any():
+                    # positions a sliding window already dropped (vLLM's own prefix hit, before kvcache's): a
+                    # session commits a contiguous prefix, so this request saves nothing more
+                    r.saving = False
+                    self.counters.window_skipped_saves += 1
+                else:
+                    saves.append(save)
+                    plan.save_reqs.append(r.req_id)
+                    r.planned_end = hi
         if r.saving and not r.extending and end + self.reserve_tokens > r.capacity:
             r.extending = True
             outcome = self._batch.extend(sess.id, self.reserve_tokens)
@@ -669,8 +684,13 @@ class SchedulerSide:
 
     @staticmethod
     def _range(r: _Req, sess: _Sess, lo: int, hi: int, ps: int, bs: int) -> tuple[int, int, Any, Any]:
+        """Positions `[lo, hi)`: their pool pages and, `[groups, n]`, their vLLM blocks in every group."""
         pages = sess.pages[lo // ps: (hi - 1) // ps + 1]
-        blocks = np.asarray(r.blocks[lo // bs: (hi - 1) // bs + 1], dtype=np.int32)
+        first, last = lo // bs, (hi - 1) // bs + 1
+        blocks = np.zeros((len(r.blocks), last - first), np.int32)  # a group's table shorter than the range: null
+        for g, table in enumerate(r.blocks):
+            row = table[first:last]
+            blocks[g, : len(row)] = row
         return lo, hi, pages.copy(), blocks
 
     def _on_extended(self, r: _Req, outcome: StepOutcome[ExtendResult]) -> None:

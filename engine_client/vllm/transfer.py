@@ -49,8 +49,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-__all__ = ["LOGICAL_AXES", "PACKINGS", "HostStaging", "KVLayoutError", "LayerKV", "TransferIndex", "Transfers",
-           "check_layout_order", "layer_kv", "load_layer", "mla_latent", "save_layer"]
+__all__ = ["LOGICAL_AXES", "NULL_BLOCK", "PACKINGS", "HostStaging", "KVLayoutError", "LayerKV", "TransferIndex",
+           "Transfers", "check_layout_order", "layer_kv", "load_layer", "mla_latent", "save_layer"]
 
 Int64Array = npt.NDArray[np.int64]
 Int32Array = npt.NDArray[np.int32]
@@ -159,8 +159,10 @@ class Transfers:
     """Position ranges of a step's requests, with the page and block ids that hold them (numpy, picklable).
 
     Transfer `t` covers positions `[starts[t], ends[t])`. Its pool pages are `pages[page_base[t]:]`, the
-    first being the page that holds position `starts[t]`; its vLLM blocks are `blocks[block_base[t]:]`,
-    the first holding `starts[t]`.
+    first being the page that holds position `starts[t]`; its vLLM blocks are `blocks[g, block_base[t]:]` in
+    each of vLLM's KV cache groups `g` (one row per group: a hybrid model's window and full-attention layers
+    have block tables of their own, the window's holding vLLM's null block 0 where the window dropped a
+    block), the first holding `starts[t]`.
     """
 
     starts: Int64Array
@@ -168,29 +170,35 @@ class Transfers:
     pages: Int32Array
     page_base: Int64Array
     blocks: Int32Array
+    """`[groups, blocks]`."""
     block_base: Int64Array
 
     @classmethod
-    def empty(cls) -> Transfers:
+    def empty(cls, groups: int = 1) -> Transfers:
         z64, z32 = np.zeros(0, np.int64), np.zeros(0, np.int32)
-        return cls(z64, z64, z32, z64, z32, z64)
+        return cls(z64, z64, z32, z64, np.zeros((groups, 0), np.int32), z64)
 
     @classmethod
-    def build(cls, ranges: list[tuple[int, int, Int32Array, Int32Array]]) -> Transfers:
-        """From `(start, end, pages, blocks)` per transfer, `pages`/`blocks` beginning at start's page/block."""
+    def build(cls, ranges: list[tuple[int, int, Int32Array, Int32Array]], groups: int = 1) -> Transfers:
+        """From `(start, end, pages, blocks)` per transfer, `pages`/`blocks` beginning at start's page/block;
+        `blocks` is `[groups, n]` (or `[n]` with one group)."""
         if not ranges:
-            return cls.empty()
+            return cls.empty(groups)
         starts = np.fromiter((r[0] for r in ranges), np.int64, len(ranges))
         ends = np.fromiter((r[1] for r in ranges), np.int64, len(ranges))
         page_sizes = np.fromiter((r[2].size for r in ranges), np.int64, len(ranges))
-        block_sizes = np.fromiter((r[3].size for r in ranges), np.int64, len(ranges))
+        rows = [np.asarray(r[3], np.int32).reshape(groups, -1) for r in ranges]
+        block_sizes = np.fromiter((b.shape[1] for b in rows), np.int64, len(ranges))
         return cls(starts, ends, np.concatenate([r[2] for r in ranges]).astype(np.int32, copy=False),
-                   np.cumsum(page_sizes) - page_sizes, np.concatenate([r[3] for r in ranges]).astype(np.int32,
-                                                                                               copy=False),
+                   np.cumsum(page_sizes) - page_sizes, np.concatenate(rows, axis=1),
                    np.cumsum(block_sizes) - block_sizes)
 
     def __len__(self) -> int:
         return int(self.starts.size)
+
+    @property
+    def groups(self) -> int:
+        return int(self.blocks.shape[0])
 
     @property
     def num_tokens(self) -> int:
@@ -202,20 +210,33 @@ class Transfers:
             return 0
         return int(((self.ends - 1) // page_size - self.starts // page_size + 1).sum())
 
+    def real_blocks(self) -> set[int]:
+        """vLLM block ids the transfers name in any group, the null block left out."""
+        return {int(b) for b in np.unique(self.blocks) if b != NULL_BLOCK}
+
+
+NULL_BLOCK = 0
+"""vLLM's null block: a sliding-window group's block table holds it where the window dropped a block. Never
+read or written by a transfer."""
+
 
 @dataclass(frozen=True)
 class TransferIndex:
-    """Per-token index tensors of a set of transfers: pool slot (on the pool's device), vLLM block and offset
-    in the block (on vLLM's)."""
+    """Per-token index tensors of a set of transfers in one KV cache group: pool slot (on the pool's device),
+    vLLM block and offset in the block (on vLLM's). Positions whose block is vLLM's null block in that group
+    (outside a sliding window) are left out; `pages` counts the pool pages the rest read or write (a page
+    split between two transfers counts twice)."""
 
     pool_slots: torch.Tensor
     blocks: torch.Tensor
     offsets: torch.Tensor
+    pages: int = 0
 
     @classmethod
     def build(cls, t: Transfers, *, page_size: int, block_size: int, device: torch.device | str = "cpu",
-              pool_device: torch.device | str | None = None) -> TransferIndex:
-        """`device`: where vLLM's KV is; `pool_device`: where the pool is (default: the same)."""
+              pool_device: torch.device | str | None = None, group: int = 0) -> TransferIndex:
+        """`device`: where vLLM's KV is; `pool_device`: where the pool is (default: the same); `group`: the
+        KV cache group whose blocks are copied."""
         lengths = t.ends - t.starts
         total = int(lengths.sum())
         which = np.repeat(np.arange(len(t)), lengths)
@@ -223,12 +244,16 @@ class TransferIndex:
         pos = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths - t.starts, lengths)
         page_idx = t.page_base[which] + pos // page_size - (t.starts // page_size)[which]
         block_idx = t.block_base[which] + pos // block_size - (t.starts // block_size)[which]
+        blocks = t.blocks[group][block_idx].astype(np.int64)
+        keep = blocks != NULL_BLOCK
+        if not keep.all():
+            pos, page_idx, blocks = pos[keep], page_idx[keep], blocks[keep]
         pool_slots = t.pages[page_idx].astype(np.int64) * page_size + pos % page_size
-        blocks = t.blocks[block_idx].astype(np.int64)
         offsets = pos % block_size
+        pages = int(np.count_nonzero(np.diff(page_idx, prepend=-1))) if page_idx.size else 0
         dev = torch.device(device)
         return cls(torch.from_numpy(pool_slots).to(torch.device(pool_device) if pool_device is not None else dev),
-                   torch.from_numpy(blocks).to(dev), torch.from_numpy(offsets).to(dev))
+                   torch.from_numpy(blocks).to(dev), torch.from_numpy(offsets).to(dev), pages)
 
     def __len__(self) -> int:
         return int(self.pool_slots.shape[0])

@@ -30,7 +30,7 @@ from engine_client.layout import LayoutMismatch, check_layout, dtype_name
 from engine_client.mapping import MappedPool, map_pool
 from engine_client.vllm.counters import Counters
 from engine_client.vllm.scheduler import StepPlan, WorkerReport
-from engine_client.vllm.transfer import HostStaging, LayerKV, TransferIndex, load_layer, save_layer
+from engine_client.vllm.transfer import HostStaging, LayerKV, TransferIndex, Transfers, load_layer, save_layer
 
 __all__ = ["BlockSizeMismatch", "HeadShard", "TensorParallelError", "WorkerSide", "head_shard"]
 
@@ -91,14 +91,15 @@ def head_shard(rank: int, tp_size: int, total_kv_heads: int) -> HeadShard:
 @dataclass
 class _Step:
     plan: StepPlan
-    loads: TransferIndex | None
-    saves: TransferIndex | None
+    loads: list[TransferIndex] | None
+    """One index per KV cache group (a sliding-window group's leaves out the positions its window dropped)."""
+    saves: list[TransferIndex] | None
     report: WorkerReport
     layers_loaded: int = 0
     layers_saved: int = 0
     load_ok: bool = True
     save_ok: bool = True
-    async_loads: TransferIndex | None = None
+    async_loads: list[TransferIndex] | None = None
     async_ok: bool = True
 
 
@@ -111,7 +112,10 @@ class WorkerSide:
         self.shard = shard or HeadShard()
         self.counters = Counters()
         self._clock = clock
-        self._layers: dict[str, tuple[int, LayerKV]] = {}
+        self._layers: dict[str, tuple[int, LayerKV, int]] = {}
+        """Layer name -> (pool layer, its K and V views, its vLLM KV cache group)."""
+        self._windows: tuple[int, ...] = (0,)
+        """Each KV cache group's sliding window in tokens (0: full attention or MLA)."""
         self._model: dict[str, Any] = {}
         self._pool: MappedPool | None = None
         self._pool_layers: list[torch.Tensor] = []
@@ -129,18 +133,26 @@ class WorkerSide:
     # ------------------------------------------------------------------ start
 
     def register(self, layers: list[tuple[str, LayerKV]], *, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, attention: str = "full") -> None:
+                 dtype: torch.dtype, attention: str = "full", groups: list[int] | None = None,
+                 windows: tuple[int, ...] = (0,)) -> None:
         """`layers` in model order (pool layer i is the i-th), each holding this rank's heads (`shard`) of the
         model's `num_kv_heads` (MLA, `attention="mla"`: one "head", the latent of `head_dim`, as K and V halves:
-        `transfer.mla_latent`). Raises LayoutMismatch when kvcache is reachable and its pool cannot hold this
-        model's KV (all its heads); an unreachable kvcache is tried again when a plan needs it."""
+        `transfer.mla_latent`). `groups`: each layer's vLLM KV cache group (default: all in group 0);
+        `windows`: each group's sliding window in tokens (0: none); the window layers must be the pool's.
+        Raises LayoutMismatch when kvcache is reachable and its pool cannot hold this model's KV (all its
+        heads); an unreachable kvcache is tried again when a plan needs it."""
         held = {int(kv.k.shape[2]) for _, kv in layers}
         if held - {self.shard.num_heads}:
             raise TensorParallelError(f"rank {self.shard.rank} holds {sorted(held)} KV heads a layer; its share of the "
                                       f"model's {num_kv_heads} is {self.shard.num_heads}")
-        self._layers = {name: (i, kv) for i, (name, kv) in enumerate(layers)}
+        groups = groups if groups is not None else [0] * len(layers)
+        self._layers = {name: (i, kv, g) for i, ((name, kv), g) in enumerate(zip(layers, groups, strict=True))}
+        self._windows = windows
+        window_layers = tuple(i for i, g in enumerate(groups) if windows[g])
         self._model = {"num_layers": len(layers), "num_kv_heads": num_kv_heads, "head_dim": head_dim,
                        "dtype": dtype_name(dtype), "attention": attention}
+        if window_layers:
+            self._model |= {"sliding_window": max(windows), "window_layers": window_layers}
         try:
             client = self._connect()
             info = client.get_pool_info()
@@ -215,7 +227,7 @@ class WorkerSide:
 
     def _engine_device(self) -> torch.device:
         """Where vLLM's KV is (the first layer's device; CPU before any layer is registered)."""
-        for _, kv in self._layers.values():
+        for _, kv, _ in self._layers.values():
             return kv.k.device
         return torch.device("cpu")
 
@@ -236,17 +248,29 @@ class WorkerSide:
             self._fail_saves(step, problem)
             self._fail_async(step, problem)
             return
+        if len(plan.loads):
+            step.loads = self._index(plan.loads, plan.page_size)
+        if len(plan.saves):
+            step.saves = self._index(plan.saves, plan.page_size)
+            if any(len(index) != plan.saves.num_tokens for index in step.saves):
+                self._fail_saves(step, "a save names vLLM's null block (a position outside a sliding window)")
+        if len(plan.async_loads):
+            step.async_loads = self._index(plan.async_loads, plan.page_size)
+
+    def _index(self, transfers: Transfers, page_size: int) -> list[TransferIndex]:
+        """One index per KV cache group the plan's block rows cover."""
         where = {"device": self._engine_device(),
                  "pool_device": self._pool.tensor.device if self._pool is not None else torch.device("cpu")}
-        if len(plan.loads):
-            step.loads = TransferIndex.build(plan.loads, page_size=plan.page_size, block_size=self.block_size,
-                                             **where)
-        if len(plan.saves):
-            step.saves = TransferIndex.build(plan.saves, page_size=plan.page_size, block_size=self.block_size,
-                                             **where)
-        if len(plan.async_loads):
-            step.async_loads = TransferIndex.build(plan.async_loads, page_size=plan.page_size,
-                                                   block_size=self.block_size, **where)
+        if transfers.groups != len(self._windows):
+            raise ValueError(f"a plan of {transfers.groups} KV cache groups for a worker of {len(self._windows)}")
+        return [TransferIndex.build(transfers, page_size=page_size, block_size=self.block_size, group=g, **where)
+                for g in range(transfers.groups)]
+
+    def _count_loads(self, indexes: list[TransferIndex]) -> None:
+        """Pool pages a step's loads read: into any layer, and into sliding-window layers (only the window's)."""
+        self.counters.load_pages += max(index.pages for index in indexes)
+        self.counters.load_window_pages += max((index.pages for index, w in zip(indexes, self._windows, strict=True)
+                                                if w), default=0)
 
     def load_async(self) -> None:
         """Copy the step's asynchronous loads, every layer (vLLM's start_load_kv); their requests are then
@@ -259,8 +283,8 @@ class WorkerSide:
             return
         start = self._clock()
         try:
-            for i, kv in self._layers.values():
-                load_layer(self._pool_layers[i], kv, step.async_loads, self._staging)
+            for i, kv, g in self._layers.values():
+                load_layer(self._pool_layers[i], kv, step.async_loads[g], self._staging)
         except Exception as e:  # a copy that fails must not become wrong tokens: vLLM recomputes
             self._fail_async(step, f"copy failed: {e}")
             return
@@ -268,7 +292,7 @@ class WorkerSide:
             self.counters.load_seconds += self._clock() - start
         plan = step.plan
         self.counters.load_tokens += plan.async_loads.num_tokens
-        self.counters.load_pages += plan.async_loads.num_pages(plan.page_size)
+        self._count_loads(step.async_loads)
         self.counters.async_loads += len(plan.async_reqs)
         self._received |= set(plan.async_reqs)
 
@@ -282,7 +306,7 @@ class WorkerSide:
             return
         start = self._clock()
         try:
-            load_layer(self._pool_layers[entry[0]], entry[1], step.loads, self._staging)
+            load_layer(self._pool_layers[entry[0]], entry[1], step.loads[entry[2]], self._staging)
             step.layers_loaded += 1
         except Exception as e:  # a copy that fails must not become wrong tokens: vLLM recomputes
             self._fail_loads(step, f"copy failed: {e}")
@@ -302,7 +326,7 @@ class WorkerSide:
             return
         start = self._clock()
         try:
-            save_layer(entry[1], self._pool_layers[entry[0]], step.saves, self._staging)
+            save_layer(entry[1], self._pool_layers[entry[0]], step.saves[entry[2]], self._staging)
             step.layers_saved += 1
         except Exception as e:
             self._fail_saves(step, f"copy failed: {e}")
@@ -331,7 +355,7 @@ class WorkerSide:
                 self.counters.save_seconds += self._clock() - start
         if step.loads is not None and step.load_ok:
             self.counters.load_tokens += plan.loads.num_tokens
-            self.counters.load_pages += plan.loads.num_pages(plan.page_size)
+            self._count_loads(step.loads)
         if step.saves is not None and step.save_ok:
             self.counters.save_tokens += plan.saves.num_tokens
             self.counters.save_pages += plan.saves.num_pages(plan.page_size)
@@ -371,7 +395,7 @@ class WorkerSide:
             return
         step.load_ok = False
         step.report.load_failed |= set(plan.load_reqs)
-        self._invalid |= {int(b) for b in plan.loads.blocks}
+        self._invalid |= plan.loads.real_blocks()
         self.counters.load_errors += len(plan.load_reqs)
         self._warn(why)
 
@@ -381,7 +405,7 @@ class WorkerSide:
             return
         step.async_ok = False
         step.report.load_failed |= set(plan.async_reqs)
-        self._invalid |= {int(b) for b in plan.async_loads.blocks}
+        self._invalid |= plan.async_loads.real_blocks()
         self._received |= set(plan.async_reqs)
         self.counters.load_errors += len(plan.async_reqs)
         self._warn(why)

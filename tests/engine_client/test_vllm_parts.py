@@ -106,20 +106,40 @@ def test_loads_and_saves_copy_exactly_the_indexed_positions(dtype: torch.dtype) 
     pool = torch.randn(2, 12, PS, H, D).to(dtype)  # one layer: [K/V, pages, page_size, heads, dim]
     kv = torch.zeros(NB, H, BS, 2 * D, dtype=dtype)
     view = cpu_view(kv)
-    t = Transfers.build([(16, 48, np.array([11, 4], np.int32), np.array([3, 0], np.int32))])
+    t = Transfers.build([(16, 48, np.array([11, 4], np.int32), np.array([3, 1], np.int32))])
     index = TransferIndex.build(t, page_size=PS, block_size=BS)
     load_layer(pool, view, index)
-    # positions 16..31 are page 11 -> block 3 offsets 16..31; 32..47 are page 4 -> block 0 offsets 0..15
+    # positions 16..31 are page 11 -> block 3 offsets 16..31; 32..47 are page 4 -> block 1 offsets 0..15
     assert torch.equal(view.k[3, 16:], pool[0, 11]) and torch.equal(view.v[3, 16:], pool[1, 11])
-    assert torch.equal(view.k[0, :16], pool[0, 4]) and torch.equal(view.v[0, :16], pool[1, 4])
+    assert torch.equal(view.k[1, :16], pool[0, 4]) and torch.equal(view.v[1, :16], pool[1, 4])
     touched = torch.zeros(NB, BS, dtype=torch.bool)
-    touched[3, 16:] = touched[0, :16] = True
+    touched[3, 16:] = touched[1, :16] = True
     assert not view.k[~touched].any() and not view.v[~touched].any()  # nothing else written
 
     empty = torch.zeros_like(pool)
     save_layer(view, empty, index)
     assert torch.equal(empty[:, 11], pool[:, 11]) and torch.equal(empty[:, 4], pool[:, 4])
     assert not empty[:, [p for p in range(12) if p not in (4, 11)]].any()
+
+
+def test_a_sliding_window_groups_index_leaves_out_the_positions_its_window_dropped() -> None:
+    # a hybrid model's two KV cache groups: full attention (row 0) and a window whose first block vLLM dropped
+    # (null block 0, row 1); positions [0, 64) on pages 7, 3, 9, 4 and blocks 1, 2 / 0, 3
+    t = Transfers.build([(0, 64, np.array([7, 3, 9, 4], np.int32), np.array([[1, 2], [0, 3]], np.int32))], groups=2)
+    assert (t.groups, t.num_pages(PS), t.real_blocks()) == (2, 4, {1, 2, 3})
+    full = TransferIndex.build(t, page_size=PS, block_size=BS, group=0)
+    window = TransferIndex.build(t, page_size=PS, block_size=BS, group=1)
+    assert (len(full), full.pages, len(window), window.pages) == (64, 4, 32, 2)
+    assert window.pool_slots.tolist() == [9 * PS + p % PS for p in range(32, 48)] + [4 * PS + p % PS
+                                                                                    for p in range(48, 64)]
+    assert window.blocks.tolist() == [3] * 32 and window.offsets.tolist() == list(range(32))
+    pool = torch.randn(2, 12, PS, H, D)
+    view = cpu_view(torch.zeros(NB, H, BS, 2 * D))
+    load_layer(pool, view, window)
+    assert torch.equal(view.k[3, :16], pool[0, 9]) and torch.equal(view.v[3, 16:], pool[1, 4])
+    assert not view.k[0].any() and not view.v[0].any()  # the null block is never written
+    one = Transfers.build([(0, 16, np.array([7], np.int32), np.array([5], np.int32))])  # one group: a row of blocks
+    assert (one.groups, one.blocks.tolist()) == (1, [[5]])
 
 
 def test_an_mla_latent_is_read_as_its_halves_and_copied_whole_through_the_pool() -> None:

@@ -48,7 +48,7 @@ def step(new: list[tuple[Any, int, int]] = (), cached: list[tuple[Any, int, int]
     """vLLM's scheduler output: (request, computed, scheduled) of new and of running requests (2 blocks each)."""
     return SimpleNamespace(
         num_scheduled_tokens={r.request_id: n for r, _, n in [*new, *cached]},
-        scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, block_ids=([0, 1, 2],), num_computed_tokens=c)
+        scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, block_ids=([1, 2, 3],), num_computed_tokens=c)
                             for r, c, _ in new],
         scheduled_cached_reqs=SimpleNamespace(req_ids=[r.request_id for r, _, _ in cached],
                                               new_block_ids=[None for _ in cached],
@@ -216,3 +216,69 @@ def test_an_mla_model_and_a_full_attention_pool_refuse_each_other_naming_both_an
         verify_stats(mla.target)
     finally:
         mla.close()
+
+
+def hybrid_step(r: Any, computed: int, scheduled: int, full: list[int], window: list[int]) -> Any:
+    """vLLM's scheduler output for one new request of a hybrid model: its full-attention and sliding-window
+    groups' block tables (the window's with the null block 0 where it dropped a block)."""
+    return SimpleNamespace(
+        num_scheduled_tokens={r.request_id: scheduled},
+        scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, block_ids=(full, window),
+                                            num_computed_tokens=computed)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[],
+                                              resumed_req_ids=set()),
+        preempted_req_ids=set())
+
+
+def test_a_window_groups_null_blocks_are_loaded_around_and_never_saved(server: ServerProcess) -> None:
+    # a hybrid model (window 32 beside full attention, block 32): vLLM's window table holds the null block 0 for
+    # blocks wholly outside the window of the request's first computed token
+    config = ConnectorConfig.from_extra({"kvcache_target": server.target, "kvcache_lookup_wait_seconds": 5.0}, env={})
+    side = SchedulerSide(config, block_size=BLOCK, engine_id="sched-window", groups=2,
+                         client_factory=lambda: KVCacheClient(server.target))
+    rng = np.random.default_rng(11)
+    p = rng.integers(1, 500, 80).tolist()
+    try:
+        wait_until(lambda: side.connected, "the connector connected to kvcache", poll=0.02)
+        # computed whole (no hit anywhere): every block is real in both groups, the whole prompt is saved
+        r1 = req("r1", p)
+        assert ask(side, r1)[0] == 0
+        side.allocated(r1, 0)
+        plan = side.build_step(hybrid_step(r1, 0, 80, [1, 2, 3], [4, 5, 6]))
+        assert (plan.saves.starts.tolist(), plan.saves.ends.tolist(), plan.saves.blocks.tolist()) == (
+            [0], [80], [[1, 2, 3], [4, 5, 6]])
+        side.confirm(WorkerReport(saved={"r1": (0, 80)}, ranks=frozenset({0})))
+        side.finished(req("r1", p, output=[3]))
+        side.build_step(hybrid_step(req("idle", [1]), 0, 0, [], []))
+
+        # kvcache's hit (80: r1's KV, its partial page included) is loaded past the window's dropped block (null in
+        # the plan: the worker skips it) and the rest is saved from the hit point on, where every block is real
+        r2 = req("r2", p + rng.integers(1, 500, 60).tolist())
+        assert ask(side, r2)[0] == 80
+        side.allocated(r2, 80)
+        plan = side.build_step(hybrid_step(r2, 80, 60, [7, 8, 9, 10, 11], [0, 12, 13, 14, 15]))
+        assert (plan.loads.starts.tolist(), plan.loads.ends.tolist(), plan.loads.blocks.tolist()) == (
+            [0], [80], [[7, 8, 9], [0, 12, 13]])
+        assert (plan.saves.starts.tolist(), plan.saves.ends.tolist(), plan.saves.blocks.tolist()) == (
+            [80], [140], [[9, 10, 11], [13, 14, 15]])
+        side.confirm(WorkerReport(saved={"r2": (80, 140)}, ranks=frozenset({0})))
+        side.finished(req("r2", r2.prompt_token_ids, output=[4]))
+
+        # vLLM's own prefix hit (96) reaches past kvcache's (0) and its window already dropped positions kvcache
+        # lacks: a session commits a contiguous prefix, so the request saves nothing and commits nothing
+        q = rng.integers(1, 500, 120).tolist()
+        r3 = req("r3", q)
+        assert ask(side, r3, computed=96)[0] == 0
+        side.allocated(r3, 0)
+        plan = side.build_step(hybrid_step(r3, 96, 24, [16, 17, 18, 19], [0, 0, 20, 21]))
+        assert (len(plan.saves), len(plan.loads)) == (0, 0)
+        side.finished(req("r3", q, output=[5]))
+        side.build_step(hybrid_step(req("idle", [1]), 0, 0, [], []))
+        assert side.take_counters()["window_skipped_saves"] == 1
+        with KVCacheClient(server.target) as client:
+            wait_until(lambda: not (client.get_stats().sessions_in_turn or client.list_sessions()),
+                       "no turn in flight and no session open", 10, poll=0.02)
+            assert [client.match_prefix(x).cached_tokens for x in (r2.prompt_token_ids, q)] == [128, 0]
+    finally:
+        side.close()
+    verify_stats(server.target)
