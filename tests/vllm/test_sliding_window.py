@@ -1,0 +1,141 @@
+"""Sliding-window models on kvcache with vLLM's hybrid KV cache manager: a tiny Gemma-3-style model (window 32 in
+three layers of four, the fourth full attention) and a Mistral-style one (window 32 in every layer), each on a
+pool `serve --model` builds from its config (page 16, vLLM's block 32).
+
+The connector declares `SupportsHMA`, so vLLM keeps a block table per KV cache group and drops a window
+group's blocks once the window has passed them (its null block 0 stands in). A prefix kvcache holds is loaded
+into every full-attention layer whole and into the window layers only from the first block vLLM keeps for the
+hit point (`(hit - window + 1) // block` blocks dropped): for a hit of 288 tokens, pages 16-17 of 18.
+
+Engines (started once, two at a time): `alone` (vLLM without kvcache, the reference tokens), `first` (on
+kvcache, saves what it computes) and `second` (on kvcache with vLLM's own prefix cache off, so every prefix
+it reuses comes from the pool) for Gemma-3; `mistral-alone` and `mistral` (prefix cache off) for Mistral.
+Requests go one at a time, so a request's tokens never depend on what it was batched with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine_client import KVCacheClient
+from engine_client.vllm.driver import save_model
+from tests.integration.conftest import ServerProcess
+
+from .conftest import PAGE, VllmEngine, drained, request, started_engines, stop_cleanly, tokens
+from .test_connector import prompt
+
+pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.timeout(900)]  # real vLLM engines start in ~20-60 s
+
+WINDOW = 32
+ARGS = ("--block-size", "32", "--num-blocks", "256", "--max-model-len", "1024")
+"""The hybrid manager shares vLLM's blocks among its groups (four for the Gemma-3 model): 256 blocks of 32."""
+NO_PREFIX_CACHE = (*ARGS, "--no-prefix-caching")
+DOCS = (300, 150, 77, 40)
+"""Documents' lengths: kvcache's hits on them are 288, 144, 64 and 32 tokens (their whole pages)."""
+
+
+@pytest.fixture(scope="module")
+def window_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("window-models")
+    return {"gemma3": save_model("gemma3", root / "gemma3", layers=4, sliding_window=WINDOW),
+            "mistral": save_model("mistral", root / "mistral", sliding_window=WINDOW)}
+
+
+def pool(model: Path, log: Path) -> ServerProcess:
+    return ServerProcess("--model", str(model), "--page-size", str(PAGE), "--num-pages", "512", log_path=log)
+
+
+@pytest.fixture(scope="module")
+def kvcache(window_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The Gemma-3 model's kvcache (conftest's invariant check runs on it after every test)."""
+    server = pool(window_models["gemma3"], tmp_path_factory.mktemp("kvcache-gemma3") / "server.log")
+    yield server
+    stop_cleanly(server)
+
+
+@pytest.fixture(scope="module")
+def mistral_kvcache(window_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+                    ) -> Iterator[ServerProcess]:
+    server = pool(window_models["mistral"], tmp_path_factory.mktemp("kvcache-mistral") / "server.log")
+    yield server
+    stop_cleanly(server)
+
+
+@pytest.fixture(scope="module")
+def gemma(window_models: dict[str, Path], engine_log_dir: Path, kvcache: ServerProcess
+          ) -> Iterator[dict[str, VllmEngine]]:
+    specs: dict[str, dict[str, Any]] = {"alone": {"args": ARGS}, "first": {"args": ARGS, "kvcache": kvcache.target},
+                                        "second": {"args": NO_PREFIX_CACHE, "kvcache": kvcache.target}}
+    with started_engines(window_models["gemma3"], engine_log_dir, "gemma3", specs) as engines:
+        yield engines
+
+
+@pytest.fixture(scope="module")
+def mistral(window_models: dict[str, Path], engine_log_dir: Path, mistral_kvcache: ServerProcess
+            ) -> Iterator[dict[str, VllmEngine]]:
+    specs: dict[str, dict[str, Any]] = {"alone": {"args": ARGS},
+                                        "mistral": {"args": NO_PREFIX_CACHE, "kvcache": mistral_kvcache.target}}
+    with started_engines(window_models["mistral"], engine_log_dir, "mistral", specs) as engines:
+        yield engines
+
+
+def each(engine: VllmEngine, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The requests' outputs, each request generated alone."""
+    return [engine.generate([r])[0] for r in requests]
+
+
+def counts(engine: VllmEngine) -> tuple[int, int, int, int]:
+    """The engine's (hit tokens, pool pages loaded, of those into window layers, load errors) so far."""
+    m = engine.metrics()
+    return tuple(int(m.get(f"kvcache_connector_{name}_total", 0))  # type: ignore[return-value]
+                 for name in ("hit_tokens", "load_pages", "load_window_pages", "load_errors"))
+
+
+def test_a_gemma3_pool_describes_its_window_and_full_layers(kvcache: ServerProcess) -> None:
+    with KVCacheClient(kvcache.target) as client:
+        layout = client.get_pool_info().layout
+    assert (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.sliding_window, layout.window_layers) == (
+        4, 2, 64, WINDOW, (0, 1, 2))
+
+
+def test_gemma3_tokens_equal_vllm_alone_and_a_second_engine_loads_the_window_before_each_hit(
+        gemma: dict[str, VllmEngine], kvcache: ServerProcess) -> None:
+    alone, first, second = gemma["alone"], gemma["first"], gemma["second"]
+    docs = [prompt(500 + i, n) for i, n in enumerate(DOCS)]
+    asked = [request(d, 6) for d in docs]
+    followed = [request(d + prompt(600 + i, 24), 6) for i, d in enumerate(docs)]
+    out = each(first, asked)  # computed whole, saved
+    assert tokens(out) == tokens(each(alone, asked))
+    assert [o["num_cached_tokens"] for o in out] == [0, 0, 0, 0]
+    drained(kvcache.target)
+
+    out = each(second, followed)  # other questions on the same documents, on another engine
+    assert tokens(out) == tokens(each(alone, followed))
+    assert [o["num_cached_tokens"] for o in out] == [288, 144, 64, 32]  # every prefix past the window of 32
+    # full-attention layers load every page of each hit (18 + 9 + 4 + 2); window layers only from the first block
+    # vLLM keeps for the hit point: 288 -> pages 16-17, 144 -> 6-8, 64 -> 2-3, 32 -> 0-1
+    assert counts(second) == (528, 33, 2 + 3 + 2 + 2, 0)
+    assert second.metrics()["vllm:prefix_cache_hits_total"] == 0  # every cached token came from the pool
+    log = second.log_text()
+    assert "4 KV cache groups (3 sliding window 32, 1 full attention), KV heads 0-1 of 2\n" in log
+    assert "null block" not in log and "cannot copy" not in log
+
+
+def test_mistral_loads_only_the_window_of_a_hit_far_past_it(mistral: dict[str, VllmEngine],
+                                                             mistral_kvcache: ServerProcess) -> None:
+    alone, engine = mistral["alone"], mistral["mistral"]
+    asked = [request(prompt(700 + i, n), 6) for i, n in enumerate(DOCS)]
+    want = tokens(each(alone, asked))
+    assert tokens(each(engine, asked)) == want  # computed, saved
+    drained(mistral_kvcache.target)
+    out = each(engine, asked)  # vLLM's own prefix cache is off: each prefix comes from kvcache
+    assert tokens(out) == want
+    assert [o["num_cached_tokens"] for o in out] == [288, 144, 64, 32]
+    # every layer attends within the window: of each hit only the pages of the blocks vLLM keeps are loaded
+    assert counts(engine) == (528, 2 + 3 + 2 + 2, 2 + 3 + 2 + 2, 0)
+    assert "1 KV cache group (1 sliding window 32), KV heads 0-1 of 2\n" in engine.log_text()
+    drained(mistral_kvcache.target)
