@@ -141,7 +141,7 @@ def tier_namespace(config: ServiceConfig, layout: PoolLayout) -> Namespace | Non
     if config.tier == "none":
         return None
     return Namespace(config.model_name, layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype,
-                     layout.page_size, layout.attention)
+                     layout.page_size, layout.attention, layout.sliding_window, layout.window_layers)
 
 
 class KVCacheServer:
