@@ -31,7 +31,7 @@ from cache_service.memory.base import FdPool, exports_fd
 from cache_service.memory.select import PoolChoice, create_pool
 from cache_service.metrics import Metrics, serve_metrics
 from cache_service.rpc.identity import Identities, load_tenants
-from cache_service.rpc.kv_events import EventHub, ZmqPublisher, default_topic
+from cache_service.rpc.kv_events import EventHub, ZmqPublisher, default_topic, wire_groups
 from cache_service.rpc.pool_socket import PoolSocketServer, parse_uids
 from cache_service.rpc.server import RpcServer, RpcSettings, ServerTls
 from cache_service.rpc.step_lane import StepLaneServer, parse_group
@@ -141,7 +141,7 @@ def tier_namespace(config: ServiceConfig, layout: PoolLayout) -> Namespace | Non
     if config.tier == "none":
         return None
     return Namespace(config.model_name, layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype,
-                     layout.page_size, layout.attention)
+                     layout.page_size, layout.attention, layout.sliding_window, layout.window_layers)
 
 
 class KVCacheServer:
@@ -341,7 +341,8 @@ class KVCacheServer:
                                      cfg.kv_events_topic or default_topic(cfg.model_name))
         medium = "GPU" if self.pool.name.startswith("cuda") else "CPU"
         return EventHub(self.core, instance_id=self.instance_id, medium=medium, buffer=cfg.kv_events_buffer,
-                        publisher=publisher, tier_medium=self.tier.backend.medium if self.tier is not None else "")
+                        publisher=publisher, tier_medium=self.tier.backend.medium if self.tier is not None else "",
+                        groups=wire_groups(self.pool.layout))
 
     async def _reap_forever(self) -> None:
         interval = self.config.reap_interval

@@ -24,6 +24,7 @@ from cache_service.log import configure_logging
 from cache_service.memory import PoolError
 from cache_service.memory.base import format_bytes
 from kvcache_common.heap import keep_heap
+from kvcache_common.layout import GROUP_KINDS, PoolLayout, format_layers
 from protos.kvcache.v1 import kvcache_pb2 as pb
 
 if TYPE_CHECKING:  # the on-call tools import grpc when they run (see main)
@@ -177,6 +178,7 @@ def _banner(server: Any) -> str:
         *_model_lines(cfg),
         f"  pool     {layout.num_pages - 1:,} pages x {layout.page_size} tokens = {layout.usable_tokens:,} tokens, "
         f"{format_bytes(layout.size_bytes)} ({layout.describe()})",
+        *_group_lines(layout),
         *_sizing_lines(server),
         f"  metrics  {metrics}",
         f"  auth     {_auth_line(server)}",
@@ -200,6 +202,17 @@ def _model_lines(cfg: ServiceConfig) -> list[str]:
         return []
     dtype = "" if model.dtype == cfg.dtype else f"; KV dtype {cfg.dtype} (--dtype)"
     return [f"  model    {cfg.model}: {model.architecture}, {model.describe()}{dtype}"]
+
+
+def _group_lines(layout: PoolLayout) -> list[str]:
+    """With a sliding window: the pool's layer groups (GetPoolInfo's), pages whole across them."""
+    if not layout.sliding_window:
+        return []
+    groups = "; ".join(
+        f"{GROUP_KINDS[g.kind]}{f' {g.sliding_window}' if g.sliding_window else ''} on "
+        + (f"layer{'s' if len(g.layers) > 1 else ''} {format_layers(g.layers)}" if g.layers else "every layer")
+        for g in layout.groups)
+    return [f"  groups   {groups} (a page holds every layer's rows)"]
 
 
 def _sizing_lines(server: Any) -> list[str]:

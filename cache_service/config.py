@@ -8,6 +8,7 @@ values are checked against it (tests/helm). Precedence: command line, then envir
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import re
@@ -19,12 +20,12 @@ from cache_service.core.config import CoreConfig
 from cache_service.core.eviction import EVICTION_POLICIES
 from cache_service.core.tiering import TIER_POLICIES
 from cache_service.memory.base import format_bytes
-from kvcache_common.layout import ATTENTION_KINDS, DTYPE_NAMES, PoolLayout
+from kvcache_common.layout import ATTENTION_KINDS, DTYPE_NAMES, PoolLayout, format_layers, parse_layers
 from kvcache_common.model import ModelConfigError, ModelLayout, UnsupportedModel, read_model_layout
 
 BACKEND_CHOICES = ("auto", "host_shm", "host_memfd", "cuda_ipc", "cuda_vmm")
 GPU_BACKENDS = ("cuda_ipc", "cuda_vmm")
-MODEL_LAYOUT = ("attention", "num_layers", "num_kv_heads", "head_dim")
+MODEL_LAYOUT = ("attention", "num_layers", "num_kv_heads", "head_dim", "sliding_window", "window_layers")
 """The layout fields --model sets (and --dtype, unless given: the KV element type may differ from the model's)."""
 TIER_CHOICES = ("none", "disk", "mooncake")
 MOONCAKE_MIN_SEGMENT_BYTES = 16 << 20
@@ -93,6 +94,16 @@ def _int(text: str) -> int:
         raise ValueError(f"not a whole number: {text!r} (e.g. 1024)") from None
 
 
+def _layer_list(text: str) -> str:
+    """A --window-layers list in its short form: "0,1,2,3,5" -> "0-3,5"; "" stays "" (every layer)."""
+    return format_layers(parse_layers(text))
+
+
+def _layers_text(layers: tuple[int, ...], num_layers: int) -> str:
+    """--window-layers' text for these layers: "" when they are every layer."""
+    return "" if len(layers) == num_layers else format_layers(layers)
+
+
 def _float(text: str) -> float:
     try:
         value = float(text)
@@ -132,6 +143,11 @@ class ServiceConfig:
     attention: str = setting("full", "what the pool keeps per token and layer: full (K and V per KV head) or mla "
                              "(multi-head latent attention: one latent of --head-dim values, --num-kv-heads 1)",
                              choices=tuple(ATTENTION_KINDS))
+    sliding_window: int = setting(0, "tokens the --window-layers attend within (Mistral v0.1, Gemma-2/3, GPT-OSS); "
+                                  "0: no window. A page keeps every layer's rows, window layers included",
+                                  at_least=0)
+    window_layers: str = setting("", "with --sliding-window: the 0-based layers that attend within the window, "
+                                 "e.g. 0-4,6-10 (default: every layer)", parse=_layer_list, metavar="LIST")
     dtype: str = setting("float16", "KV element type", choices=DTYPE_NAMES)
     page_size: int = setting(16, "tokens per page", at_least=1)
     num_pages: int = setting(0, f"pages in the pool, page 0 included (default {DEFAULT_NUM_PAGES} unless --pool-bytes "
@@ -265,7 +281,15 @@ class ServiceConfig:
 
     def _dims(self) -> dict[str, Any]:
         return {"attention": self.attention, "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
-                "head_dim": self.head_dim, "dtype": self.dtype, "page_size": self.page_size}
+                "head_dim": self.head_dim, "dtype": self.dtype, "page_size": self.page_size,
+                "sliding_window": self.sliding_window, "window_layers": self.window_layer_indices}
+
+    @property
+    def window_layer_indices(self) -> tuple[int, ...]:
+        """The layers --sliding-window applies to: --window-layers, else every layer; () without a window."""
+        if not self.sliding_window:
+            return ()
+        return parse_layers(self.window_layers) or tuple(range(self.num_layers))
 
     @property
     def bytes_per_page(self) -> int:
@@ -309,6 +333,14 @@ class ServiceConfig:
         need(self.head_dim % kind.planes_split == 0, "head-dim",
              f"must be even with --attention {kind.name} (the latent's halves go in the K and V planes), got "
              f"{self.head_dim}")
+        need(not self.window_layers or bool(self.sliding_window), "window-layers",
+             "needs --sliding-window (the window its layers attend within)")
+        need(not self.sliding_window or self.attention == "full", "sliding-window",
+             f"needs --attention full (window layers keep K and V per head), got --attention {self.attention}")
+        try:
+            parse_layers(self.window_layers, self.num_layers)
+        except ValueError as e:
+            raise ConfigError(f"--window-layers: {e}") from None
         need(not self.pool_socket or self.pool_socket.startswith("/")
              or (self.pool_socket.startswith("@") and len(self.pool_socket) > 1), "pool-socket",
              f"{self.pool_socket!r} is not an absolute path or @name")
@@ -509,10 +541,15 @@ def fit_model(values: dict[str, Any], given: set[str]) -> dict[str, Any]:
         raise ConfigError(f"--model: {e}") from None
     fitted = dict(values, model_layout=model)
     for name in MODEL_LAYOUT:
-        want = getattr(model, name)
-        if name in given and values[name] != want:
+        want, have = getattr(model, name), values[name]
+        if name == "window_layers":  # the flag's text: "" for every layer
+            want = _layers_text(want, model.num_layers)
+            with contextlib.suppress(ValueError):  # else the config's own check refuses it
+                have = _layers_text(parse_layers(have), model.num_layers)
+        if name in given and have != want:
             flag = name.replace("_", "-")
-            raise ConfigError(f"--{flag}: {values[name]} disagrees with --model {path} ({flag} {want}); leave it "
+            shown = want if want != "" else ("every layer" if model.sliding_window else "none")
+            raise ConfigError(f"--{flag}: {values[name]} disagrees with --model {path} ({flag} {shown}); leave it "
                               "out and the model's is used")
         fitted[name] = want
     if "dtype" not in given and model.dtype:

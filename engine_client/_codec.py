@@ -30,6 +30,7 @@ from engine_client.types import (
     SessionPage,
     Stats,
 )
+from kvcache_common.layout import ATTENTION_KINDS
 from protos.kvcache.v1 import kvcache_pb2 as pb
 
 TokensLike = npt.ArrayLike | bytes
@@ -79,18 +80,47 @@ def _record(cls: type[T], message: Any, **overrides: Any) -> T:
 
 
 def pool_info(r: pb.GetPoolInfoResponse) -> PoolInfo:
-    return _record(PoolInfo, r, layout=_record(PoolLayout, r.layout, attention=_attention(r.layout)))
+    try:
+        layout = _record(PoolLayout, r.layout, **_group_fields(r.layout))
+    except ValueError as e:  # PoolLayout's own checks (a window group without its window, ...)
+        raise PoolMappingError(f"the pool's layout is not one this engine client reads: {e}") from None
+    return _record(PoolInfo, r, layout=layout)
 
 
-def _attention(layout: pb.PoolLayout) -> str:
-    """The pool's attention kind (`ATTENTION_KIND_MLA` -> "mla"); a service older than layer groups sends none and
-    its pool is full attention. Only one-group pools exist: a service with more groups is newer than this client."""
-    if not layout.groups:
-        return "full"
-    if len(layout.groups) > 1:
-        raise PoolMappingError(f"the pool has {len(layout.groups)} layer groups; this engine client reads one-group "
-                               "pools (upgrade it)")
-    return pb.AttentionKind.Name(layout.groups[0].kind).removeprefix("ATTENTION_KIND_").lower()
+def _group_fields(layout: pb.PoolLayout) -> dict[str, Any]:
+    """The layout's `attention`, `sliding_window` and `window_layers` from its layer groups: one group (MLA is
+    "mla", else "full"; a `sliding_window` group of every layer windows them all), or a full-attention and a
+    sliding-window group with the pool's KV heads and head dim that share out its layers. A service older than
+    groups sends none and its pool is full attention. Other groups are a newer service's: PoolMappingError."""
+    groups = list(layout.groups)
+    kinds = [_kind(g) for g in groups]
+    every = tuple(range(layout.num_layers))
+    if not groups:
+        return {"attention": "full", "sliding_window": 0, "window_layers": ()}
+    if len(groups) == 1 and kinds[0] in ATTENTION_KINDS:
+        return {"attention": kinds[0], "sliding_window": 0, "window_layers": ()}
+    if len(groups) == 1 and kinds[0] == "sliding_window":
+        return {"attention": "full", "sliding_window": groups[0].sliding_window,
+                "window_layers": tuple(groups[0].layers) or every}
+    if sorted(kinds) == ["full", "sliding_window"] and all(
+            (g.num_kv_heads, g.head_dim) == (layout.num_kv_heads, layout.head_dim) for g in groups):
+        window, full = groups[kinds.index("sliding_window")], groups[kinds.index("full")]
+        if tuple(sorted((*window.layers, *full.layers))) == every:
+            return {"attention": "full", "sliding_window": window.sliding_window, "window_layers": tuple(window.layers)}
+    shapes = ", ".join(f"{k} {g.num_kv_heads}x{g.head_dim} layers {list(g.layers) or 'all'}"
+                       for k, g in zip(kinds, groups, strict=True))
+    raise PoolMappingError(f"the pool's layer groups ({shapes}) are not ones this engine client reads: one group, or "
+                           "a full-attention and a sliding-window group with the pool's KV heads and head dim that "
+                           "share out its layers (upgrade it)")
+
+
+def _kind(group: pb.LayerGroup) -> str:
+    """A group's `GROUP_KINDS` name (`ATTENTION_KIND_SLIDING_WINDOW` -> "sliding_window"), or "kind N" for a
+    kind newer than this client."""
+    try:
+        return pb.AttentionKind.Name(group.kind).removeprefix("ATTENTION_KIND_").lower()
+    except ValueError:
+        return f"kind {group.kind}"
 
 
 def lease(r: pb.RegisterEngineResponse) -> EngineLease:

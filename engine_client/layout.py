@@ -6,13 +6,15 @@
 A mismatch raises `LayoutMismatch` naming both layouts and the `kvcache-service serve` flags that would
 fit the model. Page size and page count are the service's choice: any page size works. An MLA model
 (`attention="mla"`) has one KV "head" whose `head_dim` is its latent's width (kv_lora_rank + qk_rope_head_dim).
+A sliding-window model names its window and the layers that attend within it (`sliding_window`,
+`window_layers`): the pool must have the same ones.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvcache_common.layout import DTYPE_NAMES, PoolLayout, describe_kv
+from kvcache_common.layout import DTYPE_NAMES, PoolLayout, describe_kv, describe_window, window_flags
 
 __all__ = ["LayoutMismatch", "check_layout", "dtype_name"]
 
@@ -27,24 +29,29 @@ def dtype_name(dtype: Any) -> str:
 
 
 def check_layout(pool: PoolLayout, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: Any,
-                 attention: str = "full") -> None:
+                 attention: str = "full", sliding_window: int = 0, window_layers: tuple[int, ...] = ()) -> None:
     """Raise `LayoutMismatch` unless `pool` holds this kind of attention (`ATTENTION_KINDS` name) with this many
-    layers, KV heads and head dim, in this dtype."""
-    want = (attention, num_layers, num_kv_heads, head_dim, dtype_name(dtype))
-    have = (pool.attention, pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype)
+    layers, KV heads and head dim, in this dtype, with this sliding window on these layers (0 and (): none)."""
+    window = (sliding_window, tuple(window_layers)) if sliding_window else (0, ())
+    want = (attention, num_layers, num_kv_heads, head_dim, dtype_name(dtype), *window)
+    have = (pool.attention, pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype, pool.sliding_window,
+            pool.window_layers)
     if want == have:
         return
     if want[4] not in DTYPE_NAMES:
         raise LayoutMismatch(f"the model's dtype {want[4]} is not a pool dtype (one of {', '.join(DTYPE_NAMES)})")
     flags = (f"{'' if attention == 'full' else f'--attention {attention} '}--num-layers {num_layers} "
-             f"--num-kv-heads {num_kv_heads} --head-dim {head_dim} --dtype {want[4]}")
+             f"--num-kv-heads {num_kv_heads} --head-dim {head_dim} --dtype {want[4]}"
+             f"{window_flags(*window, num_layers)}")
     raise LayoutMismatch(
         f"pool layout {_describe(*have)} does not match the model {_describe(*want)}: serve a pool that fits "
         f"with `kvcache-service serve {flags}` (make run ARGS=\"{flags}\")"
     )
 
 
-def _describe(attention: str, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str) -> str:
+def _describe(attention: str, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str, sliding_window: int,
+              window_layers: tuple[int, ...]) -> str:
+    window = describe_window(sliding_window, window_layers, num_layers)
     if attention == "full":  # the words every full-attention message has used
-        return f"(layers={num_layers}, kv_heads={num_kv_heads}, head_dim={head_dim}, dtype={dtype})"
-    return f"({describe_kv(attention, num_layers, num_kv_heads, head_dim)}, dtype={dtype})"
+        return f"(layers={num_layers}, kv_heads={num_kv_heads}, head_dim={head_dim}, dtype={dtype}{window})"
+    return f"({describe_kv(attention, num_layers, num_kv_heads, head_dim)}, dtype={dtype}{window})"

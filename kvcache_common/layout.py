@@ -10,10 +10,18 @@ is the head dim); multi-head latent attention (MLA, DeepSeek-V2/V3) keeps one la
 kv_lora_rank + qk_rope_head_dim` values per token and layer, no heads and no V, stored as its first half in the
 K plane and its second half in the V plane (one "head" of `head_dim / 2`). So a page costs exactly the model's
 KV bytes either way, and everything that moves pages as bytes (tiers, mapping, events) is the same for both.
+
+A sliding-window model (Mistral v0.1, Gemma-2/3, GPT-OSS) keeps that one layout too: its `window_layers` attend
+only within the last `sliding_window` tokens, but every page holds every layer's rows, window layers included.
+So a page is whole across the pool's layer groups (`PoolLayout.groups`): a prefix hit always has the window
+before the hit point, and eviction never leaves full-attention rows without their window rows. The groups say
+which layers attend within the window; an engine loads only the window's pages for those layers. Window and
+full layers share the pool's KV heads and head dim.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
@@ -44,7 +52,12 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {
     "full": AttentionKind("full", "full attention", 1, None, "{heads} kv heads x {dim}"),
     "mla": AttentionKind("mla", "MLA", 2, 1, "MLA latent {dim} (its halves in the K and V planes)"),
 }
-"""The attention kinds a pool can hold, by name (`full` is the default and the layout of a pool without one)."""
+"""The page formats a pool can hold, by name (`full` is the default and the layout of a pool without one)."""
+
+GROUP_KINDS: dict[str, str] = {"full": "full attention", "mla": "MLA", "sliding_window": "sliding window"}
+"""What a layer group's layers attend with, by name (the proto's `ATTENTION_KIND_<NAME>`) -> how messages call it.
+A page format of `ATTENTION_KINDS` each, and `sliding_window`: full-attention pages whose layers attend within
+the last `sliding_window` tokens (not a page format: `--attention` stays full or mla)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,11 +65,15 @@ class LayerGroup:
     """A group of the pool's layers that share one kind of attention and one page shape (DESIGN §13)."""
 
     kind: str
-    """An `ATTENTION_KINDS` name."""
+    """A `GROUP_KINDS` name."""
     num_layers: int
     num_kv_heads: int
     head_dim: int
     """Per KV head (full attention); MLA: the latent's width."""
+    layers: tuple[int, ...] = ()
+    """The group's 0-based pool layer indices, ascending; empty: every layer of the pool."""
+    sliding_window: int = 0
+    """Kind `sliding_window`: the tokens its layers attend within; else 0."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +91,11 @@ class PoolLayout:
     """Pages per layer and K/V plane, the reserved page 0 included."""
     attention: str = "full"
     """An `ATTENTION_KINDS` name: what `num_kv_heads` x `head_dim` values per token and layer are (see the module)."""
+    sliding_window: int = 0
+    """Tokens the `window_layers` attend within; 0: no window layers."""
+    window_layers: tuple[int, ...] = ()
+    """0-based layer indices that attend within `sliding_window`, ascending and unique; non-empty iff
+    `sliding_window` > 0 (only with attention "full")."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
@@ -92,6 +114,26 @@ class PoolLayout:
         if self.head_dim % kind.planes_split:
             raise ValueError(f"head_dim must be a multiple of {kind.planes_split} with {kind.title} (its halves go "
                              f"in the K and V planes), got {self.head_dim}")
+        self._check_window()
+
+    def _check_window(self) -> None:
+        if self.sliding_window < 0:
+            raise ValueError(f"sliding_window must be >= 0, got {self.sliding_window}")
+        if self.sliding_window and self.attention != "full":
+            raise ValueError(f"sliding_window needs attention full (window layers keep K and V per head), got "
+                             f"attention {self.attention}")
+        if self.sliding_window and not self.window_layers:
+            raise ValueError(f"window_layers must name the layers of sliding_window {self.sliding_window}, got none")
+        if self.window_layers and not self.sliding_window:
+            raise ValueError(f"window_layers needs sliding_window > 0 (the window they attend within), got "
+                             f"window_layers {format_layers(self.window_layers)}")
+        layers = self.window_layers
+        if any(b <= a for a, b in itertools.pairwise(layers)):
+            raise ValueError(f"window_layers must be ascending and unique, got {list(layers)}")
+        if layers and (layers[0] < 0 or layers[-1] >= self.num_layers):
+            bad = layers[0] if layers[0] < 0 else layers[-1]
+            raise ValueError(f"window_layers: layer {bad} is out of range (the pool has {self.num_layers} layers, "
+                             f"0-{self.num_layers - 1})")
 
     @property
     def kind(self) -> AttentionKind:
@@ -105,8 +147,19 @@ class PoolLayout:
 
     @property
     def groups(self) -> tuple[LayerGroup, ...]:
-        """The pool's layer groups: today one, every layer."""
-        return (LayerGroup(self.attention, self.num_layers, self.num_kv_heads, self.head_dim),)
+        """The pool's layer groups, ordered by their first layer: one of every layer (`layers` empty) without a
+        window or with every layer windowed; else a full-attention group and a `sliding_window` one, each naming
+        its layers."""
+        heads, dim, window = self.num_kv_heads, self.head_dim, self.sliding_window
+        if not window:
+            return (LayerGroup(self.attention, self.num_layers, heads, dim),)
+        if len(self.window_layers) == self.num_layers:
+            return (LayerGroup("sliding_window", self.num_layers, heads, dim, sliding_window=window),)
+        full = tuple(i for i in range(self.num_layers) if i not in set(self.window_layers))
+        groups = (LayerGroup(self.attention, len(full), heads, dim, layers=full),
+                  LayerGroup("sliding_window", len(self.window_layers), heads, dim, layers=self.window_layers,
+                             sliding_window=window))
+        return tuple(sorted(groups, key=lambda g: g.layers[0]))
 
     @property
     def itemsize(self) -> int:
@@ -140,11 +193,57 @@ class PoolLayout:
 
     def describe(self) -> str:
         """One line for logs and start messages (the page count is reported separately)."""
+        window = describe_window(self.sliding_window, self.window_layers, self.num_layers)
         return f"{describe_kv(self.attention, self.num_layers, self.num_kv_heads, self.head_dim)}, {self.dtype}, " \
-               f"{self.page_size} tokens/page"
+               f"{self.page_size} tokens/page{window}"
 
 
 def describe_kv(attention: str, num_layers: int, num_kv_heads: int, head_dim: int) -> str:
     """A layer group's per-token KV in words: "2 layers, 4 kv heads x 64" or "2 layers, MLA latent 576 (its
     halves in the K and V planes)"."""
     return f"{num_layers} layers, " + ATTENTION_KINDS[attention].words.format(heads=num_kv_heads, dim=head_dim)
+
+
+def describe_window(sliding_window: int, window_layers: tuple[int, ...], num_layers: int) -> str:
+    """", sliding window 64 on layers 0-4,6-10" (", ... on every layer"), or "" without a window."""
+    if not sliding_window:
+        return ""
+    where = ("every layer" if len(window_layers) == num_layers
+             else f"layer{'s' if len(window_layers) > 1 else ''} {format_layers(window_layers)}")
+    return f", sliding window {sliding_window} on {where}"
+
+
+def format_layers(layers: tuple[int, ...] | list[int]) -> str:
+    """Ascending layer indices in short form: (0, 1, 2, 3, 4, 6, 7, 8, 9, 10) -> "0-4,6-10", (0, 2) -> "0,2"."""
+    runs: list[list[int]] = []
+    for i in layers:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(str(a) if a == b else f"{a},{b}" if b == a + 1 else f"{a}-{b}" for a, b in runs)
+
+
+def parse_layers(text: str, num_layers: int | None = None) -> tuple[int, ...]:
+    """0-based layer indices from "0-4,6-10" (inclusive ranges and single indices, any order): ascending and
+    unique; "" -> (). ValueError for text of another form, and (with `num_layers`) for an index out of range."""
+    layers: set[int] = set()
+    for part in text.replace(" ", "").split(","):
+        if not part and not text.strip():
+            continue
+        first, dash, last = part.partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()) or (dash and int(last) < int(first)):
+            raise ValueError(f"not a layer list: {text!r} (use 0-based layer indices and ranges, e.g. 0-4,6-10)")
+        layers.update(range(int(first), int(last or first) + 1))
+    found = tuple(sorted(layers))
+    if num_layers is not None and found and found[-1] >= num_layers:
+        raise ValueError(f"layer {found[-1]} is out of range (the pool has {num_layers} layers, 0-{num_layers - 1})")
+    return found
+
+
+def window_flags(sliding_window: int, window_layers: tuple[int, ...], num_layers: int) -> str:
+    """" --sliding-window 64 --window-layers 0-4,6-10" (no --window-layers when every layer has the window), or ""."""
+    if not sliding_window:
+        return ""
+    layers = "" if len(window_layers) == num_layers else f" --window-layers {format_layers(window_layers)}"
+    return f" --sliding-window {sliding_window}{layers}"

@@ -7,9 +7,12 @@ pool with, and what an engine's model must match.
 Two kinds of attention fit a kvcache session: full attention, every layer keeping per-head K and V for every
 position, and multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi K2), every layer keeping one latent of
 `kv_lora_rank + qk_rope_head_dim` values per position (`attention="mla"`, one "head" of that width).
-Sliding-window attention (a window shorter than the context) and hybrid stacks (linear attention, state-space
-or recurrent layers beside attention) are refused with `UnsupportedModel`, whose message says why. Plain JSON
-reading: no transformers, torch or network.
+Sliding-window attention (a window shorter than the context) on some or every layer fits a full-attention
+pool whose `window_layers` attend within `sliding_window` tokens (Mistral v0.1, Gemma-2/3, GPT-OSS, Qwen2/3
+with `use_sliding_window`), when window and full layers have the same KV heads and head dim. Hybrid stacks
+(linear attention, state-space or recurrent layers beside attention), MLA with a window and encoder-decoder
+models are refused with `UnsupportedModel`, whose message says why. Plain JSON reading: no transformers, torch
+or network.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvcache_common.layout import DTYPE_NAMES, describe_kv
+from kvcache_common.layout import DTYPE_NAMES, describe_kv, describe_window, format_layers, window_flags
 
 __all__ = ["ModelConfigError", "ModelLayout", "UnsupportedModel", "model_layout", "read_model_layout"]
 
@@ -46,17 +49,23 @@ class ModelLayout:
     """`architectures[0]`, else `model_type` (for messages)."""
     attention: str = "full"
     """A `kvcache_common.layout.ATTENTION_KINDS` name: "mla" for a latent of `head_dim` per token and layer."""
+    sliding_window: int = 0
+    """Tokens the `window_layers` attend within; 0: every layer attends to the whole context."""
+    window_layers: tuple[int, ...] = ()
+    """The 0-based layers that attend within `sliding_window`, ascending (every layer for Mistral v0.1)."""
 
     def describe(self) -> str:
         dtype = self.dtype or "dtype unset"
-        return f"{describe_kv(self.attention, self.num_layers, self.num_kv_heads, self.head_dim)}, {dtype}"
+        window = describe_window(self.sliding_window, self.window_layers, self.num_layers)
+        return f"{describe_kv(self.attention, self.num_layers, self.num_kv_heads, self.head_dim)}, {dtype}{window}"
 
     def flags(self) -> str:
         """The serve flags that fit this model."""
         dtype = f" --dtype {self.dtype}" if self.dtype else ""
         attention = f"--attention {self.attention} " if self.attention != "full" else ""
+        window = window_flags(self.sliding_window, self.window_layers, self.num_layers)
         return (f"{attention}--num-layers {self.num_layers} --num-kv-heads {self.num_kv_heads} "
-                f"--head-dim {self.head_dim}{dtype}")
+                f"--head-dim {self.head_dim}{dtype}{window}")
 
 
 # Config keys by meaning, in the order they are tried (GPT-2, Falcon and friends use older names).
@@ -66,6 +75,14 @@ _HIDDEN = ("hidden_size", "n_embd", "d_model")
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "num_kv_heads_per_layer")
 
 _RECURRENT_MODEL_TYPES = frozenset({"mamba", "mamba2", "rwkv", "rwkv5", "rwkv6", "xlstm", "recurrent_gemma"})
+
+_FULL_KINDS = frozenset({"attention", "full_attention", "attn", "global", "full"})
+_WINDOW_KINDS = frozenset({"sliding_attention", "sliding_window", "local", "local_attention", "sliding"})
+"""Per-layer kind names (`layer_types` and friends, lowercased) of full-attention and of window layers."""
+
+# Where a config gives its window layers' or its full layers' KV heads / head dim apart from the model's.
+_WINDOW_SHAPE = (("swa_num_key_value_heads", "sliding_num_key_value_heads"), ("swa_head_dim", "sliding_head_dim"))
+_FULL_SHAPE = (("global_num_key_value_heads", "num_global_key_value_heads"), ("global_head_dim",))
 
 
 def read_model_layout(path: str | Path) -> ModelLayout:
@@ -100,7 +117,12 @@ def model_layout(config: Mapping[str, Any]) -> ModelLayout:
     arch = _architecture(outer, config)
     _refuse_unsupported(config, arch)
     layers = _int(config, _LAYERS, "the layer count")
+    window, window_layers = _window(config, layers)
     if config.get("kv_lora_rank"):
+        if window:
+            raise UnsupportedModel(f"{arch} is MLA with a sliding window (sliding_window={window} on layers "
+                                   f"{format_layers(window_layers)}): a kvcache pool holds MLA latents or window "
+                                   "layers, not both")
         latent = _int(config, ("kv_lora_rank",), "the MLA latent rank") + _int(
             config, ("qk_rope_head_dim",), "the MLA rope head dim")
         return ModelLayout(num_layers=layers, num_kv_heads=1, head_dim=latent, dtype=_dtype(config) or _dtype(outer),
@@ -115,8 +137,56 @@ def model_layout(config: Mapping[str, Any]) -> ModelLayout:
         if hidden % heads:
             raise ModelConfigError(f"hidden size {hidden} is not a multiple of {heads} attention heads")
         head_dim = hidden // heads
-    return ModelLayout(num_layers=layers, num_kv_heads=int(kv_heads or heads), head_dim=int(head_dim),
-                       dtype=_dtype(config) or _dtype(outer), architecture=arch)
+    kv_heads, head_dim = int(kv_heads or heads), int(head_dim)
+    if window:
+        _refuse_other_window_shape(config, arch, kv_heads, head_dim)
+    return ModelLayout(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
+                       dtype=_dtype(config) or _dtype(outer), architecture=arch, sliding_window=window,
+                       window_layers=window_layers)
+
+
+def _window(config: Mapping[str, Any], num_layers: int) -> tuple[int, tuple[int, ...]]:
+    """The model's sliding window and the layers that attend within it ((0, ()) without window layers). From
+    `layer_types` (and friends) where the config has them, else from the older keys: Mistral's
+    `sliding_window` (every layer, unless `use_sliding_window` is false), Gemma-3's and Cohere-2's
+    `sliding_window_pattern` (layer i is full iff (i + 1) % pattern == 0), Gemma-2 (even layers windowed) and
+    Qwen2/3's `use_sliding_window` with `max_window_layers` (layers from there on windowed). A window at least
+    as long as the context is full attention."""
+    window = config.get("sliding_window")
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        return 0, ()
+    context = config.get("max_position_embeddings")
+    if isinstance(context, int) and window >= context:
+        return 0, ()
+    kinds = _layer_kinds(config)
+    if kinds:
+        layers = tuple(i for i, k in enumerate(kinds) if k in _WINDOW_KINDS)
+    elif config.get("use_sliding_window") is False:
+        layers = ()
+    elif isinstance(pattern := _first(config, ("sliding_window_pattern", "_sliding_window_pattern")), int) \
+            and pattern > 0:
+        layers = tuple(i for i in range(num_layers) if (i + 1) % pattern)
+    elif config.get("model_type") == "gemma2":
+        layers = tuple(range(0, num_layers, 2))
+    elif config.get("use_sliding_window") and isinstance(config.get("max_window_layers"), int):
+        layers = tuple(range(min(config["max_window_layers"], num_layers), num_layers))
+    else:
+        layers = tuple(range(num_layers))
+    if layers and layers[-1] >= num_layers:
+        raise ModelConfigError(f"layer_types names {len(kinds)} layers, the model has {num_layers}")
+    return (window, layers) if layers else (0, ())
+
+
+def _refuse_other_window_shape(config: Mapping[str, Any], arch: str, kv_heads: int, head_dim: int) -> None:
+    """UnsupportedModel when the config gives its window layers or its full layers other KV heads or head dim."""
+    def shape(keys: tuple[tuple[str, ...], tuple[str, ...]]) -> tuple[int, int]:
+        return int(_first(config, keys[0]) or kv_heads), int(_first(config, keys[1]) or head_dim)
+
+    window, full = shape(_WINDOW_SHAPE), shape(_FULL_SHAPE)
+    if window != full:
+        raise UnsupportedModel(f"{arch}'s window layers have {window[0]} kv heads x {window[1]} and its full-attention "
+                               f"layers {full[0]} kv heads x {full[1]}: a kvcache pool's layers share one KV head "
+                               "count and head dim")
 
 
 def _architecture(outer: Mapping[str, Any], config: Mapping[str, Any]) -> str:
@@ -135,21 +205,10 @@ def _refuse_unsupported(config: Mapping[str, Any], arch: str) -> None:
     if model_type in _RECURRENT_MODEL_TYPES:
         raise UnsupportedModel(f"{arch} ({model_type}) is a recurrent/state-space model with no attention K/V to "
                                "keep")
-    kinds = _layer_kinds(config)
-    other = sorted({k for k in kinds if k not in ("attention", "full_attention", "attn", "global", "full")})
+    other = sorted({k for k in _layer_kinds(config) if k not in _FULL_KINDS | _WINDOW_KINDS})
     if other:
-        window = config.get("sliding_window")
-        hint = f" (sliding_window={window})" if window and any("sliding" in k or "local" in k for k in other) else ""
-        raise UnsupportedModel(f"{arch} has {', '.join(other)} layers{hint}: {keeps}, so only a stack of "
+        raise UnsupportedModel(f"{arch} has {', '.join(other)} layers: {keeps}, so only a stack of "
                                "full-attention layers fits")
-    window = config.get("sliding_window")
-    if window and config.get("use_sliding_window", True) and not kinds:
-        context = config.get("max_position_embeddings")
-        if not isinstance(context, int) or window < context:
-            raise UnsupportedModel(
-                f"{arch} uses sliding-window attention (sliding_window={window}"
-                + (f", context {context}" if isinstance(context, int) else "")
-                + f"): {keeps}, beyond the window too; serve a variant without a window (sliding_window: null)")
 
 
 def _layer_kinds(config: Mapping[str, Any]) -> list[str]:

@@ -221,8 +221,76 @@ def test_mla_flags_that_cannot_make_a_pool(argv: list[str], message: str) -> Non
     assert str(err.value) == message
 
 
+def test_a_window_model_builds_a_window_pool_and_the_flags_describe_one_without_it() -> None:
+    model = str(MODELS / "gemma-3-4b-text.json")
+    config = parse(["--model", model, "--num-pages", "4"])
+    gemma = PoolLayout(num_layers=6, num_kv_heads=4, head_dim=256, dtype="bfloat16", page_size=16, num_pages=4,
+                       sliding_window=1024, window_layers=(0, 1, 2, 3, 4))
+    assert config.layout() == gemma
+    assert (config.sliding_window, config.window_layers) == (1024, "0-4")
+    flags = parse(["--num-layers", "6", "--num-kv-heads", "4", "--head-dim", "256", "--dtype", "bfloat16",
+                   "--sliding-window", "1024", "--window-layers", "0,1,2,3,4", "--num-pages", "4"])
+    assert flags.layout() == gemma and flags.window_layers == "0-4"  # the list's short form
+    assert flags.bytes_per_page == 6 * 2 * 16 * 4 * 256 * 2  # every layer of every page, window layers included
+    assert parse(["--model", model, "--sliding-window", "1024", "--window-layers", "0-4"]).layout().groups == \
+        gemma.groups
+    env = parse(["--num-pages", "4"], {"KVCACHE_MODEL": model, "KVCACHE_SLIDING_WINDOW": "1024",
+                                       "KVCACHE_WINDOW_LAYERS": "4,3,2,1,0"})
+    assert env.layout() == gemma
+
+
+def test_a_window_on_every_layer_is_the_default_of_window_layers() -> None:
+    mistral = str(MODELS / "mistral-7b-v0.1.json")
+    config = parse(["--model", mistral, "--num-pages", "4"])
+    assert (config.sliding_window, config.window_layers) == (4096, "")
+    assert config.layout().window_layers == tuple(range(32))
+    assert parse(["--model", mistral, "--window-layers", "0-31"]).layout() == parse(["--model", mistral]).layout()
+    flags = parse(["--sliding-window", "64", "--num-pages", "4"])
+    assert flags.layout().window_layers == (0, 1) and flags.layout().describe() == (
+        "2 layers, 4 kv heads x 64, float16, 16 tokens/page, sliding window 64 on every layer")
+
+
+@pytest.mark.parametrize(("argv", "env", "message"), [
+    (["--window-layers", "0"], {}, "--window-layers: needs --sliding-window (the window its layers attend within)"),
+    ([], {"KVCACHE_WINDOW_LAYERS": "0"},
+     "--window-layers: needs --sliding-window (the window its layers attend within)"),
+    (["--sliding-window", "64", "--window-layers", "0-2"], {},
+     "--window-layers: layer 2 is out of range (the pool has 2 layers, 0-1)"),
+    (["--sliding-window", "64", "--window-layers", "0;1"], {},
+     "--window-layers: not a layer list: '0;1' (use 0-based layer indices and ranges, e.g. 0-4,6-10)"),
+    (["--sliding-window", "64"], {"KVCACHE_WINDOW_LAYERS": "a-b"},
+     "KVCACHE_WINDOW_LAYERS: not a layer list: 'a-b' (use 0-based layer indices and ranges, e.g. 0-4,6-10)"),
+    (["--sliding-window", "-1"], {}, "--sliding-window: must be >= 0, got -1"),
+    (["--sliding-window", "64k"], {}, "--sliding-window: not a whole number: '64k' (e.g. 1024)"),
+    (["--sliding-window", "64", "--attention", "mla", "--num-kv-heads", "1"], {},
+     "--sliding-window: needs --attention full (window layers keep K and V per head), got --attention mla"),
+])
+def test_window_flags_that_cannot_make_a_pool(argv: list[str], env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse(argv, env)
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--sliding-window", "64"], "--sliding-window: 64 disagrees with --model {m} (sliding-window 1024); leave it out "
+                                "and the model's is used"),
+    (["--window-layers", "1-5"], "--window-layers: 1-5 disagrees with --model {m} (window-layers 0-4); leave it out "
+                                 "and the model's is used"),
+])
+def test_a_window_flag_that_disagrees_with_the_model_is_refused(argv: list[str], message: str) -> None:
+    model = str(MODELS / "gemma-3-4b-text.json")
+    with pytest.raises(ConfigError) as err:
+        parse(["--model", model, *argv])
+    assert str(err.value) == message.format(m=model)
+    llama = str(MODELS / "llama-3.1-8b.json")
+    with pytest.raises(ConfigError) as err:
+        parse(["--model", llama, "--sliding-window", "64"])
+    assert str(err.value) == (f"--sliding-window: 64 disagrees with --model {llama} (sliding-window 0); leave it out "
+                              "and the model's is used")
+
+
 @pytest.mark.parametrize(("name", "start"), [
-    ("gemma-3-4b-text", "--model: Gemma3ForCausalLM has sliding_attention layers"),
+    ("qwen3-next-80b", "--model: Qwen3NextForCausalLM has linear_attention layers"),
     ("missing", "--model: {m} does not exist"),
 ])
 def test_a_model_the_pool_cannot_hold_is_refused(name: str, start: str) -> None:

@@ -42,14 +42,23 @@ class Namespace:
     page_size: int
     attention: str = "full"
     """The layout's attention kind: an MLA pool never shares pages with a full-attention one of equal sizes."""
+    sliding_window: int = 0
+    """The layout's sliding window (0: none): a window pool shares pages only with one of the same window..."""
+    window_layers: tuple[int, ...] = ()
+    """... on the same layers (0-based, ascending)."""
 
     def encode(self) -> bytes:
         """The canonical bytes of the namespace: the version, then each field length-prefixed (u32 LE); the
-        attention kind is a last field only when it is not "full" (so full-attention keys stay what they were)."""
+        attention kind is a next field only when it is not "full", and a window three more ("sliding_window",
+        its tokens, its layers as "0,1,2") only when there is one (so full-attention and MLA keys stay what they
+        were)."""
         parts = [self.model_name.encode(), *(str(v).encode() for v in (
             self.num_layers, self.num_kv_heads, self.head_dim)), self.dtype.encode(), str(self.page_size).encode()]
         if self.attention != "full":
             parts.append(self.attention.encode())
+        if self.sliding_window:
+            parts += [b"sliding_window", str(self.sliding_window).encode(),
+                      ",".join(str(i) for i in self.window_layers).encode()]
         return NAMESPACE_VERSION + b"".join(struct.pack("<I", len(p)) + p for p in parts)
 
     def root(self, cache_salt: str) -> bytes:

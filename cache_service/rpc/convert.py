@@ -25,9 +25,10 @@ STATE_FILTERS = {code: state for state, code in _STATES.items()}
 
 
 def pool_layout(layout: PoolLayout) -> pb.PoolLayout:
-    """The pool's layout with its layer groups (an `ATTENTION_KINDS` name `x` is `ATTENTION_KIND_X`)."""
+    """The pool's layout with its layer groups (a `GROUP_KINDS` name `x` is `ATTENTION_KIND_X`)."""
     groups = [pb.LayerGroup(kind=f"ATTENTION_KIND_{g.kind.upper()}", num_layers=g.num_layers,
-                            num_kv_heads=g.num_kv_heads, head_dim=g.head_dim) for g in layout.groups]
+                            num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, sliding_window=g.sliding_window,
+                            layers=g.layers) for g in layout.groups]
     return pb.PoolLayout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
                          dtype=layout.dtype, page_size=layout.page_size, num_pages=layout.num_pages, groups=groups)
 

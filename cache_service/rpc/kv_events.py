@@ -25,6 +25,14 @@ whose token ids match whatever `extra_keys` say, so a salted page is announced w
 "cache_salt:<salt>" (a LoRA name is part of the block identity for Dynamo and llm-d): a router finds it only
 when it asks with that name, never for a request of another salt or of none. Unsalted pages have no
 `lora_name`. Session changes are WatchEvents-only (vLLM's format has no such event).
+
+Layer groups in the ZMQ format: a pool of several groups (full attention and a sliding window on some layers)
+announces each stored page once per group, as vLLM's hybrid KV cache manager does: `group_idx` (the group's
+place in GetPoolInfo's `groups`), `kv_cache_spec_kind` ("full_attention", "sliding_window") and, for a window
+group, `kv_cache_spec_sliding_window`; a removed page once per group with its `group_idx`. A page is whole
+across groups (it holds every layer's rows), so the groups' events always go together. A one-group pool's
+events have no group fields, as before groups. WatchEvents announces each page once: its groups are the
+pool's (GetPoolInfo).
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ import msgpack
 from cache_service.core import KVCacheCore, SessionState
 from cache_service.core.events import Cleared, Record, Removed, SessionChange, Stored
 from cache_service.log import get_logger
+from kvcache_common.layout import PoolLayout
 from protos.kvcache.v1 import kvcache_pb2 as pb
 
 CLOSE_REASONS = {
@@ -75,6 +84,26 @@ def lora_name_for(cache_salt: str) -> str | None:
 
 # ----------------------------------------------------------------------------------------- wire format
 
+SPEC_KINDS = {"full": "full_attention", "mla": "mla_attention", "sliding_window": "sliding_window"}
+"""A layer group's kind (`kvcache_common.layout.GROUP_KINDS`) as vLLM's `kv_cache_spec_kind` names it."""
+
+
+@dataclass(frozen=True, slots=True)
+class WireGroup:
+    """What vLLM's events say of a KV cache group: `kv_cache_spec_kind` and `kv_cache_spec_sliding_window`."""
+
+    kind: str
+    sliding_window: int | None = None
+
+
+def wire_groups(layout: PoolLayout) -> tuple[WireGroup, ...]:
+    """The pool's layer groups as its events name them, in GetPoolInfo's order; () for a one-group pool (its
+    events carry no group fields)."""
+    groups = layout.groups
+    if len(groups) == 1:
+        return ()
+    return tuple(WireGroup(SPEC_KINDS[g.kind], g.sliding_window or None) for g in groups)
+
 
 def wire_event(record: Record, medium: str, page_size: int, tier_medium: str = "") -> dict[str, Any] | None:
     """One record as a vLLM KV event map (None for records vLLM's format has no event for). `medium` is the
@@ -92,10 +121,28 @@ def wire_event(record: Record, medium: str, page_size: int, tier_medium: str = "
     return None
 
 
+def wire_events(record: Record, medium: str, page_size: int, tier_medium: str = "",
+                groups: tuple[WireGroup, ...] = ()) -> list[dict[str, Any]]:
+    """A record's vLLM KV event maps: `wire_event`'s, or with `groups` one stored (removed) event per group,
+    each naming its group as vLLM's hybrid manager does (vLLM's field order; None fields left out as its
+    encoder leaves them out)."""
+    event = wire_event(record, medium, page_size, tier_medium)
+    if event is None:
+        return []
+    if not groups or isinstance(record, Cleared):
+        return [event]
+    if isinstance(record, Removed):
+        return [{**event, "group_idx": i} for i in range(len(groups))]
+    return [{**event, "group_idx": i, "kv_cache_spec_kind": g.kind,
+             **({"kv_cache_spec_sliding_window": g.sliding_window} if g.sliding_window else {})}
+            for i, g in enumerate(groups)]
+
+
 def wire_batch(ts: float, records: Iterable[Record], medium: str, page_size: int, dp_rank: int = 0,
-               tier_medium: str = "") -> bytes:
-    """The msgpack payload of one batch: `[ts, [event maps...], dp_rank]` (always three elements)."""
-    events = [e for r in records if (e := wire_event(r, medium, page_size, tier_medium)) is not None]
+               tier_medium: str = "", groups: tuple[WireGroup, ...] = ()) -> bytes:
+    """The msgpack payload of one batch: `[ts, [event maps...], dp_rank]` (always three elements); `groups`:
+    the pool's (`wire_groups`)."""
+    events = [e for r in records for e in wire_events(r, medium, page_size, tier_medium, groups)]
     payload: bytes = msgpack.packb([ts, events, dp_rank], use_bin_type=True)
     return payload
 
@@ -182,9 +229,11 @@ class EventHub:
 
     def __init__(self, core: KVCacheCore, *, instance_id: str, medium: str, buffer: int,
                  publisher: ZmqPublisher | None = None, clock: Callable[[], float] = time.time,
-                 tier_medium: str = "") -> None:
-        """`medium`: the pool's (GPU or CPU); `tier_medium`: the tier's (DISK, EXTERNAL), for its records."""
+                 tier_medium: str = "", groups: tuple[WireGroup, ...] = ()) -> None:
+        """`medium`: the pool's (GPU or CPU); `tier_medium`: the tier's (DISK, EXTERNAL), for its records;
+        `groups`: the pool's layer groups as the ZMQ events name them (`wire_groups`)."""
         self.core = core
+        self.groups = groups
         self.instance_id = instance_id
         self.medium = medium
         self.tier_medium = tier_medium
@@ -270,7 +319,8 @@ class EventHub:
         ts = self._clock()
         payload = None
         if self.publisher is not None:
-            payload = wire_batch(ts, records, self.medium, self.page_size, tier_medium=self.tier_medium)
+            payload = wire_batch(ts, records, self.medium, self.page_size, tier_medium=self.tier_medium,
+                                 groups=self.groups)
             self.publisher.publish(seq, payload)
         self._last_publish = ts
         batch = Batch(seq, ts, records, payload)

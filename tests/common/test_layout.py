@@ -7,7 +7,17 @@ import pytest
 import cache_service.memory
 import engine_client
 import engine_client.types
-from kvcache_common.layout import DTYPE_BYTES, DTYPE_NAMES, LayerGroup, PoolLayout
+from kvcache_common.layout import (
+    ATTENTION_KINDS,
+    DTYPE_BYTES,
+    DTYPE_NAMES,
+    GROUP_KINDS,
+    LayerGroup,
+    PoolLayout,
+    format_layers,
+    parse_layers,
+    window_flags,
+)
 
 LAYOUT = PoolLayout(num_layers=3, num_kv_heads=4, head_dim=16, dtype="bfloat16", page_size=8, num_pages=5)
 
@@ -92,3 +102,97 @@ def test_invalid_mla_layouts_are_refused_naming_the_field(overrides: dict[str, o
     with pytest.raises(ValueError) as err:
         PoolLayout(**values)  # type: ignore[arg-type]
     assert str(err.value) == message
+
+
+GEMMA3 = PoolLayout(num_layers=12, num_kv_heads=2, head_dim=64, dtype="float32", page_size=16, num_pages=5,
+                    sliding_window=64, window_layers=(0, 1, 2, 3, 4, 6, 7, 8, 9, 10))
+
+
+def test_a_window_pool_keeps_the_full_attention_layout_with_two_groups_ordered_by_their_first_layer() -> None:
+    assert GEMMA3.shape == (12, 2, 5, 16, 2, 64)  # every layer of every page: a page is whole across groups
+    assert GEMMA3.bytes_per_page == PoolLayout(num_layers=12, num_kv_heads=2, head_dim=64, dtype="float32",
+                                               page_size=16, num_pages=5).bytes_per_page == 12 * 2 * 16 * 2 * 64 * 4
+    assert GEMMA3.groups == (
+        LayerGroup("sliding_window", 10, 2, 64, layers=(0, 1, 2, 3, 4, 6, 7, 8, 9, 10), sliding_window=64),
+        LayerGroup("full", 2, 2, 64, layers=(5, 11)),
+    )
+    assert GEMMA3.describe() == ("12 layers, 2 kv heads x 64, float32, 16 tokens/page, sliding window 64 on layers "
+                                 "0-4,6-10")
+    gpt_oss = PoolLayout(num_layers=4, num_kv_heads=8, head_dim=64, dtype="bfloat16", page_size=16, num_pages=5,
+                         sliding_window=128, window_layers=(1, 3))
+    assert [(g.kind, g.layers) for g in gpt_oss.groups] == [("full", (0, 2)), ("sliding_window", (1, 3))]
+    assert gpt_oss.describe().endswith(", sliding window 128 on layers 1,3")
+
+
+def test_a_window_on_every_layer_is_one_group_of_every_layer() -> None:
+    mistral = PoolLayout(num_layers=3, num_kv_heads=8, head_dim=128, dtype="bfloat16", page_size=16, num_pages=5,
+                         sliding_window=4096, window_layers=(0, 1, 2))
+    assert mistral.groups == (LayerGroup("sliding_window", 3, 8, 128, layers=(), sliding_window=4096),)
+    assert mistral.describe() == ("3 layers, 8 kv heads x 128, bfloat16, 16 tokens/page, sliding window 4096 on every "
+                                  "layer")
+    one = PoolLayout(num_layers=3, num_kv_heads=8, head_dim=128, dtype="bfloat16", page_size=16, num_pages=5,
+                     sliding_window=32, window_layers=(2,))
+    assert one.describe().endswith(", sliding window 32 on layer 2")
+    assert LAYOUT.groups[0].layers == () and LAYOUT.groups[0].sliding_window == 0  # no window: as before
+
+
+def test_group_kinds_are_the_page_formats_and_the_window() -> None:
+    assert tuple(ATTENTION_KINDS) == ("full", "mla")  # --attention's choices: page formats only
+    assert GROUP_KINDS == {"full": "full attention", "mla": "MLA", "sliding_window": "sliding window"}
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"sliding_window": -1}, "sliding_window must be >= 0, got -1"),
+    ({"sliding_window": 64}, "window_layers must name the layers of sliding_window 64, got none"),
+    ({"window_layers": (0, 1)}, "window_layers needs sliding_window > 0 (the window they attend within), got "
+                                "window_layers 0,1"),
+    ({"sliding_window": 64, "window_layers": (2, 1)}, "window_layers must be ascending and unique, got [2, 1]"),
+    ({"sliding_window": 64, "window_layers": (1, 1)}, "window_layers must be ascending and unique, got [1, 1]"),
+    ({"sliding_window": 64, "window_layers": (0, 4)},
+     "window_layers: layer 4 is out of range (the pool has 4 layers, 0-3)"),
+    ({"sliding_window": 64, "window_layers": (-1, 0)},
+     "window_layers: layer -1 is out of range (the pool has 4 layers, 0-3)"),
+    ({"sliding_window": 64, "window_layers": (0,), "attention": "mla", "num_kv_heads": 1},
+     "sliding_window needs attention full (window layers keep K and V per head), got attention mla"),
+])
+def test_invalid_windows_are_refused_naming_the_field(overrides: dict[str, object], message: str) -> None:
+    values: dict[str, object] = dict(num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", page_size=16,
+                                     num_pages=2)
+    values.update(overrides)
+    with pytest.raises(ValueError) as err:
+        PoolLayout(**values)  # type: ignore[arg-type]
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize(("text", "layers", "short"), [
+    ("0-4,6-10", (0, 1, 2, 3, 4, 6, 7, 8, 9, 10), "0-4,6-10"),
+    ("6-10, 0-4", (0, 1, 2, 3, 4, 6, 7, 8, 9, 10), "0-4,6-10"),
+    ("0,2,4", (0, 2, 4), "0,2,4"),
+    ("0,1,3", (0, 1, 3), "0,1,3"),
+    ("3,3,2-4", (2, 3, 4), "2-4"),
+    ("5", (5,), "5"),
+    ("", (), ""),
+])
+def test_layer_lists_parse_and_format_in_short_form(text: str, layers: tuple[int, ...], short: str) -> None:
+    assert parse_layers(text) == layers
+    assert parse_layers(text, 11) == layers
+    assert format_layers(layers) == short
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("x", "not a layer list: 'x' (use 0-based layer indices and ranges, e.g. 0-4,6-10)"),
+    ("0,,1", "not a layer list: '0,,1' (use 0-based layer indices and ranges, e.g. 0-4,6-10)"),
+    ("4-2", "not a layer list: '4-2' (use 0-based layer indices and ranges, e.g. 0-4,6-10)"),
+    ("-1", "not a layer list: '-1' (use 0-based layer indices and ranges, e.g. 0-4,6-10)"),
+    ("0-12", "layer 12 is out of range (the pool has 12 layers, 0-11)"),
+])
+def test_bad_layer_lists_are_refused_with_the_form(text: str, message: str) -> None:
+    with pytest.raises(ValueError) as err:
+        parse_layers(text, 12)
+    assert str(err.value) == message
+
+
+def test_window_flags_leave_out_the_layers_when_every_layer_has_the_window() -> None:
+    assert window_flags(64, (0, 1, 2, 3, 4, 6, 7, 8, 9, 10), 12) == " --sliding-window 64 --window-layers 0-4,6-10"
+    assert window_flags(64, (0, 1, 2), 3) == " --sliding-window 64"
+    assert window_flags(0, (), 3) == ""

@@ -33,11 +33,6 @@ def test_a_model_directory_is_read_through_its_config_json(tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize(("name", "reason"), [
-    ("mistral-7b-v0.1", "MistralForCausalLM uses sliding-window attention (sliding_window=4096, context 32768): a "
-                        "kvcache session keeps per-head K and V for every position, beyond the window too; serve a "
-                        "variant without a window (sliding_window: null)"),
-    ("gemma-3-4b-text", "Gemma3ForCausalLM has sliding_attention layers (sliding_window=1024): a kvcache session "
-                        "keeps per-head K and V for every position, so only a stack of full-attention layers fits"),
     ("qwen3-next-80b", "Qwen3NextForCausalLM has linear_attention layers: a kvcache session keeps per-head K and V "
                        "for every position, so only a stack of full-attention layers fits"),
     ("jamba-mini", "JambaForCausalLM has mamba layers: a kvcache session keeps per-head K and V for every position, "
@@ -64,8 +59,116 @@ def test_an_mla_model_is_described_with_the_flags_that_fit_it() -> None:
 
 def test_a_window_as_long_as_the_context_is_full_attention() -> None:
     config = json.loads((MODELS / "mistral-7b-v0.1.json").read_text())
-    assert model_layout({**config, "sliding_window": 32768}).num_layers == 32
-    assert model_layout({**config, "use_sliding_window": False}).num_layers == 32  # Qwen2's switch
+    full = ModelLayout(32, 8, 128, "bfloat16", "MistralForCausalLM")
+    assert model_layout({**config, "sliding_window": 32768}) == full
+    assert model_layout({**config, "use_sliding_window": False}) == full  # Qwen2's switch
+    gemma = json.loads((MODELS / "gemma-3-4b-text.json").read_text())
+    assert model_layout({**gemma, "sliding_window": 131072}).sliding_window == 0  # its layer_types notwithstanding
+
+
+@pytest.mark.parametrize(("name", "layout"), [
+    ("mistral-7b-v0.1", ModelLayout(32, 8, 128, "bfloat16", "MistralForCausalLM", sliding_window=4096,
+                                    window_layers=tuple(range(32)))),
+    ("gemma-3-4b-text", ModelLayout(6, 4, 256, "bfloat16", "Gemma3ForCausalLM", sliding_window=1024,
+                                    window_layers=(0, 1, 2, 3, 4))),
+])
+def test_the_layout_of_a_sliding_window_model(name: str, layout: ModelLayout) -> None:
+    assert read_model_layout(MODELS / f"{name}.json") == layout
+
+
+def test_a_window_model_is_described_with_the_flags_that_fit_it() -> None:
+    gemma = read_model_layout(MODELS / "gemma-3-4b-text.json")
+    assert gemma.flags() == ("--num-layers 6 --num-kv-heads 4 --head-dim 256 --dtype bfloat16 --sliding-window 1024 "
+                             "--window-layers 0-4")
+    assert gemma.describe() == "6 layers, 4 kv heads x 256, bfloat16, sliding window 1024 on layers 0-4"
+    mistral = read_model_layout(MODELS / "mistral-7b-v0.1.json")
+    assert mistral.flags() == "--num-layers 32 --num-kv-heads 8 --head-dim 128 --dtype bfloat16 --sliding-window 4096"
+    assert mistral.describe() == "32 layers, 8 kv heads x 128, bfloat16, sliding window 4096 on every layer"
+
+
+# Tiny configs as transformers writes them (save_pretrained), 6 layers, window 64 within a 2,048 context.
+TINY = {"num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 128,
+        "head_dim": 32, "vocab_size": 256, "max_position_embeddings": 2048, "sliding_window": 64, "dtype": "bfloat16"}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, object]]:
+    """Each family's config.json as transformers' save_pretrained writes it, decoded."""
+    transformers = pytest.importorskip("transformers")
+    families = {"gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {}),
+                "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {}),
+                "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {}),
+                "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+                "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": True, "max_window_layers": 2})}
+    configs = {}
+    for family, (cls, arch, extra) in families.items():
+        where = tmp_path_factory.mktemp(family)
+        getattr(transformers, cls)(**TINY, **extra, architectures=[arch]).save_pretrained(where)
+        configs[family] = json.loads((where / "config.json").read_text())
+    return configs
+
+
+@pytest.mark.parametrize(("family", "window_layers"), [
+    ("gemma2", (0, 2, 4)),  # even layers
+    ("gemma3", (0, 1, 2, 3, 4)),  # every sixth layer is full
+    ("gpt_oss", (0, 2, 4)),
+    ("mistral", (0, 1, 2, 3, 4, 5)),  # no layer_types: the window is every layer's
+    ("qwen2", (2, 3, 4, 5)),  # from max_window_layers on
+])
+def test_the_window_layers_of_configs_transformers_writes(saved: dict[str, dict[str, object]], family: str,
+                                                          window_layers: tuple[int, ...]) -> None:
+    config = saved[family]
+    arch = config["architectures"][0]  # type: ignore[index]
+    assert model_layout(config) == ModelLayout(6, 2, 32, "bfloat16", str(arch), sliding_window=64,
+                                               window_layers=window_layers)
+    assert ("layer_types" in config) == (family != "mistral")
+
+
+@pytest.mark.parametrize(("family", "older", "window_layers"), [
+    ("gemma3", {"sliding_window_pattern": 6}, (0, 1, 2, 3, 4)),
+    ("gemma3", {"sliding_window_pattern": 2}, (0, 2, 4)),
+    ("gemma2", {}, (0, 2, 4)),
+    ("qwen2", {}, (2, 3, 4, 5)),
+    ("qwen2", {"use_sliding_window": False}, ()),
+    ("mistral", {"use_sliding_window": False}, ()),
+])
+def test_the_window_layers_of_older_configs_without_layer_types(saved: dict[str, dict[str, object]], family: str,
+                                                                older: dict[str, object],
+                                                                window_layers: tuple[int, ...]) -> None:
+    config = {k: v for k, v in saved[family].items() if k != "layer_types"} | older
+    layout = model_layout(config)
+    assert (layout.sliding_window, layout.window_layers) == ((64, window_layers) if window_layers else (0, ()))
+
+
+@pytest.mark.parametrize(("extra", "reason"), [
+    ({"swa_head_dim": 16}, "Gemma3ForCausalLM's window layers have 2 kv heads x 16 and its full-attention layers 2 kv "
+                           "heads x 32: a kvcache pool's layers share one KV head count and head dim"),
+    ({"global_num_key_value_heads": 4}, "Gemma3ForCausalLM's window layers have 2 kv heads x 32 and its "
+                                        "full-attention layers 4 kv heads x 32: a kvcache pool's layers share one KV "
+                                        "head count and head dim"),
+    ({"layer_types": ["sliding_attention"] * 5 + ["linear_attention"]},
+     "Gemma3ForCausalLM has linear_attention layers: a kvcache session keeps per-head K and V for every position, "
+     "so only a stack of full-attention layers fits"),
+])
+def test_window_models_a_pool_cannot_hold_are_refused_with_the_reason(saved: dict[str, dict[str, object]],
+                                                                       extra: dict[str, object], reason: str) -> None:
+    with pytest.raises(UnsupportedModel) as err:
+        model_layout(saved["gemma3"] | extra)
+    assert str(err.value) == reason
+
+
+def test_mla_with_a_window_is_refused_with_the_reason() -> None:
+    config = json.loads((MODELS / "deepseek-v3.json").read_text())
+    with pytest.raises(UnsupportedModel) as err:
+        model_layout({**config, "sliding_window": 64, "max_position_embeddings": 4096})
+    assert str(err.value) == ("DeepseekV3ForCausalLM is MLA with a sliding window (sliding_window=64 on layers 0-60): "
+                              "a kvcache pool holds MLA latents or window layers, not both")
+
+
+def test_layer_types_longer_than_the_model() -> None:
+    with pytest.raises(ModelConfigError) as err:
+        model_layout({**TINY, "layer_types": ["full_attention"] * 6 + ["sliding_attention"]})
+    assert str(err.value) == "layer_types names 7 layers, the model has 6"
 
 
 @pytest.mark.parametrize(("config", "message"), [

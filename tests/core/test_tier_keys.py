@@ -27,6 +27,16 @@ def test_a_kind_other_than_full_attention_is_a_last_field() -> None:
         "dsv3", 61, 1, 576, "bfloat16", 16).encode()  # full-attention keys are what they were before kinds
 
 
+def test_a_window_is_three_more_fields_naming_it_and_its_layers() -> None:
+    gemma = Namespace("gemma3", 6, 4, 256, "bfloat16", 16, "full", 1024, (0, 1, 2, 3, 4))
+    assert gemma.encode() == Namespace("gemma3", 6, 4, 256, "bfloat16", 16).encode() + (
+        b"\x0e\0\0\0sliding_window" + b"\x04\0\0\x001024" + b"\x09\0\0\x000,1,2,3,4")
+    others = {gemma.root(""), Namespace("gemma3", 6, 4, 256, "bfloat16", 16, "full", 512, (0, 1, 2, 3, 4)).root(""),
+              Namespace("gemma3", 6, 4, 256, "bfloat16", 16, "full", 1024, (0, 1, 2, 3)).root(""),
+              Namespace("gemma3", 6, 4, 256, "bfloat16", 16).root("")}
+    assert len(others) == 4  # another window, other window layers or none: pages are never shared
+
+
 def test_roots_are_pinned() -> None:
     assert LLAMA.root("").hex() == "3fd25ad78fc8aecb4eca11c92e46917dd5b5f6d81b830d5473e8c04d65fda4a3"
     assert LLAMA.root("tenant-a").hex() == "396d19788b8627c67e4dd03acffdc1c9ad348f77062656fde95f5cb81d22fa1e"

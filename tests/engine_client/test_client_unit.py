@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 import numpy as np
 import pytest
@@ -12,11 +14,14 @@ from google.rpc import error_details_pb2, status_pb2
 from engine_client import (
     InvalidTokens,
     KVCacheClient,
+    LayoutMismatch,
     PoolExhausted,
+    PoolLayout,
     ResourceExhausted,
     ServiceRestarted,
     ServiceUnavailable,
     SessionBusy,
+    check_layout,
 )
 from engine_client._codec import pack_tokens, pool_info
 from engine_client.errors import KVCacheClientError, PoolMappingError, error_from_rpc
@@ -99,4 +104,73 @@ def test_a_pools_attention_kind_is_read_from_its_layer_group() -> None:
     assert pool_info(pb.GetPoolInfoResponse(layout=pb.PoolLayout(**layout))).layout.attention == "full"
     with pytest.raises(PoolMappingError) as err:
         pool_info(pb.GetPoolInfoResponse(layout=pb.PoolLayout(**layout, groups=[mla, mla])))
-    assert str(err.value) == "the pool has 2 layer groups; this engine client reads one-group pools (upgrade it)"
+    assert str(err.value) == ("the pool's layer groups (mla 1x576 layers all, mla 1x576 layers all) are not ones this "
+                              "engine client reads: one group, or a full-attention and a sliding-window group with "
+                              "the pool's KV heads and head dim that share out its layers (upgrade it)")
+
+
+WINDOW_POOL = {"num_layers": 4, "num_kv_heads": 2, "head_dim": 64, "dtype": "float32", "page_size": 16, "num_pages": 4}
+
+
+def _group(kind: int, layers: list[int], window: int = 0, heads: int = 2, dim: int = 64) -> pb.LayerGroup:
+    return pb.LayerGroup(kind=kind, num_layers=len(layers) or 4, num_kv_heads=heads, head_dim=dim,
+                         sliding_window=window, layers=layers)
+
+
+def test_a_pools_window_is_read_from_its_full_and_window_groups() -> None:
+    full, window = _group(pb.ATTENTION_KIND_FULL, [1, 3]), _group(pb.ATTENTION_KIND_SLIDING_WINDOW, [0, 2], 64)
+    got = pool_info(pb.GetPoolInfoResponse(layout=pb.PoolLayout(**WINDOW_POOL, groups=[window, full]))).layout
+    assert (got.attention, got.sliding_window, got.window_layers, got.shape) == ("full", 64, (0, 2),
+                                                                                 (4, 2, 4, 16, 2, 64))
+    every = _group(pb.ATTENTION_KIND_SLIDING_WINDOW, [], 128)  # layers empty: every layer
+    got = pool_info(pb.GetPoolInfoResponse(layout=pb.PoolLayout(**WINDOW_POOL, groups=[every]))).layout
+    assert (got.sliding_window, got.window_layers) == (128, (0, 1, 2, 3))
+
+
+@pytest.mark.parametrize(("groups", "message"), [
+    ([_group(pb.ATTENTION_KIND_SLIDING_WINDOW, [0, 2], 64), _group(pb.ATTENTION_KIND_FULL, [1, 3], dim=128)],
+     "the pool's layer groups (sliding_window 2x64 layers [0, 2], full 2x128 layers [1, 3]) are not ones this "
+     "engine client reads: one group, or a full-attention and a sliding-window group with the pool's KV heads and "
+     "head dim that share out its layers (upgrade it)"),
+    ([_group(pb.ATTENTION_KIND_SLIDING_WINDOW, [0, 2], 64), _group(pb.ATTENTION_KIND_FULL, [1])],
+     "the pool's layer groups (sliding_window 2x64 layers [0, 2], full 2x64 layers [1]) are not ones this engine "
+     "client reads: one group, or a full-attention and a sliding-window group with the pool's KV heads and head dim "
+     "that share out its layers (upgrade it)"),
+    ([_group(7, [])], "the pool's layer groups (kind 7 2x64 layers all) are not ones this engine client reads: one "
+                      "group, or a full-attention and a sliding-window group with the pool's KV heads and head dim "
+                      "that share out its layers (upgrade it)"),
+    ([_group(pb.ATTENTION_KIND_SLIDING_WINDOW, [])],
+     "the pool's layout is not one this engine client reads: window_layers needs sliding_window > 0 (the window "
+     "they attend within), got window_layers 0-3"),
+])
+def test_groups_this_client_cannot_read_are_refused_with_the_reason(groups: list[pb.LayerGroup], message: str) -> None:
+    with pytest.raises(PoolMappingError) as err:
+        pool_info(pb.GetPoolInfoResponse(layout=pb.PoolLayout(**WINDOW_POOL, groups=groups)))
+    assert str(err.value) == message
+
+
+def test_check_layout_compares_the_window_and_names_the_flags_that_fit() -> None:
+    pool = PoolLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype="float32", page_size=16, num_pages=4,
+                      sliding_window=64, window_layers=(0, 2))
+    check_layout(pool, num_layers=4, num_kv_heads=2, head_dim=64, dtype="float32", sliding_window=64,
+                 window_layers=(0, 2))
+    with pytest.raises(LayoutMismatch) as err:
+        check_layout(pool, num_layers=4, num_kv_heads=2, head_dim=64, dtype="float32", sliding_window=64,
+                     window_layers=(0, 1, 2))
+    flags = "--num-layers 4 --num-kv-heads 2 --head-dim 64 --dtype float32 --sliding-window 64 --window-layers 0-2"
+    assert str(err.value) == (
+        "pool layout (layers=4, kv_heads=2, head_dim=64, dtype=float32, sliding window 64 on layers 0,2) does not "
+        "match the model (layers=4, kv_heads=2, head_dim=64, dtype=float32, sliding window 64 on layers 0-2): serve a "
+        f"pool that fits with `kvcache-service serve {flags}` (make run ARGS=\"{flags}\")")
+    with pytest.raises(LayoutMismatch) as err:
+        check_layout(pool, num_layers=4, num_kv_heads=2, head_dim=64, dtype="float32")
+    flags = "--num-layers 4 --num-kv-heads 2 --head-dim 64 --dtype float32"
+    assert str(err.value) == (
+        "pool layout (layers=4, kv_heads=2, head_dim=64, dtype=float32, sliding window 64 on layers 0,2) does not "
+        "match the model (layers=4, kv_heads=2, head_dim=64, dtype=float32): serve a pool that fits with "
+        f"`kvcache-service serve {flags}` (make run ARGS=\"{flags}\")")
+    with pytest.raises(LayoutMismatch) as err:
+        check_layout(dataclasses.replace(pool, sliding_window=0, window_layers=()), num_layers=4, num_kv_heads=2,
+                     head_dim=64, dtype="float32", sliding_window=32, window_layers=(0, 1, 2, 3))
+    assert str(err.value).endswith("--dtype float32 --sliding-window 32` (make run ARGS=\"--num-layers 4 "
+                                   "--num-kv-heads 2 --head-dim 64 --dtype float32 --sliding-window 32\")")

@@ -97,6 +97,8 @@ SCHEMA_REJECTS: list[tuple[dict[str, Any], str]] = [
     ({"tls": {"serverName": "kv service"}}, "- at '/tls/serverName': 'kv service' does not match pattern"),
     ({"tls": {"ca": {"key": ""}}}, "- at '/tls/ca/key': minLength: got 0, want 1"),
     ({"tls": {"clientCa": {"secret": "x"}}}, "- at '/tls/clientCa': additional properties 'secret' not allowed"),
+    ({"config": {"slidingWindow": -1}}, "- at '/config/slidingWindow': minimum: got -1, want 0"),
+    ({"config": {"windowLayers": "0-4;6"}}, "- at '/config/windowLayers': '0-4;6' does not match pattern"),
 ]
 
 
@@ -269,6 +271,8 @@ FLAG_CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "num-kv-heads": ({"config": {"numKvHeads": 8}}, {"value": "8"}),
     "head-dim": ({"config": {"headDim": 128}}, {"value": "128"}),
     "attention": ({"config": {"attention": "mla", "numKvHeads": 1, "headDim": 576}}, {"value": "mla"}),
+    "sliding-window": ({"config": {"slidingWindow": 1024}}, {"value": "1024"}),
+    "window-layers": ({"config": {"slidingWindow": 64, "numLayers": 8, "windowLayers": "0-4,6"}}, {"value": "0-4,6"}),
     "dtype": ({"config": {"dtype": "bfloat16"}}, {"value": "bfloat16"}),
     "page-size": ({"config": {"pageSize": 32}}, {"value": "32"}),
     "num-pages": ({"config": {"numPages": 4096}}, {"value": "4096"}),
@@ -564,7 +568,8 @@ def test_a_model_configmap_is_mounted_and_sets_model_instead_of_the_layout(chart
     container = service_container(objects)
     env = env_values(container)
     assert env["KVCACHE_MODEL"] == "/etc/kvcache/model/config.json"
-    assert not {"KVCACHE_NUM_LAYERS", "KVCACHE_NUM_KV_HEADS", "KVCACHE_HEAD_DIM", "KVCACHE_DTYPE"} & set(env)
+    assert not {"KVCACHE_ATTENTION", "KVCACHE_NUM_LAYERS", "KVCACHE_NUM_KV_HEADS", "KVCACHE_HEAD_DIM",
+                "KVCACHE_SLIDING_WINDOW", "KVCACHE_WINDOW_LAYERS", "KVCACHE_DTYPE"} & set(env)
     assert {"name": "model-config", "mountPath": "/etc/kvcache/model", "readOnly": True} in container["volumeMounts"]
     volume = next(v for v in pod_spec(objects)["volumes"] if v["name"] == "model-config")
     assert volume == {"name": "model-config",

@@ -89,13 +89,43 @@ def test_serve_model_without_a_size_takes_a_share_of_free_memory(start_server: C
         assert client.get_pool_info().layout.num_pages == pages + 1
 
 
-def test_serve_model_refuses_a_sliding_window_model_in_one_line() -> None:
-    proc = run_cli("serve", "--model", str(Path(REPO) / "tests" / "models" / "mistral-7b-v0.1.json"))
+def test_serve_model_refuses_a_linear_attention_model_in_one_line() -> None:
+    proc = run_cli("serve", "--model", str(Path(REPO) / "tests" / "models" / "qwen3-next-80b.json"))
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr == ("kvcache-service: error: --model: MistralForCausalLM uses sliding-window attention "
-                           "(sliding_window=4096, context 32768): a kvcache session keeps per-head K and V for every "
-                           "position, beyond the window too; serve a variant without a window (sliding_window: null)"
-                           "\n")
+    assert proc.stderr == ("kvcache-service: error: --model: Qwen3NextForCausalLM has linear_attention layers: a "
+                           "kvcache session keeps per-head K and V for every position, so only a stack of "
+                           "full-attention layers fits\n")
+
+
+def test_serve_model_builds_the_layer_groups_of_a_window_model(start_server: Callable[..., ServerProcess],
+                                                               tmp_path: os.PathLike[str]) -> None:
+    """A tiny Gemma-3 (its config.json as transformers 5.23 writes it): window layers 0-4 and 6-10 within 64
+    tokens, 5 and 11 full. The start line and GetPoolInfo (through grpcurl, as an operator reads it) show both
+    groups; the pool keeps every layer of every page."""
+    model = Path(tmp_path) / "tiny-gemma-3"
+    model.mkdir()
+    shutil.copy(Path(REPO) / "tests" / "models" / "gemma-3-tiny.json", model / "config.json")
+    server = start_server("--model", str(model), "--num-pages", "9")
+    assert server.banner[2] == (f"  model    {model}: Gemma3ForCausalLM, 12 layers, 2 kv heads x 32, float32, sliding "
+                                "window 64 on layers 0-4,6-10\n")
+    # 9 pages x 12 layers x K, V x 16 tokens x 2 heads x 32 x 4 bytes = 864 KiB: every layer of every page
+    assert server.banner[3] == ("  pool     8 pages x 16 tokens = 128 tokens, 864.0 KiB (12 layers, 2 kv heads x 32, "
+                                "float32, 16 tokens/page, sliding window 64 on layers 0-4,6-10)\n")
+    assert server.banner[4] == ("  groups   sliding window 64 on layers 0-4,6-10; full attention on layers 5,11 (a "
+                                "page holds every layer's rows)\n")
+    layout = json.loads(run_try_line(server.banner[-1].replace(
+        " list", " kvcache.v1.KVCacheService/GetPoolInfo")))["layout"]
+    assert layout == {
+        "num_layers": 12, "num_kv_heads": 2, "head_dim": 32, "dtype": "float32", "page_size": 16, "num_pages": 9,
+        "groups": [
+            {"kind": "ATTENTION_KIND_SLIDING_WINDOW", "num_layers": 10, "num_kv_heads": 2, "head_dim": 32,
+             "sliding_window": 64, "layers": [0, 1, 2, 3, 4, 6, 7, 8, 9, 10]},
+            {"kind": "ATTENTION_KIND_FULL", "num_layers": 2, "num_kv_heads": 2, "head_dim": 32, "layers": [5, 11]},
+        ]}
+    with KVCacheClient(server.target) as client:
+        pool = client.get_pool_info().layout
+    assert (pool.sliding_window, pool.window_layers, pool.shape) == (64, (0, 1, 2, 3, 4, 6, 7, 8, 9, 10),
+                                                                     (12, 2, 9, 16, 2, 32))
 
 
 def run_try_line(line: str) -> str:

@@ -280,3 +280,32 @@ def test_dynamos_indexer_sees_what_the_tier_holds(start_server: Callable[..., Se
             raise AssertionError(f"indexer tiers {split()}; log:\n{indexer.log_path.read_text()[-3000:]}") from None
     log = indexer.log_path.read_text()
     assert "unknown medium" not in log and "Failed to decode" not in log, log[-3000:]
+
+
+def test_dynamos_indexer_reads_a_window_pools_per_group_events(start_server: Callable[..., ServerProcess],
+                                                              indexer: Indexer) -> None:
+    """A pool of two layer groups (layer 0 attends within a 64-token window, layer 1 to everything) announces each
+    page once per group with vLLM's group fields (`group_idx`, `kv_cache_spec_kind`, ...); Dynamo's indexer
+    decodes them and matches what MatchPrefix reports, before and after the pages are evicted."""
+    server = start_server(*service_flags("tcp://127.0.0.1:0", "tcp://127.0.0.1:0"), "--sliding-window", "64",
+                          "--window-layers", "0")
+    pub, replay = endpoints(server)
+    status, answer = indexer.post("/register", {"instance_id": INSTANCE, "endpoint": pub, "model_name": MODEL,
+                                                "block_size": PAGE, "replay_endpoint": replay})
+    assert status == 201, answer
+    kept = prompt(5, 6 * PAGE + 1)
+    with KVCacheClient(server.target) as c:
+        c.open_session("kept", engine_id="")
+        c.append_session("kept", kept)
+        c.commit_session("kept", [])
+        c.close_session("kept", cache=True)
+        assert c.match_prefix(kept).cached_tokens == 6 * PAGE
+        wait_until(lambda: indexer.matched(kept, "") == 6 * PAGE, "the indexer to see the window pool's prefix",
+                   timeout=15)
+        c.open_session("burst", engine_id="")  # wants the whole pool: the prefix is evicted, in both groups
+        c.append_session("burst", prompt(6, 40 * PAGE))
+        c.commit_session("burst", abort=True)
+        assert c.match_prefix(kept).cached_tokens == 0
+        wait_until(lambda: indexer.matched(kept, "") == 0, "the indexer to see the prefix removed", timeout=15)
+    log = indexer.log_path.read_text()
+    assert "Failed to decode" not in log, log[-3000:]

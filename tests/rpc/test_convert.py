@@ -21,6 +21,7 @@ from cache_service.rpc.convert import (
 )
 from cache_service.rpc.errors import add_status, add_status_proto, status_for, status_proto
 from cache_service.tier.stats import TierStats
+from engine_client._codec import pool_info
 from kvcache_common.layout import PoolLayout
 from protos.kvcache.v1 import kvcache_pb2 as pb
 from tests.fakes import FakeClock
@@ -34,6 +35,21 @@ def test_the_pool_layout_names_its_one_layer_group(attention: str, heads: int, d
     assert pool_layout(layout) == pb.PoolLayout(
         num_layers=3, num_kv_heads=heads, head_dim=dim, dtype="bfloat16", page_size=16, num_pages=9,
         groups=[pb.LayerGroup(kind=kind, num_layers=3, num_kv_heads=heads, head_dim=dim)])
+
+
+def test_a_window_pool_names_its_full_and_window_groups_and_the_client_reads_them_back() -> None:
+    gemma = PoolLayout(num_layers=6, num_kv_heads=2, head_dim=64, dtype="float32", page_size=16, num_pages=9,
+                       sliding_window=64, window_layers=(0, 1, 2, 3, 4))
+    assert pool_layout(gemma) == pb.PoolLayout(
+        num_layers=6, num_kv_heads=2, head_dim=64, dtype="float32", page_size=16, num_pages=9,
+        groups=[pb.LayerGroup(kind=pb.ATTENTION_KIND_SLIDING_WINDOW, num_layers=5, num_kv_heads=2, head_dim=64,
+                              sliding_window=64, layers=[0, 1, 2, 3, 4]),
+                pb.LayerGroup(kind=pb.ATTENTION_KIND_FULL, num_layers=1, num_kv_heads=2, head_dim=64, layers=[5])])
+    mistral = dataclasses.replace(gemma, window_layers=tuple(range(6)))
+    assert list(pool_layout(mistral).groups) == [pb.LayerGroup(
+        kind=pb.ATTENTION_KIND_SLIDING_WINDOW, num_layers=6, num_kv_heads=2, head_dim=64, sliding_window=64)]
+    for layout in (gemma, mistral, dataclasses.replace(gemma, sliding_window=0, window_layers=())):
+        assert pool_info(pb.GetPoolInfoResponse(layout=pool_layout(layout))).layout == layout
 
 
 def test_listed_and_packed_tokens_decode_to_the_same_int32_array() -> None:

@@ -3,13 +3,21 @@ checks the format, not the msgpack library against itself), and the ZMQ frames a
 
 from __future__ import annotations
 
+import json
+import os
 import struct
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from cache_service.core.events import Cleared, Removed, SessionChange, Stored
-from cache_service.rpc.kv_events import END_SEQ, wire_batch
+from cache_service.rpc.kv_events import END_SEQ, WireGroup, wire_batch, wire_groups
+from kvcache_common.layout import PoolLayout
+
+REPO = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 
 H1, H2 = 0xA56148B7EDCC6BB5, 0x8B7FEBB04CD5C39D
 
@@ -82,3 +90,56 @@ def test_tier_records_carry_the_tiers_medium() -> None:
 
 def test_the_replay_end_marker_is_minus_one_as_8_signed_bytes() -> None:
     assert END_SEQ == b"\xff" * 8
+
+
+GEMMA3 = PoolLayout(num_layers=6, num_kv_heads=2, head_dim=64, dtype="float32", page_size=4, num_pages=9,
+                    sliding_window=64, window_layers=(0, 1, 2, 3, 4))
+GROUPS = (WireGroup("sliding_window", 64), WireGroup("full_attention"))
+
+
+def test_a_pool_of_several_groups_names_them_and_a_one_group_pool_does_not() -> None:
+    assert wire_groups(GEMMA3) == GROUPS  # GetPoolInfo's order: the window group holds layer 0
+    for one in (PoolLayout(num_layers=6, num_kv_heads=2, head_dim=64, dtype="float32", page_size=4, num_pages=9),
+                PoolLayout(num_layers=6, num_kv_heads=1, head_dim=576, dtype="float32", page_size=4, num_pages=9,
+                           attention="mla"),
+                PoolLayout(num_layers=6, num_kv_heads=2, head_dim=64, dtype="float32", page_size=4, num_pages=9,
+                           sliding_window=64, window_layers=tuple(range(6)))):
+        assert wire_groups(one) == ()  # its events are what they were before groups, byte for byte
+
+
+def test_each_group_gets_its_own_stored_and_removed_event_as_vllms_hybrid_manager_sends_them() -> None:
+    records = [Cleared(), Stored("", None, [H1, H2], np.arange(1, 9, dtype=np.int32)), Removed("", [H2])]
+    window = (STORED[:1].replace(b"\x88", b"\x8b") + STORED[1:] + s("group_idx") + b"\x00"
+              + s("kv_cache_spec_kind") + s("sliding_window") + s("kv_cache_spec_sliding_window") + b"\x40")
+    full = (STORED[:1].replace(b"\x88", b"\x8a") + STORED[1:] + s("group_idx") + b"\x01"
+            + s("kv_cache_spec_kind") + s("full_attention"))
+    removed = [REMOVED[:1].replace(b"\x83", b"\x84") + REMOVED[1:] + s("group_idx") + bytes([i]) for i in (0, 1)]
+    assert wire_batch(2.0, records, "GPU", 4, groups=GROUPS) == batch(2.0, CLEARED, window, full, *removed)
+    assert wire_batch(2.0, records, "GPU", 4) == batch(2.0, CLEARED, STORED, REMOVED)  # one group: unchanged
+
+
+DECODE = """
+import json, sys
+import msgspec
+from vllm.distributed.kv_events import KVEventBatch
+batch = msgspec.msgpack.Decoder(KVEventBatch).decode(sys.stdin.buffer.read())
+print(json.dumps([msgspec.to_builtins(e) | {"type": type(e).__name__} for e in batch.events]))
+"""
+
+
+def test_vllms_own_decoder_reads_the_group_events() -> None:
+    """vLLM 0.32's KVEventBatch decoder (in .venv-vllm) reads a two-group batch back to its own events."""
+    assert VLLM_PYTHON.exists(), f"{VLLM_PYTHON} is missing: `make vllm-setup` makes the vLLM venv"
+    payload = wire_batch(2.0, [Stored("", None, [H1], np.arange(1, 5, dtype=np.int32)), Removed("", [H1])], "CPU", 4,
+                         groups=GROUPS)
+    run = subprocess.run([str(VLLM_PYTHON), "-c", DECODE], input=payload, capture_output=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": ""})
+    assert run.returncode == 0, run.stderr.decode()[-2000:]
+    stored = {"type": "BlockStored", "block_hashes": [H1], "parent_block_hash": None, "token_ids": [1, 2, 3, 4],
+              "block_size": 4, "lora_id": None, "medium": "CPU", "lora_name": None}
+    assert json.loads(run.stdout) == [
+        {**stored, "group_idx": 0, "kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 64},
+        {**stored, "group_idx": 1, "kv_cache_spec_kind": "full_attention"},
+        {"type": "BlockRemoved", "block_hashes": [H1], "medium": "CPU", "group_idx": 0},
+        {"type": "BlockRemoved", "block_hashes": [H1], "medium": "CPU", "group_idx": 1},
+    ]

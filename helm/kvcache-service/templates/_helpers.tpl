@@ -403,7 +403,7 @@ Whole numbers render as integers (Helm holds every number as a float64, and "1.0
 {{- define "kvcache.env" -}}
 {{- $model := or .Values.config.model .Values.modelConfig.configMap -}}
 {{- range $key, $value := omit .Values.config "mooncakeLocalHostname" }}
-{{- if not (or (and (eq $key "model") $.Values.modelConfig.configMap) (and $model (has $key (list "attention" "numLayers" "numKvHeads" "headDim" "dtype")))) }}
+{{- if not (or (and (eq $key "model") $.Values.modelConfig.configMap) (and $model (has $key (list "attention" "numLayers" "numKvHeads" "headDim" "slidingWindow" "windowLayers" "dtype")))) }}
 - name: {{ printf "KVCACHE_%s" ($key | snakecase | upper) }}
   {{- if and (kindIs "float64" $value) (eq $value (floor $value)) }}
   value: {{ int64 $value | quote }}

@@ -36,6 +36,7 @@ class AttentionKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ATTENTION_KIND_UNSPECIFIED: _ClassVar[AttentionKind]
     ATTENTION_KIND_FULL: _ClassVar[AttentionKind]
     ATTENTION_KIND_MLA: _ClassVar[AttentionKind]
+    ATTENTION_KIND_SLIDING_WINDOW: _ClassVar[AttentionKind]
 
 class StepFlag(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -81,6 +82,7 @@ SESSION_LIMIT: ErrorReason
 ATTENTION_KIND_UNSPECIFIED: AttentionKind
 ATTENTION_KIND_FULL: AttentionKind
 ATTENTION_KIND_MLA: AttentionKind
+ATTENTION_KIND_SLIDING_WINDOW: AttentionKind
 STEP_FLAG_UNSPECIFIED: StepFlag
 STEP_FLAG_SET: StepFlag
 STEP_FLAG_KV_TOKENS: StepFlag
@@ -117,16 +119,20 @@ class PoolLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[LayerGroup, _Mapping]]] = ...) -> None: ...
 
 class LayerGroup(_message.Message):
-    __slots__ = ("kind", "num_layers", "num_kv_heads", "head_dim")
+    __slots__ = ("kind", "num_layers", "num_kv_heads", "head_dim", "sliding_window", "layers")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
     kind: AttentionKind
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    def __init__(self, kind: _Optional[_Union[AttentionKind, str]] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
+    sliding_window: int
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kind: _Optional[_Union[AttentionKind, str]] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., sliding_window: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetPoolInfoRequest(_message.Message):
     __slots__ = ()
