@@ -294,20 +294,29 @@ def _kv_groups(kv_cache_config: Any) -> _KVGroups:
         return _KVGroups(None, "full")
     groups = kv_cache_config.kv_cache_groups
     kinds = [_SPEC_KINDS.get(type(g.kv_cache_spec).__name__) for g in groups]
-    names = sorted({type(g.kv_cache_spec).__name__ for g in groups})
-    shapes = {(int(g.kv_cache_spec.block_size), int(g.kv_cache_spec.num_kv_heads), int(g.kv_cache_spec.head_size),
-               g.kv_cache_spec.dtype) for g in groups}
+    shapes = {tuple(getattr(g.kv_cache_spec, a, None) for a in ("block_size", "num_kv_heads", "head_size", "dtype"))
+              for g in groups}
     windows = tuple(int(g.kv_cache_spec.sliding_window) if k == "sliding_window" else 0 for g, k in zip(
         groups, kinds, strict=True))
     one_kind = len(groups) == 1 and kinds[0] is not None
     hybrid = bool(groups) and set(kinds) <= {"full", "sliding_window"} and len(shapes) == 1
     if not (one_kind or hybrid) or len({w for w in windows if w}) > 1:
-        raise ValueError(f"the kvcache connector keeps the KV of every position in pages of one shape: every layer "
-                         f"must be full attention, MLA, or sliding-window attention of one window beside full "
-                         f"attention with the same KV heads and head size; this model has {len(groups)} KV cache "
-                         f"group(s) of {names}" + (f" with windows {sorted(set(windows))}" if any(windows) else ""))
+        raise ValueError(f"the kvcache connector copies per-token KV in pages of one shape: full attention, MLA, or "
+                         f"sliding-window attention of one window beside full attention, every layer with the same "
+                         f"block size, KV heads and head size; this model has {len(groups)} KV cache group"
+                         f"{'s' if len(groups) > 1 else ''}: {', '.join(_spec_words(g.kv_cache_spec) for g in groups)}")
     of_layer = {name: g for g, group in enumerate(groups) for name in group.layer_names}
     return _KVGroups(groups[0].kv_cache_spec, "mla" if kinds[0] == "mla" else "full", windows, of_layer)
+
+
+def _spec_words(spec: Any) -> str:
+    """A KV cache group's spec in a refusal: `SlidingWindowSpec(block 32, 2 KV heads x 64, window 32)`."""
+    name = type(spec).__name__
+    if not hasattr(spec, "num_kv_heads"):
+        return f"{name} (recurrent state, not per-token KV)" if "Mamba" in name else name
+    window = getattr(spec, "sliding_window", None)
+    return (f"{name}(block {spec.block_size}, {spec.num_kv_heads} KV heads x {spec.head_size}"
+            f"{f', window {window}' if window else ''})")
 
 
 def _layer_index(name: str) -> tuple[int, str]:

@@ -282,3 +282,42 @@ def test_a_window_groups_null_blocks_are_loaded_around_and_never_saved(server: S
     finally:
         side.close()
     verify_stats(server.target)
+
+
+def test_a_window_model_and_a_pool_without_its_window_refuse_each_other_naming_both(
+        server: ServerProcess, tmp_path: Path) -> None:
+    # a Gemma-3-style model (window 32 on layers 0 and 1 of 2, through KV cache groups 0 (window) and 1 (full))
+    # on the module's pool, which has no window: refused, with the flags that fit
+    def window_worker(target: str, windows: tuple[int, ...]) -> WorkerSide:
+        worker = WorkerSide(lambda: KVCacheClient(target), block_size=BLOCK, shard=head_shard(0, 1, 2))
+        layers = [(f"l{i}", cpu_view(torch.zeros(4, 2, BLOCK, 128), heads=2)) for i in range(2)]
+        try:
+            worker.register(layers, num_kv_heads=2, head_dim=64, dtype=torch.float32, groups=[0, 1], windows=windows)
+        finally:
+            worker.close()
+        return worker
+
+    with pytest.raises(LayoutMismatch) as e:
+        window_worker(server.target, (32, 0))
+    flags = "--num-layers 2 --num-kv-heads 2 --head-dim 64 --dtype float32 --sliding-window 32 --window-layers 0"
+    assert str(e.value) == (
+        "pool layout (layers=2, kv_heads=2, head_dim=64, dtype=float32) does not match the model (layers=2, "
+        "kv_heads=2, head_dim=64, dtype=float32, sliding window 32 on layer 0): serve a pool that fits with "
+        f"`kvcache-service serve {flags}` (make run ARGS=\"{flags}\")")
+    verify_stats(server.target)
+
+    windowed = ServerProcess("--page-size", str(PAGE), "--num-pages", "8", "--num-layers", "2", "--num-kv-heads", "2",
+                             "--head-dim", "64", "--dtype", "float32", "--sliding-window", "32", "--window-layers",
+                             "0", log_path=tmp_path / "window.log")
+    try:
+        window_worker(windowed.target, (32, 0))  # the pool that fits: mapped
+        with pytest.raises(LayoutMismatch) as e:
+            window_worker(windowed.target, (0, 0))  # a full-attention model on the window pool
+        flags = "--num-layers 2 --num-kv-heads 2 --head-dim 64 --dtype float32"
+        assert str(e.value) == (
+            "pool layout (layers=2, kv_heads=2, head_dim=64, dtype=float32, sliding window 32 on layer 0) does not "
+            "match the model (layers=2, kv_heads=2, head_dim=64, dtype=float32): serve a pool that fits with "
+            f"`kvcache-service serve {flags}` (make run ARGS=\"{flags}\")")
+        verify_stats(windowed.target)
+    finally:
+        windowed.close()

@@ -15,6 +15,9 @@ Requests go one at a time, so a request's tokens never depend on what it was bat
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,9 +26,9 @@ import pytest
 
 from engine_client import KVCacheClient
 from engine_client.vllm.driver import save_model
-from tests.integration.conftest import ServerProcess
+from tests.integration.conftest import REPO, ServerProcess
 
-from .conftest import PAGE, VllmEngine, drained, request, started_engines, stop_cleanly, tokens
+from .conftest import PAGE, VLLM_PYTHON, VllmEngine, drained, request, started_engines, stop_cleanly, tokens
 from .test_connector import prompt
 
 pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.timeout(900)]  # real vLLM engines start in ~20-60 s
@@ -139,3 +142,23 @@ def test_mistral_loads_only_the_window_of_a_hit_far_past_it(mistral: dict[str, V
     assert counts(engine) == (528, 2 + 3 + 2 + 2, 2 + 3 + 2 + 2, 0)
     assert "1 KV cache group (1 sliding window 32), KV heads 0-1 of 2\n" in engine.log_text()
     drained(mistral_kvcache.target)
+
+
+def test_the_connector_reads_vllms_kv_cache_groups_and_refuses_those_it_cannot_copy() -> None:
+    # vLLM's own spec classes (tests/vllm/groups_check.py runs in the vLLM venv)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "LD_PRELOAD": str(VLLM_PYTHON.resolve().parent.parent / "lib" /
+                                                                     "libiomp5.so")}
+    run = subprocess.run([str(VLLM_PYTHON), "-m", "tests.vllm.groups_check"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.splitlines()[-1])
+    assert out["hybrid"] == ["full", [32, 0], {"l0": 0, "l2": 0, "l1": 1, "l3": 1},
+                             "2 KV cache groups (1 sliding window 32, 1 full attention)"]
+    why = ("the kvcache connector copies per-token KV in pages of one shape: full attention, MLA, or sliding-window "
+           "attention of one window beside full attention, every layer with the same block size, KV heads and head "
+           "size; this model has 2 KV cache groups: ")
+    window = "SlidingWindowSpec(block 32, 2 KV heads x 64, window 32)"
+    assert out["mamba"] == why + "MambaSpec (recurrent state, not per-token KV), FullAttentionSpec(block 32, 2 KV " \
+                                 "heads x 64)"
+    assert out["two windows"] == why + f"{window}, SlidingWindowSpec(block 32, 2 KV heads x 64, window 64)"
+    assert out["other heads"] == why + f"{window}, FullAttentionSpec(block 32, 4 KV heads x 64)"
