@@ -4,6 +4,7 @@
     .venv/bin/python -m bench.vllm_bench --quick    # the tiny test model, no vLLM-alone baseline (the smoke test)
     .venv/bin/python -m bench.vllm_bench --tp       # tensor parallel (TP=2) and the prefill/decode split instead
     .venv/bin/python -m bench.vllm_bench --mla      # an MLA model (DeepSeek-V2) instead
+    .venv/bin/python -m bench.vllm_bench --window   # sliding-window models (Gemma-3-style, Mistral-style) instead
 
 The engines are real vLLM processes (`.venv-vllm`, `make vllm-setup`) driven through
 `engine_client.vllm.driver`, a pair per side (engine A and engine B, like two replicas behind a router), on a
@@ -34,6 +35,14 @@ size 16) on a pool `serve --model` builds: engine A answers one question on each
 other questions on the same documents, one request at a time (vLLM's CPU MLA is not batch-invariant; vLLM
 has no prefix cache for MLA on CPU, so alone B computes everything again), against vLLM alone; and the
 pool's bytes per token against vLLM's own allocation and against K and V per attention head.
+
+With `--window`, two sliding-window models, each on a pool `serve --model` builds: a Gemma-3-style one (window
+256 in five layers of six, the sixth full attention: Gemma-3's ratio) and a Mistral-style one (window 256 in
+every layer), vLLM's hybrid KV cache manager on (the connector declares `SupportsHMA`). Engine A answers one
+question on each of 4 documents, engine B other questions on the same documents; vLLM alone's engine B is its
+engine under another cache salt (a cold prefix cache, one engine fewer on a 2-core machine). Reported: prompt
+tokens computed, TTFT, the pages B loaded (into every layer, and into the window layers: only the window
+before each hit point), and KV bytes per token: the pool's per layer group against vLLM's own allocation.
 
 Tokens with kvcache must equal vLLM alone. The machine is shared: times are medians, read them as such.
 """
@@ -333,11 +342,104 @@ def mla_main(python: Path, work: Path, doc_tokens: int) -> int:
     return 0 if holds and alone_a[2] == kv_a[2] and all(first_same) else 1
 
 
+WINDOW_SHAPE: dict[str, Any] = {"hidden": 512, "heads": 8, "kv_heads": 4, "head_dim": 64, "intermediate": 1024,
+                                "sliding_window": 256}
+WINDOW_MODELS = {"Gemma-3-style": ("gemma3", 6), "Mistral-style": ("mistral", 4)}
+"""Label -> (save_model family, layers)."""
+WINDOW_ARGS = ("--block-size", "32", "--max-model-len", "4096", "--kv-cache-mib", "256", "--max-num-seqs", "64",
+               "--max-num-batched-tokens", "8192")
+
+
+def window_main(python: Path, work: Path, doc_tokens: int) -> int:
+    """Sliding-window models (`--window`): prints a table; 1 when tokens differ or the invariant broke."""
+    import re
+
+    from kvcache_common.layout import window_flags
+    from kvcache_common.model import read_model_layout
+
+    rows: list[tuple[str, Any, dict[str, Any]]] = []
+    ok = True
+    docs = [tokens(i, doc_tokens) for i in range(4)]
+
+    def ask(engine: EngineProcess, seed: int, salt: str = "") -> tuple[int, float, list[list[int]]]:
+        reqs = [{"prompt": d + tokens(seed + i, 32), "max_tokens": 8, "cache_salt": salt} for i, d in enumerate(docs)]
+        out = [engine.generate([r])[0] for r in reqs]  # one at a time
+        return computed(out, reqs), statistics.median(o["ttft"] for o in out), [o["tokens"] for o in out]
+
+    for label, (family, layers) in WINDOW_MODELS.items():
+        model = save_model(family, work / family, layers=layers, **WINDOW_SHAPE)
+        layout = read_model_layout(model)
+        service = KVCacheService(work / f"kvcache-{family}.log", layers=layers, kv_heads=layout.num_kv_heads,
+                                 head_dim=layout.head_dim, num_pages=4096,
+                                 args=tuple(window_flags(layout.sliding_window, layout.window_layers, layers).split()))
+        on_kvcache = {"args": WINDOW_ARGS, "kvcache": service.target}
+        specs: dict[str, dict[str, Any]] = {"alone": {"args": WINDOW_ARGS}, "kv-a": on_kvcache, "kv-b": on_kvcache}
+        engines: dict[str, EngineProcess] = {}
+        try:
+            engines = start(python, model, work, {f"{family}-{k}": v for k, v in specs.items()})
+            alone, kv_a, kv_b = (engines[f"{family}-{k}"] for k in ("alone", "kv-a", "kv-b"))
+            print(f"[vllm_bench] {label}: engine A, then engine B, alone and on kvcache")
+            r: dict[str, Any] = {"alone_a": ask(alone, 100), "kv_a": ask(kv_a, 100)}
+            r |= {"alone_b": ask(alone, 200, salt="b"), "kv_b": ask(kv_b, 200)}
+            m = kv_b.metrics()
+            r["loads"] = {k: int(m.get(f"kvcache_connector_{k}_total", 0))
+                          for k in ("hit_tokens", "load_pages", "load_window_pages", "load_errors")}
+            found = re.search(r"CPU KV cache size: ([\d,]+) tokens", alone.log_text())
+            r["vllm_tokens"] = int(found.group(1).replace(",", "")) if found else 0
+            for engine in engines.values():
+                engine.close()
+            engines.clear()
+            with KVCacheClient(service.target) as client:
+                st = client.get_stats(verify=True)
+                r["info"] = client.get_pool_info()
+            r["holds"] = st.verified and st.accounting_holds and st.sessions_in_turn == 0
+        finally:
+            for engine in engines.values():
+                engine.close()
+            service.close()
+        r["same"] = r["alone_a"][2] == r["kv_a"][2] and r["alone_b"][2] == r["kv_b"][2]
+        ok = ok and r["holds"] and r["same"]
+        rows.append((label, layout, r))
+
+    def cell(c: int, ttft: float) -> str:
+        return f"{c:>9} {ttft * 1000:>8.1f} ms"
+
+    print()
+    print(f"4 docs x {doc_tokens} tokens + 32, 8 tokens generated, one request at a time; vLLM's block 32, pool "
+          "page 16, float32")
+    print(f"{'workload':<52} {'vLLM alone':>21}   {'vLLM on kvcache':>21}")
+    print(f"{'':<52} {'computed':>9} {'TTFT p50':>11}   {'computed':>9} {'TTFT p50':>11}")
+    for label, _, r in rows:
+        print(f"{f'{label}, engine A: first question on each doc':<52} {cell(*r['alone_a'][:2])}   "
+              f"{cell(*r['kv_a'][:2])}")
+        print(f"{f'{label}, engine B: other questions, same docs':<52} {cell(*r['alone_b'][:2])}   "
+              f"{cell(*r['kv_b'][:2])}")
+    print()
+    for label, layout, r in rows:
+        loads, info = r["loads"], r["info"]
+        per_layer = 2 * info.layout.page_bytes // info.layout.page_size  # K and V of one layer, one token
+        windowed = len(layout.window_layers)
+        full = layout.num_layers - windowed
+        vllm = (f"{(256 << 20) // r['vllm_tokens']:,} B a token of its block pool ({r['vllm_tokens']:,} tokens in "
+                f"--kv-cache-mib 256)" if r["vllm_tokens"] else "?")
+        print(f"{label} ({layout.describe()}): engine B took {loads['hit_tokens']:,} tokens from kvcache, reading "
+              f"{loads['load_pages']} pages into its full-attention layers and {loads['load_window_pages']} into its "
+              f"window layers; load errors {loads['load_errors']}")
+        print(f"  KV bytes per token: pool {per_layer * full:,} B in {full} full-attention layer(s) + "
+              f"{per_layer * windowed:,} B in {windowed} window layer(s), kept for every position; vLLM {vllm}, "
+              f"its window layers holding only the last {layout.sliding_window} tokens of a request")
+        print(f"  kvcache's accounting invariant after the run: {'holds' if r['holds'] else 'BROKEN'}; tokens equal "
+              f"to vLLM alone: {'yes' if r['same'] else 'NO'}")
+    return 0 if ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.vllm_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny model, small workloads, no vLLM-alone baseline")
     p.add_argument("--tp", action="store_true", help="tensor parallel (TP=2) and prefill/decode workloads instead")
     p.add_argument("--mla", action="store_true", help="an MLA model (DeepSeek-V2), vLLM alone vs on kvcache, instead")
+    p.add_argument("--window", action="store_true",
+                   help="sliding-window models (Gemma-3-style, Mistral-style), vLLM alone vs on kvcache, instead")
     p.add_argument("--vllm-python", default=str(REPO / ".venv-vllm" / "bin" / "python"))
     args = p.parse_args(argv)
     python = Path(args.vllm_python)
@@ -349,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     bursts, burst = (2, 8) if args.quick else (5, 32)
     work = Path(tempfile.mkdtemp(prefix="kvcache-vllm-bench-"))
     described = (f"random DeepSeek-V2 {MLA_SHAPE['layers']} layers x {MLA_SHAPE['hidden']} hidden, MLA" if args.mla
+                 else f"random Gemma-3-style and Mistral-style, {WINDOW_SHAPE['hidden']} hidden, window "
+                      f"{WINDOW_SHAPE['sliding_window']}" if args.window
                  else f"random Llama {shape['layers']} layers x {shape['hidden']} hidden, {shape['kv_heads']} KV heads "
                       f"of {shape['head_dim']}")
     print(f"[vllm_bench] machine load {machine_load()}; model: {described}, float32; logs in {work}")
@@ -356,6 +460,8 @@ def main(argv: list[str] | None = None) -> int:
         return tp_main(python, work, shape, doc_tokens)
     if args.mla:
         return mla_main(python, work, 256 if args.quick else 1024)
+    if args.window:
+        return window_main(python, work, 256 if args.quick else 1024)
     model = save_model("llama", work / "model", **shape)
     service = KVCacheService(work / "kvcache.log", layers=shape["layers"], kv_heads=shape["kv_heads"],
                              head_dim=shape["head_dim"], num_pages=8192)

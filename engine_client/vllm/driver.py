@@ -55,8 +55,8 @@ def save_model(family: str, out: str | Path, *, layers: int = 2, hidden: int = 1
     do not apply), 4 routed experts of which 2 per token, its first layer dense, weights drawn with std 0.06 (at
     transformers' 0.02 its greedy tokens are near-ties that flip with any change of float order; at 0.2 the two
     layers amplify such changes). gemma3 (text-only Gemma-3) attends within the last `sliding_window` tokens in
-    every layer but each fourth, which is full attention (Gemma-3's own ratio is 5 to 1); mistral attends within
-    the window in every layer."""
+    every layer but each sixth, which is full attention (Gemma-3's ratio; with fewer than six layers, the last);
+    mistral attends within the window in every layer."""
     import torch
     from transformers import (
         DeepseekV2Config,
@@ -86,7 +86,8 @@ def save_model(family: str, out: str | Path, *, layers: int = 2, hidden: int = 1
                "topk_group": 1, "initializer_range": 0.06}
         model = DeepseekV2ForCausalLM(DeepseekV2Config(**(shape | mla)))
     elif family == "gemma3":
-        kinds = ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(layers)]
+        period = min(6, layers)  # Gemma-3's five window layers to one full, or the last layer of fewer than six
+        kinds = ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(layers)]
         model = Gemma3ForCausalLM(Gemma3TextConfig(**shape, sliding_window=sliding_window, layer_types=kinds,
                                                    initializer_range=0.06))
     elif family == "mistral":
