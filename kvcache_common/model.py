@@ -172,7 +172,7 @@ def _window(config: Mapping[str, Any], num_layers: int) -> tuple[int, tuple[int,
         layers = tuple(range(min(config["max_window_layers"], num_layers), num_layers))
     else:
         layers = tuple(range(num_layers))
-    if layers and layers[-1] >= num_layers:
+    if layers and kinds and len(kinds) != num_layers:
         raise ModelConfigError(f"layer_types names {len(kinds)} layers, the model has {num_layers}")
     return (window, layers) if layers else (0, ())
 

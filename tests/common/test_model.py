@@ -165,10 +165,11 @@ def test_mla_with_a_window_is_refused_with_the_reason() -> None:
                               "a kvcache pool holds MLA latents or window layers, not both")
 
 
-def test_layer_types_longer_than_the_model() -> None:
+@pytest.mark.parametrize("kinds", [["full_attention"] * 6 + ["sliding_attention"], ["sliding_attention"] * 5])
+def test_window_layer_types_of_another_length_than_the_model(kinds: list[str]) -> None:
     with pytest.raises(ModelConfigError) as err:
-        model_layout({**TINY, "layer_types": ["full_attention"] * 6 + ["sliding_attention"]})
-    assert str(err.value) == "layer_types names 7 layers, the model has 6"
+        model_layout({**TINY, "layer_types": kinds})
+    assert str(err.value) == f"layer_types names {len(kinds)} layers, the model has 6"
 
 
 @pytest.mark.parametrize(("config", "message"), [

@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from engine_client import KVCacheClient
 from protos.kvcache.v1 import kvcache_pb2 as pb
 from protos.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 from tests.integration.conftest import PYTHON, REPO, SHM_DIR, ServerProcess
@@ -118,3 +119,28 @@ def test_a_tier_directory_in_use_is_refused(start_server: Callable[..., ServerPr
         f"kvcache-service: error: --tier-dir {tier}: another kvcache-service uses this directory; give each service "
         "its own")
     assert not list(Path(SHM_DIR).glob(f"{prefix}-*.pool"))  # the pool was released
+
+
+def test_a_window_pools_tier_values_are_found_only_by_a_pool_of_the_same_window(
+        start_server: Callable[..., ServerProcess], tmp_path: Path) -> None:
+    """The tier namespace names the window and its layers: a restart with the same window finds the pages on
+    disk; one with the window on other layers, or with none, does not share them (their K/V would be another
+    model's)."""
+    tier = str(tmp_path / "tier")
+    base = ("--tier", "disk", "--tier-dir", tier, "--page-size", "4", "--num-layers", "4")
+    window = ("--sliding-window", "16", "--window-layers", "0-2")
+    prompt = list(range(1, 11))
+    first = start_server(*base, *window)
+    with KVCacheClient(first.target) as c:
+        c.open_session("s", engine_id="")
+        c.append_session("s", prompt)
+        c.commit_session("s", [])
+        assert c.close_session("s", cache=True).cached_tokens == 8  # 2 full pages
+    code, _ = first.terminate()  # it offloads what is resident before it stops
+    assert code == 0
+    for flags, found in ((("--sliding-window", "16", "--window-layers", "1-3"), 0), ((), 0), (window, 8)):
+        server = start_server(*base, *flags)
+        with KVCacheClient(server.target) as c:
+            match = c.match_prefix(prompt)
+            assert (match.cached_tokens, match.tier_tokens) == (found, found), flags
+        assert server.terminate()[0] == 0

@@ -35,6 +35,16 @@ def test_an_mla_pages_value_is_its_latents_exactly() -> None:
     assert list(chunk_offsets(mla, 3)) == [3 * 18432 + i * plane for i in range(4)]
 
 
+def test_a_window_pools_page_value_holds_every_layers_rows() -> None:
+    # window layers 0-2 and full layer 3: the value is the whole page, as for a full-attention pool of the sizes
+    window = PoolLayout(num_layers=4, num_kv_heads=2, head_dim=8, dtype="float16", page_size=4, num_pages=8,
+                        sliding_window=16, window_layers=(0, 1, 2))
+    full = PoolLayout(num_layers=4, num_kv_heads=2, head_dim=8, dtype="float16", page_size=4, num_pages=8)
+    assert geometry(window) == geometry(full)
+    assert (geometry(window).num_chunks, geometry(window).chunk_bytes) == (8, 4 * 2 * 8 * 2)
+    assert list(chunk_offsets(window, 3)) == list(chunk_offsets(full, 3))
+
+
 def test_a_pages_chunks_are_the_engines_k_and_v_in_layer_order(pool: Pool) -> None:
     written = pool.write(9, seed=1)
     buffers = pool.memory.page(9)
