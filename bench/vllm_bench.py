@@ -423,11 +423,12 @@ def window_main(python: Path, work: Path, doc_tokens: int) -> int:
         vllm = (f"{(256 << 20) // r['vllm_tokens']:,} B a token of its block pool ({r['vllm_tokens']:,} tokens in "
                 f"--kv-cache-mib 256)" if r["vllm_tokens"] else "?")
         print(f"{label} ({layout.describe()}): engine B took {loads['hit_tokens']:,} tokens from kvcache, reading "
-              f"{loads['load_pages']} pages into its full-attention layers and {loads['load_window_pages']} into its "
-              f"window layers; load errors {loads['load_errors']}")
-        print(f"  KV bytes per token: pool {per_layer * full:,} B in {full} full-attention layer(s) + "
-              f"{per_layer * windowed:,} B in {windowed} window layer(s), kept for every position; vLLM {vllm}, "
-              f"its window layers holding only the last {layout.sliding_window} tokens of a request")
+              f"{loads['load_pages']} pool pages, {loads['load_window_pages']} of them into its window layers (the "
+              f"window before each hit point only); load errors {loads['load_errors']}")
+        print(f"  KV bytes per token: the pool keeps {per_layer * full:,} B in {full} full-attention layer(s) and "
+              f"{per_layer * windowed:,} B in {windowed} window layer(s) for every position; vLLM sizes its block "
+              f"pool at {vllm}, and at run time its window layers hold only a request's last "
+              f"{layout.sliding_window} tokens")
         print(f"  kvcache's accounting invariant after the run: {'holds' if r['holds'] else 'BROKEN'}; tokens equal "
               f"to vLLM alone: {'yes' if r['same'] else 'NO'}")
     return 0 if ok else 1
