@@ -3,7 +3,7 @@
     from engine_client import KVCacheClient
     from engine_client.hf import SessionChat
 
-    model = AutoModelForCausalLM.from_pretrained(...)      # a decoder with full (not sliding) attention
+    model = AutoModelForCausalLM.from_pretrained(...)      # a decoder with full and/or sliding-window attention
     with KVCacheClient("127.0.0.1:50051") as client, SessionChat(client, model) as chat:
         first = chat.turn(prompt_ids, max_new_tokens=64)       # prefill + decode, K/V written to the pool
         second = chat.turn(next_ids, max_new_tokens=64)        # computes only next_ids (+ the last answer token)
@@ -17,9 +17,15 @@ turn is aborted: the session stays at its last committed turn and the next turn 
 `SessionCache` is the `transformers.Cache` underneath, usable on its own: one layer per decoder layer,
 each writing the K/V that attention produces into the session's slots and returning the context's K/V
 from the pool, head-major and contiguous as transformers' attention wants it. A session holds one
-sequence: batch size 1, no beam search or assisted decoding. Models whose layers are not all full
-attention (sliding windows, hybrid or linear attention) are refused with the reason: a session keeps
-every position's K/V.
+sequence: batch size 1, no beam search or assisted decoding.
+
+A sliding-window model (Gemma-2/3, Mistral with `sliding_window`) runs on a pool with its window on its
+window layers (`serve --sliding-window W --window-layers ...`, or `serve --model`): the session keeps every
+layer's K/V for every position (so a later turn or another session can resume anywhere), and a window
+layer hands attention only the K/V of the last `W - 1` positions before the forward's first query (as
+transformers' own `DynamicSlidingWindowLayer` does), its mask sized to match; the model's sliding mask
+then applies the window. Models with other layers (hybrid or linear attention) and MLA models (transformers
+caches their K and V expanded per head) are refused with the reason.
 """
 
 from __future__ import annotations
@@ -37,6 +43,9 @@ from engine_client.layout import check_layout
 from engine_client.mapping import MappedPool, map_pool
 from engine_client.session import Session
 from kvcache_common.layout import PoolLayout
+from kvcache_common.model import ModelConfigError
+from kvcache_common.model import UnsupportedModel as UnsupportedConfig
+from kvcache_common.model import model_layout as config_layout
 
 __all__ = ["ChatTurn", "DynamicChat", "SessionCache", "SessionChat", "UnsupportedModel", "check_model",
            "dense_reference", "model_layout"]
@@ -47,21 +56,23 @@ class UnsupportedModel(ValueError):
 
 
 def model_layout(model: Any) -> dict[str, Any]:
-    """The pool layout a model's K/V needs: num_layers, num_kv_heads, head_dim and dtype (a torch dtype)."""
+    """The pool layout a model's K/V needs, as `check_layout`'s keywords: num_layers, num_kv_heads, head_dim,
+    dtype (the model's torch dtype), sliding_window and window_layers (0 and (): no window layers). Read from
+    its (text) config as `kvcache-service serve --model` reads a config.json (`kvcache_common.model`); raises
+    UnsupportedModel for attention a session cannot hold."""
     config = model.config.get_text_config(decoder=True)
-    heads = config.num_attention_heads
-    return {
-        "num_layers": config.num_hidden_layers,
-        "num_kv_heads": getattr(config, "num_key_value_heads", None) or heads,
-        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
-        "dtype": model.dtype,
-    }
+    try:
+        layout = config_layout(config.to_dict())
+    except (UnsupportedConfig, ModelConfigError) as e:
+        raise UnsupportedModel(f"{type(model).__name__}: {e}") from None
+    return {"num_layers": layout.num_layers, "num_kv_heads": layout.num_kv_heads, "head_dim": layout.head_dim,
+            "dtype": model.dtype, "sliding_window": layout.sliding_window, "window_layers": layout.window_layers}
 
 
 def check_model(model: Any, layout: PoolLayout) -> None:
-    """Raise UnsupportedModel unless every layer is full attention (MLA models too: transformers caches them
-    expanded), and LayoutMismatch (naming both layouts
-    and the serve flags that fit) unless the pool holds this model's K/V."""
+    """Raise UnsupportedModel unless every layer is full or sliding-window attention (MLA models are refused:
+    transformers caches them expanded), and LayoutMismatch (naming both layouts and the serve flags that fit)
+    unless the pool holds this model's K/V with its window on its window layers."""
     config = model.config.get_text_config(decoder=True)
     rank = getattr(config, "kv_lora_rank", None)
     if rank:
@@ -70,31 +81,38 @@ def check_model(model: Any, layout: PoolLayout) -> None:
             "K and V expanded per head, not the latent an MLA pool keeps; serve it with vLLM on kvcache "
             "(engine_client.vllm)")
     layer_types, _ = get_layer_types_and_kwargs(config)
-    other = sorted({t for t in layer_types if t != "full_attention"})
+    other = sorted({t for t in layer_types if t not in _ATTENTION_LAYERS})
     if other:
-        window = getattr(config, "sliding_window", None)
         raise UnsupportedModel(
-            f"{type(model).__name__} has {', '.join(other)} layers"
-            + (f" (sliding_window={window})" if window else "")
-            + ": a kvcache session keeps the K/V of every position, so only full-attention layers fit; for a model "
-            "that can run without a window, load it with sliding_window=None"
-        )
+            f"{type(model).__name__} has {', '.join(other)} layers: a kvcache session keeps the K/V of every "
+            "position, so only full-attention and sliding-window layers fit")
     check_layout(layout, **model_layout(model))
 
 
-class _PoolLayer(CacheLayerMixin):  # type: ignore[misc]  # transformers' classes are untyped here
-    """One decoder layer's cache: its K/V live in the session's slots of the pool."""
+_ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})
+"""transformers' layer types a session holds (`config.layer_types`)."""
 
-    is_sliding = False
+
+class _PoolLayer(CacheLayerMixin):  # type: ignore[misc]  # transformers' classes are untyped here
+    """One decoder layer's cache: its K/V live in the session's slots of the pool. A window layer
+    (`sliding_window` > 0) keeps every position there too, but hands attention only the window's."""
+
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, cache: SessionCache, layer_idx: int) -> None:
+    def __init__(self, cache: SessionCache, layer_idx: int, sliding_window: int = 0) -> None:
         super().__init__()
         self._cache = cache
         self._layer_idx = layer_idx
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window > 0
         self.length = 0
         """Leading positions whose K/V this layer has in the pool."""
+
+    def _first(self, start: int) -> int:
+        """The first position attention needs when queries start at `start`: all of them for a full layer,
+        the last `sliding_window - 1` before `start` for a window layer."""
+        return max(start - self.sliding_window + 1, 0) if self.sliding_window else 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -102,7 +120,8 @@ class _PoolLayer(CacheLayerMixin):  # type: ignore[misc]  # transformers' classe
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the new positions' K/V (`[1, kv_heads, new, head_dim]`) and return the whole context's."""
+        """Write the new positions' K/V (`[1, kv_heads, new, head_dim]`) and return the context's that
+        attention needs: every position's, or a window layer's from `_first(start)` on."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[0] != 1:
@@ -115,14 +134,16 @@ class _PoolLayer(CacheLayerMixin):  # type: ignore[misc]  # transformers' classe
             self._cache.ensure_capacity(end)
         session.write_kv(self._layer_idx, key_states, value_states, start)
         self.length = end
-        k, v = session.gather_kv(self._layer_idx, end)
+        k, v = session.gather_kv(self._layer_idx, end, start=self._first(start))
         # Contiguous and head-major, as DynamicCache hands them: transformers' attention (repeat_kv, sdpa) runs
         # ~1.4x slower on the pool's token-major view than on a copy, and the copy costs what DynamicCache's
         # concatenation does (bench/hf_bench.py).
         return k.contiguous(), v.contiguous()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
+        """(kv_length, kv_offset) of what `update` will return for `query_length` new positions."""
+        first = self._first(self.length)
+        return self.length + query_length - first, first
 
     def get_seq_length(self) -> int:
         return self.length
@@ -158,7 +179,10 @@ class SessionCache(Cache):  # type: ignore[misc]
     def __init__(self, session: Session, *, num_layers: int, grow_tokens: int | None = None) -> None:
         if session.pool is None:
             raise ValueError("the session needs the mapped pool: Session(client, pool=map_pool(client))")
-        super().__init__(layers=[_PoolLayer(self, i) for i in range(num_layers)])
+        layout = session.pool.layout
+        window = set(layout.window_layers)
+        super().__init__(layers=[_PoolLayer(self, i, layout.sliding_window if i in window else 0)
+                                 for i in range(num_layers)])
         self.session = session
         self.grow_tokens = grow_tokens or session.page_size
         self.extensions = 0
@@ -264,7 +288,8 @@ class SessionChat:
 
 
 def dense_reference(model: Any, tokens: list[int], **generate_kwargs: Any) -> list[int]:
-    """What `generate` produces for `tokens` from scratch with transformers' own `DynamicCache`."""
+    """What `generate` produces for `tokens` from scratch with transformers' own `DynamicCache` (with sliding
+    layers keeping only their window for a window model)."""
     return DynamicChat(model).turn(tokens, **generate_kwargs)
 
 
@@ -274,13 +299,14 @@ class DynamicChat:
 
     In float32 its tokens equal a from-scratch recompute; in bfloat16 they may not (K/V computed one decode
     step at a time round differently from the same positions in one prefill), so this, not a recompute, is
-    what a session matches token for token in half precision."""
+    what a session matches token for token in half precision. The cache is the one `generate` makes for the
+    model (`DynamicCache(config=...)`): a window layer keeps only its last window of K/V."""
 
     def __init__(self, model: Any) -> None:
         from transformers import DynamicCache
 
         self.model = model
-        self.cache = DynamicCache()
+        self.cache = DynamicCache(config=model.config)
         self.history: list[int] = []
 
     def turn(self, new_tokens: list[int], **generate_kwargs: Any) -> list[int]:

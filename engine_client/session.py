@@ -244,19 +244,21 @@ class _SessionState:
         if layer == self.pool.layout.num_layers - 1 and start <= self.kv_tokens < stop:
             self.kv_tokens = stop
 
-    def gather_kv(self, layer: int, stop: int, *, shape: str = "bhsd") -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of positions [0, stop) of `layer`: `[1, heads, stop, dim]` ("bhsd") or `[stop, heads, dim]`
-        ("shd"). A view of the pool when the slots are consecutive (do not write through it), else a copy."""
+    def gather_kv(self, layer: int, stop: int, *, shape: str = "bhsd",
+                  start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of positions [start, stop) of `layer`: `[1, heads, stop - start, dim]` ("bhsd") or
+        `[stop - start, heads, dim]` ("shd"). A view of the pool when the slots are consecutive (do not write
+        through it), else a copy."""
         if shape not in ("bhsd", "shd"):
             raise ValueError(f"shape must be 'bhsd' or 'shd', got {shape!r}")
-        if not 0 <= stop <= self.capacity_tokens:
-            raise IndexError(f"positions [0, {stop}) are outside the page table ({self._num_pages} pages)")
+        if not 0 <= start <= stop <= self.capacity_tokens:
+            raise IndexError(f"positions [{start}, {stop}) are outside the page table ({self._num_pages} pages)")
         kp, vp = self._planes(layer)
-        first = self._first_slot(0, stop) if stop else 0
+        first = self._first_slot(start, stop) if stop > start else 0
         if first is not None:
-            k, v = kp[first : first + stop], vp[first : first + stop]
+            k, v = kp[first : first + stop - start], vp[first : first + stop - start]
         else:
-            slots = self.slots(0, stop).to(kp.device)
+            slots = self.slots(start, stop).to(kp.device)
             k, v = kp[slots], vp[slots]
         if shape == "shd":
             return k, v

@@ -33,6 +33,7 @@ import torch
 from engine_client.client import KVCacheClient
 from engine_client.reference.engine import LocalCache, ReferenceEngine
 from engine_client.reference.model import ModelConfig, ReferenceModel, dtype_name
+from kvcache_common.layout import window_flags
 
 MODES = ("no_cache", "no_session", "regular_session", "streaming_session")
 
@@ -342,10 +343,13 @@ def same_outputs(results: Sequence[Results]) -> bool:
     return all(r.outputs == results[0].outputs for r in results[1:])
 
 
-def layout_flags(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype | str) -> list[str]:
-    """The `serve` flags of a pool that holds this K/V shape."""
+def layout_flags(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype | str,
+                 sliding_window: int = 0, window_layers: Sequence[int] = ()) -> list[str]:
+    """The `serve` flags of a pool that holds this K/V shape, with `sliding_window` on `window_layers` (0: no
+    window; `--window-layers` only when some layers attend to everything)."""
     return ["--num-layers", str(num_layers), "--num-kv-heads", str(num_kv_heads), "--head-dim", str(head_dim),
-            "--dtype", dtype_name(dtype) if isinstance(dtype, torch.dtype) else dtype]
+            "--dtype", dtype_name(dtype) if isinstance(dtype, torch.dtype) else dtype,
+            *window_flags(sliding_window, tuple(window_layers), num_layers).split()]
 
 
 def model_flags(config: ModelConfig) -> list[str]:

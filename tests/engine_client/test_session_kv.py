@@ -49,6 +49,11 @@ def test_written_kv_lands_in_the_slots_of_the_page_table_and_reads_back(pages: l
     assert torch.equal(sk, k[0].transpose(0, 1)) and torch.equal(sv, v[0].transpose(0, 1))
     is_view = gk.untyped_storage().data_ptr() == pool.untyped_storage().data_ptr()
     assert is_view == (pages == [5, 6, 7])  # zero-copy exactly when the slots are consecutive
+    wk, wv = s.gather_kv(1, 10, start=3)  # a window layer's tail: positions 3-9, across the page boundaries
+    assert torch.equal(wk, k[:, :, 3:]) and torch.equal(wv, v[:, :, 3:])
+    assert (wk.untyped_storage().data_ptr() == pool.untyped_storage().data_ptr()) == (pages == [5, 6, 7])
+    assert torch.equal(s.gather_kv(1, 10, start=5, shape="shd")[0], k[0, :, 5:].transpose(0, 1))
+    assert s.gather_kv(1, 6, start=6)[0].shape == (1, 2, 0, 3)  # nothing before the first query
 
 
 def test_a_shd_write_and_a_write_inside_one_page_of_a_scattered_table() -> None:
@@ -104,6 +109,8 @@ def test_bad_writes_and_reads_are_refused() -> None:
         s.write_kv(0, k[0, 0], v[0, 0], 0)
     with pytest.raises(IndexError):
         s.gather_kv(0, 5)
+    with pytest.raises(IndexError, match=r"positions \[3, 2\) are outside the page table \(1 pages\)"):
+        s.gather_kv(0, 2, start=3)
     with pytest.raises(ValueError, match="shape must be"):
         s.gather_kv(0, 2, shape="hsd")
     bare = _SessionState("t", 1, 4, "cpu", True)

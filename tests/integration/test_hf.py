@@ -15,6 +15,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # configs only: a test must never 
 from transformers import (
     DeepseekV2Config,
     DeepseekV2ForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     LogitsProcessor,
@@ -39,6 +43,21 @@ FAMILIES: dict[str, Callable[[], Any]] = {
     "mistral": lambda: MistralForCausalLM(MistralConfig(**SHAPE, sliding_window=None)),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+WINDOW = 16
+"""The window models' sliding window: turns of 40+ tokens run past it."""
+WINDOW_FAMILIES: dict[str, tuple[Callable[[int], Any], tuple[str, ...]]] = {
+    # Gemma-3 text: layer 0 attends within the window, layer 1 to everything (its own rope base per kind).
+    "gemma3": (lambda window: Gemma3ForCausalLM(Gemma3TextConfig(
+        **SHAPE, head_dim=16, sliding_window=window, layer_types=["sliding_attention", "full_attention"])),
+               ("--sliding-window", str(WINDOW), "--window-layers", "0")),
+    # Gemma-2: even layers windowed, logits soft-capped, eager attention.
+    "gemma2": (lambda window: Gemma2ForCausalLM(Gemma2Config(**SHAPE, head_dim=16, sliding_window=window)),
+               ("--sliding-window", str(WINDOW), "--window-layers", "0")),
+    # Mistral v0.1: every layer windowed.
+    "mistral": (lambda window: MistralForCausalLM(MistralConfig(**SHAPE, sliding_window=window)),
+                ("--sliding-window", str(WINDOW))),
+}
+"""Sliding-window families: the model at a window, and the serve flags of the pool that fits it at WINDOW."""
 
 
 def gen(n: int) -> dict[str, int]:
@@ -54,6 +73,11 @@ def make_model(family: str, dtype: str = "float32", seed: int = 0) -> Any:
 def pool_flags(dtype: str = "float32", num_pages: int = 512) -> tuple[str, ...]:
     return ("--page-size", "4", "--dtype", dtype, "--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "16",
             "--num-pages", str(num_pages))
+
+
+def make_window_model(family: str, window: int = WINDOW) -> Any:
+    torch.manual_seed(0)
+    return WINDOW_FAMILIES[family][0](window).eval()
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -208,16 +232,119 @@ def test_an_exception_mid_generation_leaves_the_session_at_its_last_committed_tu
     assert_clean(server)
 
 
-def test_a_sliding_window_model_is_refused_with_the_reason(start_server: Callable[..., ServerProcess]) -> None:
-    server = start_server(*pool_flags())
-    torch.manual_seed(0)
-    model = MistralForCausalLM(MistralConfig(**SHAPE, sliding_window=8)).eval()
-    with KVCacheClient(server.target) as client, pytest.raises(UnsupportedModel) as err:
-        SessionChat(client, model)
-    assert str(err.value).startswith("MistralForCausalLM has sliding_attention layers (sliding_window=8): a kvcache "
-                                     "session keeps the K/V of every position")
+class Gathered:
+    """Records the positions each layer's K/V a session hands attention (`Session.gather_kv` calls)."""
+
+    def __init__(self, chat: SessionChat) -> None:
+        self.ranges: list[tuple[int, int, int]] = []
+        session = chat.session
+        gather = session.gather_kv
+
+        def record(layer: int, stop: int, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            self.ranges.append((layer, kwargs.get("start", 0), stop))
+            return gather(layer, stop, **kwargs)
+
+        session.gather_kv = record  # type: ignore[method-assign]
+
+    def take(self) -> list[tuple[int, int, int]]:
+        out, self.ranges = self.ranges, []
+        return out
+
+
+@pytest.mark.parametrize("family", sorted(WINDOW_FAMILIES))
+def test_a_sliding_window_model_equals_generate_with_its_own_sliding_cache_past_the_window(
+        start_server: Callable[..., ServerProcess], computed: Callable[[Any], Computed], family: str) -> None:
+    server = start_server(*pool_flags(), *WINDOW_FAMILIES[family][1])
+    model = make_window_model(family)
+    unwindowed = make_window_model(family, window=1000)  # the same weights attending to everything
+    seen = computed(model)
+    history: list[int] = []
+    in_process = DynamicChat(model)  # transformers' own cache: its window layers keep only the window
+    with KVCacheClient(server.target) as client, SessionChat(client, model) as chat:
+        gathered = Gathered(chat)
+        for turn, n_new in enumerate((41, 40, 43), start=1):
+            new = tokens(10 * turn, n_new)
+            kept = in_process.turn(new, **gen(6))
+            assert kept == dense_reference(model, history + new, **gen(6)), f"turn {turn}"
+            if turn > 1:  # the window matters: without it the same weights say something else
+                assert kept != dense_reference(unwindowed, history + new, **gen(6)), f"turn {turn}"
+            seen.take()
+            gathered.take()
+            out = chat.turn(new, **gen(6))
+            assert out.generated == kept, f"turn {turn}"
+            expected_cached = 0 if turn == 1 else len(history) - 1
+            assert (out.turn, out.cached_tokens, out.context_tokens) == (turn, expected_cached, len(history) + n_new)
+            assert seen.take() == [out.computed_tokens] + [1] * 5
+            # The prefill's queries start at cached_tokens: a window layer gets the WINDOW - 1 positions before
+            # them (and theirs), a full layer every position; each decode step likewise from its position.
+            steps = [(out.cached_tokens, out.context_tokens)] + [
+                (p, p + 1) for p in range(out.context_tokens, out.context_tokens + 5)]
+            windowed = set(range(2)) if family == "mistral" else {0}
+            assert gathered.take() == [(layer, max(first - WINDOW + 1, 0) if layer in windowed else 0, stop)
+                                       for first, stop in steps for layer in range(2)]
+            history = history + new + out.generated
+    assert_clean(server)
+
+
+def test_a_window_models_closed_conversation_replayed_by_a_new_session_hits_the_radix_past_the_window(
+        start_server: Callable[..., ServerProcess]) -> None:
+    server = start_server(*pool_flags(), *WINDOW_FAMILIES["gemma3"][1])
+    model = make_window_model("gemma3")
     with KVCacheClient(server.target) as client:
+        with SessionChat(client, model) as first:  # closes with cache=True
+            first.turn(tokens(1, 41), **gen(6))
+            first.turn(tokens(2, 40), **gen(6))
+            history = list(first.history)
+        with SessionChat(client, model) as replay:
+            new = tokens(3, 20)
+            out = replay.turn(history + new, **gen(6))
+            # The closed conversation's full pages (92 of its 93 tokens with K/V), far past the window, come from
+            # the radix: every layer's rows, so the window layer has the window before the hit point.
+            assert (out.cached_tokens, out.prefix_hit_tokens, out.computed_tokens) == (92, 92, 21)
+            assert out.generated == dense_reference(model, history + new, **gen(6))
+    assert_clean(server)
+
+
+def test_a_window_model_on_a_pool_without_its_window_gets_the_flags_that_would(
+        start_server: Callable[..., ServerProcess]) -> None:
+    server = start_server(*pool_flags())
+    with KVCacheClient(server.target) as client:
+        with pytest.raises(LayoutMismatch) as err:
+            SessionChat(client, make_window_model("gemma3"))
+        assert str(err.value) == (
+            "pool layout (layers=2, kv_heads=2, head_dim=16, dtype=float32) does not match the model (layers=2, "
+            "kv_heads=2, head_dim=16, dtype=float32, sliding window 16 on layer 0): serve a pool that fits with "
+            "`kvcache-service serve --num-layers 2 --num-kv-heads 2 --head-dim 16 --dtype float32 --sliding-window 16 "
+            "--window-layers 0` (make run ARGS=\"--num-layers 2 --num-kv-heads 2 --head-dim 16 --dtype float32 "
+            "--sliding-window 16 --window-layers 0\")")
+        with pytest.raises(LayoutMismatch) as err:
+            SessionChat(client, make_window_model("mistral", window=8))
+        assert str(err.value).startswith(
+            "pool layout (layers=2, kv_heads=2, head_dim=16, dtype=float32) does not match the model (layers=2, "
+            "kv_heads=2, head_dim=16, dtype=float32, sliding window 8 on every layer): serve a pool that fits with "
+            "`kvcache-service serve --num-layers 2 --num-kv-heads 2 --head-dim 16 --dtype float32 --sliding-window 8` ")
         assert client.list_sessions() == []  # refused before opening anything
+    assert_clean(server)
+
+
+def test_a_full_attention_model_on_a_window_pool_is_refused_and_so_is_another_window(
+        start_server: Callable[..., ServerProcess]) -> None:
+    server = start_server(*pool_flags(), *WINDOW_FAMILIES["gemma3"][1])
+    with KVCacheClient(server.target) as client:
+        with pytest.raises(LayoutMismatch) as err:
+            SessionChat(client, make_model("llama"))
+        assert str(err.value) == (
+            "pool layout (layers=2, kv_heads=2, head_dim=16, dtype=float32, sliding window 16 on layer 0) does not "
+            "match the model (layers=2, kv_heads=2, head_dim=16, dtype=float32): serve a pool that fits with "
+            "`kvcache-service serve --num-layers 2 --num-kv-heads 2 --head-dim 16 --dtype float32` (make run "
+            "ARGS=\"--num-layers 2 --num-kv-heads 2 --head-dim 16 --dtype float32\")")
+        with pytest.raises(LayoutMismatch) as err:
+            SessionChat(client, make_window_model("gemma3", window=32))
+        assert str(err.value).startswith(
+            "pool layout (layers=2, kv_heads=2, head_dim=16, dtype=float32, sliding window 16 on layer 0) does not "
+            "match the model (layers=2, kv_heads=2, head_dim=16, dtype=float32, sliding window 32 on layer 0): ")
+        assert client.list_sessions() == []
+    assert_clean(server)
 
 
 def test_an_mla_model_is_refused_with_the_reason(start_server: Callable[..., ServerProcess]) -> None:
