@@ -4,10 +4,10 @@
 
 For each committed turn the whole conversation so far is recomputed densely (no cache at all); the
 generated tokens must be the greedy tokens of that recompute and the logits must agree within
---tolerance. The model takes the pool's shape (layers, KV heads, head dim, dtype), so it runs against
-any service, `make run`'s included. Prints one JSON line per turn and a final summary line; exits 1 when
-a check fails and 2 when the model does not fit the service's pool (one line naming both layouts and the
-serve flags that would fit).
+--tolerance. The model takes the pool's shape (layers, KV heads, head dim, dtype, and its sliding window on
+its window layers), so it runs against any full-attention service, `make run`'s included. Prints one JSON
+line per turn and a final summary line; exits 1 when a check fails and 2 when the model does not fit the
+service's pool (one line naming both layouts and the serve flags that would fit).
 """
 
 from __future__ import annotations
@@ -42,14 +42,16 @@ TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
 
 
 def model_for(layout: PoolLayout, *, head_dim: int | None = None) -> ModelConfig:
-    """The reference model shaped like the pool: its layers, KV heads (two query heads each), head dim and
-    dtype, unless `head_dim` overrides. Raises ValueError for a dtype the model cannot compute in."""
+    """The reference model shaped like the pool: its layers, KV heads (two query heads each), head dim, dtype
+    and sliding window on its window layers, unless `head_dim` overrides. Raises ValueError for a dtype the
+    model cannot compute in."""
     if layout.dtype not in TOLERANCE:
         raise LayoutMismatch(f"the reference model computes in float32, float16 or bfloat16, not {layout.dtype}: "
                              f"serve a pool with --dtype float32 to check it")
     return ModelConfig(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
                        num_heads=2 * layout.num_kv_heads, head_dim=head_dim or layout.head_dim,
-                       dtype=TORCH_DTYPES[layout.dtype])
+                       dtype=TORCH_DTYPES[layout.dtype], sliding_window=layout.sliding_window,
+                       window_layers=layout.window_layers)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -71,7 +71,8 @@ class ReferenceEngine:
         info = pool.info if pool is not None else client.get_pool_info()
         lay = info.layout
         check_layout(lay, num_layers=self.config.num_layers, num_kv_heads=self.config.num_kv_heads,
-                     head_dim=self.config.head_dim, dtype=self.config.dtype)
+                     head_dim=self.config.head_dim, dtype=self.config.dtype,
+                     sliding_window=self.config.sliding_window, window_layers=self.config.window_layers)
         device = torch.device(device)
         self.pool = pool if pool is not None else map_pool(info, device if device.type == "cuda" else None)
         self.page_size = lay.page_size

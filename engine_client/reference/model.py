@@ -17,6 +17,11 @@ the engine runs `forward_paged(new_tokens, start_pos=cached_tokens, ...)`, which
 Architecture: Llama-style. Pre-norm RMSNorm, rotary position embeddings (non-interleaved "rotate half"
 form) on q and k, grouped-query attention, SiLU-gated MLP, final RMSNorm, and an LM head separate from the
 token embedding. K is stored in the pool after RoPE, so a cached position never needs its position again.
+
+Sliding window (`ModelConfig.sliding_window` W > 0 on `window_layers`, as Mistral v0.1 and Gemma-2/3 do): a
+window layer's query at position p attends to positions `(p - W, p]` only. The pool still holds every layer's
+K/V for every position (the service's pages are whole across layers); a window layer reads back only the
+positions its queries can see, `[max(start_pos - W + 1, 0), context_tokens)`.
 """
 
 from __future__ import annotations
@@ -55,6 +60,10 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     seed: int = 0
     dtype: torch.dtype = torch.float32
+    sliding_window: int = 0
+    """Tokens a window layer's query attends within (itself included); 0: every layer attends to everything."""
+    window_layers: tuple[int, ...] = ()
+    """The 0-based layers that attend within `sliding_window`, ascending; non-empty iff `sliding_window` > 0."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -67,6 +76,20 @@ class ModelConfig:
                              f"num_kv_heads ({self.num_kv_heads}) for grouped-query attention")
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.sliding_window < 0:
+            raise ValueError(f"ModelConfig.sliding_window must be >= 0, got {self.sliding_window}")
+        if bool(self.sliding_window) != bool(self.window_layers):
+            raise ValueError("ModelConfig.sliding_window and window_layers go together (a window and the layers "
+                             f"that attend within it), got sliding_window={self.sliding_window} "
+                             f"window_layers={self.window_layers}")
+        layers = self.window_layers
+        if list(layers) != sorted(set(layers)) or (layers and not 0 <= layers[0] <= layers[-1] < self.num_layers):
+            raise ValueError(f"ModelConfig.window_layers must be ascending, unique layers of 0-{self.num_layers - 1}, "
+                             f"got {layers}")
+
+    def window(self, layer: int) -> int:
+        """The sliding window `layer` attends within, or 0 for a full-attention layer."""
+        return self.sliding_window if layer in self.window_layers else 0
 
     @property
     def group_size(self) -> int:
@@ -190,14 +213,19 @@ class ReferenceModel:
         g = self.config.group_size
         with torch.no_grad():
             x = self.embed[tokens]
-            for layer in self.layers:
+            for layer_idx, layer in enumerate(self.layers):
                 q, k, v = self._qkv(layer, x, positions)
+                window = self.config.window(layer_idx)
+                # A window layer's boolean mask: key j visible to query i iff i - window < j <= i.
+                mask = ((positions[None, :] <= positions[:, None]) & (positions[None, :] > positions[:, None] - window)
+                        if window else None)
                 # [heads, n, dim]; KV head j serves query heads [j*g, (j+1)*g).
                 attn = F.scaled_dot_product_attention(
                     q.transpose(0, 1),
                     k.repeat_interleave(g, dim=1).transpose(0, 1),
                     v.repeat_interleave(g, dim=1).transpose(0, 1),
-                    is_causal=True,
+                    attn_mask=mask,
+                    is_causal=mask is None,
                 )
                 x = self._finish_layer(layer, x, attn.transpose(0, 1).reshape(n, -1))
             return self._logits(x)
@@ -242,8 +270,10 @@ class ReferenceModel:
                 kv[0, new_slots] = k
                 kv[1, new_slots] = v
                 # Read the new positions back from the pool as well, as a paged kernel would, so the round
-                # trip through the table is what the logits depend on.
-                attn = _causal_gqa_attention(q, kv[0, slots], kv[1, slots], positions)
+                # trip through the table is what the logits depend on. A window layer reads only its window.
+                window = c.window(layer_idx)
+                first = max(start_pos - window + 1, 0) if window else 0
+                attn = _causal_gqa_attention(q, kv[0, slots[first:]], kv[1, slots[first:]], positions, first, window)
                 x = self._finish_layer(layer, x, attn)
             return self._logits(x)
 
@@ -283,8 +313,11 @@ class ReferenceModel:
                 kv[0, new_slots] = k
                 kv[1, new_slots] = v
                 parts, offset = [], 0
-                for _, _, m, slots, pos in seqs:
-                    parts.append(_causal_gqa_attention(q[offset:offset + m], kv[0, slots], kv[1, slots], pos))
+                window = c.window(layer_idx)
+                for _, start_pos, m, slots, pos in seqs:
+                    first = max(start_pos - window + 1, 0) if window else 0
+                    parts.append(_causal_gqa_attention(q[offset:offset + m], kv[0, slots[first:]],
+                                                       kv[1, slots[first:]], pos, first, window))
                     offset += m
                 x = self._finish_layer(layer, x, torch.cat(parts))
             return list(torch.split(self._logits(x), [s[2] for s in seqs]))
@@ -401,11 +434,12 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos + rotated * sin
 
 
-def _causal_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          q_positions: torch.Tensor) -> torch.Tensor:
-    """Attention of queries at absolute `q_positions` over keys at positions `[0, ctx)`, causal.
+def _causal_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
+                          k_start: int = 0, window: int = 0) -> torch.Tensor:
+    """Attention of queries at absolute `q_positions` over keys at positions `[k_start, k_start + n)`, causal,
+    and with `window` > 0 only over the last `window` positions up to each query's own.
 
-    q `[m, heads, dim]`; k, v `[ctx, kv_heads, dim]`; returns `[m, heads * dim]`. Query head h reads KV
+    q `[m, heads, dim]`; k, v `[n, kv_heads, dim]`; returns `[m, heads * dim]`. Query head h reads KV
     head `h // group_size`: the KV heads are broadcast over their group, never copied.
     """
     m, num_heads, head_dim = q.shape
@@ -415,8 +449,10 @@ def _causal_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kt = k.permute(1, 2, 0).unsqueeze(1)  # [kv_heads, 1, dim, ctx]
     vg = v.permute(1, 0, 2).unsqueeze(1)  # [kv_heads, 1, ctx, dim]
     scores = (qg @ kt).to(torch.float32) * head_dim**-0.5  # [kv_heads, group, m, ctx]
-    key_positions = torch.arange(ctx, device=q.device)
+    key_positions = torch.arange(k_start, k_start + ctx, device=q.device)
     visible = key_positions[None, :] <= q_positions[:, None]  # [m, ctx]
+    if window:
+        visible &= key_positions[None, :] > q_positions[:, None] - window
     probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).to(q.dtype)
     out = probs @ vg  # [kv_heads, group, m, dim]
     return out.permute(2, 0, 1, 3).reshape(m, num_heads * head_dim)

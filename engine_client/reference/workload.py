@@ -355,7 +355,8 @@ def layout_flags(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: to
 def model_flags(config: ModelConfig) -> list[str]:
     """The `serve` flags of a pool that fits the reference model `config`."""
     return layout_flags(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-                        dtype=config.dtype)
+                        dtype=config.dtype, sliding_window=config.sliding_window,
+                        window_layers=config.window_layers)
 
 
 class ServiceProcess:

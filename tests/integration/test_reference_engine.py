@@ -11,7 +11,9 @@ from typing import Any
 
 import pytest
 
-from engine_client import KVCacheClient
+from engine_client import KVCacheClient, LayoutMismatch
+from engine_client.reference import ModelConfig
+from engine_client.reference.engine import ReferenceEngine
 
 from .conftest import REPO, ServerProcess
 
@@ -97,6 +99,49 @@ def test_a_model_that_does_not_fit_the_pool_gets_one_line_naming_both(model_serv
         "kv_heads=2, head_dim=16, dtype=float32): serve a pool that fits with `kvcache-service serve --num-layers 2 "
         "--num-kv-heads 2 --head-dim 16 --dtype float32` (make run ARGS=\"--num-layers 2 --num-kv-heads 2 "
         "--head-dim 16 --dtype float32\")")
+
+
+WINDOW_POOL = (*MODEL_POOL, "--sliding-window", "8", "--window-layers", "0")
+"""The model pool with layer 0 attending within the last 8 tokens (turns of 12+ run past it)."""
+
+
+def test_a_window_pools_chats_equal_a_no_cache_recompute_and_share_a_prefix_past_the_window(
+        start_server: Callable[..., ServerProcess]) -> None:
+    server = start_server(*WINDOW_POOL)  # check's model takes the pool's window on the pool's window layers
+    code, lines, err = check(server.target, "--mode", "streaming", "--turns", "4", "--seed", "3")
+    *turns, summary = lines
+    assert code == 0 and summary["ok"] is True and summary["max_logit_diff"] <= 1e-4, err
+    assert cached(turns) == [(12, 0, 0), (30, 17, 0), (48, 35, 0), (66, 53, 0)]
+    shared = ("--system-tokens", "30", "--system-seed", "77", "--turns", "2", "--close-cache")
+    code_a, _, err_a = check(server.target, "--mode", "regular", "--seed", "1", *shared)
+    assert code_a == 0, err_a
+    code_b, lines_b, err_b = check(server.target, "--mode", "regular", "--seed", "2", *shared)
+    *turns_b, summary_b = lines_b
+    assert code_b == 0 and summary_b["ok"] is True, err_b
+    # B's turn 1: the system prompt's 7 whole pages (28 tokens, far past the window) come from A's K/V: every
+    # layer's rows, so layer 0 has its window before the hit point; the tokens equal the recompute.
+    assert cached(turns_b)[0] == (42, 28, 28)
+    assert_clean(server)
+
+
+def test_a_model_without_the_pools_window_gets_the_flags_that_would(
+        start_server: Callable[..., ServerProcess]) -> None:
+    server = start_server(*WINDOW_POOL)
+    code, lines, err = check(server.target, "--model-head-dim", "16")
+    assert (code, lines) == (2, [])
+    assert err.strip() == (
+        "check: pool layout (layers=2, kv_heads=2, head_dim=32, dtype=float32, sliding window 8 on layer 0) does not "
+        "match the model (layers=2, kv_heads=2, head_dim=16, dtype=float32, sliding window 8 on layer 0): serve a "
+        "pool that fits with `kvcache-service serve --num-layers 2 --num-kv-heads 2 --head-dim 16 --dtype float32 "
+        "--sliding-window 8 --window-layers 0` (make run ARGS=\"--num-layers 2 --num-kv-heads 2 --head-dim 16 "
+        "--dtype float32 --sliding-window 8 --window-layers 0\")")
+    with KVCacheClient(server.target) as client, pytest.raises(LayoutMismatch) as refused:
+        ReferenceEngine(client, ModelConfig(head_dim=32))  # a full-attention model on the window pool
+    assert str(refused.value).startswith(
+        "pool layout (layers=2, kv_heads=2, head_dim=32, dtype=float32, sliding window 8 on layer 0) does not match "
+        "the model (layers=2, kv_heads=2, head_dim=32, dtype=float32): serve a pool that fits with `kvcache-service "
+        "serve --num-layers 2 --num-kv-heads 2 --head-dim 32 --dtype float32` ")
+    assert_clean(server)
 
 
 def test_check_takes_the_shape_of_make_runs_default_pool(start_server: Callable[..., ServerProcess]) -> None:

@@ -370,3 +370,71 @@ def test_weights_follow_config_dtype_and_shapes() -> None:
 def test_invalid_config_raises(fields: dict[str, int], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ModelConfig(**fields)
+
+
+# ---------------------------------------------------------------------------------------------- sliding window
+
+WINDOW = 8
+
+
+@pytest.fixture(scope="module", params=[(0,), (0, 1)], ids=["window-layer-0", "window-every-layer"])
+def window_model(request: pytest.FixtureRequest) -> ReferenceModel:
+    return ReferenceModel(ModelConfig(sliding_window=WINDOW, window_layers=request.param))
+
+
+def test_a_window_changes_only_the_positions_past_it(window_model: ReferenceModel, model: ReferenceModel) -> None:
+    tokens = make_tokens(30, seed=20)
+    windowed, full = window_model.forward_dense(tokens), model.forward_dense(tokens)  # same seed, same weights
+    torch.testing.assert_close(windowed[:WINDOW], full[:WINDOW], atol=ATOL, rtol=0)
+    assert (windowed[WINDOW:] - full[WINDOW:]).abs().amax(dim=-1).min() > 1e-3  # every later row differs
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("chunks", [(37,), (5, 1, 13, 18), (1,) * 37], ids=["prefill", "chunked", "per-token"])
+def test_window_paged_chunks_match_dense(window_model: ReferenceModel, page_size: int,
+                                         chunks: tuple[int, ...]) -> None:
+    tokens = make_tokens(sum(chunks), seed=21)
+    session = PagedSession(window_model, make_pool(page_size), PageHandout())
+    bounds = [0, *torch.tensor(chunks).cumsum(0).tolist()]
+    paged = torch.cat([session.run(tokens[a:b]) for a, b in pairwise(bounds)])
+    torch.testing.assert_close(paged, window_model.forward_dense(tokens), atol=ATOL, rtol=0)
+
+
+def test_window_layers_read_only_their_window() -> None:
+    """With every layer windowed, K/V before the window may be anything: NaN there changes nothing."""
+    model = ReferenceModel(ModelConfig(sliding_window=WINDOW, window_layers=(0, 1)))
+    tokens = make_tokens(40, seed=22)
+    pool = make_pool(4)
+    session = PagedSession(model, pool, PageHandout())
+    session.run(tokens[:30])
+    page, slot = slots_of(session.pages, 30 - WINDOW + 1, 4)  # positions the next query at 30 cannot see
+    pool[:, :, page, slot] = float("nan")
+    torch.testing.assert_close(session.run(tokens[30:]), model.forward_dense(tokens)[30:], atol=ATOL, rtol=0)
+
+
+def test_window_batch_matches_dense(window_model: ReferenceModel) -> None:
+    pool, handout = make_pool(4), PageHandout()
+    long, short = make_tokens(29, seed=23), make_tokens(11, seed=24)
+    a, b = PagedSession(window_model, pool, handout), PagedSession(window_model, pool, handout)
+    a.run(long[:20])
+    b.pages = handout.take(3)
+    out = window_model.forward_batch([(long[20:], 20, as_table(a.pages + handout.take(3))),
+                                      (short, 0, as_table(b.pages))], pool)
+    torch.testing.assert_close(out[0], window_model.forward_dense(long)[20:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out[1], window_model.forward_dense(short), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"sliding_window": 8}, r"^ModelConfig.sliding_window and window_layers go together \(a window and the layers "
+                            r"that attend within it\), got sliding_window=8 window_layers=\(\)$"),
+    ({"window_layers": (0,)}, r"^ModelConfig.sliding_window and window_layers go together .* got sliding_window=0 "
+                              r"window_layers=\(0,\)$"),
+    ({"sliding_window": -1}, r"^ModelConfig.sliding_window must be >= 0, got -1$"),
+    ({"sliding_window": 8, "window_layers": (1, 0)},
+     r"^ModelConfig.window_layers must be ascending, unique layers of 0-1, got \(1, 0\)$"),
+    ({"sliding_window": 8, "window_layers": (2,)},
+     r"^ModelConfig.window_layers must be ascending, unique layers of 0-1, got \(2,\)$"),
+])
+def test_invalid_window_config_raises(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(**fields)  # type: ignore[arg-type]
