@@ -41,7 +41,7 @@ from engine_client.client import KVCacheClient
 from engine_client.errors import ResourceExhausted
 from engine_client.layout import check_layout
 from engine_client.mapping import MappedPool, map_pool
-from engine_client.reference.model import ModelConfig, ReferenceModel
+from engine_client.reference.model import ModelConfig, ReferenceModel, model_layout
 from engine_client.session import AsyncSession, Session, _SessionState
 from engine_client.step import StepBatch, StepOutcome
 from engine_client.types import AppendResult, PoolInfo
@@ -124,8 +124,7 @@ class BatchingEngine:
                 raise ValueError("pass pool= or info= with an AsyncKVCacheClient (its get_pool_info is awaited)")
             info = client.get_pool_info()
         lay = info.layout
-        check_layout(lay, num_layers=self.config.num_layers, num_kv_heads=self.config.num_kv_heads,
-                     head_dim=self.config.head_dim, dtype=self.config.dtype)
+        check_layout(lay, **model_layout(self.config))
         self.device = torch.device(device)
         self.pool = pool if pool is not None else map_pool(info, self.device if self.device.type == "cuda" else None)
         self.page_size = lay.page_size

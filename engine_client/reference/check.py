@@ -5,7 +5,7 @@
 For each committed turn the whole conversation so far is recomputed densely (no cache at all); the
 generated tokens must be the greedy tokens of that recompute and the logits must agree within
 --tolerance. The model takes the pool's shape (layers, KV heads, head dim, dtype, and its sliding window on
-its window layers), so it runs against any full-attention service, `make run`'s included. Prints one JSON
+its window layers; an MLA model on an MLA pool), so it runs against any service, `make run`'s included. Prints one JSON
 line per turn and a final summary line; exits 1 when a check fails and 2 when the model does not fit the
 service's pool (one line naming both layouts and the serve flags that would fit).
 """
@@ -43,15 +43,20 @@ TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
 
 def model_for(layout: PoolLayout, *, head_dim: int | None = None) -> ModelConfig:
     """The reference model shaped like the pool: its layers, KV heads (two query heads each), head dim, dtype
-    and sliding window on its window layers, unless `head_dim` overrides. Raises ValueError for a dtype the
-    model cannot compute in."""
+    and sliding window on its window layers, unless `head_dim` overrides; on an MLA pool an MLA model whose
+    latent is the pool's head dim. Raises ValueError for a dtype the model cannot compute in."""
     if layout.dtype not in TOLERANCE:
         raise LayoutMismatch(f"the reference model computes in float32, float16 or bfloat16, not {layout.dtype}: "
                              f"serve a pool with --dtype float32 to check it")
+    dtype = TORCH_DTYPES[layout.dtype]
+    if layout.attention == "mla":  # the latent is the pool's head dim: an eighth of it rope, 4 heads of rope + 32
+        latent = head_dim or layout.head_dim
+        rope = max(2, latent // 16 * 2)
+        return ModelConfig(num_layers=layout.num_layers, num_kv_heads=1, num_heads=4, head_dim=rope + 32,
+                           kv_lora_rank=latent - rope, qk_rope_head_dim=rope, dtype=dtype)
     return ModelConfig(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
-                       num_heads=2 * layout.num_kv_heads, head_dim=head_dim or layout.head_dim,
-                       dtype=TORCH_DTYPES[layout.dtype], sliding_window=layout.sliding_window,
-                       window_layers=layout.window_layers)
+                       num_heads=2 * layout.num_kv_heads, head_dim=head_dim or layout.head_dim, dtype=dtype,
+                       sliding_window=layout.sliding_window, window_layers=layout.window_layers)
 
 
 def main(argv: list[str] | None = None) -> int:

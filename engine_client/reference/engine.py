@@ -24,7 +24,7 @@ import torch
 from engine_client.client import KVCacheClient
 from engine_client.layout import check_layout
 from engine_client.mapping import MappedPool, map_pool
-from engine_client.reference.model import ModelConfig, ReferenceModel
+from engine_client.reference.model import ModelConfig, ReferenceModel, model_layout
 from engine_client.session import Session
 
 
@@ -70,9 +70,7 @@ class ReferenceEngine:
         self.config = config or ModelConfig()
         info = pool.info if pool is not None else client.get_pool_info()
         lay = info.layout
-        check_layout(lay, num_layers=self.config.num_layers, num_kv_heads=self.config.num_kv_heads,
-                     head_dim=self.config.head_dim, dtype=self.config.dtype,
-                     sliding_window=self.config.sliding_window, window_layers=self.config.window_layers)
+        check_layout(lay, **model_layout(self.config))
         device = torch.device(device)
         self.pool = pool if pool is not None else map_pool(info, device if device.type == "cuda" else None)
         self.page_size = lay.page_size

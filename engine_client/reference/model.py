@@ -22,6 +22,14 @@ Sliding window (`ModelConfig.sliding_window` W > 0 on `window_layers`, as Mistra
 window layer's query at position p attends to positions `(p - W, p]` only. The pool still holds every layer's
 K/V for every position (the service's pages are whole across layers); a window layer reads back only the
 positions its queries can see, `[max(start_pos - W + 1, 0), context_tokens)`.
+
+Multi-head latent attention (`ModelConfig.kv_lora_rank` > 0, DeepSeek-V2's shape): a layer keeps one latent
+per token, `kv_lora_rank` values `c` then `qk_rope_head_dim` values of a K part shared by every head (after
+RoPE), as an MLA pool stores it: its first half in the K plane, its second in the V plane, one "head" of
+`latent / 2` (`pool[layer, 0|1, page, slot, 0]`). Attention reads the latent back, puts the halves together
+and expands it: per head, K is `c @ up`'s first `head_dim - qk_rope_head_dim` values then the shared rope
+part, V the rest of `c @ up` (`head_dim` values). Unlike DeepSeek there is no norm on `c` and no query
+down-projection; what matters here is the cache: one latent per token and layer.
 """
 
 from __future__ import annotations
@@ -29,11 +37,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypedDict
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ModelConfig", "ReferenceModel", "check_pool_layout", "dtype_name"]
+__all__ = ["ModelConfig", "ReferenceModel", "check_pool_layout", "dtype_name", "model_layout"]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -64,6 +73,10 @@ class ModelConfig:
     """Tokens a window layer's query attends within (itself included); 0: every layer attends to everything."""
     window_layers: tuple[int, ...] = ()
     """The 0-based layers that attend within `sliding_window`, ascending; non-empty iff `sliding_window` > 0."""
+    kv_lora_rank: int = 0
+    """MLA: the width of each token's latent `c` (0: full attention, K and V per KV head)."""
+    qk_rope_head_dim: int = 0
+    """MLA: the rope part of each head's query and key, shared by the heads' keys and kept in the latent."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -76,6 +89,8 @@ class ModelConfig:
                              f"num_kv_heads ({self.num_kv_heads}) for grouped-query attention")
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.kv_lora_rank:
+            self._check_mla()
         if self.sliding_window < 0:
             raise ValueError(f"ModelConfig.sliding_window must be >= 0, got {self.sliding_window}")
         if bool(self.sliding_window) != bool(self.window_layers):
@@ -87,6 +102,36 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.window_layers must be ascending, unique layers of 0-{self.num_layers - 1}, "
                              f"got {layers}")
 
+    def _check_mla(self) -> None:
+        rope = self.qk_rope_head_dim
+        if self.kv_lora_rank < 0 or rope < 2 or rope % 2 or rope >= self.head_dim:
+            raise ValueError(f"ModelConfig with MLA needs kv_lora_rank > 0 and an even qk_rope_head_dim in "
+                             f"[2, head_dim={self.head_dim}), got kv_lora_rank={self.kv_lora_rank} "
+                             f"qk_rope_head_dim={rope}")
+        if self.kv_dim % 2:
+            raise ValueError(f"ModelConfig with MLA needs an even latent (its halves go in the K and V planes), "
+                             f"got kv_lora_rank + qk_rope_head_dim = {self.kv_dim}")
+        if self.num_kv_heads != 1:
+            raise ValueError(f"ModelConfig with MLA has one latent per token: num_kv_heads must be 1, got "
+                             f"{self.num_kv_heads}")
+        if self.sliding_window:
+            raise ValueError("ModelConfig cannot have MLA and a sliding window (a pool holds one or the other)")
+
+    @property
+    def attention(self) -> str:
+        """The pool's attention kind this model needs: "full" or "mla"."""
+        return "mla" if self.kv_lora_rank else "full"
+
+    @property
+    def kv_dim(self) -> int:
+        """Values per token, KV head and layer in the pool (the pool's `head_dim`): the head dim, or the latent."""
+        return self.kv_lora_rank + self.qk_rope_head_dim if self.kv_lora_rank else self.head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """The rotated part of each query and key head."""
+        return self.qk_rope_head_dim if self.kv_lora_rank else self.head_dim
+
     def window(self, layer: int) -> int:
         """The sliding window `layer` attends within, or 0 for a full-attention layer."""
         return self.sliding_window if layer in self.window_layers else 0
@@ -97,8 +142,29 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
     def pool_shape(self, num_pages: int, page_size: int) -> tuple[int, int, int, int, int, int]:
-        """Shape of a pool that fits this model: `[num_layers, 2, num_pages, page_size, kv_heads, dim]`."""
-        return (self.num_layers, 2, num_pages, page_size, self.num_kv_heads, self.head_dim)
+        """Shape of a pool that fits this model: `[num_layers, 2, num_pages, page_size, kv_heads, dim]` (MLA:
+        one head of half the latent)."""
+        return (self.num_layers, 2, num_pages, page_size, self.num_kv_heads,
+                self.kv_dim // 2 if self.kv_lora_rank else self.head_dim)
+
+
+class PoolFit(TypedDict):
+    """`engine_client.check_layout`'s keywords (what a pool must be to hold a model's K/V)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    attention: str
+    sliding_window: int
+    window_layers: tuple[int, ...]
+
+
+def model_layout(config: ModelConfig) -> PoolFit:
+    """The pool layout `config`'s K/V needs, as `check_layout`'s keywords (MLA: one head of the latent)."""
+    return PoolFit(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=config.kv_dim,
+                   dtype=config.dtype, attention=config.attention, sliding_window=config.sliding_window,
+                   window_layers=config.window_layers)
 
 
 def check_pool_layout(config: ModelConfig, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str,
@@ -110,7 +176,7 @@ def check_pool_layout(config: ModelConfig, *, num_layers: int, num_kv_heads: int
     page count are the service's choice; any page size >= 1 works with the model.
     """
     pool = (num_layers, num_kv_heads, head_dim, dtype)
-    model = (config.num_layers, config.num_kv_heads, config.head_dim, dtype_name(config.dtype))
+    model = (config.num_layers, config.num_kv_heads, config.kv_dim, dtype_name(config.dtype))
     if pool != model:
         raise ValueError(f"pool layout {_describe(*pool)} does not match the model {_describe(*model)}")
     if page_size < 1:
@@ -127,8 +193,8 @@ class _LayerWeights:
 
     attn_norm: torch.Tensor  # [hidden]
     wq: torch.Tensor  # [hidden, num_heads * head_dim]
-    wk: torch.Tensor  # [hidden, num_kv_heads * head_dim]
-    wv: torch.Tensor  # [hidden, num_kv_heads * head_dim]
+    wk: torch.Tensor  # [hidden, num_kv_heads * head_dim]; MLA: [hidden, latent], the latent's projection
+    wv: torch.Tensor  # [hidden, num_kv_heads * head_dim]; MLA: [kv_lora_rank, num_heads * (2 * head_dim - rope)]
     wo: torch.Tensor  # [num_heads * head_dim, hidden]
     mlp_norm: torch.Tensor  # [hidden]
     w_gate: torch.Tensor  # [hidden, intermediate]
@@ -165,12 +231,17 @@ class ReferenceModel:
 
         self.embed = normal(c.vocab_size, c.hidden_size, std=1.0)
         q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        if c.kv_lora_rank:  # K/V come from the latent: down to it, then up from its `c` to every head's K and V
+            k_shape = (c.hidden_size, c.kv_dim)
+            v_shape, v_std = (c.kv_lora_rank, c.num_heads * (2 * c.head_dim - c.rope_dim)), c.kv_lora_rank**-0.5
+        else:
+            k_shape, v_shape, v_std = (c.hidden_size, kv_width), (c.hidden_size, kv_width), c.hidden_size**-0.5
         self.layers = [
             _LayerWeights(
                 attn_norm=ones(c.hidden_size),
                 wq=normal(c.hidden_size, q_width, std=c.hidden_size**-0.5),
-                wk=normal(c.hidden_size, kv_width, std=c.hidden_size**-0.5),
-                wv=normal(c.hidden_size, kv_width, std=c.hidden_size**-0.5),
+                wk=normal(*k_shape, std=c.hidden_size**-0.5),
+                wv=normal(*v_shape, std=v_std),
                 wo=normal(q_width, c.hidden_size, std=q_width**-0.5 * residual_scale),
                 mlp_norm=ones(c.hidden_size),
                 w_gate=normal(c.hidden_size, c.intermediate_size, std=c.hidden_size**-0.5),
@@ -184,7 +255,7 @@ class ReferenceModel:
         self.lm_head = normal(c.hidden_size, c.vocab_size, std=c.hidden_size**-0.5)
         # RoPE frequencies in float32 whatever the model dtype: angles of long positions lose their
         # fractional part in half precision.
-        exponents = torch.arange(0, c.head_dim, 2, dtype=torch.float32, device=self.device) / c.head_dim
+        exponents = torch.arange(0, c.rope_dim, 2, dtype=torch.float32, device=self.device) / c.rope_dim
         self._inv_freq = 1.0 / (c.rope_theta**exponents)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -215,6 +286,9 @@ class ReferenceModel:
             x = self.embed[tokens]
             for layer_idx, layer in enumerate(self.layers):
                 q, k, v = self._qkv(layer, x, positions)
+                if self.config.kv_lora_rank:  # k is the latent: every head's K and V from it, one KV head each
+                    k, v = self._expand_latent(layer, k)
+                    g = 1
                 window = self.config.window(layer_idx)
                 # A window layer's boolean mask: key j visible to query i iff i - window < j <= i.
                 mask = ((positions[None, :] <= positions[:, None]) & (positions[None, :] > positions[:, None] - window)
@@ -266,14 +340,14 @@ class ReferenceModel:
             for layer_idx, layer in enumerate(self.layers):
                 q, k, v = self._qkv(layer, x, positions)
                 # A view, never a copy (the pool is checked contiguous): writes must land in the shared pool.
-                kv = pool[layer_idx].view(2, num_pages * page_size, c.num_kv_heads, c.head_dim)
-                kv[0, new_slots] = k
-                kv[1, new_slots] = v
+                kv = pool[layer_idx].view(2, num_pages * page_size, c.num_kv_heads, pool.shape[5])
+                self._write(kv, new_slots, k, v)
                 # Read the new positions back from the pool as well, as a paged kernel would, so the round
                 # trip through the table is what the logits depend on. A window layer reads only its window.
                 window = c.window(layer_idx)
                 first = max(start_pos - window + 1, 0) if window else 0
-                attn = _causal_gqa_attention(q, kv[0, slots[first:]], kv[1, slots[first:]], positions, first, window)
+                keys, values = self._read(layer, kv, slots[first:])
+                attn = _causal_gqa_attention(q, keys, values, positions, first, window)
                 x = self._finish_layer(layer, x, attn)
             return self._logits(x)
 
@@ -309,15 +383,14 @@ class ReferenceModel:
             x = self.embed[tokens]
             for layer_idx, layer in enumerate(self.layers):
                 q, k, v = self._qkv(layer, x, positions)
-                kv = pool[layer_idx].view(2, num_pages * page_size, c.num_kv_heads, c.head_dim)
-                kv[0, new_slots] = k
-                kv[1, new_slots] = v
+                kv = pool[layer_idx].view(2, num_pages * page_size, c.num_kv_heads, pool.shape[5])
+                self._write(kv, new_slots, k, v)
                 parts, offset = [], 0
                 window = c.window(layer_idx)
                 for _, start_pos, m, slots, pos in seqs:
                     first = max(start_pos - window + 1, 0) if window else 0
-                    parts.append(_causal_gqa_attention(q[offset:offset + m], kv[0, slots[first:]],
-                                                       kv[1, slots[first:]], pos, first, window))
+                    keys, values = self._read(layer, kv, slots[first:])
+                    parts.append(_causal_gqa_attention(q[offset:offset + m], keys, values, pos, first, window))
                     offset += m
                 x = self._finish_layer(layer, x, torch.cat(parts))
             return list(torch.split(self._logits(x), [s[2] for s in seqs]))
@@ -347,15 +420,48 @@ class ReferenceModel:
 
     def _qkv(self, layer: _LayerWeights, x: torch.Tensor,
              positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q `[n, heads, dim]`, k and v `[n, kv_heads, dim]`, with RoPE applied to q and k."""
+        """q `[n, heads, dim]`, k and v `[n, kv_heads, dim]`, with RoPE applied to q and k. MLA: q (RoPE on
+        each head's last `qk_rope_head_dim` values), the latent `[n, latent]` (RoPE on its rope part), and
+        the latent again as v (what `_write` stores)."""
         c = self.config
         n = x.shape[0]
         h = _rms_norm(x, layer.attn_norm, c.rms_norm_eps)
         q = (h @ layer.wq).view(n, c.num_heads, c.head_dim)
+        cos, sin = self._rope_cos_sin(positions)
+        if c.kv_lora_rank:
+            rope = c.rope_dim
+            q = torch.cat((q[..., :-rope], _apply_rope(q[..., -rope:], cos, sin)), dim=-1)
+            latent = h @ layer.wk
+            k_pe = _apply_rope(latent[:, None, c.kv_lora_rank:], cos, sin)[:, 0]
+            latent = torch.cat((latent[:, :c.kv_lora_rank], k_pe), dim=-1)
+            return q, latent, latent
         k = (h @ layer.wk).view(n, c.num_kv_heads, c.head_dim)
         v = (h @ layer.wv).view(n, c.num_kv_heads, c.head_dim)
-        cos, sin = self._rope_cos_sin(positions)
         return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v
+
+    def _expand_latent(self, layer: _LayerWeights, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """MLA: every head's K and V `[n, heads, head_dim]` from the latents `[n, latent]`."""
+        c = self.config
+        n, nope = latent.shape[0], c.head_dim - c.rope_dim
+        up = (latent[:, :c.kv_lora_rank] @ layer.wv).view(n, c.num_heads, nope + c.head_dim)
+        k_pe = latent[:, None, c.kv_lora_rank:].expand(n, c.num_heads, c.rope_dim)
+        return torch.cat((up[..., :nope], k_pe), dim=-1), up[..., nope:]
+
+    def _write(self, kv: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the new positions' K and V (MLA: the latent's halves) in `kv` `[2, slots, kv_heads, plane]`."""
+        if self.config.kv_lora_rank:
+            half = kv.shape[-1]
+            kv[0, slots] = k[:, None, :half]
+            kv[1, slots] = k[:, None, half:]
+        else:
+            kv[0, slots] = k
+            kv[1, slots] = v
+
+    def _read(self, layer: _LayerWeights, kv: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `slots` for attention (MLA: the latent put back together and expanded per head)."""
+        if self.config.kv_lora_rank:
+            return self._expand_latent(layer, torch.cat((kv[0, slots, 0], kv[1, slots, 0]), dim=-1))
+        return kv[0, slots], kv[1, slots]
 
     def _finish_layer(self, layer: _LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, then the gated MLP block. `attn` is `[n, heads * dim]`."""
@@ -389,8 +495,9 @@ class ReferenceModel:
         if pool.dim() != 6 or pool.shape[1] != 2:
             raise ValueError("pool must be [num_layers, 2, num_pages, page_size, num_kv_heads, head_dim], "
                              f"got shape {tuple(pool.shape)}")
+        planes = 2 if self.config.kv_lora_rank else 1  # an MLA pool keeps half of each latent in each plane
         check_pool_layout(self.config, num_layers=pool.shape[0], num_kv_heads=pool.shape[4],
-                          head_dim=pool.shape[5], dtype=dtype_name(pool.dtype), page_size=pool.shape[3])
+                          head_dim=pool.shape[5] * planes, dtype=dtype_name(pool.dtype), page_size=pool.shape[3])
         if pool.shape[2] < 2:
             raise ValueError(f"pool must have >= 2 pages (page 0 is the null page), got {pool.shape[2]}")
         if pool.device != self.device:
@@ -444,6 +551,7 @@ def _causal_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_p
     """
     m, num_heads, head_dim = q.shape
     ctx, num_kv_heads, _ = k.shape
+    v_dim = v.shape[-1]
     group = num_heads // num_kv_heads
     qg = q.view(m, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [kv_heads, group, m, dim]
     kt = k.permute(1, 2, 0).unsqueeze(1)  # [kv_heads, 1, dim, ctx]
@@ -455,4 +563,4 @@ def _causal_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_p
         visible &= key_positions[None, :] > q_positions[:, None] - window
     probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).to(q.dtype)
     out = probs @ vg  # [kv_heads, group, m, dim]
-    return out.permute(2, 0, 1, 3).reshape(m, num_heads * head_dim)
+    return out.permute(2, 0, 1, 3).reshape(m, num_heads * v_dim)

@@ -32,7 +32,7 @@ import torch
 
 from engine_client.client import KVCacheClient
 from engine_client.reference.engine import LocalCache, ReferenceEngine
-from engine_client.reference.model import ModelConfig, ReferenceModel, dtype_name
+from engine_client.reference.model import ModelConfig, ReferenceModel, dtype_name, model_layout
 from kvcache_common.layout import window_flags
 
 MODES = ("no_cache", "no_session", "regular_session", "streaming_session")
@@ -344,19 +344,19 @@ def same_outputs(results: Sequence[Results]) -> bool:
 
 
 def layout_flags(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype | str,
-                 sliding_window: int = 0, window_layers: Sequence[int] = ()) -> list[str]:
-    """The `serve` flags of a pool that holds this K/V shape, with `sliding_window` on `window_layers` (0: no
-    window; `--window-layers` only when some layers attend to everything)."""
-    return ["--num-layers", str(num_layers), "--num-kv-heads", str(num_kv_heads), "--head-dim", str(head_dim),
+                 attention: str = "full", sliding_window: int = 0, window_layers: Sequence[int] = ()) -> list[str]:
+    """The `serve` flags of a pool that holds this K/V shape (`attention`: an `ATTENTION_KINDS` name), with
+    `sliding_window` on `window_layers` (0: no window; `--window-layers` only when some layers attend to
+    everything)."""
+    return [*(["--attention", attention] if attention != "full" else []),
+            "--num-layers", str(num_layers), "--num-kv-heads", str(num_kv_heads), "--head-dim", str(head_dim),
             "--dtype", dtype_name(dtype) if isinstance(dtype, torch.dtype) else dtype,
             *window_flags(sliding_window, tuple(window_layers), num_layers).split()]
 
 
 def model_flags(config: ModelConfig) -> list[str]:
     """The `serve` flags of a pool that fits the reference model `config`."""
-    return layout_flags(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-                        dtype=config.dtype, sliding_window=config.sliding_window,
-                        window_layers=config.window_layers)
+    return layout_flags(**model_layout(config))
 
 
 class ServiceProcess:

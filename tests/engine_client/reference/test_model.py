@@ -438,3 +438,78 @@ def test_window_batch_matches_dense(window_model: ReferenceModel) -> None:
 def test_invalid_window_config_raises(fields: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ModelConfig(**fields)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------- MLA
+
+MLA = ModelConfig(num_kv_heads=1, head_dim=32, kv_lora_rank=48, qk_rope_head_dim=16)
+"""One latent of 48 + 16 = 64 values per token and layer: 32 in the K plane, 32 in the V plane."""
+
+
+@pytest.fixture(scope="module")
+def mla_model() -> ReferenceModel:
+    return ReferenceModel(MLA)
+
+
+def test_an_mla_models_pool_holds_one_latent_per_token_in_halves(mla_model: ReferenceModel) -> None:
+    assert (MLA.attention, MLA.kv_dim, MLA.pool_shape(8, 4)) == ("mla", 64, (2, 2, 8, 4, 1, 32))
+    tokens = make_tokens(10, seed=30)
+    pool = make_pool(4, MLA)
+    pages = PageHandout().take(3)
+    mla_model.forward_paged(tokens, 0, pool, as_table(pages))
+    # The latent of layer 0 as the model computes it: its halves are the K and V planes of the token's slot.
+    _, latent, _ = mla_model._qkv(mla_model.layers[0], mla_model.embed[tokens], torch.arange(10))
+    page, slot = slots_of(pages, 10, 4)
+    assert torch.equal(pool[0, 0, page, slot, 0], latent[:, :32]) and torch.equal(pool[0, 1, page, slot, 0],
+                                                                                latent[:, 32:])
+    assert torch.isnan(pool[:, :, [p for p in range(NUM_PAGES) if p not in pages]]).all()  # nothing else written
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("chunks", [(37,), (5, 1, 13, 18), (1,) * 37], ids=["prefill", "chunked", "per-token"])
+def test_mla_paged_chunks_match_dense(mla_model: ReferenceModel, page_size: int, chunks: tuple[int, ...]) -> None:
+    tokens = make_tokens(sum(chunks), seed=31)
+    session = PagedSession(mla_model, make_pool(page_size, MLA), PageHandout())
+    bounds = [0, *torch.tensor(chunks).cumsum(0).tolist()]
+    paged = torch.cat([session.run(tokens[a:b]) for a, b in pairwise(bounds)])
+    torch.testing.assert_close(paged, mla_model.forward_dense(tokens), atol=ATOL, rtol=0)
+
+
+def test_mla_second_session_reuses_prefix_pages_and_batches_match_dense(mla_model: ReferenceModel) -> None:
+    pool, handout = make_pool(4, MLA), PageHandout()
+    first_tokens = make_tokens(24, seed=32)
+    first = PagedSession(mla_model, pool, handout)
+    first.run(first_tokens)
+    second_tokens = torch.cat([first_tokens[:20], make_tokens(9, seed=33)])
+    second = PagedSession(mla_model, pool, handout, shared_pages=first.pages[:5], cached_tokens=20)
+    torch.testing.assert_close(second.run(second_tokens[20:]), mla_model.forward_dense(second_tokens)[20:],
+                               atol=ATOL, rtol=0)
+    more, other = make_tokens(5, seed=34), make_tokens(7, seed=35)
+    out = mla_model.forward_batch([(more, 24, as_table(first.pages + handout.take(2))),
+                                   (other, 0, as_table(handout.take(2)))], pool)
+    torch.testing.assert_close(out[0], mla_model.forward_dense(torch.cat([first_tokens, more]))[24:], atol=ATOL,
+                               rtol=0)
+    torch.testing.assert_close(out[1], mla_model.forward_dense(other), atol=ATOL, rtol=0)
+
+
+def test_an_mla_model_refuses_a_full_attention_pool_of_other_sizes(mla_model: ReferenceModel) -> None:
+    # A bare tensor does not say its kind: the MLA model reads its two planes of 32 as a latent of 64.
+    with pytest.raises(ValueError, match=r"^pool layout \(layers=2, kv_heads=2, head_dim=64, dtype=float32\) does "
+                                         r"not match the model \(layers=2, kv_heads=1, head_dim=64, dtype=float32\)$"):
+        mla_model.forward_paged(make_tokens(3), 0, make_pool(4), as_table([1]))
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"qk_rope_head_dim": 0}, r"^ModelConfig with MLA needs kv_lora_rank > 0 and an even qk_rope_head_dim in "
+                              r"\[2, head_dim=32\), got kv_lora_rank=48 qk_rope_head_dim=0$"),
+    ({"qk_rope_head_dim": 32}, r"qk_rope_head_dim in \[2, head_dim=32\), got kv_lora_rank=48 qk_rope_head_dim=32$"),
+    ({"kv_lora_rank": 47}, r"^ModelConfig with MLA needs an even latent \(its halves go in the K and V planes\), "
+                           r"got kv_lora_rank \+ qk_rope_head_dim = 63$"),
+    ({"num_kv_heads": 2}, r"^ModelConfig with MLA has one latent per token: num_kv_heads must be 1, got 2$"),
+    ({"sliding_window": 8, "window_layers": (0,)},
+     r"^ModelConfig cannot have MLA and a sliding window \(a pool holds one or the other\)$"),
+])
+def test_invalid_mla_config_raises(fields: dict[str, object], message: str) -> None:
+    mla = {"num_kv_heads": 1, "head_dim": 32, "kv_lora_rank": 48, "qk_rope_head_dim": 16}
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(**(mla | fields))  # type: ignore[arg-type]
