@@ -30,8 +30,9 @@ from transformers import (
 )
 
 from engine_client import KVCacheClient
-from engine_client.hf import DynamicChat, SessionChat, UnsupportedModel, dense_reference
+from engine_client.hf import DynamicChat, SessionChat, UnsupportedModel, check_model, dense_reference
 from engine_client.layout import LayoutMismatch
+from kvcache_common.layout import PoolLayout
 
 from .conftest import ServerProcess
 
@@ -345,6 +346,21 @@ def test_a_full_attention_model_on_a_window_pool_is_refused_and_so_is_another_wi
             "match the model (layers=2, kv_heads=2, head_dim=16, dtype=float32, sliding window 32 on layer 0): ")
         assert client.list_sessions() == []
     assert_clean(server)
+
+
+def test_a_hybrid_model_with_linear_attention_layers_is_refused_with_the_reason() -> None:
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3NextForCausalLM(Qwen3NextConfig(
+        **SHAPE, head_dim=16, layer_types=["linear_attention", "full_attention"], num_experts=2,
+        num_experts_per_tok=1, moe_intermediate_size=32, shared_expert_intermediate_size=32, linear_num_key_heads=2,
+        linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)).eval()
+    pool = PoolLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32", page_size=4, num_pages=8)
+    with pytest.raises(UnsupportedModel) as err:
+        check_model(model, pool)  # before any session: SessionChat checks first
+    assert str(err.value) == ("Qwen3NextForCausalLM has linear_attention layers: a kvcache session keeps the K/V of "
+                              "every position, so only full-attention and sliding-window layers fit")
 
 
 def test_an_mla_model_is_refused_with_the_reason(start_server: Callable[..., ServerProcess]) -> None:
