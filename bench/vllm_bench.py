@@ -420,8 +420,8 @@ def window_main(python: Path, work: Path, doc_tokens: int) -> int:
         per_layer = 2 * info.layout.page_bytes // info.layout.page_size  # K and V of one layer, one token
         windowed = len(layout.window_layers)
         full = layout.num_layers - windowed
-        vllm = (f"{(256 << 20) // r['vllm_tokens']:,} B a token of its block pool ({r['vllm_tokens']:,} tokens in "
-                f"--kv-cache-mib 256)" if r["vllm_tokens"] else "?")
+        vllm = (f"{(256 << 20) // r['vllm_tokens']:,} B a token ({r['vllm_tokens']:,} tokens in --kv-cache-mib 256)"
+                if r["vllm_tokens"] else "?")
         print(f"{label} ({layout.describe()}): engine B took {loads['hit_tokens']:,} tokens from kvcache, reading "
               f"{loads['load_pages']} pool pages, {loads['load_window_pages']} of them into its window layers (the "
               f"window before each hit point only); load errors {loads['load_errors']}")

@@ -8,8 +8,9 @@ into every full-attention layer whole and into the window layers only from the f
 hit point (`(hit - window + 1) // block` blocks dropped): for a hit of 288 tokens, pages 16-17 of 18.
 
 Engines (started once, two at a time): `alone` (vLLM without kvcache, the reference tokens), `first` (on
-kvcache, saves what it computes) and `second` (on kvcache with vLLM's own prefix cache off, so every prefix
-it reuses comes from the pool) for Gemma-3; `mistral-alone` and `mistral` (prefix cache off) for Mistral.
+kvcache, saves what it computes), `second` (on kvcache with vLLM's own prefix cache off, so every prefix
+it reuses comes from the pool) and `two` (the same at tensor-parallel size 2: a rank per KV head) for
+Gemma-3; `mistral-alone` and `mistral` (prefix cache off) for Mistral.
 Requests go one at a time, so a request's tokens never depend on what it was batched with.
 """
 
@@ -72,7 +73,9 @@ def mistral_kvcache(window_models: dict[str, Path], tmp_path_factory: pytest.Tem
 def gemma(window_models: dict[str, Path], engine_log_dir: Path, kvcache: ServerProcess
           ) -> Iterator[dict[str, VllmEngine]]:
     specs: dict[str, dict[str, Any]] = {"alone": {"args": ARGS}, "first": {"args": ARGS, "kvcache": kvcache.target},
-                                        "second": {"args": NO_PREFIX_CACHE, "kvcache": kvcache.target}}
+                                        "second": {"args": NO_PREFIX_CACHE, "kvcache": kvcache.target},
+                                        "two": {"args": (*NO_PREFIX_CACHE, "--tensor-parallel-size", "2"),
+                                                "kvcache": kvcache.target}}
     with started_engines(window_models["gemma3"], engine_log_dir, "gemma3", specs) as engines:
         yield engines
 
@@ -162,3 +165,23 @@ def test_the_connector_reads_vllms_kv_cache_groups_and_refuses_those_it_cannot_c
                                  "heads x 64)"
     assert out["two windows"] == why + f"{window}, SlidingWindowSpec(block 32, 2 KV heads x 64, window 64)"
     assert out["other heads"] == why + f"{window}, FullAttentionSpec(block 32, 4 KV heads x 64)"
+
+
+def test_gemma3_engines_of_tp_1_and_2_share_window_prefixes_both_ways(gemma: dict[str, VllmEngine],
+                                                                      kvcache: ServerProcess) -> None:
+    # vLLM's CPU attention at TP=2 may order its floats otherwise than at TP=1, so here the counts speak
+    first, second, two = gemma["first"], gemma["second"], gemma["two"]
+    x, y = prompt(910, 200), prompt(920, 100)
+    assert [o["num_cached_tokens"] for o in each(first, [request(x, 4)])] == [0]
+    drained(kvcache.target)
+    before = counts(two)
+    out = each(two, [request(x + prompt(911, 20), 4), request(y, 4)])  # loads what TP=1 saved, saves y
+    assert [o["num_cached_tokens"] for o in out] == [192, 0]
+    assert counts(two)[0] - before[0] == 192 and counts(two)[3] == 0
+    drained(kvcache.target)
+    before = counts(second)
+    out = each(second, [request(y + prompt(921, 20), 4)])  # and TP=1 loads what both ranks saved
+    assert [o["num_cached_tokens"] for o in out] == [96]
+    after = counts(second)
+    # 96 tokens: 6 pages into the full-attention layer, the window's 2 (positions 64-95) into the window layers
+    assert (after[0] - before[0], after[1] - before[1], after[2] - before[2], after[3]) == (96, 6, 2, 0)
