@@ -162,13 +162,26 @@ _TOKEN_IDS_TAG = bytes([pb.StepColumns.DESCRIPTOR.fields_by_name["token_ids"].nu
 
 
 class StepWire:
-    """A StepRequest already serialized, as the clients send a batch: `data` goes on the wire as it is.
-    `message()` (and `engine_id`, `columns`) parse it back, for whoever inspects a call."""
+    """A StepRequest already serialized, as the clients send a batch: its bytes in `parts`, in order (the
+    batch's columns, then each op's token ids as the op copied them), which the step lane writes as they are
+    (one gathered send) and `data` joins once for gRPC. `message()` (and `engine_id`, `columns`) parse it
+    back, for whoever inspects a call."""
 
-    __slots__ = ("data",)
+    __slots__ = ("_data", "parts", "size")
 
-    def __init__(self, data: bytes) -> None:
-        self.data = data
+    def __init__(self, *parts: bytes) -> None:
+        self.parts = parts
+        self.size = sum(map(len, parts))
+        """The request's length in bytes."""
+        self._data: bytes | None = parts[0] if len(parts) == 1 else None
+
+    @property
+    def data(self) -> bytes:
+        """The request's bytes (the parts joined, once)."""
+        data = self._data
+        if data is None:
+            data = self._data = b"".join(self.parts)
+        return data
 
     def message(self) -> pb.StepRequest:
         return pb.StepRequest.FromString(self.data)
@@ -182,7 +195,7 @@ class StepWire:
         return self.message().columns
 
     def __repr__(self) -> str:
-        return f"StepWire({len(self.data)} bytes)"
+        return f"StepWire({self.size} bytes)"
 
 
 def serialize_request(request: StepWire | pb.StepRequest) -> bytes:
@@ -334,7 +347,8 @@ class StepBatch:
 
     def wire(self, default_engine_id: str) -> StepWire:
         """The StepRequest as the clients send it, once: serialized, without a message per op (with
-        columns) and with every op's tokens copied once, into the request's bytes."""
+        columns); every op's tokens are parts of it as the op copied them (the step lane sends them gathered,
+        gRPC joins them once)."""
         if not self.columns:
             return StepWire(self.request(default_engine_id).SerializeToString())
         self._mark_sent()
@@ -366,8 +380,8 @@ class StepBatch:
         size = 4 * sum(self._token_counts.values())
         size_bytes = varint(size)
         cols_size = len(head) + 1 + len(size_bytes) + size
-        return StepWire(b"".join((request, _COLUMNS_TAG, varint(cols_size), head, _TOKEN_IDS_TAG, size_bytes,
-                                  *tokens)))
+        return StepWire(b"".join((request, _COLUMNS_TAG, varint(cols_size), head, _TOKEN_IDS_TAG, size_bytes)),
+                        *tokens)
 
     def _mark_sent(self) -> None:
         if self.sent:
