@@ -142,7 +142,7 @@ class StepLane:
             if timeout != self._timeout:
                 self._set_timeout(sock, timeout)
             _send(sock, (wire.header(wire.STEP, size, len(pinned)), pinned, *parts))
-            kind, payload = self._read(sock, (wire.ANSWER, wire.REFUSED), self.poll_seconds)
+            kind, payload = self._read(sock, (wire.ANSWER, wire.REFUSED), self.poll_seconds, timeout)
         except (TimeoutError, BlockingIOError):
             self.close()
             raise _broken(self.path, f"no answer within {timeout:g} s", deadline=True) from None
@@ -155,18 +155,23 @@ class StepLane:
 
     def _set_timeout(self, sock: socket.socket, timeout: float) -> None:
         whole = int(timeout)
-        value = _TIMEVAL.pack(whole, int((timeout - whole) * 1e6))
+        value = _TIMEVAL.pack(whole, max(int((timeout - whole) * 1e6), 0 if whole else 1))  # (0, 0): no deadline
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
         self._timeout = timeout
 
-    def _read(self, sock: socket.socket, expect: tuple[int, ...], poll: float = 0.0) -> tuple[int, bytes | bytearray]:
+    def _read(self, sock: socket.socket, expect: tuple[int, ...], poll: float = 0.0,
+              timeout: float = 0.0) -> tuple[int, bytes | bytearray]:
         """The next frame: a small one in one recv (into the staging buffer), a larger one's payload read
-        straight into its own buffer; its first bytes polled for up to `poll` seconds before a blocking read.
-        The service sends nothing but the answer to the request it was sent, so a read never takes bytes of
-        another frame."""
+        straight into its own buffer; its first bytes polled for up to `poll` seconds before a blocking read,
+        which then waits what is left of `timeout`. The service sends nothing but the answer to the request it
+        was sent, so a read never takes bytes of another frame."""
         view = self._stage_view
-        have = _poll_into(sock, view, poll) if poll else 0
+        have = 0
+        if poll:
+            have = _poll_into(sock, view, poll)
+            if not have:  # the poll took its part of the deadline (the next call sets the whole one again)
+                self._set_timeout(sock, max(timeout - poll, 1e-6))
         while have < wire.HEADER_BYTES:
             n = sock.recv_into(view[have:])
             if not n:
