@@ -236,13 +236,16 @@ class StepBatch:
         self._outcomes: list[StepOutcome[Any]] = []
         self._sessions: dict[int, StepSession] = {}
         """The ops that name a session object, by index: their results are applied to it."""
-        # The columns of StepColumns: a list entry per op, or a dict entry per op whose value is not 0.
+        # The columns of StepColumns: an array or list entry per op (the wire's own little-endian layout where
+        # it is an array), or a dict entry per op whose value is not 0.
         self._kinds = bytearray()
         self._sids: list[str] = []
-        self._counts: list[int] = []
+        self._counts = array("i")
         self._flags = bytearray()
         self._epochs: dict[int, int] = {}
-        self._token_counts: dict[int, int] = {}
+        self._token_counts = array("I")
+        self._token_words = 0
+        """The token ids of all ops, counted."""
         self._tokens: list[bytes] = []
         """The token ids of the ops that carry some, in op order, packed (copied when the op was added)."""
         self._turns: dict[int, int] = {}
@@ -323,9 +326,11 @@ class StepBatch:
             if session.epoch:
                 self._epochs[i] = session.epoch
             self._sessions[i] = session
-        if tokens:
-            self._token_counts[i] = len(tokens) >> 2
+        ntok = len(tokens) >> 2
+        if ntok:
+            self._token_words += ntok
             self._tokens.append(tokens)
+        self._token_counts.append(ntok)
         outcome: StepOutcome[Any] = StepOutcome(_KIND_NAMES[kind], i, self._answer)
         self._kinds.append(kind)
         self._sids.append(sid)
@@ -357,12 +362,13 @@ class StepBatch:
         # Every column but the token ids, serialized by protobuf; the token ids follow as one more field
         # (a message's fields may come in any order), so they are copied once, by the join below.
         cols = pb.StepColumns(kinds=bytes(self._kinds), session_ids=self._sids,
-                              token_counts=_column("I", self._token_counts, n))
+                              token_counts=self._token_counts.tobytes())
         if self._epochs:
             cols.epochs = _column("Q", self._epochs, n)
-        if any(self._counts):
-            cols.counts = array("i", self._counts).tobytes()
-        if any(self._flags):
+        counts = self._counts.tobytes()
+        if counts.count(0) != len(counts):  # a zero byte count of the bytes: C speed, no int per op
+            cols.counts = counts
+        if self._flags.count(0) != n:
             cols.flags = bytes(self._flags)
         if self._turns:
             cols.turns = array("I", [self._turns.get(i, 0) for i in range(n)]).tobytes()
@@ -377,7 +383,7 @@ class StepBatch:
         tokens = self._tokens
         if not tokens:
             return StepWire(b"".join((request, _COLUMNS_TAG, varint(len(head)), head)))
-        size = 4 * sum(self._token_counts.values())
+        size = 4 * self._token_words
         size_bytes = varint(size)
         cols_size = len(head) + 1 + len(size_bytes) + size
         return StepWire(b"".join((request, _COLUMNS_TAG, varint(cols_size), head, _TOKEN_IDS_TAG, size_bytes)),
@@ -395,7 +401,7 @@ class StepBatch:
         for i, kind in enumerate(self._kinds):
             sid, epoch, count, flags = self._sids[i], self._epochs.get(i, 0), self._counts[i], self._flags[i]
             tokens = b""
-            if i in self._token_counts:
+            if self._token_counts[i]:
                 tokens = self._tokens[pos]
                 pos += 1
             if kind == OPEN:

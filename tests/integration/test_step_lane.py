@@ -756,6 +756,27 @@ def test_a_served_socket_is_refused_and_a_stale_one_replaced(start_server: Calla
     assert second.log_path.read_text().count("step_lane_connected") == 1
 
 
+def test_each_call_has_its_debug_line_at_debug_level_only(start_server: Callable[..., ServerProcess],
+                                                          tmp_path: Path) -> None:
+    """The interceptor's line per call (skipped before its arguments are made when debug lines are off): a
+    Step's, over the lane and gRPC, and a session call's naming its session."""
+    for level in ("debug", "info"):
+        server = start_server("--log-level", level, "--step-socket", str(tmp_path / f"{level}.sock"))
+        with KVCacheClient(server.target) as lc, KVCacheClient(server.target, ClientOptions(step_lane=False)) as gc:
+            lc.open_session("dbg")
+            assert lc.step(StepBatch()) == [] and gc.step(StepBatch()) == []
+            lc.close_session("dbg")
+        assert server.terminate()[0] == 0
+        lines = [json.loads(x) for x in server.log_path.read_text().splitlines() if x.startswith("{")]
+        calls = [(x["method"], x["code"], x.get("session_id")) for x in lines if x["event"] == "rpc"]
+        if level == "info":
+            assert calls == []
+        else:
+            assert [c for c in calls if c[0] != "GetPoolInfo"] == [
+                ("OpenSession", "OK", "dbg"), ("Step", "OK", None), ("Step", "OK", None),
+                ("CloseSession", "OK", "dbg")]
+
+
 def test_the_flags_are_checked(start_server: Callable[..., ServerProcess], tmp_path: Path) -> None:
     from cache_service.config import ConfigError, ServiceConfig
 
@@ -763,6 +784,8 @@ def test_the_flags_are_checked(start_server: Callable[..., ServerProcess], tmp_p
         ServiceConfig(step_socket="lane.sock")
     with pytest.raises(ConfigError, match="--step-socket-group: needs --step-socket"):
         ServiceConfig(step_socket_group="kvcache")
+    with pytest.raises(ConfigError, match=r"--step-socket-poll-us: must be in \[0, 1000\], got 1001"):
+        ServiceConfig(step_socket_poll_us=1001)
     with pytest.raises(RuntimeError, match="server did not start"):
         start_server("--step-socket", str(tmp_path / "s.sock"), "--step-socket-group", "no-such-group-41")
     assert "--step-socket-group: no group named 'no-such-group-41' on this host" in \
