@@ -9,7 +9,8 @@ A connection says hello once (the client's bearer token) and then carries one St
 bytes as the clients build them for gRPC, with the instance id the client pins, and answers the
 StepResponse bytes, or the google.rpc.Status of a refused call, raised as the same typed error gRPC's would
 be. A connection that breaks or outlives the call's deadline mid-call raises `StepLaneBroken` and is closed;
-the next call connects again (or, when that fails, goes over gRPC).
+the next call connects again (or, when that fails, goes over gRPC). The sync lane polls briefly for each
+answer before it blocks (`ClientOptions.step_lane_poll_us`); the asyncio lane waits on its event loop.
 """
 
 from __future__ import annotations

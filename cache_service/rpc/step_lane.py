@@ -16,6 +16,10 @@ Bounds: at most `max_connections` at once (more are closed at accept); a hello m
 connection may idle between frames); a frame longer than `max_message_bytes` is refused RESOURCE_EXHAUSTED
 and its connection closed unread; an answer the peer does not read within `timeout_seconds` closes it. A
 frame that breaks the protocol closes its connection with one logged reason and changes nothing.
+
+Polling (`poll_seconds`, --step-socket-poll-us): after a read, a connection keeps reading its socket for that
+long (yielding the core between tries) before the loop goes back to epoll, so the rest of a large frame and a
+scheduler's next Step are taken without a wake-up; at most `POLL_LIMIT_SECONDS` in one read callback.
 """
 
 from __future__ import annotations
