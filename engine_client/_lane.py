@@ -106,8 +106,7 @@ class StepLane:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             sock.settimeout(timeout)
-            if SEND_BUFFER_BYTES:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
             sock.connect(self.path)
             # Blocking from now on, with the deadline in the kernel (SO_RCVTIMEO / SO_SNDTIMEO): each read is one
             # recv, where a Python socket timeout polls before every one.

@@ -53,7 +53,6 @@ _STEP_ONLY = (wire.STEP,)
 _HELLO_OR_STEP = (wire.HELLO, wire.STEP)
 _NOT_READING = "not_reading"
 _NOT_READING_MESSAGE = "the peer did not read its answer"
-yield_cpu = os.sched_yield
 POLL_LIMIT_SECONDS = 1e-3
 """The longest one read callback keeps polling its connection (`_poll`), however many frames come in it: then
 the event loop runs its other work (gRPC, other connections) before this connection is read again."""
@@ -245,7 +244,7 @@ class _Connection(asyncio.BufferedProtocol):
                     now = clock()
                     if now >= end or now >= limit:
                         return
-                    yield_cpu()  # a peer waiting for this core (the client, on a busy machine) runs first
+                    os.sched_yield()  # a peer waiting for this core (the client, on a busy machine) runs first
                     continue
                 except OSError:
                     return
