@@ -32,7 +32,9 @@ Rows, each the median over the measured steps (interleaved, so all see the same 
   (unknown sessions: SESSION_NOT_FOUND; opens of open ids: SESSION_EXISTS);
 - bursts: those rows each follow a metrics scrape (HTTP) and an untimed GetPoolInfo (gRPC); the burst rows
   are Steps sent back to back as a scheduler sends them (§9 Steps of the same trace, then 5x as many empty
-  Steps), with the handler's mean over the burst.
+  Steps), with the handler's mean over the burst, and the CPU each process spent a Step over the burst (the
+  service's threads from /proc's schedstat; the client's, this process's, building and reading included; a
+  lane's polls count as CPU): on a loaded machine CPU moves less than wall time.
 Transports (`--transport`): TCP loopback and a unix socket carry gRPC; `lane` serves the same Steps on the
 step lane (`--step-socket`, DESIGN §10), the client taking it as `KVCacheClient.step` does by default.
 The second table is the handler in this process, without a transport (decode, interceptor + handler,
@@ -211,10 +213,33 @@ class Phase:
         """Each step's handler time (its metric's sum after minus before)."""
         self.handler_sum = 0.0
         self.handler_count = 0.0
+        self.service_cpu = 0.0
+        """Bursts: CPU seconds the service spent over the burst (all its threads), summed over rounds."""
+        self.client_cpu = 0.0
+        """Bursts: CPU seconds this process spent over the burst (building, sending, reading)."""
+        self.cpu_steps = 0
 
     @property
     def handler_mean(self) -> float:
         return self.handler_sum / self.handler_count * 1e6 if self.handler_count else float("nan")
+
+    def cpu_per_step(self) -> tuple[float, float]:
+        """(service, client) CPU microseconds a Step over the bursts (NaN for the other rows)."""
+        if not self.cpu_steps:
+            return float("nan"), float("nan")
+        return self.service_cpu / self.cpu_steps * 1e6, self.client_cpu / self.cpu_steps * 1e6
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds process `pid` has run, all its threads (/proc's schedstat: nanoseconds on a CPU)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
+    return total / 1e9
 
 
 def server_table(steps: int, warmup: int, transport: str = "tcp") -> dict[str, Phase]:
@@ -345,8 +370,12 @@ def server_table(steps: int, warmup: int, transport: str = "tcp") -> dict[str, P
             and read per Step, the handler's mean over the burst."""
             phase = phases[name]
             before = step_handler_seconds(metrics_port)
+            cpu_before = (cpu_seconds(proc.pid), time.process_time())
             for ops in batches:
                 phase.encode.append(timed_step(phase, ops, True).wire_us or 0.0)
+            phase.service_cpu += cpu_seconds(proc.pid) - cpu_before[0]
+            phase.client_cpu += time.process_time() - cpu_before[1]
+            phase.cpu_steps += len(batches)
             after = step_handler_seconds(metrics_port)
             phase.handler_sum += after[0] - before[0]
             phase.handler_count += after[1] - before[1]
@@ -508,6 +537,10 @@ def report(phases: dict[str, Phase], inproc: dict[str, list[float]]) -> Iterator
         yield (f"{name:<27} {_median(p.wall):>11.0f} {_median(p.handler_steps):>8.0f} {p.handler_mean:>6.0f} "
                f"{_median(p.build):>7.0f} "
                f"{_median(p.encode):>7.0f} {_median(p.decode):>7.0f} {_median(p.read):>7.0f} {share:>12.0f}")
+    bursts = [(name, *p.cpu_per_step()) for name, p in phases.items() if p.cpu_steps]
+    if bursts:
+        yield ("CPU a Step over the bursts, us (polls included): "
+               + "; ".join(f"{name}: service {svc:.0f}, client {cli:.0f}" for name, svc, cli in bursts))
     yield ""
     yield ("In this process (no transport), us: one §9 Step (decode, handle, encode), the handle of an empty and "
            "of a refusal Step, and per op by kind (handle only)")

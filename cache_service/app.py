@@ -323,7 +323,7 @@ class KVCacheServer:
         lane = StepLaneServer(cfg.step_socket, rpc.step_method, identities=self.identities,
                               instance_id=self.instance_id, max_message_bytes=cfg.max_message_bytes, group=group,
                               max_connections=cfg.step_socket_max_connections,
-                              timeout_seconds=cfg.step_socket_timeout)
+                              timeout_seconds=cfg.step_socket_timeout, poll_seconds=cfg.step_socket_poll_us * 1e-6)
         await lane.start()
         if lane.removed_stale_socket:
             self._log.warning("removed_stale_socket", path=lane.removed_stale_socket)

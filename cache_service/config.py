@@ -173,6 +173,10 @@ class ServiceConfig:
                                      "0660 (default: 0600, this process's user only)", metavar="GROUP")
     step_socket_max_connections: int = setting(64, "most step lane connections open at once (more are closed at "
                                                "once)", at_least=1)
+    step_socket_poll_us: int = setting(50, "microseconds a step lane connection keeps reading its socket after a "
+                                       "read (the rest of a frame, the next Step) before it returns to the event "
+                                       "loop (0 = never; the loop waits up to 1 ms in all a read)", at_least=0,
+                                       at_most=1000)
     step_socket_timeout: float = setting(5.0, "seconds a step lane hello, or a frame once begun, has to arrive "
                                          "whole, and an answer to be read", above=0, **SECONDS)
     shm_prefix: str = setting("kvcache", "pool file name prefix; stale files with it are removed at start")

@@ -9,10 +9,20 @@ from typing import TextIO
 import structlog
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+_level = logging.DEBUG
+"""The level `configure_logging` set (structlog's default, before it: every line is written)."""
+
+
+def debug_enabled() -> bool:
+    """Whether debug lines are written: a per-call debug line whose arguments cost something to make (the
+    interceptor's one per RPC) is skipped at once when they are not."""
+    return _level <= logging.DEBUG
 
 
 def configure_logging(level: str = "info", fmt: str = "auto", stream: TextIO | None = None) -> None:
     """Log lines at `level` and above to `stream` (stderr)."""
+    global _level
+    _level = _LEVELS[level]
     stream = sys.stderr if stream is None else stream
     if fmt == "auto":
         fmt = "console" if stream.isatty() else "json"

@@ -9,16 +9,18 @@ A connection says hello once (the client's bearer token) and then carries one St
 bytes as the clients build them for gRPC, with the instance id the client pins, and answers the
 StepResponse bytes, or the google.rpc.Status of a refused call, raised as the same typed error gRPC's would
 be. A connection that breaks or outlives the call's deadline mid-call raises `StepLaneBroken` and is closed;
-the next call connects again (or, when that fails, goes over gRPC).
+the next call connects again (or, when that fails, goes over gRPC). The sync lane polls briefly for each
+answer before it blocks (`ClientOptions.step_lane_poll_us`); the asyncio lane waits on its event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import grpc
 from google.rpc import status_pb2
@@ -29,6 +31,11 @@ from protos.kvcache.v1 import kvcache_pb2 as pb
 
 STAGE_BYTES = 64 << 10
 """The sync lane's read buffer: an answer that fits arrives in one recv."""
+SEND_BUFFER_BYTES = 1 << 20
+"""The sync lane's socket send buffer (the kernel caps it at net.core.wmem_max): a Step of up to about this
+size is written in one send, and the service reads it as it comes instead of in turns with this thread."""
+MAX_PARTS = 256
+"""Most buffers one send gathers (IOV_MAX is 1024 on Linux): a request of more parts is joined first."""
 _TIMEVAL = struct.Struct("ll")
 RETRY_SECONDS = 2.0
 """After a failed connect, Steps go over gRPC this long before the lane is tried again."""
@@ -76,10 +83,17 @@ def _broken(path: str, why: str, deadline: bool = False) -> StepLaneBroken:
 
 
 class StepLane:
-    """One blocking connection to a step lane. `connect` (hello), then `step` for each call; `close`."""
+    """One blocking connection to a step lane. `connect` (hello), then `step` for each call; `close`.
 
-    def __init__(self, path: str) -> None:
+    With `poll_seconds`, a Step's answer is first polled for (non-blocking reads, up to that long) before the
+    read blocks in the kernel: an answer that comes within it is read without this thread being put to sleep
+    and woken again (a wake-up costs more than an empty Step's handler on a machine like the benchmark's).
+    The poll spends its time on this thread's core; the call's deadline then still applies to the blocking
+    read after it."""
+
+    def __init__(self, path: str, poll_seconds: float = 0.0) -> None:
         self.path = path
+        self.poll_seconds = poll_seconds
         self.instance_id = ""
         self._sock: socket.socket | None = None
         self._stage = bytearray(STAGE_BYTES)
@@ -92,6 +106,7 @@ class StepLane:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             sock.settimeout(timeout)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
             sock.connect(self.path)
             # Blocking from now on, with the deadline in the kernel (SO_RCVTIMEO / SO_SNDTIMEO): each read is one
             # recv, where a Python socket timeout polls before every one.
@@ -115,17 +130,19 @@ class StepLane:
     def connected(self) -> bool:
         return self._sock is not None
 
-    def step(self, data: bytes, pin: str, timeout: float) -> pb.StepResponse:
-        """Send one StepRequest's bytes (`pin`: the instance id the call pins, "" none) and read its answer.
-        The call's refusal raises its typed error; a broken connection StepLaneBroken (and closes it)."""
+    def step(self, parts: Sequence[bytes], pin: str, timeout: float) -> pb.StepResponse:
+        """Send one StepRequest's bytes, `parts` in order (`pin`: the instance id the call pins, "" none), and
+        read its answer. The call's refusal raises its typed error; a broken connection StepLaneBroken (and
+        closes it)."""
         sock = self._sock
         assert sock is not None, "connect() first"
         pinned = pin.encode()
+        size = len(pinned) + sum(map(len, parts))
         try:
             if timeout != self._timeout:
                 self._set_timeout(sock, timeout)
-            _send(sock, (wire.header(wire.STEP, len(pinned) + len(data), len(pinned)), pinned, data))
-            kind, payload = self._read(sock, (wire.ANSWER, wire.REFUSED))
+            _send(sock, (wire.header(wire.STEP, size, len(pinned)), pinned, *parts))
+            kind, payload = self._read(sock, (wire.ANSWER, wire.REFUSED), self.poll_seconds, timeout)
         except (TimeoutError, BlockingIOError):
             self.close()
             raise _broken(self.path, f"no answer within {timeout:g} s", deadline=True) from None
@@ -138,17 +155,23 @@ class StepLane:
 
     def _set_timeout(self, sock: socket.socket, timeout: float) -> None:
         whole = int(timeout)
-        value = _TIMEVAL.pack(whole, int((timeout - whole) * 1e6))
+        value = _TIMEVAL.pack(whole, max(int((timeout - whole) * 1e6), 0 if whole else 1))  # (0, 0): no deadline
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
         self._timeout = timeout
 
-    def _read(self, sock: socket.socket, expect: tuple[int, ...]) -> tuple[int, bytes | bytearray]:
+    def _read(self, sock: socket.socket, expect: tuple[int, ...], poll: float = 0.0,
+              timeout: float = 0.0) -> tuple[int, bytes | bytearray]:
         """The next frame: a small one in one recv (into the staging buffer), a larger one's payload read
-        straight into its own buffer. The service sends nothing but the answer to the request it was sent, so
-        a read never takes bytes of another frame."""
+        straight into its own buffer; its first bytes polled for up to `poll` seconds before a blocking read,
+        which then waits what is left of `timeout`. The service sends nothing but the answer to the request it
+        was sent, so a read never takes bytes of another frame."""
         view = self._stage_view
         have = 0
+        if poll:
+            have = _poll_into(sock, view, poll)
+            if not have:  # the poll took its part of the deadline (the next call sets the whole one again)
+                self._set_timeout(sock, max(timeout - poll, 1e-6))
         while have < wire.HEADER_BYTES:
             n = sock.recv_into(view[have:])
             if not n:
@@ -171,7 +194,10 @@ class StepLane:
 
 
 def _send(sock: socket.socket, parts: tuple[bytes, ...]) -> None:
-    """Write `parts` in one sendmsg where the socket takes them at once, else the rest as the peer reads."""
+    """Write `parts` in one sendmsg where the socket takes them at once, else the rest as the peer reads (more
+    than `MAX_PARTS` are joined first)."""
+    if len(parts) > MAX_PARTS:
+        parts = (b"".join(parts),)
     sent = sock.sendmsg(parts)
     for part in parts:
         if sent >= len(part):
@@ -179,6 +205,24 @@ def _send(sock: socket.socket, parts: tuple[bytes, ...]) -> None:
             continue
         sock.sendall(memoryview(part)[sent:])
         sent = 0
+
+
+def _poll_into(sock: socket.socket, view: memoryview, seconds: float) -> int:
+    """Bytes read into `view` by non-blocking reads tried for up to `seconds` (0: nothing came in that time;
+    the caller then blocks). The peer's end of stream raises, as a blocking read's would."""
+    clock = time.perf_counter
+    end = clock() + seconds
+    while True:
+        try:
+            n = sock.recv_into(view, 0, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            if clock() >= end:
+                return 0
+            os.sched_yield()  # the service, when it waits for this core, runs first
+            continue
+        if not n:
+            raise ConnectionResetError("the service closed the connection")
+        return n
 
 
 def _recv_into(sock: socket.socket, view: memoryview) -> None:
@@ -222,15 +266,15 @@ class AsyncStepLane:
     def connected(self) -> bool:
         return self._writer is not None
 
-    async def step(self, data: bytes, pin: str, timeout: float) -> pb.StepResponse:
+    async def step(self, parts: Sequence[bytes], pin: str, timeout: float) -> pb.StepResponse:
         reader, writer = self._reader, self._writer
         assert reader is not None and writer is not None, "connect() first"
         pinned = pin.encode()
         try:
-            writer.write(wire.header(wire.STEP, len(pinned) + len(data), len(pinned)))
+            writer.write(wire.header(wire.STEP, len(pinned) + sum(map(len, parts)), len(pinned)))
             if pinned:
                 writer.write(pinned)
-            writer.write(data)
+            writer.writelines(parts)
             kind, payload = await asyncio.wait_for(self._exchange(writer, reader), timeout)
         except asyncio.TimeoutError:
             self.close()

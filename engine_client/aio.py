@@ -162,7 +162,7 @@ class AsyncKVCacheClient(ClientBase):
                 async with self._lane_lock:
                     lane = await self._lane_connected()
                     if lane is not None:
-                        response = await lane.step(cast(StepWire, call.request).data, self.instance_id,
+                        response = await lane.step(cast(StepWire, call.request).parts, self.instance_id,
                                                    self.options.timeout_seconds)
                         return call.finish(self, response)
         return await self._run(call)

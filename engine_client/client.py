@@ -131,7 +131,7 @@ class KVCacheClient(ClientBase):
                 with self._lane_lock:
                     lane = self._lane_connected()
                     if lane is not None:
-                        response = lane.step(cast(StepWire, call.request).data, self.instance_id,
+                        response = lane.step(cast(StepWire, call.request).parts, self.instance_id,
                                              self.options.timeout_seconds)
                         return call.finish(self, response)
         return self._run(call)
@@ -150,7 +150,7 @@ class KVCacheClient(ClientBase):
         if not choice.may_connect():
             return None
         assert choice.path
-        lane = StepLane(choice.path)
+        lane = StepLane(choice.path, self.options.step_lane_poll_us * 1e-6)
         try:
             lane.connect(self.options.auth_token, self.options.timeout_seconds)
         except (OSError, ValueError):

@@ -41,6 +41,9 @@ class ClientOptions:
     step_lane: bool = True
     """Send Steps over the service's step lane (a unix socket, `GetPoolInfo.step_socket`) when it announces one
     and this process can open it; False: always gRPC."""
+    step_lane_poll_us: int = 50
+    """Microseconds a Step on the lane polls for its answer (non-blocking reads, on the calling thread's core)
+    before its read blocks: an answer within it skips a sleep and a wake-up of the thread (0: block at once)."""
     wait_for_ready: bool = False
     """Queue calls while the channel connects instead of failing fast with UNAVAILABLE."""
     tls_ca_file: str = ""
@@ -56,6 +59,8 @@ class ClientOptions:
     an IP the certificate does not list). Empty for a `unix:` target means "localhost"."""
 
     def __post_init__(self) -> None:
+        if not 0 <= self.step_lane_poll_us <= 1_000_000:
+            raise ValueError(f"step_lane_poll_us={self.step_lane_poll_us}: use 0..1000000 microseconds")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("tls_cert_file and tls_key_file go together: a client certificate and its key")
         if not self.tls_ca_file and (self.tls_cert_file or self.tls_server_name):

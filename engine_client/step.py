@@ -162,13 +162,26 @@ _TOKEN_IDS_TAG = bytes([pb.StepColumns.DESCRIPTOR.fields_by_name["token_ids"].nu
 
 
 class StepWire:
-    """A StepRequest already serialized, as the clients send a batch: `data` goes on the wire as it is.
-    `message()` (and `engine_id`, `columns`) parse it back, for whoever inspects a call."""
+    """A StepRequest already serialized, as the clients send a batch: its bytes in `parts`, in order (the
+    batch's columns, then each op's token ids as the op copied them), which the step lane writes as they are
+    (one gathered send) and `data` joins once for gRPC. `message()` (and `engine_id`, `columns`) parse it
+    back, for whoever inspects a call."""
 
-    __slots__ = ("data",)
+    __slots__ = ("_data", "parts", "size")
 
-    def __init__(self, data: bytes) -> None:
-        self.data = data
+    def __init__(self, *parts: bytes) -> None:
+        self.parts = parts
+        self.size = sum(map(len, parts))
+        """The request's length in bytes."""
+        self._data: bytes | None = parts[0] if len(parts) == 1 else None
+
+    @property
+    def data(self) -> bytes:
+        """The request's bytes (the parts joined, once)."""
+        data = self._data
+        if data is None:
+            data = self._data = b"".join(self.parts)
+        return data
 
     def message(self) -> pb.StepRequest:
         return pb.StepRequest.FromString(self.data)
@@ -182,7 +195,7 @@ class StepWire:
         return self.message().columns
 
     def __repr__(self) -> str:
-        return f"StepWire({len(self.data)} bytes)"
+        return f"StepWire({self.size} bytes)"
 
 
 def serialize_request(request: StepWire | pb.StepRequest) -> bytes:
@@ -223,13 +236,16 @@ class StepBatch:
         self._outcomes: list[StepOutcome[Any]] = []
         self._sessions: dict[int, StepSession] = {}
         """The ops that name a session object, by index: their results are applied to it."""
-        # The columns of StepColumns: a list entry per op, or a dict entry per op whose value is not 0.
+        # The columns of StepColumns: an array or list entry per op (the wire's own little-endian layout where
+        # it is an array), or a dict entry per op whose value is not 0.
         self._kinds = bytearray()
         self._sids: list[str] = []
-        self._counts: list[int] = []
+        self._counts = array("i")
         self._flags = bytearray()
         self._epochs: dict[int, int] = {}
-        self._token_counts: dict[int, int] = {}
+        self._token_counts = array("I")
+        self._token_words = 0
+        """The token ids of all ops, counted."""
         self._tokens: list[bytes] = []
         """The token ids of the ops that carry some, in op order, packed (copied when the op was added)."""
         self._turns: dict[int, int] = {}
@@ -310,9 +326,11 @@ class StepBatch:
             if session.epoch:
                 self._epochs[i] = session.epoch
             self._sessions[i] = session
-        if tokens:
-            self._token_counts[i] = len(tokens) >> 2
+        ntok = len(tokens) >> 2
+        if ntok:
+            self._token_words += ntok
             self._tokens.append(tokens)
+        self._token_counts.append(ntok)
         outcome: StepOutcome[Any] = StepOutcome(_KIND_NAMES[kind], i, self._answer)
         self._kinds.append(kind)
         self._sids.append(sid)
@@ -334,7 +352,8 @@ class StepBatch:
 
     def wire(self, default_engine_id: str) -> StepWire:
         """The StepRequest as the clients send it, once: serialized, without a message per op (with
-        columns) and with every op's tokens copied once, into the request's bytes."""
+        columns); every op's tokens are parts of it as the op copied them (the step lane sends them gathered,
+        gRPC joins them once)."""
         if not self.columns:
             return StepWire(self.request(default_engine_id).SerializeToString())
         self._mark_sent()
@@ -343,12 +362,13 @@ class StepBatch:
         # Every column but the token ids, serialized by protobuf; the token ids follow as one more field
         # (a message's fields may come in any order), so they are copied once, by the join below.
         cols = pb.StepColumns(kinds=bytes(self._kinds), session_ids=self._sids,
-                              token_counts=_column("I", self._token_counts, n))
+                              token_counts=self._token_counts.tobytes())
         if self._epochs:
             cols.epochs = _column("Q", self._epochs, n)
-        if any(self._counts):
-            cols.counts = array("i", self._counts).tobytes()
-        if any(self._flags):
+        counts = self._counts.tobytes()
+        if counts.count(0) != len(counts):  # a zero byte count of the bytes: C speed, no int per op
+            cols.counts = counts
+        if self._flags.count(0) != n:
             cols.flags = bytes(self._flags)
         if self._turns:
             cols.turns = array("I", [self._turns.get(i, 0) for i in range(n)]).tobytes()
@@ -363,11 +383,11 @@ class StepBatch:
         tokens = self._tokens
         if not tokens:
             return StepWire(b"".join((request, _COLUMNS_TAG, varint(len(head)), head)))
-        size = 4 * sum(self._token_counts.values())
+        size = 4 * self._token_words
         size_bytes = varint(size)
         cols_size = len(head) + 1 + len(size_bytes) + size
-        return StepWire(b"".join((request, _COLUMNS_TAG, varint(cols_size), head, _TOKEN_IDS_TAG, size_bytes,
-                                  *tokens)))
+        return StepWire(b"".join((request, _COLUMNS_TAG, varint(cols_size), head, _TOKEN_IDS_TAG, size_bytes)),
+                        *tokens)
 
     def _mark_sent(self) -> None:
         if self.sent:
@@ -381,7 +401,7 @@ class StepBatch:
         for i, kind in enumerate(self._kinds):
             sid, epoch, count, flags = self._sids[i], self._epochs.get(i, 0), self._counts[i], self._flags[i]
             tokens = b""
-            if i in self._token_counts:
+            if self._token_counts[i]:
                 tokens = self._tokens[pos]
                 pos += 1
             if kind == OPEN:

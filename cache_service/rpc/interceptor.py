@@ -27,7 +27,7 @@ import grpc.aio
 from google.protobuf.message import DecodeError, Message
 
 from cache_service.core import KVCacheError, Reason
-from cache_service.log import get_logger
+from cache_service.log import debug_enabled, get_logger
 from cache_service.metrics import Metrics
 from cache_service.rpc.errors import status_for
 from cache_service.rpc.identity import ANONYMOUS, Identities, Identity
@@ -94,7 +94,8 @@ class ServiceInterceptor:
                 )
             else:
                 handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                    self._wrap(method.name, getattr(servicer, method.name)),
+                    self._wrap(method.name, getattr(servicer, method.name),
+                               "session_id" in method.input_type.fields_by_name),
                     request_deserializer=_decoder(request_cls),
                     response_serializer=response_cls.SerializeToString,
                 )
@@ -123,7 +124,9 @@ class ServiceInterceptor:
                                f"({request.error})", field="request")
         self._check_metadata(context)
 
-    def _wrap(self, name: str, behavior: Behavior) -> Behavior:
+    def _wrap(self, name: str, behavior: Behavior, has_session: bool = True) -> Behavior:
+        """`behavior` with the checks, error mapping, metric and debug line; `has_session`: its request has a
+        `session_id` (the debug line names it)."""
         log = self._log
         observe = self._metrics.observe_rpc
 
@@ -132,7 +135,9 @@ class ServiceInterceptor:
             # abort could be missing from a scrape the client makes right after seeing the error.
             elapsed = time.perf_counter() - start
             observe(name, code, elapsed)
-            sid = getattr(request, "session_id", "")
+            if not debug_enabled():
+                return
+            sid = getattr(request, "session_id", "") if has_session else ""
             if sid:
                 log.debug("rpc", method=name, code=code, ms=round(elapsed * 1e3, 3), session_id=sid)
             else:

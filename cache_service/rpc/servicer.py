@@ -356,10 +356,6 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
 
     def _step(self, request: pb.StepRequest, who: Identity, columns: bool, n: int,
               refused: dict[tuple[str, str], int], loads: list[Any], probes: list[Any]) -> pb.StepResponse:
-
-        def tally(kind: str, code: str) -> None:
-            refused[kind, code] = refused.get((kind, code), 0) + 1
-
         if columns:
             kinds = request.columns.kinds
             response = run_columns(self.core, request.columns, request.engine_id, who, self._max_tokens,
@@ -375,8 +371,12 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             num_failed = len(failed)
             if self.tier_path is not None:
                 self.tier_path.fill_columns(response, kinds, loads or [None] * n, probes or [None] * n)
-            ok = {name: kinds.count(kind) for kind, name in KIND_NAMES.items()}
+            ok = {name: kinds.count(kind) for kind, name in KIND_NAMES.items()} if n else {}
         else:
+
+            def tally(kind: str, code: str) -> None:
+                refused[kind, code] = refused.get((kind, code), 0) + 1
+
             response, failures = self._step_messages(request, who, tally)
             first_failure = failures[0] if failures else None
             num_failed = len(failures)

@@ -57,6 +57,10 @@ def run_columns(core: KVCacheCore, cols: pb.StepColumns, default_engine: str, wh
     do not fit the number of ops) fail the whole call INVALID_ARGUMENT, naming the column."""
     kinds = cols.kinds
     n = len(kinds)
+    if not n and not cols.ByteSize():  # no ops and no column set: nothing to check, every result column empty
+        response = pb.StepResponse()
+        response.columns.instance_id = instance_id
+        return response
     sids = _strings(cols.session_ids, n, "session_ids", optional=False)
     assert sids is not None
     epochs = _numbers(cols.epochs, "Q", n, "epochs")

@@ -16,6 +16,10 @@ Bounds: at most `max_connections` at once (more are closed at accept); a hello m
 connection may idle between frames); a frame longer than `max_message_bytes` is refused RESOURCE_EXHAUSTED
 and its connection closed unread; an answer the peer does not read within `timeout_seconds` closes it. A
 frame that breaks the protocol closes its connection with one logged reason and changes nothing.
+
+Polling (`poll_seconds`, --step-socket-poll-us): after a read, a connection keeps reading its socket for that
+long (yielding the core between tries) before the loop goes back to epoll, so the rest of a large frame and a
+scheduler's next Step are taken without a wake-up; at most `POLL_LIMIT_SECONDS` in one read callback.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import grp
 import os
 import socket
 import struct
+import time
 from collections.abc import Coroutine, Generator
 from typing import Any
 
@@ -48,6 +53,9 @@ _STEP_ONLY = (wire.STEP,)
 _HELLO_OR_STEP = (wire.HELLO, wire.STEP)
 _NOT_READING = "not_reading"
 _NOT_READING_MESSAGE = "the peer did not read its answer"
+POLL_LIMIT_SECONDS = 1e-3
+"""The longest one read callback keeps polling its connection (`_poll`), however many frames come in it: then
+the event loop runs its other work (gRPC, other connections) before this connection is read again."""
 
 
 def parse_group(text: str) -> int | None:
@@ -159,6 +167,9 @@ class _Connection(asyncio.BufferedProtocol):
         """loop.time() by which the peer must have done `_due` (0: nothing is due)."""
         self._due = self._due_reason = ""
         self._closed = False
+        self._fd = -1
+        """The socket's descriptor, which `_poll` reads directly (non-blocking, as asyncio made it)."""
+        self._polling = False
 
     # ------------------------------------------------------------------ the transport's callbacks
 
@@ -169,6 +180,7 @@ class _Connection(asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
         self._peer = {"peer_pid": pid, "peer_uid": uid, "peer_gid": gid}
+        self._fd = sock.fileno()
         if len(lane.connections) >= lane.max_connections:
             self._close("too_many_connections", f"{len(lane.connections)} connections are open, the most "
                         "--step-socket-max-connections allows")
@@ -183,6 +195,12 @@ class _Connection(asyncio.BufferedProtocol):
         return memoryview(payload)[self._got:]
 
     def buffer_updated(self, nbytes: int) -> None:
+        self._take(nbytes)
+        if self._lane.poll_seconds and not self._polling:
+            self._poll()
+
+    def _take(self, nbytes: int) -> None:
+        """`nbytes` more were read into the buffer `get_buffer` gave: take the frames they complete."""
         if self._closed:
             return
         payload = self._payload
@@ -201,6 +219,42 @@ class _Connection(asyncio.BufferedProtocol):
                 self._transport.pause_reading()
             return
         self._parse()
+
+    def _poll(self) -> None:
+        """Keep reading the socket for up to `poll_seconds` after a read, before going back to the event loop:
+        the rest of a large frame, or the next Step of a peer that sends Steps back to back, is taken as it
+        comes instead of after a wake-up through epoll (on this machine a wake-up of each process costs more
+        than an empty Step's handler). Reads are non-blocking (the socket is asyncio's) and go through
+        `get_buffer` / `_take` like the transport's own; each frame taken starts the window again, up to
+        `POLL_LIMIT_SECONDS` in all. It stops while a Step is running or waiting to be read (`_busy`), when
+        the connection closes, and at an error or the peer's end of stream, which are left to the transport
+        to see on its next read (epoll still reports them)."""
+        transport = self._transport
+        assert transport is not None
+        clock = time.perf_counter
+        fd, window = self._fd, self._lane.poll_seconds
+        now = clock()
+        end, limit = now + window, now + POLL_LIMIT_SECONDS
+        self._polling = True
+        try:
+            while not self._busy and not self._closed and not transport.is_closing():
+                try:
+                    n = os.readv(fd, (self.get_buffer(-1),))
+                except (BlockingIOError, InterruptedError):
+                    now = clock()
+                    if now >= end or now >= limit:
+                        return
+                    os.sched_yield()  # a peer waiting for this core (the client, on a busy machine) runs first
+                    continue
+                except OSError:
+                    return
+                if not n:
+                    return
+                self._take(n)
+                now = clock()
+                end = min(now + window, limit)
+        finally:
+            self._polling = False
 
     def pause_writing(self) -> None:
         self._writing_paused = True
@@ -415,11 +469,14 @@ class StepLaneServer:
 
     def __init__(self, path: str, step: grpc.RpcMethodHandler, *, identities: Identities, instance_id: str,
                  max_message_bytes: int, group: int | None = None, max_connections: int = 64,
-                 timeout_seconds: float = 5.0) -> None:
+                 timeout_seconds: float = 5.0, poll_seconds: float = 0.0) -> None:
         self.path = path
         self.group = group
         self.max_connections = max_connections
         self.timeout_seconds = timeout_seconds
+        self.poll_seconds = poll_seconds
+        """How long a connection keeps reading its socket after a read before it returns to epoll (`_poll`;
+        0: never)."""
         self.max_message_bytes = max_message_bytes
         self.decode = step.request_deserializer
         self.handle = step.unary_unary

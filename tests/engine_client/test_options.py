@@ -30,6 +30,12 @@ def test_tls_options_that_do_not_go_together_are_refused(kwargs: dict[str, str],
         ClientOptions(**kwargs)
 
 
+@pytest.mark.parametrize("poll_us", [-1, 1_000_001])
+def test_a_step_lane_poll_out_of_range_is_refused(poll_us: int) -> None:
+    with pytest.raises(ValueError, match=f"step_lane_poll_us={poll_us}: use 0..1000000 microseconds"):
+        ClientOptions(step_lane_poll_us=poll_us)
+
+
 @pytest.mark.parametrize(("target", "server_name", "checked"), [
     ("127.0.0.1:50051", "", None),  # gRPC checks the target's host
     ("127.0.0.1:50051", "kv.example", "kv.example"),

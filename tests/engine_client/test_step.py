@@ -287,6 +287,9 @@ def test_a_batch_on_the_wire_is_the_request_protobuf_builds() -> None:
     fill_every_kind(batch)
     wire = batch.wire("eng-1")
     assert isinstance(wire, StepWire) and repr(wire) == f"StepWire({len(wire.data)} bytes)"
+    # The columns, then each op's token ids as it copied them: the lane sends the parts gathered.
+    assert wire.parts[1:] == (TOKENS, TOKENS, TOKENS) and wire.data == b"".join(wire.parts)
+    assert wire.size == len(wire.data)
     expected = pb.StepRequest(engine_id="eng-1", columns=pb.StepColumns(
         kinds=bytes([1, 2, 3, 4, 4, 5, 6]), session_ids=["new", "s", "other", "s", "other", "s", ""],
         epochs=np.array([0, 7, 0, 7, 0, 7, 0], dtype="<u8").tobytes(),

@@ -290,6 +290,7 @@ FLAG_CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
                                                  "stepSocketGroup": "kvcache"}}, {"value": "kvcache"}),
     "step-socket-max-connections": ({"config": {"stepSocketMaxConnections": 8}}, {"value": "8"}),
     "step-socket-timeout": ({"config": {"stepSocketTimeout": 2.5}}, {"value": "2.5"}),
+    "step-socket-poll-us": ({"config": {"stepSocketPollUs": 0}}, {"value": "0"}),
     "session-timeout": ({"config": {"sessionTimeout": 0}}, {"value": "0"}),
     "lease-ttl": ({"config": {"leaseTtl": 7.5}}, {"value": "7.5"}),
     "reap-interval": ({"config": {"reapInterval": 0.25}}, {"value": "0.25"}),

@@ -45,7 +45,9 @@ MAX_OPS = 8
 TIMEOUT = 0.5
 """The module server's --step-socket-timeout: the slow-sender tests wait this long, not more."""
 LANE_FLAGS = ("--page-size", "4", "--num-pages", "256", "--max-step-ops", str(MAX_OPS), "--step-socket-timeout",
-              str(TIMEOUT), "--log-level", "info")
+              str(TIMEOUT), "--step-socket-poll-us", "1000", "--log-level", "info")
+"""The module server polls its connections for the longest it may (1 ms after each read), so the bad peers
+below meet the poll: what they send next usually arrives while it reads."""
 
 
 @dataclasses.dataclass
@@ -204,7 +206,10 @@ def _trace(batch_no: int) -> Callable[[StepBatch], list[Any]]:
         if batch_no == 2:
             return [batch.match(prompt), batch.commit("a", [7, 8, 9]), batch.open("c", cache_salt="x"),
                     batch.append("c", prompt, reserve_tokens=4)]
-        return [batch.close("a", cache=True), batch.abort("c"), batch.close("c"), batch.close("c")]
+        if batch_no == 3:
+            return [batch.close("a", cache=True), batch.abort("c"), batch.close("c"), batch.close("c")]
+        # More ops with tokens than one send gathers (engine_client._lane.MAX_PARTS): the request is joined.
+        return [batch.match(prompt[: 1 + i % 10]) for i in range(300)]
 
     return fill
 
@@ -221,13 +226,22 @@ def _normal(outcome: Any, instance_id: str) -> Any:
     return {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in fields.items()}
 
 
+@pytest.mark.parametrize(("service_poll_us", "client_poll_us"), [(None, None), (0, 0), (1000, 100_000)],
+                         ids=["default polls", "no polls", "long polls"])
 def test_steps_over_the_lane_answer_what_steps_over_grpc_answer(start_server: Callable[..., ServerProcess],
-                                                                 tmp_path: Path) -> None:
-    """Two services started alike: one driven over its lane, the other over gRPC, Step for Step."""
-    over_lane = start_server("--page-size", "4", "--num-pages", "64", "--step-socket", str(tmp_path / "a.sock"))
+                                                                 tmp_path: Path, service_poll_us: int | None,
+                                                                 client_poll_us: int | None) -> None:
+    """Two services started alike: one driven over its lane, the other over gRPC, Step for Step; whether
+    either side of the lane polls (and for how long) changes nothing of what is answered."""
+    poll = () if service_poll_us is None else ("--step-socket-poll-us", str(service_poll_us))
+    client_options = ClientOptions() if client_poll_us is None else ClientOptions(step_lane_poll_us=client_poll_us)
+    over_lane = start_server("--page-size", "4", "--num-pages", "64", "--step-socket", str(tmp_path / "a.sock"),
+                             *poll)
     over_grpc = start_server("--page-size", "4", "--num-pages", "64", "--step-socket", str(tmp_path / "b.sock"))
-    with KVCacheClient(over_lane.target) as lc, KVCacheClient(over_grpc.target, ClientOptions(step_lane=False)) as gc:
-        for n in range(4):
+    with KVCacheClient(over_lane.target, client_options) as lc, \
+            KVCacheClient(over_grpc.target, ClientOptions(step_lane=False)) as gc:
+        per_step = []
+        for n in range(5):
             answers = []
             for client, server in ((lc, over_lane), (gc, over_grpc)):
                 batch = StepBatch()
@@ -235,9 +249,12 @@ def test_steps_over_the_lane_answer_what_steps_over_grpc_answer(start_server: Ca
                 assert client.step(batch) == outcomes
                 answers.append([_normal(o, server.instance_id) for o in outcomes])
             assert answers[0] == answers[1], n
+            per_step.append(answers[0])
         assert state(lc) == dataclasses.replace(state(gc), instance_id=over_lane.instance_id)
-    refusals = [o[2] for o in answers[0] if isinstance(o, tuple)]
-    assert refusals == ["SESSION_NOT_FOUND"]  # the last Step: closing c twice
+    refusals = [o[2] for o in per_step[3] if isinstance(o, tuple)]
+    assert refusals == ["SESSION_NOT_FOUND"]  # the fourth Step: closing c twice
+    # The fifth: 300 matches of prompt[:k], k = 1..10: the full pages of session a, cached at its close.
+    assert [o["cached_tokens"] for o in per_step[4]] == [4 * ((1 + i % 10) // 4) for i in range(300)]
     connected = [line for line in over_lane.log_path.read_text().splitlines() if "step_lane_connected" in line]
     assert len(connected) == 1 and "step_lane_connected" not in over_grpc.log_path.read_text()
 
@@ -467,6 +484,73 @@ def test_a_peer_that_sends_and_never_reads_is_cut_off(lane: Lane) -> None:
         assert state(client) == before
 
 
+def test_steps_sent_back_to_back_are_answered_while_grpc_is_served(lane: Lane) -> None:
+    """A peer that sends its next Step as soon as it has an answer keeps the service's poll busy (each frame
+    starts its window again): the poll gives the loop back within its limit, so gRPC calls made meanwhile are
+    answered, and every Step is."""
+    answers: list[int] = []
+    stop = threading.Event()
+
+    def pipeline() -> None:
+        with connect(lane.path) as sock:
+            assert hello(sock) is not None
+            frames = step_frame(pb.StepRequest()) * 4
+            while not stop.is_set():
+                sock.sendall(frames)
+                for _ in range(4):
+                    frame = read_frame(sock)
+                    assert frame is not None
+                    answers.append(frame[0])
+
+    thread = threading.Thread(target=pipeline, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: len(answers) >= 400, "the pipelining peer's first 400 answers", 30, poll=0.01)
+        with lane.client(step_lane=False) as grpc_client:
+            for _ in range(20):
+                assert grpc_client.get_pool_info().step_socket == lane.path
+                assert grpc_client.step(StepBatch()) == []
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+    assert not thread.is_alive() and set(answers) == {wire.ANSWER}
+
+
+@pytest.mark.parametrize("pause", [0.0, 0.05], ids=["at once", "after the poll"])
+def test_a_frame_in_two_pieces_is_taken_whole(lane: Lane, pause: float) -> None:
+    """The rest of a frame that comes while the service polls is read by the poll; one that comes after the
+    poll gave up (50 ms later: the poll lasts 1 ms) is read when epoll reports it. Either way one answer."""
+    with connect(lane.path) as sock:
+        assert hello(sock) is not None
+        batch = StepBatch()
+        batch.match(list(range(1, 2001)))
+        frame = step_frame(batch.wire("").message())
+        sock.sendall(frame[:100])
+        time.sleep(pause)
+        sock.sendall(frame[100:])
+        answer = read_frame(sock)
+        assert answer is not None and answer[0] == wire.ANSWER
+        assert pb.StepResponse.FromString(answer[1]).columns.codes == bytes(4)
+
+
+def test_a_peer_that_closes_right_after_its_step_is_seen_going(lane: Lane) -> None:
+    """The Step is applied and answered; the end of stream the poll reads is left to the transport, which
+    logs the peer's going (no warning: nothing was cut short) and keeps serving."""
+    logged, gone = len(lane.events("step_lane_closed")), len(lane.events("step_lane_disconnected"))
+    with lane.client() as client:
+        with connect(lane.path) as sock:
+            assert hello(sock) is not None
+            batch = StepBatch()
+            batch.open("closer", streaming=False)
+            sock.sendall(step_frame(batch.wire("").message()))
+        wait_until(lambda: len(lane.events("step_lane_disconnected")) > gone, "the peer's going in the log", 10,
+                   poll=0.02)
+        assert len(lane.events("step_lane_closed")) == logged
+        batch = StepBatch()
+        closing = batch.close("closer")
+        assert client.step(batch) == [closing] and closing.ok  # the Step before the close was applied
+
+
 def test_connections_past_the_bound_are_closed_at_once(start_server: Callable[..., ServerProcess],
                                                        tmp_path: Path) -> None:
     path = str(tmp_path / "step.sock")
@@ -530,14 +614,18 @@ class BrokenLane:
         os.unlink(self.path)
 
 
+@pytest.mark.parametrize("poll_us", [0, 200_000], ids=["blocking read", "polled read"])
 @pytest.mark.parametrize("how", ["close", "silent"])
 def test_a_lane_that_breaks_mid_call_raises_at_once_and_the_next_call_takes_grpc(
-        start_server: Callable[..., ServerProcess], tmp_path: Path, how: str) -> None:
+        start_server: Callable[..., ServerProcess], tmp_path: Path, how: str, poll_us: int) -> None:
+    """With a client that polls for its answer (here for 0.2 s: the close comes while it polls), a closed
+    connection breaks the call as at once as a blocking read does, and silence still ends at the deadline
+    (the poll counts within it)."""
     path = str(tmp_path / "step.sock")
     server = start_server("--step-socket", path)
     broken = BrokenLane(path, server.instance_id, how)
     try:
-        with KVCacheClient(server.target, ClientOptions(timeout_seconds=1.0)) as client:
+        with KVCacheClient(server.target, ClientOptions(timeout_seconds=1.0, step_lane_poll_us=poll_us)) as client:
             batch = StepBatch()
             batch.open("x")
             with pytest.raises(StepLaneBroken) as info:
@@ -668,6 +756,27 @@ def test_a_served_socket_is_refused_and_a_stale_one_replaced(start_server: Calla
     assert second.log_path.read_text().count("step_lane_connected") == 1
 
 
+def test_each_call_has_its_debug_line_at_debug_level_only(start_server: Callable[..., ServerProcess],
+                                                          tmp_path: Path) -> None:
+    """The interceptor's line per call (skipped before its arguments are made when debug lines are off): a
+    Step's, over the lane and gRPC, and a session call's naming its session."""
+    for level in ("debug", "info"):
+        server = start_server("--log-level", level, "--step-socket", str(tmp_path / f"{level}.sock"))
+        with KVCacheClient(server.target) as lc, KVCacheClient(server.target, ClientOptions(step_lane=False)) as gc:
+            lc.open_session("dbg")
+            assert lc.step(StepBatch()) == [] and gc.step(StepBatch()) == []
+            lc.close_session("dbg")
+        assert server.terminate()[0] == 0
+        lines = [json.loads(x) for x in server.log_path.read_text().splitlines() if x.startswith("{")]
+        calls = [(x["method"], x["code"], x.get("session_id")) for x in lines if x["event"] == "rpc"]
+        if level == "info":
+            assert calls == []
+        else:
+            assert [c for c in calls if c[0] != "GetPoolInfo"] == [
+                ("OpenSession", "OK", "dbg"), ("Step", "OK", None), ("Step", "OK", None),
+                ("CloseSession", "OK", "dbg")]
+
+
 def test_the_flags_are_checked(start_server: Callable[..., ServerProcess], tmp_path: Path) -> None:
     from cache_service.config import ConfigError, ServiceConfig
 
@@ -675,6 +784,8 @@ def test_the_flags_are_checked(start_server: Callable[..., ServerProcess], tmp_p
         ServiceConfig(step_socket="lane.sock")
     with pytest.raises(ConfigError, match="--step-socket-group: needs --step-socket"):
         ServiceConfig(step_socket_group="kvcache")
+    with pytest.raises(ConfigError, match=r"--step-socket-poll-us: must be in \[0, 1000\], got 1001"):
+        ServiceConfig(step_socket_poll_us=1001)
     with pytest.raises(RuntimeError, match="server did not start"):
         start_server("--step-socket", str(tmp_path / "s.sock"), "--step-socket-group", "no-such-group-41")
     assert "--step-socket-group: no group named 'no-such-group-41' on this host" in \

@@ -442,6 +442,10 @@ def test_random_sequences_give_the_same_results_and_state_as_unary_calls(
     (pb.StepColumns(kinds=b"\x02", session_ids=["a"], token_counts=b"\x02\x00\x00\x00", token_ids=b"\x01\x00\x00\x00"),
      "columns.token_ids", "holds 4 bytes; token_counts add up to 2 int32 ids"),
     (pb.StepColumns(kinds=b"\x03", session_ids=["a"], flags=b"\x00\x00"), "columns.flags", "holds 2 bytes for 1 ops"),
+    # No ops, but a column set: not the empty Step's short way (nothing set), refused as any other count.
+    (pb.StepColumns(session_ids=["a"]), "columns.session_ids", "has 1 entries for 0 ops"),
+    (pb.StepColumns(epochs=bytes(8)), "columns.epochs", "holds 8 bytes, not 0 ops of 8 bytes"),
+    (pb.StepColumns(token_ids=bytes(4)), "columns.token_ids", "holds 4 bytes; token_counts add up to 0 int32 ids"),
 ])
 def test_malformed_columns_fail_the_whole_call_naming_the_column(
         start_thread_server: Callable[..., ThreadServer], columns: pb.StepColumns, field: str, message: str) -> None:
