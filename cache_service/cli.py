@@ -24,7 +24,7 @@ from cache_service.log import configure_logging
 from cache_service.memory import PoolError
 from cache_service.memory.base import format_bytes
 from kvcache_common.heap import keep_heap
-from kvcache_common.layout import GROUP_KINDS, PoolLayout, format_layers
+from kvcache_common.layout import GROUP_KINDS, PoolLayout, layer_words
 from protos.kvcache.v1 import kvcache_pb2 as pb
 
 if TYPE_CHECKING:  # the on-call tools import grpc when they run (see main)
@@ -208,10 +208,8 @@ def _group_lines(layout: PoolLayout) -> list[str]:
     """With a sliding window: the pool's layer groups (GetPoolInfo's), pages whole across them."""
     if not layout.sliding_window:
         return []
-    groups = "; ".join(
-        f"{GROUP_KINDS[g.kind]}{f' {g.sliding_window}' if g.sliding_window else ''} on "
-        + (f"layer{'s' if len(g.layers) > 1 else ''} {format_layers(g.layers)}" if g.layers else "every layer")
-        for g in layout.groups)
+    groups = "; ".join(f"{GROUP_KINDS[g.kind]}{f' {g.sliding_window}' if g.sliding_window else ''} on "
+                       f"{layer_words(g.layers, layout.num_layers)}" for g in layout.groups)
     return [f"  groups   {groups} (a page holds every layer's rows)"]
 
 

@@ -20,7 +20,14 @@ from cache_service.core.config import CoreConfig
 from cache_service.core.eviction import EVICTION_POLICIES
 from cache_service.core.tiering import TIER_POLICIES
 from cache_service.memory.base import format_bytes
-from kvcache_common.layout import ATTENTION_KINDS, DTYPE_NAMES, PoolLayout, format_layers, parse_layers
+from kvcache_common.layout import (
+    ATTENTION_KINDS,
+    DTYPE_NAMES,
+    PoolLayout,
+    format_layers,
+    parse_layers,
+    window_layers_text,
+)
 from kvcache_common.model import ModelConfigError, ModelLayout, UnsupportedModel, read_model_layout
 
 BACKEND_CHOICES = ("auto", "host_shm", "host_memfd", "cuda_ipc", "cuda_vmm")
@@ -97,11 +104,6 @@ def _int(text: str) -> int:
 def _layer_list(text: str) -> str:
     """A --window-layers list in its short form: "0,1,2,3,5" -> "0-3,5"; "" stays "" (every layer)."""
     return format_layers(parse_layers(text))
-
-
-def _layers_text(layers: tuple[int, ...], num_layers: int) -> str:
-    """--window-layers' text for these layers: "" when they are every layer."""
-    return "" if len(layers) == num_layers else format_layers(layers)
 
 
 def _float(text: str) -> float:
@@ -547,9 +549,9 @@ def fit_model(values: dict[str, Any], given: set[str]) -> dict[str, Any]:
     for name in MODEL_LAYOUT:
         want, have = getattr(model, name), values[name]
         if name == "window_layers":  # the flag's text: "" for every layer
-            want = _layers_text(want, model.num_layers)
+            want = window_layers_text(want, model.num_layers)
             with contextlib.suppress(ValueError):  # else the config's own check refuses it
-                have = _layers_text(parse_layers(have), model.num_layers)
+                have = window_layers_text(parse_layers(have), model.num_layers)
         if name in given and have != want:
             flag = name.replace("_", "-")
             shown = want if want != "" else ("every layer" if model.sliding_window else "none")

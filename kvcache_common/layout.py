@@ -155,7 +155,8 @@ class PoolLayout:
             return (LayerGroup(self.attention, self.num_layers, heads, dim),)
         if len(self.window_layers) == self.num_layers:
             return (LayerGroup("sliding_window", self.num_layers, heads, dim, sliding_window=window),)
-        full = tuple(i for i in range(self.num_layers) if i not in set(self.window_layers))
+        windowed = set(self.window_layers)
+        full = tuple(i for i in range(self.num_layers) if i not in windowed)
         groups = (LayerGroup(self.attention, len(full), heads, dim, layers=full),
                   LayerGroup("sliding_window", len(self.window_layers), heads, dim, layers=self.window_layers,
                              sliding_window=window))
@@ -208,9 +209,21 @@ def describe_window(sliding_window: int, window_layers: tuple[int, ...], num_lay
     """", sliding window 64 on layers 0-4,6-10" (", ... on every layer"), or "" without a window."""
     if not sliding_window:
         return ""
-    where = ("every layer" if len(window_layers) == num_layers
-             else f"layer{'s' if len(window_layers) > 1 else ''} {format_layers(window_layers)}")
-    return f", sliding window {sliding_window} on {where}"
+    return f", sliding window {sliding_window} on {layer_words(window_layers, num_layers)}"
+
+
+def layer_words(layers: tuple[int, ...], num_layers: int) -> str:
+    """Layers in messages: "every layer" (all `num_layers` of them, or none named: a group's `layers`),
+    "layer 2", "layers 0-4,6-10"."""
+    if not layers or len(layers) == num_layers:
+        return "every layer"
+    return f"layer{'s' if len(layers) > 1 else ''} {format_layers(layers)}"
+
+
+def window_layers_text(window_layers: tuple[int, ...], num_layers: int) -> str:
+    """`--window-layers`' text for these layers: "0-4,6-10", or "" when they are every layer (the flag's
+    default)."""
+    return "" if len(window_layers) == num_layers else format_layers(window_layers)
 
 
 def format_layers(layers: tuple[int, ...] | list[int]) -> str:
@@ -245,5 +258,5 @@ def window_flags(sliding_window: int, window_layers: tuple[int, ...], num_layers
     """" --sliding-window 64 --window-layers 0-4,6-10" (no --window-layers when every layer has the window), or ""."""
     if not sliding_window:
         return ""
-    layers = "" if len(window_layers) == num_layers else f" --window-layers {format_layers(window_layers)}"
-    return f" --sliding-window {sliding_window}{layers}"
+    layers = window_layers_text(window_layers, num_layers)
+    return f" --sliding-window {sliding_window}{f' --window-layers {layers}' if layers else ''}"

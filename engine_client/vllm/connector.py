@@ -137,10 +137,9 @@ class KVCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             log.info("kvcache connector: rank %d of %d reads %s, KV heads %d-%d of %d%s", shard.rank, self._tp_size,
                      described, shard.lo, shard.hi - 1, total_heads,
                      "" if shard.writer else " (a replica: loads only, another rank saves them)")
-        groups = self._groups
         self._worker.register(layers, num_kv_heads=total_heads, head_dim=dim,
                               dtype=next(iter(kv_caches.values())).dtype, attention=self._attention,
-                              groups=[groups.of_layer.get(n, 0) for n in names], windows=groups.windows)
+                              groups=[self._groups.of_layer.get(n, 0) for n in names], windows=self._groups.windows)
 
     def _full_layers(self, kv_caches: list[tuple[str, torch.Tensor]], static: dict[str, Any], dim: int
                      ) -> tuple[list[tuple[str, LayerKV]], str]:

@@ -207,9 +207,9 @@ class SchedulerSide:
         self.role = role
         self.loads, self.saves = ROLES[role]
         self.world_size = world_size
+        """Worker ranks whose reports a step's saves need (tensor parallel: every rank writes its heads)."""
         self.groups = groups
         """vLLM's KV cache groups (a hybrid model's window and full-attention layers have block tables of their own)."""
-        """Worker ranks whose reports a step's saves need (tensor parallel: every rank writes its heads)."""
         self.reserve_tokens = config.reserve_tokens or block_size
         self.counters = Counters()
         self._clock = clock
