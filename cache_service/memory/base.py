@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Protocol
+from types import TracebackType
+from typing import Protocol, TypeVar
 
 from kvcache_common.layout import PoolLayout
 
@@ -45,6 +47,43 @@ class PoolBackend(Protocol):
 
     @property
     def closed(self) -> bool: ...
+
+
+_Pool = TypeVar("_Pool", bound="OwnedPool")
+
+
+class OwnedPool:
+    """What every backend shares (docs/design.md §2): `close()` runs the backend's `_release()` exactly once
+    (idempotent), `closed` says whether it ran, the pool is a context manager, and a pool dropped without
+    `close()` is closed when it is collected (a safety net; owners call `close()`). A backend sets `_open`
+    once its `__init__` holds what `_release()` frees; a start that fails half-way calls `close()` itself."""
+
+    _open = False
+
+    @property
+    def closed(self) -> bool:
+        return not self._open
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self._release()
+
+    def _release(self) -> None:
+        """Free what the backend holds (called once, by `close()`)."""
+        raise NotImplementedError
+
+    def __enter__(self: _Pool) -> _Pool:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if self._open:
+            with contextlib.suppress(Exception):  # nothing can be reported from a collector
+                self.close()
 
 
 class FdPool(PoolBackend, Protocol):

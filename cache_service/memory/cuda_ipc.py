@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from cache_service.memory.base import PoolError, PoolHandle
+from cache_service.memory.base import OwnedPool, PoolError, PoolHandle
 from kvcache_common.cuda_driver import CudaDriver
 from kvcache_common.cuda_driver import format_uuid as uuid_of_bytes
 from kvcache_common.layout import PoolLayout
@@ -139,7 +139,7 @@ def _one_line(e: BaseException) -> str:
     return lines[0] if lines else type(e).__name__
 
 
-class CudaIpcPool:
+class CudaIpcPool(OwnedPool):
     """Owns the GPU allocation. `close()` frees it (idempotent)."""
 
     name = "cuda_ipc"
@@ -162,6 +162,7 @@ class CudaIpcPool:
         size = layout.size_bytes
         try:
             self._ptr: int | None = d.malloc(self.device_index, size)
+            self._open = True
         except Exception as e:
             raise PoolError(f"cannot allocate a {size / 2**20:.1f} MiB pool on GPU {self.device_index} "
                             f"({self.device_uuid}): {_one_line(e)}; lower --num-pages") from None
@@ -186,18 +187,7 @@ class CudaIpcPool:
             raise PoolError("the pool is closed")
         return self._ptr
 
-    @property
-    def closed(self) -> bool:
-        return self._ptr is None
-
-    def close(self) -> None:
-        if self._ptr is None:
-            return
+    def _release(self) -> None:
+        assert self._ptr is not None, "an open pool holds its allocation"
         ptr, self._ptr = self._ptr, None
         self._driver.free(self.device_index, ptr)
-
-    def __enter__(self) -> CudaIpcPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

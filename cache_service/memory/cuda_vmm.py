@@ -19,10 +19,9 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable
-from types import TracebackType
 from typing import Protocol
 
-from cache_service.memory.base import PoolError, PoolHandle, format_bytes
+from cache_service.memory.base import OwnedPool, PoolError, PoolHandle, format_bytes
 from cache_service.memory.cuda_ipc import resolve_device
 from kvcache_common.cuda_driver import ACCESS_READWRITE, CudaDriver
 from kvcache_common.layout import PoolLayout
@@ -110,7 +109,7 @@ def open_driver(factory: Callable[[], VmmDriver] | None = None) -> VmmDriver:
         raise PoolError(f"cannot initialise the CUDA driver ({_one_line(e)}); use --backend host_shm") from None
 
 
-class CudaVmmPool:
+class CudaVmmPool(OwnedPool):
     """Owns the allocation handle and its exported fd. `export_fd()` is what the pool socket sends;
     `close()` (idempotent) releases the service's references in reverse order of acquisition."""
 
@@ -129,7 +128,8 @@ class CudaVmmPool:
         self._fd: int | None = None
         self._va: int | None = None
         self._mapped = False
-        self._closed = False
+        self._open = True
+        """Open from here on: a start that fails releases what it acquired through `close()`."""
         d = self._driver
         try:
             uuids = [d.device_uuid(i) for i in range(d.device_count())]
@@ -189,7 +189,7 @@ class CudaVmmPool:
     def device_address(self) -> int:
         """Map the pool into this process (once; unmapped by `close()`) and return its device address: the
         tier copies pages through it. Without a tier the service never maps the pool after zeroing it."""
-        if self._closed or self._handle is None:
+        if self.closed or self._handle is None:
             raise PoolError("the pool is closed")
         if not self._mapped:
             d, index, size = self._driver, self.device_index, self.size_bytes
@@ -224,16 +224,9 @@ class CudaVmmPool:
         return PoolHandle(backend=self.name, size_bytes=self.size_bytes, device_uuid=self.device_uuid,
                           offset_bytes=0)
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def close(self) -> None:
+    def _release(self) -> None:
         """Unmap (while zeroing, or the tier's mapping), free the address range, release the allocation handle,
         close the fd, then the driver. Every step runs even when one fails; failures are raised together after."""
-        if self._closed:
-            return
-        self._closed = True
         errors: list[str] = []
         steps: list[Callable[[], None]] = [self._unmap, self._release_handle, self._close_fd, self._driver.close]
         for step in steps:
@@ -258,10 +251,3 @@ class CudaVmmPool:
         """Release what a failed start acquired; its own failure must not hide the start's."""
         with contextlib.suppress(PoolError):
             self.close()
-
-    def __enter__(self) -> CudaVmmPool:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.close()

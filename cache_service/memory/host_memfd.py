@@ -13,15 +13,14 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-from types import TracebackType
 
-from cache_service.memory.base import PoolError, PoolHandle, format_bytes
+from cache_service.memory.base import OwnedPool, PoolError, PoolHandle, format_bytes
 from kvcache_common.layout import PoolLayout
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
-class HostMemfdPool:
+class HostMemfdPool(OwnedPool):
     """Owns the memfd. `export_fd()` is what the pool socket sends; `close()` (idempotent) drops the
     service's reference (engines' mappings stay valid until they unmap)."""
 
@@ -43,6 +42,7 @@ class HostMemfdPool:
                                 f"raise the memory limit or lower {size_flag}") from None
             raise PoolError(f"cannot reserve the host_memfd pool: {e.strerror}") from None
         self._fd: int | None = fd
+        self._open = True
 
     def export_fd(self) -> int:
         """The pool's fd (the service keeps ownership; the socket sends a duplicate)."""
@@ -53,22 +53,7 @@ class HostMemfdPool:
     def handle(self) -> PoolHandle:
         return PoolHandle(backend=self.name, size_bytes=self.layout.size_bytes)
 
-    @property
-    def closed(self) -> bool:
-        return self._fd is None
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-    def __enter__(self) -> HostMemfdPool:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.close()
-
-    def __del__(self) -> None:  # a safety net; owners call close()
-        if self._fd is not None:
-            self.close()
+    def _release(self) -> None:
+        assert self._fd is not None, "an open memfd pool holds its fd"
+        fd, self._fd = self._fd, None
+        os.close(fd)

@@ -14,9 +14,8 @@ import errno
 import fcntl
 import os
 from pathlib import Path
-from types import TracebackType
 
-from cache_service.memory.base import PoolError, PoolHandle, format_bytes
+from cache_service.memory.base import OwnedPool, PoolError, PoolHandle, format_bytes
 from kvcache_common.layout import PoolLayout
 
 SUFFIX = ".pool"
@@ -47,7 +46,7 @@ def remove_stale_pools(shm_dir: str | Path, prefix: str) -> list[Path]:
     return removed
 
 
-class HostShmPool:
+class HostShmPool(OwnedPool):
     """Owns the pool file. `close()` unlinks it (idempotent); mappings engines hold stay valid until
     they unmap, but no new engine can open it."""
 
@@ -80,32 +79,17 @@ class HostShmPool:
                 ) from None
             raise PoolError(f"cannot reserve the pool file {self.path}: {e.strerror}") from None
         self._fd = fd
+        self._open = True
 
     def handle(self) -> PoolHandle:
         return PoolHandle(backend=self.name, size_bytes=self.layout.size_bytes, shm_path=str(self.path))
 
-    @property
-    def closed(self) -> bool:
-        return self._fd is None
-
-    def close(self) -> None:
-        if self._fd is None:
-            return
+    def _release(self) -> None:
+        assert self._fd is not None, "an open pool file holds its fd"
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
-        os.close(self._fd)
-        self._fd = None
-
-    def __enter__(self) -> HostShmPool:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.close()
-
-    def __del__(self) -> None:  # a safety net; owners call close()
-        if self._fd is not None:
-            self.close()
+        fd, self._fd = self._fd, None
+        os.close(fd)
 
 
 def _free_bytes(path: str) -> int:
