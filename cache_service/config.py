@@ -29,6 +29,7 @@ from kvcache_common.layout import (
     window_layers_text,
 )
 from kvcache_common.model import ModelConfigError, ModelLayout, UnsupportedModel, read_model_layout
+from kvcache_common.target import with_default_port
 
 BACKEND_CHOICES = ("auto", "host_shm", "host_memfd", "cuda_ipc", "cuda_vmm")
 GPU_BACKENDS = ("cuda_ipc", "cuda_vmm")
@@ -131,7 +132,8 @@ class ServiceConfig:
     (`FLAGS`), their `KVCACHE_*` variables, the flags table of docs/reference.md and the chart's checked values all come
     from these fields. Frozen and validated on construction (ConfigError names the flag)."""
 
-    listen: str = setting("127.0.0.1:50051", "gRPC address: host:port (port 0 picks a free one) or unix:/path")
+    listen: str = setting("127.0.0.1:50051", "gRPC address: host:port (port 0 picks a free one; a host alone means "
+                          "port 50051) or unix:/path", parse=with_default_port)
     backend: str = setting("auto", "pool backend: auto picks cuda_vmm when a GPU supports it (else cuda_ipc), and "
                            "host_shm without a GPU", choices=BACKEND_CHOICES)
     device: str = setting("0", "CUDA device for cuda_ipc and cuda_vmm: an index or a GPU UUID (GPU-...)")

@@ -254,11 +254,22 @@ def test_sessions_shows_parked_sessions_and_filters_them(server: ServerProcess) 
             b.close_session(sid)
 
 
-def test_on_call_tools_fail_with_one_line_when_the_service_is_down() -> None:
-    proc = run_cli("stats", "--target", "127.0.0.1:1", "--timeout", "1")
-    assert proc.returncode == 1
-    assert len(proc.stderr.splitlines()) == 1
-    assert proc.stderr.startswith("kvcache-service: stats 127.0.0.1:1: UNAVAILABLE: ")
+@pytest.mark.parametrize("command", ["stats", "sessions", "events", "health"])
+def test_on_call_tools_say_in_one_line_that_no_service_answers_and_how_to_start_one(command: str) -> None:
+    proc = run_cli(command, "--target", "127.0.0.1:1", "--timeout", "1")
+    assert (proc.returncode, proc.stdout) == (1, "")
+    assert proc.stderr == (f"kvcache-service: {command}: no kvcache service at 127.0.0.1:1 (connection refused); "
+                           "start one with `make run` (or `kvcache-service serve`)\n")
+
+
+def test_reference_check_says_in_one_line_that_no_service_answers(tmp_path: Path) -> None:
+    """`engine_client.reference.check` needs a running service: without one, one line (no traceback)."""
+    sock = tmp_path / "none.sock"
+    proc = subprocess.run([sys.executable, "-m", "engine_client.reference.check", "--target", f"unix:{sock}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout) == (1, "")
+    assert proc.stderr == (f"check: no kvcache service at unix:{sock} (connection refused); start one with "
+                           "`make run` (or `kvcache-service serve`)\n")
 
 
 def test_events_prints_one_line_per_event(server: ServerProcess) -> None:
