@@ -159,9 +159,14 @@ class ServiceConfig:
     pool_bytes: int = setting(0, "pool size in bytes instead of --num-pages (e.g. 512Mi, 8Gi)", parse=parse_bytes,
                               metavar="SIZE")
     pool_memory_fraction: float = setting(0.25, "with --model and no --num-pages, --pool-bytes or "
-                                          "--gpu-memory-fraction: size the pool to this share of the free memory "
-                                          "where it lives (the GPU's; host memory, at most --shm-dir's free space, "
-                                          "for host_shm)", above=0, at_most=1)
+                                          "--gpu-memory-fraction: the pool takes at most this share of the free "
+                                          "memory where it lives (the GPU's; host memory, at most --shm-dir's free "
+                                          "space, for host_shm), fewer pages when --pool-sequences of the model's "
+                                          "context need less", above=0, at_most=1)
+    pool_sequences: int = setting(8, "with --model and no --num-pages, --pool-bytes or --gpu-memory-fraction: the "
+                                  "pool holds this many sequences of the model's whole context (its "
+                                  "max_position_embeddings), at most --pool-memory-fraction of the free memory",
+                                  metavar="N", at_least=1)
     gpu_memory_fraction: float = setting(0.0, "size a GPU pool (cuda_ipc, cuda_vmm) to this share of the device's "
                                          "free memory at start, instead of --num-pages or --pool-bytes (0 = off)",
                                          at_least=0, at_most=1)
@@ -321,6 +326,16 @@ class ServiceConfig:
         the default page count), else 0."""
         sized = self.num_pages or self.pool_bytes or self.gpu_memory_fraction
         return self.pool_memory_fraction if self.model and not sized else 0.0
+
+    @property
+    def context_sizing(self) -> tuple[int, int, str]:
+        """(--pool-sequences, the model's context length, the config key it came from) when --model sizes the
+        pool by what the model can use (`memory_sizing_fraction` set and the model states its context), else
+        (0, 0, "")."""
+        model = self.model_layout
+        if not self.memory_sizing_fraction or model is None or not model.context_tokens:
+            return 0, 0, ""
+        return self.pool_sequences, model.context_tokens, model.context_key
 
     # ------------------------------------------------------------------ checks
 
