@@ -276,7 +276,8 @@ def test_an_image_that_was_never_built_is_warned_about(chart: helm.Chart, capsys
     assert chart.values["image"]["repository"] == "ghcr.io/kvcache/kvcache-service"  # kvcache.unbuiltRepository
     warning = ("WARNING: image ghcr.io/kvcache/kvcache-service:0.1.0 was never built or published: its pods cannot "
                "pull it\n(ImagePullBackOff). Build it from the repository's Dockerfile, push it to your registry, and "
-               "install\nwith --set image.repository=REGISTRY/kvcache-service (and image.tag): see the chart's README.\n")
+               "install\nwith --set image.repository=REGISTRY/kvcache-service (and image.tag): see the chart's "
+               "README.\n")
     assert warning in render_tool.render_notes(chart)
     assert "never built" not in render_tool.render_notes(chart, {"image": {"repository": "registry.example/kv"}})
     assert render_tool.main(["--set", "image.tag=0.1.0"]) == 0
