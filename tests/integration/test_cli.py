@@ -189,8 +189,8 @@ def test_environment_variables_configure_and_flags_win(start_server: Callable[..
                                            "e.g. 512Mi, 2Gi, 1G or a plain number)"),
         (["--num-pages", "64", "--pool-bytes", "1Mi"], {},
          "kvcache-service: error: --pool-bytes: set --num-pages or --pool-bytes, not both"),
-        (["--listen", "nowhere"], {}, "kvcache-service: error: --listen: 'nowhere' is not host:port or "
-                                      "unix:/absolute/path"),
+        (["--listen", "nowhere:99999"], {}, "kvcache-service: error: --listen: 'nowhere:99999' is not host:port or "
+                                            "unix:/absolute/path"),
         ([], {"KVCACHE_NUM_PAGES": "many"}, "kvcache-service: error: KVCACHE_NUM_PAGES: not a whole number: 'many' "
                                             "(e.g. 1024)"),
         ([], {"KVCACHE_BACKEND": "tpu"}, "kvcache-service: error: KVCACHE_BACKEND='tpu': must be one of auto, "
