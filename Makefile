@@ -106,10 +106,10 @@ hf-demo: setup ## a multi-turn chat through Hugging Face transformers on the poo
 vllm-demo: setup vllm-setup ## two vLLM engines one after the other on kvcache, and a chat across a vLLM restart, against vLLM alone
 	@$(VLLM_VENV)/bin/python -m engine_client.vllm.demo $(ARGS)
 
-vllm-serve: ## vLLM's OpenAI server (CPU build) on kvcache: MODEL=dir [KVCACHE=127.0.0.1:50051 PORT=8000 ARGS="vLLM flags"]
-	@MODEL="$(MODEL)" KVCACHE="$(KVCACHE)" PORT="$(PORT)" VLLM_ARGS="$(ARGS)" bash scripts/vllm_serve.sh
+vllm-serve: ## vLLM's OpenAI server (CPU build) on kvcache; without MODEL=dir a tiny Llama made offline [KVCACHE=127.0.0.1:50051 PORT=8000 ARGS="vLLM flags"]
+	@bash scripts/vllm_serve.sh --model "$(MODEL)" --kvcache "$(KVCACHE)" --port "$(PORT)" -- $(ARGS)
 
-vllm-clean-shm: ## remove the /dev/shm/__KMP_REGISTERED_LIB_* files that stopped vLLM processes leave
+vllm-clean-shm: ## remove the /dev/shm/__KMP_REGISTERED_LIB_* files that vllm-serve's exited processes left (no one else's)
 	@bash scripts/clean_kmp_shm.sh
 
 gpu-test: setup ## on a GPU machine (torch; cupy for cuda_ipc, cuda-python for cuda_vmm): tests/gpu and the bandwidth table

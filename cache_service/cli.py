@@ -25,6 +25,7 @@ from cache_service.memory import PoolError
 from cache_service.memory.base import format_bytes
 from kvcache_common.heap import keep_heap
 from kvcache_common.layout import GROUP_KINDS, PoolLayout, layer_words
+from kvcache_common.target import DEFAULT_TARGET, no_service, refused, with_default_port
 from protos.kvcache.v1 import kvcache_pb2 as pb
 
 if TYPE_CHECKING:  # the on-call tools import grpc when they run (see main)
@@ -33,7 +34,6 @@ if TYPE_CHECKING:  # the on-call tools import grpc when they run (see main)
     from engine_client.options import ClientOptions
 
 PROG = "kvcache-service"
-DEFAULT_TARGET = "127.0.0.1:50051"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -60,9 +60,10 @@ def _parser() -> argparse.ArgumentParser:
                                   "change, one line per event (Ctrl-C stops)"),
                        ("health", "call grpc.health.v1 Health/Check; exit 0 when SERVING")):
         cmd = sub.add_parser(name, help=text, description=text)
-        cmd.add_argument("--target", default=os.environ.get("KVCACHE_TARGET") or DEFAULT_TARGET,
-                         help="host:port or unix:/path (default $KVCACHE_TARGET, else 127.0.0.1:50051; now "
-                              "%(default)s)")
+        cmd.add_argument("--target", type=with_default_port,
+                         default=with_default_port(os.environ.get("KVCACHE_TARGET") or DEFAULT_TARGET),
+                         help="host:port or unix:/path, a host alone meaning port 50051 (default "
+                              "$KVCACHE_TARGET, else 127.0.0.1:50051; now %(default)s)")
         cmd.add_argument("--timeout", type=float, default=5.0, help="seconds (default %(default)s)")
         cmd.add_argument("--auth-token", default="", help="bearer token, when the service requires one")
         tls = cmd.add_argument_group("TLS", "for a service started with --tls-cert; TLS is on when --tls-ca is "
@@ -354,7 +355,12 @@ def _metadata(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def _fail(args: argparse.Namespace, e: grpc.RpcError) -> int:
-    print(f"{PROG}: {args.command} {args.target}: {e.code().name}: {e.details()}", file=sys.stderr)
+    import grpc
+
+    if e.code() is grpc.StatusCode.UNAVAILABLE and refused(e.details() or ""):
+        print(f"{PROG}: {args.command}: {no_service(args.target)}", file=sys.stderr)
+    else:
+        print(f"{PROG}: {args.command} {args.target}: {e.code().name}: {e.details()}", file=sys.stderr)
     return 1
 
 

@@ -29,6 +29,7 @@ from kvcache_common.layout import (
     window_layers_text,
 )
 from kvcache_common.model import ModelConfigError, ModelLayout, UnsupportedModel, read_model_layout
+from kvcache_common.target import with_default_port
 
 BACKEND_CHOICES = ("auto", "host_shm", "host_memfd", "cuda_ipc", "cuda_vmm")
 GPU_BACKENDS = ("cuda_ipc", "cuda_vmm")
@@ -131,7 +132,8 @@ class ServiceConfig:
     (`FLAGS`), their `KVCACHE_*` variables, the flags table of docs/reference.md and the chart's checked values all come
     from these fields. Frozen and validated on construction (ConfigError names the flag)."""
 
-    listen: str = setting("127.0.0.1:50051", "gRPC address: host:port (port 0 picks a free one) or unix:/path")
+    listen: str = setting("127.0.0.1:50051", "gRPC address: host:port (port 0 picks a free one; a host alone means "
+                          "port 50051) or unix:/path", parse=with_default_port)
     backend: str = setting("auto", "pool backend: auto picks cuda_vmm when a GPU supports it (else cuda_ipc), and "
                            "host_shm without a GPU", choices=BACKEND_CHOICES)
     device: str = setting("0", "CUDA device for cuda_ipc and cuda_vmm: an index or a GPU UUID (GPU-...)")
@@ -157,9 +159,14 @@ class ServiceConfig:
     pool_bytes: int = setting(0, "pool size in bytes instead of --num-pages (e.g. 512Mi, 8Gi)", parse=parse_bytes,
                               metavar="SIZE")
     pool_memory_fraction: float = setting(0.25, "with --model and no --num-pages, --pool-bytes or "
-                                          "--gpu-memory-fraction: size the pool to this share of the free memory "
-                                          "where it lives (the GPU's; host memory, at most --shm-dir's free space, "
-                                          "for host_shm)", above=0, at_most=1)
+                                          "--gpu-memory-fraction: the pool takes at most this share of the free "
+                                          "memory where it lives (the GPU's; host memory, at most --shm-dir's free "
+                                          "space, for host_shm), fewer pages when --pool-sequences of the model's "
+                                          "context need less", above=0, at_most=1)
+    pool_sequences: int = setting(8, "with --model and no --num-pages, --pool-bytes or --gpu-memory-fraction: the "
+                                  "pool holds this many sequences of the model's whole context (its "
+                                  "max_position_embeddings), at most --pool-memory-fraction of the free memory",
+                                  metavar="N", at_least=1)
     gpu_memory_fraction: float = setting(0.0, "size a GPU pool (cuda_ipc, cuda_vmm) to this share of the device's "
                                          "free memory at start, instead of --num-pages or --pool-bytes (0 = off)",
                                          at_least=0, at_most=1)
@@ -319,6 +326,16 @@ class ServiceConfig:
         the default page count), else 0."""
         sized = self.num_pages or self.pool_bytes or self.gpu_memory_fraction
         return self.pool_memory_fraction if self.model and not sized else 0.0
+
+    @property
+    def context_sizing(self) -> tuple[int, int, str]:
+        """(--pool-sequences, the model's context length, the config key it came from) when --model sizes the
+        pool by what the model can use (`memory_sizing_fraction` set and the model states its context), else
+        (0, 0, "")."""
+        model = self.model_layout
+        if not self.memory_sizing_fraction or model is None or not model.context_tokens:
+            return 0, 0, ""
+        return self.pool_sequences, model.context_tokens, model.context_key
 
     # ------------------------------------------------------------------ checks
 

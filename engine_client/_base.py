@@ -8,17 +8,18 @@ from engine_client._lane import LaneChoice
 from engine_client.errors import restarted
 from engine_client.options import ClientOptions
 from kvcache_common.heap import keep_heap
+from kvcache_common.target import DEFAULT_TARGET, with_default_port
 
 INSTANCE_HEADER = "x-kvcache-instance-id"
-DEFAULT_TARGET = "127.0.0.1:50051"
 TARGET_ENV = "KVCACHE_TARGET"
 
 Metadata = tuple[tuple[str, str], ...]
 
 
 def default_target() -> str:
-    """$KVCACHE_TARGET (the Helm chart sets it in sidecar engine containers), else 127.0.0.1:50051."""
-    return os.environ.get(TARGET_ENV) or DEFAULT_TARGET
+    """$KVCACHE_TARGET (the Helm chart sets it in sidecar engine containers), else 127.0.0.1:50051; an address
+    without a port means 50051."""
+    return with_default_port(os.environ.get(TARGET_ENV) or DEFAULT_TARGET)
 
 
 class ClientBase:
@@ -27,7 +28,7 @@ class ClientBase:
     INSTANCE_MISMATCH, raised as `ServiceRestarted`, before a stale page id can be used."""
 
     def __init__(self, target: str | None, options: ClientOptions | None, engine_id: str) -> None:
-        self.target = target or default_target()
+        self.target = with_default_port(target or "") or default_target()
         self.options = options or ClientOptions()
         self.engine_id = engine_id
         """Default owner for sessions opened by this client (set by register_engine)."""

@@ -64,7 +64,7 @@ class AsyncKVCacheClient(ClientBase):
             response = await rpc(call.request, timeout=self.options.timeout_seconds,
                                  metadata=self._metadata(call.pinned), wait_for_ready=self.options.wait_for_ready)
         except grpc.RpcError as e:
-            raise error_from_rpc(e) from None
+            raise error_from_rpc(e, self.target) from None
         return call.finish(self, response)
 
     # ------------------------------------------------------------------ RPCs (built in _calls)
@@ -88,7 +88,7 @@ class AsyncKVCacheClient(ClientBase):
             raise ServiceUnavailable(grpc.StatusCode.DEADLINE_EXCEEDED, "",
                                      f"HoldLease was not confirmed within {timeout:g} s") from None
         except grpc.RpcError as e:
-            raise error_from_rpc(e) from None
+            raise error_from_rpc(e, self.target) from None
         if first is grpc.aio.EOF:
             raise LeaseExpired(grpc.StatusCode.FAILED_PRECONDITION, "LEASE_EXPIRED",
                                "the service ended the HoldLease stream before confirming it")

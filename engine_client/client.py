@@ -66,7 +66,7 @@ class KVCacheClient(ClientBase):
             response = rpc(call.request, timeout=self.options.timeout_seconds, metadata=self._metadata(call.pinned),
                            wait_for_ready=self.options.wait_for_ready)
         except grpc.RpcError as e:
-            raise error_from_rpc(e) from None
+            raise error_from_rpc(e, self.target) from None
         return call.finish(self, response)
 
     # ------------------------------------------------------------------ RPCs (built in _calls)

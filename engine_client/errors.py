@@ -11,6 +11,8 @@ from __future__ import annotations
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 
+from kvcache_common.target import no_service, refused
+
 _STATUS_DETAILS_KEY = "grpc-status-details-bin"
 
 
@@ -110,13 +112,17 @@ def _typed(code: grpc.StatusCode, message: str, status: status_pb2.Status | None
     return cls(code, reason, message, metadata)
 
 
-def error_from_rpc(e: grpc.RpcError) -> KVCacheClientError:
-    """Turn a sync or asyncio `grpc.RpcError` into the typed error its ErrorInfo reason names."""
+def error_from_rpc(e: grpc.RpcError, target: str = "") -> KVCacheClientError:
+    """Turn a sync or asyncio `grpc.RpcError` into the typed error its ErrorInfo reason names. With `target`,
+    a refused connection's message names it and says how to start a service (`no_service`)."""
     status = None
     for key, value in e.trailing_metadata() or ():
         if key == _STATUS_DETAILS_KEY:
             status = status_pb2.Status.FromString(value)
-    return _typed(e.code(), e.details() or "", status)
+    details = e.details() or ""
+    if target and status is None and e.code() is grpc.StatusCode.UNAVAILABLE and refused(details):
+        details = no_service(target)
+    return _typed(e.code(), details, status)
 
 
 def error_from_status(status: status_pb2.Status) -> KVCacheClientError:

@@ -144,6 +144,10 @@ def render_user(chart: helm.Chart, files: list[Path], sets: list[str]) -> tuple[
     image = f"{merged['image']['repository']}:{merged['image']['tag'] or chart.metadata['appVersion']}"
     summary = (f"[chart] {shown}: {len(manifests)} manifests, lint --strict clean; mode {merged['mode']}, "
                f"image {image}")
+    warning = next((line for line in render_notes(chart, values).splitlines()
+                    if line.startswith(f"WARNING: image {image} ")), "")
+    if warning:  # what `helm install` would print in its NOTES: the default image does not exist
+        summary += f"\n[chart] {warning} (set image.repository)"
     return manifest_document(manifests, shown), summary
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,11 @@ class ModelLayout:
     """Tokens the `window_layers` attend within; 0: every layer attends to the whole context."""
     window_layers: tuple[int, ...] = ()
     """The 0-based layers that attend within `sliding_window`, ascending (every layer for Mistral v0.1)."""
+    context_tokens: int = field(default=0, compare=False)
+    """The longest sequence the model takes (`max_position_embeddings` and its older names; 0: not stated):
+    what `serve --model` sizes a pool by. Not part of the layout (two models of one layout share a pool)."""
+    context_key: str = field(default="", compare=False)
+    """The config key `context_tokens` was read from (for messages)."""
 
     def describe(self) -> str:
         dtype = self.dtype or "dtype unset"
@@ -73,6 +78,7 @@ _LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 _HEADS = ("num_attention_heads", "n_head", "num_heads", "n_heads")
 _HIDDEN = ("hidden_size", "n_embd", "d_model")
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "num_kv_heads_per_layer")
+_CONTEXT = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 
 _RECURRENT_MODEL_TYPES = frozenset({"mamba", "mamba2", "rwkv", "rwkv5", "rwkv6", "xlstm", "recurrent_gemma"})
 
@@ -126,7 +132,7 @@ def model_layout(config: Mapping[str, Any]) -> ModelLayout:
         latent = _int(config, ("kv_lora_rank",), "the MLA latent rank") + _int(
             config, ("qk_rope_head_dim",), "the MLA rope head dim")
         return ModelLayout(num_layers=layers, num_kv_heads=1, head_dim=latent, dtype=_dtype(config) or _dtype(outer),
-                           architecture=arch, attention="mla")
+                           architecture=arch, attention="mla", **_context(config))
     heads = _int(config, _HEADS, "the attention head count")
     kv_heads = _first(config, _KV_HEADS)
     if kv_heads is None and config.get("multi_query"):
@@ -142,7 +148,16 @@ def model_layout(config: Mapping[str, Any]) -> ModelLayout:
         _refuse_other_window_shape(config, arch, kv_heads, head_dim)
     return ModelLayout(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
                        dtype=_dtype(config) or _dtype(outer), architecture=arch, sliding_window=window,
-                       window_layers=window_layers)
+                       window_layers=window_layers, **_context(config))
+
+
+def _context(config: Mapping[str, Any]) -> dict[str, Any]:
+    """`context_tokens` and `context_key` of a config (nothing when it states no positive context length)."""
+    for key in _CONTEXT:
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return {"context_tokens": value, "context_key": key}
+    return {}
 
 
 def _window(config: Mapping[str, Any], num_layers: int) -> tuple[int, tuple[int, ...]]:

@@ -50,6 +50,11 @@ class PoolSettings(Protocol):
         """Share of the free memory where the pool lives (the GPU's, or the host's) that sizes it when no size
         was given (0: sized by the layout's num_pages)."""
 
+    @property
+    def context_sizing(self) -> tuple[int, int, str]:
+        """(sequences, the model's context tokens, the config key naming it): with `memory_sizing_fraction`,
+        the pool holds no more than sequences x context tokens; (0, 0, "") when the model states no context."""
+
     def layout(self) -> PoolLayout: ...
 
 
@@ -244,6 +249,23 @@ def fraction_layout(config: PoolSettings, free_bytes: int, fraction: float | Non
     return replace(layout, num_pages=pages)
 
 
+def _context_bound(config: PoolSettings, layout: PoolLayout, share: str) -> tuple[PoolLayout, str]:
+    """The smaller of two bounds on a --model pool with no size, and a line saying which one chose it: `layout`
+    (--pool-memory-fraction's `share` of the free memory) and the model's whole context times
+    --pool-sequences (when the model states its context length)."""
+    sequences, context, key = config.context_sizing
+    if not context:
+        return layout, f"{share} (--pool-memory-fraction; --pool-bytes sets a size); the model states no context length"
+    wanted = sequences * context
+    needed = -(-wanted // layout.page_size) + 1  # whole pages, and page 0 (reserved)
+    bound = f"{sequences} sequences x {context:,} tokens of context"
+    if needed < layout.num_pages:
+        return replace(layout, num_pages=needed), (f"{bound} = {wanted:,} tokens (--pool-sequences, the model's "
+                                                   f"{key}; --pool-bytes sets a size), within {share} "
+                                                   "(--pool-memory-fraction)")
+    return layout, f"{share} (--pool-memory-fraction; --pool-bytes sets a size), less than {bound} (--pool-sequences)"
+
+
 def choose_auto(cuda: CudaProbe) -> tuple[str, str]:
     """`--backend auto`: (backend, why). cuda_vmm where --device exports memory as POSIX fds (no shared IPC
     namespace needed), else cuda_ipc where cupy sees a GPU, else host_shm. The why says why not cuda_vmm
@@ -298,7 +320,7 @@ def create_pool(config: PoolSettings, instance_id: str, probe: Callable[[], Cuda
             free = host_free(backend, config.shm_dir)
             where = "free host memory" + (f", at most {config.shm_dir}'s free space," if backend == "host_shm" else "")
         layout = fraction_layout(config, free, fraction, "--pool-memory-fraction")
-        sized = f"{fraction:g} of {format_bytes(free)} {where} (--pool-memory-fraction; --pool-bytes sets a size)"
+        layout, sized = _context_bound(config, layout, f"{fraction:g} of {format_bytes(free)} {where}")
     removed: tuple[str, ...] = ()
     if backend == "host_shm":
         removed = tuple(str(p) for p in remove_stale_pools(config.shm_dir, config.shm_prefix))

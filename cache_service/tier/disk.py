@@ -103,8 +103,13 @@ class DiskTier:
         self._temp_names = itertools.count()
         self._lock_fd: int | None = None
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            # The directory itself is made, never its parents: a missing parent is a typo or a volume not
+            # mounted, where values written would fill another disk (README: a missing directory stops it).
+            self.directory.mkdir(exist_ok=True)
             fd = os.open(self.directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except FileNotFoundError:
+            raise TierConfigError(f"--tier-dir {self.directory}: {self.directory.parent} does not exist (the tier "
+                                  "directory is created, its parent must exist)") from None
         except OSError as e:
             raise TierConfigError(f"--tier-dir {self.directory}: {e.strerror or e}") from None
         try:

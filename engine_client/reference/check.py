@@ -6,8 +6,9 @@ For each committed turn the whole conversation so far is recomputed densely (no 
 generated tokens must be the greedy tokens of that recompute and the logits must agree within
 --tolerance. The model takes the pool's shape (layers, KV heads, head dim, dtype, and its sliding window on
 its window layers; an MLA model on an MLA pool), so it runs against any service, `make run`'s included. Prints one JSON
-line per turn and a final summary line; exits 1 when a check fails and 2 when the model does not fit the
-service's pool (one line naming both layouts and the serve flags that would fit).
+line per turn and a final summary line; exits 1 when a check fails or a call does (one line: with no service at
+the target, the command that starts one) and 2 when the model does not fit the service's pool (one line naming
+both layouts and the serve flags that would fit).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import sys
 
 import torch
 
-from engine_client import KVCacheClient, LayoutMismatch, PoolLayout
+from engine_client import KVCacheClient, KVCacheClientError, LayoutMismatch, PoolLayout, ServiceUnavailable
 from engine_client.mapping import TORCH_DTYPES
 from engine_client.reference.engine import ReferenceEngine, TurnResult
 from engine_client.reference.model import ModelConfig, ReferenceModel, dtype_name
@@ -81,7 +82,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="the model's head dim (default: the pool's; the model takes the pool's shape)")
     ap.add_argument("--device", default="cpu", help="where the model runs and the pool is mapped (cuda for cuda_ipc)")
     args = ap.parse_args(argv)
+    try:
+        return _check(args)
+    except KVCacheClientError as e:  # no service at the target, or one that failed a call: one line
+        print(f"check: {e.message if isinstance(e, ServiceUnavailable) else e}", file=sys.stderr)
+        return 1
 
+
+def _check(args: argparse.Namespace) -> int:
     with KVCacheClient(args.target) as client:
         try:
             config = model_for(client.get_pool_info().layout, head_dim=args.model_head_dim)

@@ -4,7 +4,8 @@
                                   "tls_ca_file": "/run/tls/ca.crt"}
 
 Keys (all optional):
-- `kvcache_target`: host:port or unix:/path (default: $KVCACHE_TARGET, else 127.0.0.1:50051).
+- `kvcache_target`: host:port or unix:/path, a host alone meaning port 50051 (default: $KVCACHE_TARGET, else
+  127.0.0.1:50051).
 - `kvcache_token`: the bearer token (default: $KVCACHE_TOKEN).
 - `tls_ca_file`, `tls_cert_file`, `tls_key_file`, `tls_server_name`: `ClientOptions`' TLS options.
 - `kvcache_timeout_seconds`: deadline of every call to kvcache (default 2): a service that does not answer
@@ -31,6 +32,7 @@ from typing import Any
 
 from engine_client._base import default_target
 from engine_client.options import ClientOptions
+from kvcache_common.target import with_default_port
 
 __all__ = ["TOKEN_ENV", "ConnectorConfig", "ConnectorConfigError"]
 
@@ -84,6 +86,7 @@ class ConnectorConfig:
         token = extra.get("kvcache_token") or env.get(TOKEN_ENV, "")
         if not isinstance(target, str) or not isinstance(token, str):
             raise ConnectorConfigError("kvcache_target and kvcache_token must be strings")
+        target = with_default_port(target)
         try:
             options = ClientOptions(timeout_seconds=floats["kvcache_timeout_seconds"], auth_token=token, **tls)
         except ValueError as e:

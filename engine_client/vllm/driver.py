@@ -3,6 +3,7 @@ and the tests use it; an engine takes ~20 s to start on a small CPU machine).
 
     python -m engine_client.vllm.driver --model DIR [--kvcache 127.0.0.1:50051] [--block-size 32] ...
     python -m engine_client.vllm.driver save-model --family llama --out DIR [--layers 2 --hidden 128 ...]
+        [--dtype float16] [--tokenizer]
     (families: llama, qwen2, deepseek_v2: MLA, a latent of 512 + 64 per token, as vLLM's CPU MLA kernel needs)
 
 The engine is `vllm.LLM` with token-id prompts (no tokenizer), greedy sampling, float32 by default; with
@@ -47,16 +48,42 @@ def connector_config(target: str, kv_role: str = "kv_both", **extra: Any) -> dic
             "kv_role": kv_role, "kv_connector_extra_config": {"kvcache_target": target, **extra}}
 
 
+_TOKENIZER_TEXT = (
+    "kvcache is a gRPC service that owns the KV-cache memory of an LLM deployment. It allocates one KV pool that "
+    "engines map once, zero-copy, and write K/V straight into. A radix prefix cache shares KV across requests, "
+    "engines and turns. Streaming session slots keep a conversation's KV resident between turns, so turn N costs "
+    "O(new tokens) instead of O(history). 0123456789 the quick brown fox jumps over the lazy dog.")
+"""What `save_tokenizer` learns its merges from (fixed: the same tokenizer on every machine)."""
+
+
+def save_tokenizer(out: str | Path, vocab: int = 512) -> int:
+    """A byte-level BPE tokenizer of at most `vocab` tokens, `<s>` (0) and `</s>` (1) first, learnt offline from a
+    fixed text and saved in `out` as a Hugging Face fast tokenizer (tokenizer.json, tokenizer_config.json), so
+    vLLM's server takes and returns text. Returns its vocabulary size (every id below it decodes)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<s>", "</s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([_TOKENIZER_TEXT], trainer=trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>").save_pretrained(out)
+    return int(tokenizer.get_vocab_size())
+
+
 def save_model(family: str, out: str | Path, *, layers: int = 2, hidden: int = 128, heads: int = 2,
                kv_heads: int = 2, head_dim: int = 64, intermediate: int = 256, vocab: int = 512, seed: int = 0,
-               dtype: str = "float32", sliding_window: int = 32) -> Path:
+               dtype: str = "float32", sliding_window: int = 32, tokenizer: bool = False) -> Path:
     """A random-initialised checkpoint of `family` (`FAMILIES`) saved in `out` (nothing downloaded). deepseek_v2
     is MLA with vLLM's CPU kernel's latent (kv_lora_rank 512 + qk_rope_head_dim 64; `kv_heads` and `head_dim`
     do not apply), 4 routed experts of which 2 per token, its first layer dense, weights drawn with std 0.06 (at
     transformers' 0.02 its greedy tokens are near-ties that flip with any change of float order; at 0.2 the two
     layers amplify such changes). gemma3 (text-only Gemma-3) attends within the last `sliding_window` tokens in
     every layer but each sixth, which is full attention (Gemma-3's ratio; with fewer than six layers, the last);
-    mistral attends within the window in every layer."""
+    mistral attends within the window in every layer. With `tokenizer`, `save_tokenizer` writes one beside it and
+    the model's vocabulary is the tokenizer's (`<s>` and `</s>` its BOS and EOS)."""
     import torch
     from transformers import (
         DeepseekV2Config,
@@ -71,9 +98,13 @@ def save_model(family: str, out: str | Path, *, layers: int = 2, hidden: int = 1
         Qwen2ForCausalLM,
     )
 
+    special = {}
+    if tokenizer:
+        vocab = save_tokenizer(out, vocab)
+        special = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": None}
     shape = {"vocab_size": vocab, "hidden_size": hidden, "intermediate_size": intermediate,
              "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-             "head_dim": head_dim, "max_position_embeddings": 4096, "tie_word_embeddings": False}
+             "head_dim": head_dim, "max_position_embeddings": 4096, "tie_word_embeddings": False, **special}
     torch.manual_seed(seed)
     if family == "llama":
         model = LlamaForCausalLM(LlamaConfig(**shape))
@@ -216,14 +247,18 @@ def _save_model_main(argv: list[str]) -> int:
     for name, default in (("layers", 2), ("hidden", 128), ("heads", 2), ("kv-heads", 2), ("head-dim", 64),
                           ("intermediate", 256), ("vocab", 512), ("seed", 0), ("sliding-window", 32)):
         p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
+    p.add_argument("--tokenizer", action="store_true",
+                   help="also save a small byte-level BPE tokenizer (made offline), so vLLM's server takes text")
     a = p.parse_args(argv)
     path = save_model(a.family, a.out, layers=a.layers, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads,
                       head_dim=a.head_dim, intermediate=a.intermediate, vocab=a.vocab, seed=a.seed,
-                      sliding_window=a.sliding_window)
+                      dtype=a.dtype, sliding_window=a.sliding_window, tokenizer=a.tokenizer)
     kv = "an MLA latent of 576" if a.family == "deepseek_v2" else f"{a.kv_heads} KV heads of {a.head_dim}"
     if a.family in ("gemma3", "mistral"):
         kv += f", sliding window {a.sliding_window}"
-    print(f"saved a random {a.family} ({a.layers} layers, hidden {a.hidden}, {kv}) in {path}")
+    tokenizer = ", with a tokenizer" if a.tokenizer else ""
+    print(f"saved a random {a.family} ({a.layers} layers, hidden {a.hidden}, {kv}, {a.dtype}{tokenizer}) in {path}")
     return 0
 
 

@@ -25,6 +25,17 @@ def test_the_layout_of_a_full_attention_or_mla_model(name: str, layout: ModelLay
     assert read_model_layout(MODELS / f"{name}.json") == layout
 
 
+@pytest.mark.parametrize(("config", "context"), [
+    ({"max_position_embeddings": 131072, "n_positions": 1024}, (131072, "max_position_embeddings")),
+    ({"n_positions": 1024}, (1024, "n_positions")),  # GPT-2's name
+    ({"max_position_embeddings": 0}, (0, "")),
+    ({}, (0, "")),  # not stated: serve --model sizes by free memory alone
+])
+def test_the_context_length_serve_model_sizes_by(config: dict[str, int], context: tuple[int, str]) -> None:
+    layout = model_layout({"num_hidden_layers": 2, "num_attention_heads": 2, "hidden_size": 128, **config})
+    assert (layout.context_tokens, layout.context_key) == context
+
+
 def test_a_model_directory_is_read_through_its_config_json(tmp_path: Path) -> None:
     shutil.copy(MODELS / "llama-3.1-8b.json", tmp_path / "config.json")
     layout = read_model_layout(tmp_path)

@@ -268,3 +268,19 @@ def test_the_readme_installs_the_image_it_builds(capsys: pytest.CaptureFixture[s
     out, err = capsys.readouterr()
     assert err.rstrip().endswith(f"mode deployment, image {built.group(1)}")
     assert out.count(f'image: "{built.group(1)}"') == 2  # the service and the `helm test` pod
+
+
+def test_an_image_that_was_never_built_is_warned_about(chart: helm.Chart, capsys: pytest.CaptureFixture[str]) -> None:
+    """The default image.repository names no image that exists: `helm install`'s NOTES say so, and the offline
+    check repeats it; a repository of one's own is not warned about."""
+    assert chart.values["image"]["repository"] == "ghcr.io/kvcache/kvcache-service"  # kvcache.unbuiltRepository
+    warning = ("WARNING: image ghcr.io/kvcache/kvcache-service:0.1.0 was never built or published: its pods cannot "
+               "pull it\n(ImagePullBackOff). Build it from the repository's Dockerfile, push it to your registry, and "
+               "install\nwith --set image.repository=REGISTRY/kvcache-service (and image.tag): see the chart's "
+               "README.\n")
+    assert warning in render_tool.render_notes(chart)
+    assert "never built" not in render_tool.render_notes(chart, {"image": {"repository": "registry.example/kv"}})
+    assert render_tool.main(["--set", "image.tag=0.1.0"]) == 0
+    assert capsys.readouterr().err.splitlines()[1:] == [
+        "[chart] WARNING: image ghcr.io/kvcache/kvcache-service:0.1.0 was never built or published: its pods cannot "
+        "pull it (set image.repository)"]

@@ -278,6 +278,7 @@ FLAG_CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "num-pages": ({"config": {"numPages": 4096}}, {"value": "4096"}),
     "pool-bytes": ({"config": {"poolBytes": "512Mi"}}, {"value": "512Mi"}),
     "pool-memory-fraction": ({"config": {"poolMemoryFraction": 0.5}}, {"value": "0.5"}),
+    "pool-sequences": ({"config": {"poolSequences": 32}}, {"value": "32"}),
     "gpu-memory-fraction": ({"config": {"backend": "cuda_vmm", "gpuMemoryFraction": 0.9}, "gpu": {"count": 1}},
                             {"value": "0.9"}),
     "shm-dir": ({"config": {"shmDir": "/dev/shm/kv"}}, {"value": "/dev/shm/kv"}),

@@ -78,7 +78,8 @@ def test_serve_model_without_a_size_takes_a_share_of_free_memory(start_server: C
     pages, tokens = int(pool.group(1)), pool.group(2)
     assert int(tokens.replace(",", "")) == 16 * pages
     sizing = re.fullmatch(r"  sizing   0\.001 of ([\d.]+) GiB free host memory, at most /dev/shm's free space, "
-                          r"\(--pool-memory-fraction; --pool-bytes sets a size\); a session holds at most "
+                          r"\(--pool-memory-fraction; --pool-bytes sets a size\), less than 8 sequences x 32,768 "
+                          r"tokens of context \(--pool-sequences\); a session holds at most "
                           rf"{tokens} tokens \(--max-session-tokens 131,072 is more than the pool holds\)\n",
                           server.banner[4])
     assert sizing is not None, server.banner[4]
@@ -87,6 +88,24 @@ def test_serve_model_without_a_size_takes_a_share_of_free_memory(start_server: C
     assert low <= pages + 1 <= high  # page 0 is not counted on the start line
     with KVCacheClient(server.target) as client:
         assert client.get_pool_info().layout.num_pages == pages + 1
+
+
+def test_serve_model_sizes_a_small_model_by_its_context(start_server: Callable[..., ServerProcess],
+                                                        tmp_path: Path) -> None:
+    """A 2-layer test model (4,096 tokens of context) gets 8 sequences of its context, 64 MiB, not a quarter of
+    the free memory; the start line says the context chose the size, within --pool-memory-fraction."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 2, "hidden_size": 128, "head_dim": 64, "torch_dtype": "float32",
+        "max_position_embeddings": 4096}))
+    server = start_server("--model", str(tmp_path))
+    assert server.banner[3] == ("  pool     2,048 pages x 16 tokens = 32,768 tokens, 64.0 MiB "
+                                "(2 layers, 2 kv heads x 64, float32, 16 tokens/page)\n")
+    assert re.fullmatch(r"  sizing   8 sequences x 4,096 tokens of context = 32,768 tokens \(--pool-sequences, the "
+                        r"model's max_position_embeddings; --pool-bytes sets a size\), within 0\.25 of [\d.]+ GiB "
+                        r"free host memory, at most /dev/shm's free space, \(--pool-memory-fraction\); a session "
+                        r"holds at most 32,768 tokens \(--max-session-tokens 131,072 is more than the pool holds\)\n",
+                        server.banner[4]), server.banner[4]
 
 
 def test_serve_model_refuses_a_linear_attention_model_in_one_line() -> None:
@@ -170,8 +189,8 @@ def test_environment_variables_configure_and_flags_win(start_server: Callable[..
                                            "e.g. 512Mi, 2Gi, 1G or a plain number)"),
         (["--num-pages", "64", "--pool-bytes", "1Mi"], {},
          "kvcache-service: error: --pool-bytes: set --num-pages or --pool-bytes, not both"),
-        (["--listen", "nowhere"], {}, "kvcache-service: error: --listen: 'nowhere' is not host:port or "
-                                      "unix:/absolute/path"),
+        (["--listen", "nowhere:99999"], {}, "kvcache-service: error: --listen: 'nowhere:99999' is not host:port or "
+                                            "unix:/absolute/path"),
         ([], {"KVCACHE_NUM_PAGES": "many"}, "kvcache-service: error: KVCACHE_NUM_PAGES: not a whole number: 'many' "
                                             "(e.g. 1024)"),
         ([], {"KVCACHE_BACKEND": "tpu"}, "kvcache-service: error: KVCACHE_BACKEND='tpu': must be one of auto, "
@@ -254,11 +273,22 @@ def test_sessions_shows_parked_sessions_and_filters_them(server: ServerProcess) 
             b.close_session(sid)
 
 
-def test_on_call_tools_fail_with_one_line_when_the_service_is_down() -> None:
-    proc = run_cli("stats", "--target", "127.0.0.1:1", "--timeout", "1")
-    assert proc.returncode == 1
-    assert len(proc.stderr.splitlines()) == 1
-    assert proc.stderr.startswith("kvcache-service: stats 127.0.0.1:1: UNAVAILABLE: ")
+@pytest.mark.parametrize("command", ["stats", "sessions", "events", "health"])
+def test_on_call_tools_say_in_one_line_that_no_service_answers_and_how_to_start_one(command: str) -> None:
+    proc = run_cli(command, "--target", "127.0.0.1:1", "--timeout", "1")
+    assert (proc.returncode, proc.stdout) == (1, "")
+    assert proc.stderr == (f"kvcache-service: {command}: no kvcache service at 127.0.0.1:1 (connection refused); "
+                           "start one with `make run` (or `kvcache-service serve`)\n")
+
+
+def test_reference_check_says_in_one_line_that_no_service_answers(tmp_path: Path) -> None:
+    """`engine_client.reference.check` needs a running service: without one, one line (no traceback)."""
+    sock = tmp_path / "none.sock"
+    proc = subprocess.run([sys.executable, "-m", "engine_client.reference.check", "--target", f"unix:{sock}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout) == (1, "")
+    assert proc.stderr == (f"check: no kvcache service at unix:{sock} (connection refused); start one with "
+                           "`make run` (or `kvcache-service serve`)\n")
 
 
 def test_events_prints_one_line_per_event(server: ServerProcess) -> None:

@@ -99,6 +99,8 @@ def test_an_absent_master_costs_no_availability(start_server: Callable[..., Serv
     (["--tier", "disk"], "--tier-dir: --tier disk needs a directory"),
     (["--tier", "mooncake", "--mooncake-master", "nohost"], "--mooncake-master: 'nohost' is not host:port"),
     (["--tier-dir", "/tmp/x"], "--tier-dir: needs --tier disk (the tier is none)"),
+    (["--tier", "disk", "--tier-dir", "/nonexistent/x"],
+     "--tier-dir /nonexistent/x: /nonexistent does not exist (the tier directory is created, its parent must exist)"),
 ])
 def test_bad_tier_flags_stop_the_start_with_one_line(args: list[str], message: str) -> None:
     proc = subprocess.run([PYTHON, "-m", "cache_service", "serve", "--listen", "127.0.0.1:0", *args], cwd=REPO,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -415,14 +416,18 @@ MODEL = str(Path(__file__).parents[1] / "models" / "llama-3.1-8b.json")
 """Llama 3.1 8B's layout: 32 layers, 8 KV heads x 128, bfloat16, so 2 MiB a page of 16 tokens."""
 
 
+LESS = ", less than 8 sequences x 131,072 tokens of context (--pool-sequences)"
+"""Llama 3.1 8B's whole context (max_position_embeddings) 8 times over is 128 GiB: the memory bound chooses."""
+
+
 @pytest.mark.parametrize(("backend", "probe", "sized"), [
     ("auto", CudaProbe(False, "no NVIDIA GPU device in /dev", NO_CUDA_PYTHON),
      "0.25 of 10.0 GiB free host memory, at most /dev/shm's free space, (--pool-memory-fraction; --pool-bytes sets a "
-     "size)"),
+     "size)" + LESS),
     ("host_memfd", CudaProbe(False, "no NVIDIA GPU device in /dev", NO_CUDA_PYTHON),
-     "0.25 of 10.0 GiB free host memory (--pool-memory-fraction; --pool-bytes sets a size)"),
+     "0.25 of 10.0 GiB free host memory (--pool-memory-fraction; --pool-bytes sets a size)" + LESS),
     ("auto", CudaProbe(True, IPC.reason, VMM),
-     "0.25 of 10.0 GiB GPU 0's free memory (--pool-memory-fraction; --pool-bytes sets a size)"),
+     "0.25 of 10.0 GiB GPU 0's free memory (--pool-memory-fraction; --pool-bytes sets a size)" + LESS),
 ])
 def test_a_model_without_a_size_takes_a_fraction_of_the_free_memory(backends: _Recorder, backend: str,
                                                                      probe: CudaProbe, sized: str) -> None:
@@ -440,6 +445,34 @@ def test_a_model_without_a_size_takes_a_fraction_of_the_free_memory(backends: _R
     assert backends.layouts[0].num_pages == 1280  # 0.25 of 10 GiB in whole 2 MiB pages
     assert choice.sized == sized
     assert asked == [(backends.made[0], "0" if backends.made[0] == "cuda_vmm" else "/dev/shm")]
+    choice.pool.close()
+
+
+@pytest.mark.parametrize(("config", "pages", "sized"), [
+    # 2 layers, 2 KV heads x 64, float32: 32 KiB a page. 8 x 4,096 tokens fit well within 0.25 of 10 GiB.
+    ({"max_position_embeddings": 4096}, 2049,
+     "8 sequences x 4,096 tokens of context = 32,768 tokens (--pool-sequences, the model's max_position_embeddings; "
+     "--pool-bytes sets a size), within 0.25 of 10.0 GiB free host memory (--pool-memory-fraction)"),
+    ({"n_positions": 1000, "pool_sequences": 3}, 189,  # 3,000 tokens in whole pages of 16, and page 0
+     "3 sequences x 1,000 tokens of context = 3,000 tokens (--pool-sequences, the model's n_positions; --pool-bytes "
+     "sets a size), within 0.25 of 10.0 GiB free host memory (--pool-memory-fraction)"),
+    ({}, 81920,
+     "0.25 of 10.0 GiB free host memory (--pool-memory-fraction; --pool-bytes sets a size); the model states no "
+     "context length"),
+])
+def test_a_small_model_gets_the_pool_its_context_can_use(backends: _Recorder, tmp_path: Path,
+                                                         config: dict[str, int], pages: int, sized: str) -> None:
+    """`serve --model` with no size: the model's whole context times --pool-sequences, when that is less than
+    --pool-memory-fraction of the free memory (a 2-layer test model gets megabytes, not a quarter of the host)."""
+    sequences = config.pop("pool_sequences", 8)
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 2, "hidden_size": 128, "head_dim": 64, "torch_dtype": "float32", **config}))
+    unmade(backends)
+    service = ServiceConfig(backend="host_memfd", model=str(tmp_path), pool_sequences=sequences)
+    choice = create_pool(service, "x", probe=lambda: CudaProbe(False, "none", NO_CUDA_PYTHON),
+                         host_free=lambda backend, where: 10 * 2**30)
+    assert (backends.layouts[0].num_pages, choice.sized) == (pages, sized)
     choice.pool.close()
 
 

@@ -1,18 +1,18 @@
-"""The README's vLLM recipe, run as printed: kvcache shaped by `--model`, `make vllm-serve MODEL=...` (vLLM's
-OpenAI server, its CPU build, on kvcache), one completion through it, then Ctrl-C's SIGTERM to the recipe's
-process group, after which no OpenMP registration file of its processes is left in /dev/shm.
+"""The README's vLLM recipe, run as printed: `make run` (kvcache's default pool), `make vllm-serve` (no MODEL:
+the tiny Llama made offline, vLLM's OpenAI server, its CPU build, on kvcache), the greedy request, Ctrl-C (a
+SIGINT to the terminal's process group); then `make vllm-serve` again and the same request: the same tokens,
+the prompt's full block loaded from kvcache. Each Ctrl-C ends quietly and leaves no OpenMP registration file
+of vLLM's processes in /dev/shm. `make vllm-clean-shm` removes only the files of the processes vllm-serve
+recorded.
 
-Substituted, as tests/integration/test_readme.py substitutes the default target: the checkpoint (a tiny
-random Llama the session saves), the ports (free ones), and the pool's size (`KVCACHE_POOL_BYTES`, the
-environment form of a flag, so the printed command line is unchanged: the printed one takes a quarter of
-free memory, gigabytes here). One vLLM engine start."""
+Substituted, as tests/integration/test_readme.py substitutes the default target: the ports (free ones). Two
+vLLM engine starts."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-import shlex
 import signal
 import subprocess
 import urllib.request
@@ -30,7 +30,8 @@ pytestmark = [pytest.mark.xdist_group("vllm-b"), pytest.mark.timeout(900)]  # a 
 
 README = (REPO / "README.md").read_text()
 RECIPE = re.search(r"<!-- recipe: vllm-serve -->\n```bash\n(.*?)```", README, re.S)
-PLACEHOLDER = "/path/to/checkpoint"
+RECORDS = REPO / ".venv-vllm" / "serve-pids"
+SHM = Path("/dev/shm")
 
 
 def recipe_lines() -> dict[str, str]:
@@ -42,7 +43,9 @@ def recipe_lines() -> dict[str, str]:
 
 
 def test_the_recipe_is_the_one_this_test_runs() -> None:
-    assert list(recipe_lines()) == ["make vllm-setup", "make run", "make vllm-serve", "curl -s"]
+    lines = recipe_lines()
+    assert list(lines) == ["make vllm-setup", "make run", "make vllm-serve", "curl -s"]
+    assert (lines["make run"], lines["make vllm-serve"]) == ("make run", "make vllm-serve")  # nothing to fill in
 
 
 def _group_pids(pgid: int) -> set[int]:
@@ -58,20 +61,23 @@ def _group_pids(pgid: int) -> set[int]:
     return pids
 
 
-def test_the_vllm_recipe_serves_a_completion_through_kvcache(models: dict[str, Path], tmp_path: Path) -> None:
+def _kmp_pid(path: Path) -> int:
+    return int(path.name.removeprefix("__KMP_REGISTERED_LIB_").split("_")[0])
+
+
+def _serve_and_ask(server: ServerProcess, log: Path) -> dict[str, object]:
+    """`make vllm-serve` as printed (its ports free ones), the recipe's request once it answers, then Ctrl-C;
+    the answer. Checks that the stop was quiet and left none of its processes' /dev/shm files or records."""
     lines = recipe_lines()
-    model = str(models["llama"])
-    # `make run ARGS="..."` is `python -m cache_service serve ...` (the Makefile's run target).
-    run_args = shlex.split(shlex.split(lines["make run"].replace(PLACEHOLDER, model))[2].removeprefix("ARGS="))
-    server = ServerProcess(*run_args, env={"KVCACHE_POOL_BYTES": "64Mi"}, log_path=tmp_path / "kvcache.log")
     port = free_port()
-    serve = lines["make vllm-serve"].replace(PLACEHOLDER, model) + f" KVCACHE={server.target} PORT={port}"
-    log = open(tmp_path / "vllm.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(["bash", "-c", serve], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    serve = f"{lines['make vllm-serve']} KVCACHE={server.target} PORT={port}"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(["bash", "-c", serve], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # the terminal's process group: make and the script
+    ours: set[int] = set()
     try:
         def healthy() -> bool:
-            assert proc.poll() is None, (tmp_path / "vllm.log").read_text()[-4000:]
+            assert proc.poll() is None, log.read_text()[-4000:]
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                     return bool(r.status == 200)
@@ -79,33 +85,84 @@ def test_the_vllm_recipe_serves_a_completion_through_kvcache(models: dict[str, P
                 return False
 
         wait_until(healthy, "vLLM's server answers /health", timeout=600, poll=0.5)
-        curl = lines["curl -s"].replace(PLACEHOLDER, model).replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+        curl = lines["curl -s"].replace("127.0.0.1:8000", f"127.0.0.1:{port}")
         done = subprocess.run(["bash", "-euo", "pipefail", "-c", curl], cwd=REPO, capture_output=True, text=True,
                               timeout=120)
         assert done.returncode == 0, done.stderr
-        answer = json.loads(done.stdout)
-        assert answer["usage"] == {"prompt_tokens": 40, "total_tokens": 44, "completion_tokens": 4,
-                                   "prompt_tokens_details": None, "completion_tokens_details": None}
-        assert answer["choices"][0]["finish_reason"] == "length"
+        answer: dict[str, object] = json.loads(done.stdout)
         drained(server.target)
-        with KVCacheClient(server.target) as client:
-            st = client.get_stats()
-        # The prompt was computed (nothing cached yet) and its one full vLLM block of 32 tokens was saved:
-        # two kvcache pages of 16, now cached in the radix.
-        assert (st.miss_tokens, st.evictable_pages, st.sessions_idle) == (40, 2, 0)
-        ours = _group_pids(proc.pid)
+        records = [RECORDS / str(pid) for pid in _group_pids(proc.pid) if (RECORDS / str(pid)).exists()]
+        assert len(records) == 1  # the script's record of the processes vLLM started
+        ours = {int(p) for p in records[0].read_text().split()}
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # what Ctrl-C does to the recipe's terminal
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: make and the script; the script stops vLLM
         proc.wait(timeout=180)
-        # make stops at once; the script stops vLLM, waits for its workers and cleans up after them.
-        wait_until(lambda: not _group_pids(proc.pid), "the recipe's processes exit", timeout=180, poll=0.2)
-        log.close()
-    output = (tmp_path / "vllm.log").read_text()
-    assert re.search(r"vllm-clean-shm: removed [1-9]\d* OpenMP registration file\(s\) of exited processes "
-                     "from /dev/shm", output), output[-4000:]
-    left = [p.name for p in Path("/dev/shm").glob("__KMP_REGISTERED_LIB_*")
-            if int(p.name.removeprefix("__KMP_REGISTERED_LIB_").split("_")[0]) in ours]
-    assert left == []
+    assert not records[0].exists()
+    assert not [p for p in SHM.glob("__KMP_REGISTERED_LIB_*") if _kmp_pid(p) in ours]
+    text = log.read_text()
+    shutdown = text.splitlines()[-2:]  # after vLLM's own shutdown lines, these two
+    assert re.fullmatch(r"vllm-clean-shm: removed [1-9]\d* OpenMP registration file\(s\) that vllm-serve's exited "
+                        r"processes left in /dev/shm", shutdown[0]), shutdown
+    assert re.fullmatch(r"make: \*\*\* \[Makefile:\d+: vllm-serve\] Interrupt", shutdown[1]), shutdown
+    assert not re.search("leaked|nanobind|Unknown vLLM environment variable|Traceback", text), text[-4000:]
+    return answer
+
+
+def test_the_vllm_recipe_serves_the_same_tokens_twice_the_second_time_from_kvcache(tmp_path: Path) -> None:
+    server = ServerProcess(log_path=tmp_path / "kvcache.log")  # `make run`: the default pool
+    first = _serve_and_ask(server, tmp_path / "vllm-1.log")
+    assert "vllm-serve: no MODEL given: serving .venv-vllm/models/kvcache-tiny-llama" in (
+        tmp_path / "vllm-1.log").read_text()
+    with KVCacheClient(server.target) as client:
+        st = client.get_stats()
+    # The prompt was computed (nothing cached yet) and its one full vLLM block of 32 tokens was saved: two
+    # kvcache pages of 16, now cached in the radix.
+    assert (st.miss_tokens, st.prefix_hit_tokens, st.evictable_pages, st.sessions_idle) == (40, 0, 2, 0)
+
+    second = _serve_and_ask(server, tmp_path / "vllm-2.log")  # a new vLLM: its own prefix cache is empty
+    for answer, cached in ((first, 0), (second, 32)):
+        choice = answer["choices"][0]  # type: ignore[index]
+        assert (choice["finish_reason"], len(choice["token_ids"]), choice["prompt_token_ids"]) == (
+            "length", 4, list(range(1, 41)))
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == cached  # type: ignore[index]
+    assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]  # type: ignore[index]
+    assert second["choices"][0]["text"] == first["choices"][0]["text"] != ""  # type: ignore[index]
+    with KVCacheClient(server.target) as client:
+        st = client.get_stats()
+    assert (st.miss_tokens, st.prefix_hit_tokens, st.evictable_pages) == (48, 32, 2)
     code, _ = server.terminate()
     server.close()
     assert code == 0
+
+
+def test_clean_shm_removes_only_the_files_of_the_processes_vllm_serve_recorded(tmp_path: Path) -> None:
+    """`make vllm-clean-shm`: a recorded process that exited loses its file and its record; an unrecorded
+    one's file (another job's) stays, as does a live recorded process's."""
+    dead = []
+    for _ in range(3):
+        p = subprocess.Popen(["true"])
+        p.wait()
+        dead.append(p.pid)
+    owner, recorded, other = dead
+    files = {pid: SHM / f"__KMP_REGISTERED_LIB_{pid}_{os.getuid()}" for pid in (recorded, other, os.getpid())}
+    RECORDS.mkdir(parents=True, exist_ok=True)
+    record = RECORDS / str(owner)
+    record.write_text(f"{recorded}\n{os.getpid()}\n")
+    live_record = RECORDS / str(os.getpid())  # a vllm-serve still running (this process plays it)
+    live_record.write_text(f"{recorded}\n")
+    for f in files.values():
+        f.write_text("kvcache test")
+    try:
+        done = subprocess.run(["make", "--no-print-directory", "vllm-clean-shm"], cwd=REPO, capture_output=True,
+                              text=True, timeout=60)
+        assert (done.returncode, done.stdout) == (0, "")
+        assert done.stderr == ("vllm-clean-shm: removed 1 OpenMP registration file(s) that vllm-serve's exited "
+                               "processes left in /dev/shm\n")
+        assert [pid for pid, f in files.items() if f.exists()] == [other, os.getpid()]
+        assert (record.exists(), live_record.exists()) == (True, True)  # each names a live process
+        record.write_text(f"{recorded}\n")
+        subprocess.run(["make", "--no-print-directory", "vllm-clean-shm"], cwd=REPO, capture_output=True, timeout=60)
+        assert (record.exists(), live_record.exists()) == (False, True)
+    finally:
+        for f in (*files.values(), record, live_record):
+            f.unlink(missing_ok=True)

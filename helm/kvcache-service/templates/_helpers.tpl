@@ -61,6 +61,11 @@ app.kubernetes.io/component: kv-cache
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
+{{/* The default image.repository: no image was ever built or published there (NOTES.txt warns). */}}
+{{- define "kvcache.unbuiltRepository" -}}
+ghcr.io/kvcache/kvcache-service
+{{- end -}}
+
 {{/*
 Addresses.
 */}}
