@@ -6,10 +6,14 @@ module's kvcache, restarted by the tests that need a restart), and the ones a te
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -385,3 +389,34 @@ def test_prefill_on_a_producer_then_decode_on_a_consumer_both_paths(
     assert tokens(out) == reference(alone, saved) and out[0]["num_cached_tokens"] == 0
     assert _delta(producer, before, "kvcache_connector_load_tokens_total") == 0
     assert _delta(producer, before, "kvcache_connector_hit_tokens_total") == 0
+
+
+@contextmanager
+def busy_host() -> Iterator[int]:
+    """The host kept busy: one CPU-bound process per core, started here and stopped at exit (yields their count)."""
+    n = os.cpu_count() or 2
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield n
+    finally:
+        for p in burners:
+            p.kill()
+        for p in burners:
+            p.wait()
+
+
+def test_a_new_engine_hits_what_another_saved_while_the_host_is_busy(
+        alone: VllmEngine, engines: Engines, kvcache: ServerProcess, model: Path, engine_log_dir: Path) -> None:
+    shared = request(prompt(400, 520), 4)
+    want = reference(alone, [shared])
+    with busy_host():
+        out = engines.current.generate([shared])
+        assert tokens(out) == want
+        # the next engine is started right after the save, on the loaded host, and asked at once
+        fresh = VllmEngine(model, engine_log_dir / "busy.log", kvcache=kvcache.target)
+        try:
+            out = fresh.generate([shared])
+            assert tokens(out) == want and out[0]["num_cached_tokens"] == hits(520) == 512
+            assert "kvcache connector: a request computed" not in fresh.log_text()
+        finally:
+            fresh.close()
