@@ -181,7 +181,8 @@ class _Req:
         self.load: int = 0
         """External tokens vLLM took at its last admission (loaded this step)."""
         self.loaded = 0
-        """External tokens vLLM took at its last admission, until a load of them fails (the commit's report)."""
+        """Tokens loaded into vLLM's blocks since its last admission (planned loads; 0 again when one fails or
+        the request is preempted): the commit's report."""
         self.local = 0
         """vLLM's own prefix hit when it asked (an asynchronous load starts there)."""
         self.remote = False
@@ -282,7 +283,8 @@ class SchedulerSide:
                     return None
             if r.state != _READY:
                 return 0
-            r.local = num_computed_tokens
+            if not r.loaded:  # not vLLM asking again after an asynchronous load
+                r.local = num_computed_tokens
             if not self.loads:
                 return 0
             valid = max(r.kv_start, r.confirmed_end)
@@ -324,7 +326,7 @@ class SchedulerSide:
             r = self._reqs.get(request.request_id)
             if r is None or r.state != _READY:
                 return
-            r.load = r.loaded = num_external_tokens
+            r.load = num_external_tokens
             self.counters.hit_tokens += num_external_tokens
             if num_external_tokens and r.remote and block_ids is not None:
                 r.blocks, r.async_load = [list(b) for b in block_ids], True
@@ -368,13 +370,14 @@ class SchedulerSide:
             for req_id in out.preempted_req_ids or ():
                 r = self._reqs.get(req_id)
                 if r is not None:
-                    r.blocks, r.load = [], 0
+                    r.blocks, r.load, r.loaded = [], 0, 0
                     r.planned_end = r.confirmed_end
             waiting: list[tuple[int, int, Any, Any]] = []
             for r in self._async:
                 if r.async_load and r.state == _READY and r.sess is not None and r.load:
                     waiting.append(self._range(r, r.sess, r.local, r.local + r.load, plan.page_size, self.block_size))
                     plan.async_reqs.append(r.req_id)
+                    r.loaded += r.load
                 r.async_load, r.load = False, 0
             self._async.clear()
             plan.loads, plan.saves = Transfers.build(loads, self.groups), Transfers.build(saves, self.groups)
@@ -692,6 +695,7 @@ class SchedulerSide:
             lo, hi = computed - r.load, computed
             loads.append(self._range(r, sess, lo, hi, ps, bs))
             plan.load_reqs.append(r.req_id)
+            r.loaded += r.load
             r.load = 0
         end = computed + scheduled
         if self.role == "kv_producer":
