@@ -405,6 +405,7 @@ def format_stats(st: pb.GetStatsResponse) -> str:
         ("engines", f"{st.engines}"),
         ("tokens (cumulative)", f"{st.prefix_hit_tokens:,} radix hit, {st.session_hit_tokens:,} session hit, "
                                 f"{st.miss_tokens:,} computed"),
+        *reuse_rows(st),
         ("events", f"{st.evicted_pages:,} pages evicted, {st.duplicate_pages:,} duplicate, "
                    f"{st.demoted_sessions} demotions, {st.reaped_sessions} reaped, {st.expired_leases} leases expired, "
                    f"{st.parked_sessions} parked, {st.adopted_sessions} adopted, {st.expired_parked_sessions} parked "
@@ -419,6 +420,20 @@ def format_stats(st: pb.GetStatsResponse) -> str:
         rows.append(("invariant check", "passed"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def reuse_rows(st: pb.GetStatsResponse) -> list[tuple[str, str]]:
+    """What engines reported at their commits, in total and per engine: kvcache's match beside where each
+    context token's KV came from (docs/design.md §5)."""
+
+    def figures(r: pb.ReuseStats) -> str:
+        return (f"{r.turns:,} turns: {r.matched_tokens:,} matched; {r.engine_cached_tokens:,} engine-cached, "
+                f"{r.loaded_tokens:,} loaded, {r.computed_tokens:,} computed")
+
+    if not st.reuse.turns:
+        return [("reuse (engines)", "none reported")]
+    return [("reuse (engines)", figures(st.reuse))] + [(f"  {r.engine_id or '(no engine)'}", figures(r))
+                                                         for r in st.engine_reuse]
 
 
 def tier_rows(t: pb.TierStats) -> list[tuple[str, str]]:

@@ -85,9 +85,33 @@ class _StatsCollector(Collector):
             ("kvcache_expired_leases", "Engine leases that expired.", st.expired_leases),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+        yield from _reuse_families(st)
         info = GaugeMetricFamily("kvcache_info", "Service identity.", labels=sorted(self._info))
         info.add_metric([self._info[k] for k in sorted(self._info)], 1)
         yield info
+
+
+REUSE_KINDS = ("matched", "engine_cached", "loaded", "computed")
+"""The `kind` label of the reuse families: kvcache's match, then where engines say the KV came from."""
+
+
+def _reuse_families(st: Stats) -> Iterator[CounterMetricFamily]:
+    """Reuse as engines report it at commits (docs/design.md §5): in total and per engine."""
+    yield CounterMetricFamily("kvcache_reuse_turns", "Turns whose engine reported its reuse at commit.",
+                              value=st.reuse.turns)
+    total = CounterMetricFamily("kvcache_reuse_tokens", "Context tokens of reported turns: matched (kvcache held "
+                                "them at the append), engine_cached (the engine's own prefix cache), loaded (from "
+                                "kvcache's pages), computed.", labels=["kind"])
+    per_engine = CounterMetricFamily("kvcache_engine_reuse_tokens", "kvcache_reuse_tokens per engine (the 64 that "
+                                     "reported last).", labels=["engine", "kind"])
+    for family, rows in ((total, (st.reuse,)), (per_engine, st.engine_reuse)):
+        for r in rows:
+            labels = [r.engine_id] if family is per_engine else []
+            for kind, value in zip(REUSE_KINDS, (r.matched_tokens, r.engine_cached_tokens, r.loaded_tokens,
+                                                 r.computed_tokens), strict=True):
+                family.add_metric([*labels, kind], value)
+    yield total
+    yield per_engine
 
 
 class _CallCollector(Collector):

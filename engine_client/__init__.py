@@ -49,13 +49,13 @@ from engine_client.errors import (
 from engine_client.layout import LayoutMismatch, check_layout
 from engine_client.options import ClientOptions, TlsFileError
 from engine_client.step import StepBatch, StepOutcome
-from engine_client.types import DTYPE_BYTES, DTYPE_NAMES, PoolInfo, PoolLayout
+from engine_client.types import DTYPE_BYTES, DTYPE_NAMES, PoolInfo, PoolLayout, ReuseReport
 
 __all__ = [
     "DTYPE_BYTES", "DTYPE_NAMES", "TORCH_DTYPES", "AsyncKVCacheClient", "AsyncSession", "BadToken", "ClientOptions",
     "EngineNotFound", "InternalError", "InvalidArgument", "InvalidTokens", "KVCacheClient", "KVCacheClientError",
     "LayoutMismatch", "LeaseExpired", "MappedPool", "NoTurnInFlight", "NotOwner", "PermissionDenied", "PoolExhausted",
-    "PoolInfo", "PoolLayout", "PoolMappingError", "ResourceExhausted", "RoleRequired", "SaltNotAllowed",
+    "PoolInfo", "PoolLayout", "PoolMappingError", "ResourceExhausted", "ReuseReport", "RoleRequired", "SaltNotAllowed",
     "ServiceRestarted", "ServiceUnavailable", "Session", "SessionBudget", "SessionBusy", "SessionClosing",
     "SessionExists", "SessionLimit", "SessionNotFound", "SessionTokenLimit",
     "StepBatch", "StepLaneBroken", "StepOutcome", "TlsFileError", "Turn", "check_layout", "map_pool",

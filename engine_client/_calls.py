@@ -30,6 +30,7 @@ from engine_client.types import (
     OpenedSession,
     PoolInfo,
     ReapResult,
+    ReuseReport,
     SessionInfo,
     SessionPage,
     Stats,
@@ -159,9 +160,10 @@ def extend_session(client: ClientBase, session_id: str, reserve_tokens: int,
 
 
 def commit_session(client: ClientBase, session_id: str, tokens: TokensLike, kv_tokens: int | None, abort: bool,
-                   turn: int, epoch: int) -> Call[pb.CommitSessionResponse, CommitResult]:
+                   turn: int, epoch: int, reuse: ReuseReport | None = None
+                   ) -> Call[pb.CommitSessionResponse, CommitResult]:
     req = requests.commit_request(session_id, codec.pack_tokens(tokens), kv_tokens, abort, turn, epoch,
-                                  client.engine_id)
+                                  client.engine_id, reuse)
     return Call("CommitSession", req, codec.committed)
 
 

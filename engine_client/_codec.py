@@ -26,6 +26,7 @@ from engine_client.types import (
     PoolInfo,
     PoolLayout,
     ReapResult,
+    ReuseStats,
     SessionInfo,
     SessionPage,
     Stats,
@@ -190,4 +191,5 @@ def session_page(r: pb.ListSessionsResponse) -> SessionPage:
 
 
 def stats(r: pb.GetStatsResponse) -> Stats:
-    return _record(Stats, r)
+    return _record(Stats, r, reuse=_record(ReuseStats, r.reuse),
+                   engine_reuse=tuple(_record(ReuseStats, e) for e in r.engine_reuse))

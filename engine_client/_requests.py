@@ -7,6 +7,7 @@ packed array per field, and the service decodes it into the same operations.
 
 from __future__ import annotations
 
+from engine_client.types import ReuseReport
 from protos.kvcache.v1 import kvcache_pb2 as pb
 
 
@@ -30,11 +31,15 @@ def extend_request(session_id: str, reserve_tokens: int, epoch: int, engine_id: 
 
 
 def commit_request(session_id: str, packed_tokens: bytes, kv_tokens: int | None, abort: bool, turn: int, epoch: int,
-                   engine_id: str = "") -> pb.CommitSessionRequest:
+                   engine_id: str = "", reuse: ReuseReport | None = None) -> pb.CommitSessionRequest:
     req = pb.CommitSessionRequest(session_id=session_id, packed_token_ids=packed_tokens, abort=abort, turn=turn,
                                   epoch=epoch, engine_id=engine_id)
     if kv_tokens is not None:  # unset: the service's default rule (every generated token but the last)
         req.kv_tokens = kv_tokens
+    if reuse is not None:
+        req.reuse.engine_cached_tokens = reuse.engine_cached_tokens
+        req.reuse.loaded_tokens = reuse.loaded_tokens
+        req.reuse.computed_tokens = reuse.computed_tokens
     return req
 
 

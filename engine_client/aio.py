@@ -33,6 +33,7 @@ from engine_client.types import (
     OpenedSession,
     PoolInfo,
     ReapResult,
+    ReuseReport,
     SessionInfo,
     SessionPage,
     Stats,
@@ -186,8 +187,11 @@ class AsyncKVCacheClient(ClientBase):
         return lane
 
     async def commit_session(self, session_id: str, tokens: TokensLike = b"", *, kv_tokens: int | None = None,
-                             abort: bool = False, turn: int = 0, epoch: int = 0) -> CommitResult:
-        return await self._run(calls.commit_session(self, session_id, tokens, kv_tokens, abort, turn, epoch))
+                             abort: bool = False, turn: int = 0, epoch: int = 0,
+                             reuse: ReuseReport | None = None) -> CommitResult:
+        """End the turn in flight (see docs/design.md §3). `reuse`: where the turn's context KV came from
+        (`ReuseReport`), added to this engine's reuse figures in GetStats."""
+        return await self._run(calls.commit_session(self, session_id, tokens, kv_tokens, abort, turn, epoch, reuse))
 
     async def close_session(self, session_id: str, *, cache: bool = False, epoch: int = 0) -> CloseResult:
         return await self._run(calls.close_session(self, session_id, cache, epoch))

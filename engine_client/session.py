@@ -36,7 +36,7 @@ from engine_client.aio import AsyncKVCacheClient
 from engine_client.client import KVCacheClient
 from engine_client.mapping import MappedPool
 from engine_client.step import StepBatch, StepOutcome
-from engine_client.types import AppendResult, CloseResult, CommitResult, ExtendResult, OpenedSession
+from engine_client.types import AppendResult, CloseResult, CommitResult, ExtendResult, OpenedSession, ReuseReport
 
 __all__ = ["AsyncSession", "Session", "Turn"]
 
@@ -58,6 +58,12 @@ class Turn:
     @property
     def new_tokens(self) -> int:
         return self.context_tokens - self.cached_tokens
+
+    @property
+    def reuse(self) -> ReuseReport:
+        """What an engine that attends in place on the pool reports at commit: the cached tokens were kvcache's
+        (read from its pages), the new ones computed; it holds no KV of its own."""
+        return ReuseReport(0, self.cached_tokens, self.new_tokens)
 
 
 class _SessionState:
@@ -347,9 +353,13 @@ class Session(_SessionState):
             return self.queue_extend(batch, reserve)
         return self.extend(reserve)
 
-    def commit(self, generated: TokensLike = b"", *, kv_tokens: int | None = None) -> CommitResult:
+    def commit(self, generated: TokensLike = b"", *, kv_tokens: int | None = None,
+               reuse: ReuseReport | None = None) -> CommitResult:
+        """Commit the turn in flight, reporting `reuse` (default: the turn's `Turn.reuse`, KV read in place)."""
+        if reuse is None and self.turn is not None:
+            reuse = self.turn.reuse
         res: CommitResult = self.client.commit_session(self.session_id, generated, kv_tokens=kv_tokens,
-                                                       epoch=self.epoch)
+                                                       epoch=self.epoch, reuse=reuse)
         self._on_commit(res)
         return res
 
@@ -423,9 +433,13 @@ class AsyncSession(_SessionState):
             return self.queue_extend(batch, reserve)
         return await self.extend(reserve)
 
-    async def commit(self, generated: TokensLike = b"", *, kv_tokens: int | None = None) -> CommitResult:
+    async def commit(self, generated: TokensLike = b"", *, kv_tokens: int | None = None,
+                     reuse: ReuseReport | None = None) -> CommitResult:
+        """Commit the turn in flight, reporting `reuse` (default: the turn's `Turn.reuse`, KV read in place)."""
+        if reuse is None and self.turn is not None:
+            reuse = self.turn.reuse
         res: CommitResult = await self.client.commit_session(self.session_id, generated, kv_tokens=kv_tokens,
-                                                             epoch=self.epoch)
+                                                             epoch=self.epoch, reuse=reuse)
         self._on_commit(res)
         return res
 

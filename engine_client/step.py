@@ -50,6 +50,7 @@ from engine_client.types import (
     MatchResult,
     OpenedSession,
     PageIds,
+    ReuseReport,
 )
 from kvcache_common.protowire import varint
 from protos.kvcache.v1 import kvcache_pb2 as pb
@@ -252,6 +253,7 @@ class StepBatch:
         self._timeouts: dict[int, float] = {}
         self._engines: dict[int, str] = {}
         self._salts: dict[int, str] = {}
+        self._reuse: dict[int, ReuseReport] = {}
         self.sent = False
 
     def __len__(self) -> int:
@@ -292,17 +294,23 @@ class StepBatch:
         return self._add(EXTEND, session, reserve_tokens, 0)
 
     def commit(self, session: SessionRef, tokens: TokensLike = b"", *, kv_tokens: int | None = None,
-               turn: int = 0) -> StepOutcome[CommitResult]:
+               turn: int = 0, reuse: ReuseReport | None = None) -> StepOutcome[CommitResult]:
+        """End the session's turn; `reuse`: where its context's KV came from (`ReuseReport`)."""
         outcome: StepOutcome[CommitResult] = self._add(COMMIT, session, kv_tokens or 0,
                                                        0 if kv_tokens is None else _KV_TOKENS,
                                                        codec.pack_tokens(tokens))
         if turn:
             self._turns[outcome.index] = turn
+        if reuse is not None:
+            self._reuse[outcome.index] = reuse
         return outcome
 
-    def abort(self, session: SessionRef) -> StepOutcome[CommitResult]:
-        """Roll the session's turn back (a commit with abort=true)."""
-        return self._add(COMMIT, session, 0, _SET)
+    def abort(self, session: SessionRef, *, reuse: ReuseReport | None = None) -> StepOutcome[CommitResult]:
+        """Roll the session's turn back (a commit with abort=true); `reuse` as for `commit`."""
+        outcome: StepOutcome[CommitResult] = self._add(COMMIT, session, 0, _SET)
+        if reuse is not None:
+            self._reuse[outcome.index] = reuse
+        return outcome
 
     def close(self, session: SessionRef, *, cache: bool = False) -> StepOutcome[CloseResult]:
         return self._add(CLOSE, session, 0, _SET if cache else 0)
@@ -378,6 +386,11 @@ class StepBatch:
             cols.engine_ids.extend(self._engines.get(i, "") for i in range(n))
         if self._salts:
             cols.cache_salts.extend(self._salts.get(i, "") for i in range(n))
+        if self._reuse:
+            reuse = array("I", bytes(12 * n))
+            for i, r in self._reuse.items():
+                reuse[3 * i: 3 * i + 3] = array("I", (r.engine_cached_tokens, r.loaded_tokens, r.computed_tokens))
+            cols.reuse = reuse.tobytes()
         head = cols.SerializeToString()
         request = pb.StepRequest(engine_id=engine_id).SerializeToString()
         tokens = self._tokens
@@ -415,7 +428,8 @@ class StepBatch:
             elif kind == COMMIT:
                 abort = bool(flags & _SET)
                 ops.append(pb.StepOp(commit=requests.commit_request(
-                    sid, tokens, count if flags & _KV_TOKENS else None, abort, self._turns.get(i, 0), epoch)))
+                    sid, tokens, count if flags & _KV_TOKENS else None, abort, self._turns.get(i, 0), epoch,
+                    reuse=self._reuse.get(i))))
             elif kind == CLOSE:
                 ops.append(pb.StepOp(close=requests.close_request(sid, bool(flags & _SET), epoch)))
             else:

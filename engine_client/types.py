@@ -162,6 +162,31 @@ class SessionPage:
 
 
 @dataclass(frozen=True, slots=True)
+class ReuseReport:
+    """Where the KV of a turn's context came from, as the engine saw it, sent with its commit
+    (`commit_session(..., reuse=...)`, `StepBatch.commit(..., reuse=...)`): tokens already in the engine's own
+    prefix cache, tokens taken from kvcache's pages (loaded, or attended in place), and tokens computed. The
+    three sum to the turn's context tokens (its append's `context_tokens`)."""
+
+    engine_cached_tokens: int = 0
+    loaded_tokens: int = 0
+    computed_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ReuseStats:
+    """Reported turns of one engine (`engine_id` "" in the total): kvcache's `matched_tokens` (what it held at
+    their appends) beside the engine's own figures, which sum to those turns' context tokens."""
+
+    engine_id: str
+    turns: int
+    matched_tokens: int
+    engine_cached_tokens: int
+    loaded_tokens: int
+    computed_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class Stats:
     num_pages: int
     page_size: int
@@ -198,6 +223,10 @@ class Stats:
     adopted_sessions: int = 0
     expired_parked_sessions: int = 0
     """Cumulative: parks, adoptions, and parked sessions closed at their parked timeout."""
+    reuse: ReuseStats = ReuseStats("", 0, 0, 0, 0, 0)
+    """What engines reported at their commits (`ReuseReport`), in total."""
+    engine_reuse: tuple[ReuseStats, ...] = ()
+    """The same per engine (the 64 that reported last), by engine id."""
 
     @property
     def pages_by_state(self) -> dict[str, int]:

@@ -30,6 +30,7 @@ from cache_service.core.ledger import (
 )
 from cache_service.core.pages import PageAllocator
 from cache_service.core.radix import RadixNode, RadixTree
+from cache_service.core.reuse import ReuseLedger
 from cache_service.core.sessions import SessionTable
 from cache_service.core.slot import CLOSING, IDLE, IN_TURN, SessionSlot, Slots
 from cache_service.core.tiering import TierIndex
@@ -41,7 +42,7 @@ class Accounting:
 
     def __init__(self, config: CoreConfig, ledger: PageLedger, pages: PageAllocator, radix: RadixTree,
                  slots: Slots, sessions: SessionTable, leases: LeaseTable, counters: Counters,
-                 tier: TierIndex | None = None) -> None:
+                 tier: TierIndex | None = None, reuse: ReuseLedger | None = None) -> None:
         self._config = config
         self._ledger = ledger
         self._pages = pages
@@ -51,6 +52,7 @@ class Accounting:
         self._leases = leases
         self._c = counters
         self._tier = tier
+        self._reuse = reuse or ReuseLedger()
 
     def stats(self) -> Stats:
         c, sessions, radix, pages, slots = self._c, self._sessions, self._radix, self._ledger.counts, self._slots
@@ -88,6 +90,8 @@ class Accounting:
             parked_sessions=c.parked_sessions,
             adopted_sessions=c.adopted_sessions,
             expired_parked_sessions=c.expired_parked_sessions,
+            reuse=self._reuse.total,
+            engine_reuse=self._reuse.engines(),
         )
 
     def check_invariants(self) -> Stats:

@@ -93,7 +93,7 @@ class KVCacheCore:
         self.ops = Ops(config, clock, self.pages, self.radix, self.slots, self.sessions, self.leases, self.counters,
                        self._changes)
         self.accounting = Accounting(config, self.ledger, self.pages, self.radix, self.slots, self.sessions,
-                                     self.leases, self.counters, self.tier)
+                                     self.leases, self.counters, self.tier, self.ops.reuse)
 
     # ================================================================== probes
 
@@ -136,17 +136,18 @@ class KVCacheCore:
 
     def commit(self, session_id: str, token_ids: npt.ArrayLike = EMPTY_PAGES, *, kv_tokens: int | None = None,
                abort: bool = False, turn: int = 0, epoch: int = 0, engine_id: str = "",
-               identity: str | None = "") -> CommitResult:
+               identity: str | None = "", reuse: tuple[int, int, int] | None = None) -> CommitResult:
         """End the turn in flight.
 
         Commit records the generated `token_ids`; KV is taken as written for every context token and
         every generated token but the last, capped at the reservation, unless `kv_tokens` says how many
         leading tokens have KV. The unused reservation is freed. `abort=True` rolls back to the last
         committed state (earlier KV kept). `turn`, when nonzero, must name the turn in flight. A deferred
-        close completes here.
+        close completes here. `reuse`: the engine's (engine_cached, loaded, computed) tokens of the turn's
+        context (reuse.py; they must sum to it), added to its reuse figures.
         """
         return CommitResult(*self.ops.commit(session_id, token_bytes(token_ids), kv_tokens, abort, turn, epoch,
-                                             engine_id, identity))
+                                             engine_id, identity, reuse))
 
     def close(self, session_id: str, *, cache: bool = False, epoch: int = 0, engine_id: str = "",
               identity: str | None = "") -> CloseResult:

@@ -11,7 +11,7 @@ from cache_service.core.slot cimport SessionSlot, Slots
 
 @cython.final
 cdef class Ops:
-    cdef public object config, _clock, _by_id, _cap
+    cdef public object config, _clock, _by_id, _cap, reuse
     cdef public LeaseTable _leases
     cdef public PageAllocator _pages
     cdef public RadixTree _radix
@@ -35,7 +35,7 @@ cdef class Ops:
 
     @cython.locals(s=SessionSlot, closed=bint)
     cpdef tuple commit(self, object session_id, object generated, object kv_tokens, bint abort, object turn,
-                       object epoch, object engine_id, object identity)
+                       object epoch, object engine_id, object identity, object reuse=*)
 
     @cython.locals(s=SessionSlot)
     cpdef tuple close(self, object session_id, bint cache, object epoch, object engine_id, object identity)

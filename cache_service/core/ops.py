@@ -33,6 +33,7 @@ from cache_service.core.leases import Lease, LeaseTable, lease_expired
 from cache_service.core.ledger import Counters
 from cache_service.core.pages import PageAllocator
 from cache_service.core.radix import RadixTree
+from cache_service.core.reuse import ReuseLedger, check_report
 from cache_service.core.sessions import SessionTable
 from cache_service.core.slot import CLOSING, IDLE, IN_TURN, SessionSlot, Slots, change
 from cache_service.core.types import EngineInfo, TokenBytes
@@ -56,6 +57,8 @@ class Ops:
         """The facade's event queue (session records go there while `recording`)."""
         self.recording = False
         self._cap = config.max_session_tokens
+        self.reuse = ReuseLedger()
+        """What engines report at their commits (reuse.py)."""
 
     # ------------------------------------------------------------------ sessions
 
@@ -148,8 +151,10 @@ class Ops:
         return s, outcome
 
     def commit(self, session_id: str, generated: TokenBytes, kv_tokens: int | None, abort: bool, turn: int, epoch: int,
-               engine_id: str, identity: str | None) -> tuple[str, int, int, int, bool]:
-        """End the turn in flight; returns (session id, context tokens, kv tokens, pages, closed)."""
+               engine_id: str, identity: str | None, reuse: tuple[int, int, int] | None = None
+               ) -> tuple[str, int, int, int, bool]:
+        """End the turn in flight; returns (session id, context tokens, kv tokens, pages, closed). `reuse`: the
+        engine's report on the turn's context (reuse.py), added to its figures once the commit is done."""
         now = self._clock()
         s = self.session(session_id, epoch, engine_id, identity, now, False)
         if s.state is IDLE or turn:
@@ -159,9 +164,14 @@ class Ops:
                 raise invalid_argument("token_ids", "must be empty when abort is set")
             if kv_tokens is not None:
                 raise invalid_argument("kv_tokens", "must be unset when abort is set")
+        if reuse is not None:
+            check_report(reuse, s.turn_context_tokens)
+        if abort:
             self._slots.abort(s)
         else:
             self._slots.commit(s, generated, self._kv_after_commit(s, len(generated) >> 2, kv_tokens))
+        if reuse is not None:
+            self.reuse.record(s.owner or engine_id, s.turn_cached_tokens, reuse)
         s.last_active = now
         self._by_id.move_to_end(session_id)
         closed = s.state is CLOSING

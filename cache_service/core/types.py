@@ -151,6 +151,23 @@ class ReapResult:
 
 
 @dataclass(frozen=True, slots=True)
+class Reuse:
+    """Reuse as engines report it at their commits (core/reuse.py): the reported turns of one engine
+    (`engine_id` "" in the total)."""
+
+    engine_id: str = ""
+    turns: int = 0
+    matched_tokens: int = 0
+    """kvcache's cached_tokens at those turns' appends."""
+    engine_cached_tokens: int = 0
+    """Context tokens the engine already held in its own prefix cache."""
+    loaded_tokens: int = 0
+    """Context tokens the engine took from kvcache's pages."""
+    computed_tokens: int = 0
+    """Context tokens the engine computed."""
+
+
+@dataclass(frozen=True, slots=True)
 class Stats:
     """A snapshot of the pool and cache. Pages by state (free, evictable, radix_locked, session_held,
     in_flight, quarantined, loading) always sum to `num_pages - 1`."""
@@ -197,6 +214,10 @@ class Stats:
     """Cumulative: parked sessions an append continued (adopted)."""
     expired_parked_sessions: int = 0
     """Cumulative: parked sessions closed (cache=true) at their parked timeout (counted in reaped_sessions too)."""
+    reuse: Reuse = Reuse()
+    """What engines reported at their commits, in total (reuse.py)."""
+    engine_reuse: tuple[Reuse, ...] = ()
+    """The same per engine (the engines that reported last), by engine id."""
 
     @property
     def usable_pages(self) -> int:

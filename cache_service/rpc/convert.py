@@ -80,9 +80,20 @@ SERVICE_STATS_FIELDS = ("instance_id", "uptime_seconds", "physical_usage", "veri
 """GetStatsResponse fields the service adds to the core's `Stats`."""
 
 
+def reuse_report(req: pb.CommitSessionRequest) -> tuple[int, int, int] | None:
+    """A commit's ReuseReport as the core takes it (None: not reported)."""
+    if not req.HasField("reuse"):
+        return None
+    r = req.reuse
+    return r.engine_cached_tokens, r.loaded_tokens, r.computed_tokens
+
+
 def stats(st: Stats, *, instance_id: str, uptime_seconds: float, verified: bool,
           tier: TierStats | None = None) -> pb.GetStatsResponse:
-    res = pb.GetStatsResponse(**_fields(st), instance_id=instance_id, uptime_seconds=uptime_seconds,
+    values = _fields(st)
+    values["reuse"] = pb.ReuseStats(**_fields(st.reuse))
+    values["engine_reuse"] = [pb.ReuseStats(**_fields(r)) for r in st.engine_reuse]
+    res = pb.GetStatsResponse(**values, instance_id=instance_id, uptime_seconds=uptime_seconds,
                               physical_usage=1 - st.free_pages / st.usable_pages, verified=verified)
     if tier is not None:
         res.tier.CopyFrom(tier_stats(tier))

@@ -125,7 +125,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         kv_tokens = req.kv_tokens if req.HasField("kv_tokens") else None
         res = self.core.commit(req.session_id, convert.request_tokens(req, self._max_tokens), kv_tokens=kv_tokens,
                                abort=req.abort, turn=req.turn, epoch=req.epoch, engine_id=engine_id,
-                               identity=who.owner)
+                               identity=who.owner, reuse=convert.reuse_report(req))
         out.session_id = res.session_id
         out.context_tokens = res.context_tokens
         out.kv_tokens = res.kv_tokens

@@ -11,6 +11,7 @@ from cache_service.core.slot cimport SessionSlot
                kinds=bytes, flags=bytes, tokens=bytes, negative=bint, ops=Ops, s=SessionSlot, sids=list,
                page_parts=list, opened=list, view=memoryview,
                epochs=cython.ulonglong[:], counts=cython.int[:], turns=cython.uint[:], timeouts=cython.double[:],
+               reuse=object,
                codes=cython.int[:], r_epochs=cython.ulonglong[:], r_turns=cython.uint[:], r_cached=cython.uint[:],
                r_context=cython.uint[:], r_capacity=cython.uint[:], r_offsets=cython.uint[:], r_pages=cython.uint[:],
                r_hits=cython.uint[:], r_kv=cython.uint[:], r_page_counts=cython.uint[:], r_timeouts=cython.double[:],

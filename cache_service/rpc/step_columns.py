@@ -33,11 +33,11 @@ Refused = dict[tuple[str, str], int]
 """Refused ops by (op kind, code): counted here, logged once per Step by the caller."""
 
 
-def _numbers(data: bytes, typecode: str, n: int, name: str) -> Any:
-    """A little-endian column of `n` numbers (an empty column: zeros)."""
+def _numbers(data: bytes, typecode: str, n: int, name: str, width: int = 1) -> Any:
+    """A little-endian column of `width` numbers for each of `n` ops (an empty column: zeros)."""
     if not data:
-        return array(typecode, bytes(n * array(typecode).itemsize))
-    size = array(typecode).itemsize
+        return array(typecode, bytes(n * width * array(typecode).itemsize))
+    size = array(typecode).itemsize * width
     if len(data) != n * size:
         raise invalid_argument(f"columns.{name}", f"holds {len(data)} bytes, not {n} ops of {size} bytes")
     return array(typecode, data)
@@ -68,6 +68,7 @@ def run_columns(core: KVCacheCore, cols: pb.StepColumns, default_engine: str, wh
     token_counts = _numbers(cols.token_counts, "I", n, "token_counts")
     turns = _numbers(cols.turns, "I", n, "turns")
     timeouts = _numbers(cols.timeouts, "d", n, "timeouts")
+    reuse = _numbers(cols.reuse, "I", n, "reuse", 3) if cols.reuse else None
     flags = cols.flags or bytes(n)
     if len(flags) != n:
         raise invalid_argument("columns.flags", f"holds {len(flags)} bytes for {n} ops")
@@ -137,8 +138,11 @@ def run_columns(core: KVCacheCore, cols: pb.StepColumns, default_engine: str, wh
                 page_parts.append(pages)
             elif k == COMMIT:
                 f = flags[i]
+                report = None
+                if reuse is not None and (reuse[3 * i] or reuse[3 * i + 1] or reuse[3 * i + 2]):
+                    report = (reuse[3 * i], reuse[3 * i + 1], reuse[3 * i + 2])
                 _, context, kv, num, closed = ops.commit(sid, op_tokens, counts[i] if f & KV_TOKENS else None,
-                                                     bool(f & SET), turns[i], epochs[i], engine, owner)
+                                                     bool(f & SET), turns[i], epochs[i], engine, owner, report)
                 r_context[i] = context
                 r_kv[i] = kv
                 r_pages[i] = num

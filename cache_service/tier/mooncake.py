@@ -24,6 +24,13 @@ What the store answers, and what it means here (seen against mooncake_master 0.3
 - Writing into memory that was not registered corrupts the client process's heap: every buffer must lie
   in a registered region.
 
+Evictions: the master evicts (its LRU, once leases expire and memory passes its high watermark) without
+telling any client. So this instance watches the keys it announced as held (stored or loaded by it; at most
+WATCH_KEYS, the least recently checked dropped from the watch first) and `take_dropped` reports those gone:
+a get that finds a watched key missing, and a sweep at most every SWEEP_SECONDS that asks the store about
+SWEEP_KEYS watched keys (one `batch_is_exist`), round robin. So a removal reaches KV events within
+`WATCH_KEYS / SWEEP_KEYS * SWEEP_SECONDS` (64 s at the defaults), sooner when a lookup meets it.
+
 The client's transfer engine listens on all interfaces (Mooncake has no option for that); with
 --mooncake-local-hostname 127.0.0.1 (the default) and MC_TCP_BIND_ADDRESS=127.0.0.1 it announces and
 connects to loopback addresses only.
@@ -34,6 +41,8 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -71,6 +80,13 @@ TRANSFER_FAIL = -800
 RPC_FAIL = -900
 RPC_TIMEOUT = -901
 _RPC = (RPC_FAIL, RPC_TIMEOUT)
+
+WATCH_KEYS = 1 << 16
+"""Keys this instance announced as held whose presence it checks (module docstring)."""
+SWEEP_KEYS = 1024
+"""Watched keys asked about in one sweep (one batch_is_exist)."""
+SWEEP_SECONDS = 1.0
+"""The least time between sweeps."""
 
 HEADER_SLOTS = 1024
 """Registered 64-byte header slots shared by the worker threads (a batch takes one per page)."""
@@ -161,6 +177,12 @@ class MooncakeTier:
         self._lock = threading.Lock()
         self._store: Any = None
         self._closed = False
+        self._watch_lock = threading.Lock()
+        self._watched: OrderedDict[bytes, None] = OrderedDict()
+        """Keys announced as held (stored or loaded here), least recently checked first."""
+        self._gone: list[bytes] = []
+        """Watched keys found missing since the last `take_dropped`."""
+        self._next_sweep = 0.0
 
     @classmethod
     def from_settings(cls, settings: TierSettings, geometry: Geometry) -> MooncakeTier:
@@ -244,6 +266,7 @@ class MooncakeTier:
             out: list[str] = []
             for start in range(0, len(items), len(slots)):
                 out += self._put(store, items[start:start + len(slots)], slots)
+            self._watch([i.key for i, reason in zip(items, out, strict=True) if not reason])
             return out
         finally:
             self._headers.give(slots)
@@ -268,6 +291,8 @@ class MooncakeTier:
             out: list[GetResult] = []
             for start in range(0, len(items), len(slots)):
                 out += self._get(store, items[start:start + len(slots)], slots)
+            self._watch([i.key for i, r in zip(items, out, strict=True) if not r.reason])
+            self._unwatch([i.key for i, r in zip(items, out, strict=True) if r.reason == MISSING], gone=True)
             return out
         finally:
             self._headers.give(slots)
@@ -290,10 +315,51 @@ class MooncakeTier:
         return out
 
     def take_dropped(self) -> list[bytes]:
-        return []  # the master evicts without telling its clients
+        """Watched keys a get found missing, and those a sweep (when due) finds gone (module docstring)."""
+        with self._watch_lock:
+            gone, self._gone = self._gone, []
+            now = time.monotonic()
+            if now < self._next_sweep or not self._watched:
+                return gone
+            self._next_sweep = now + SWEEP_SECONDS
+            batch: list[bytes] = []
+            while self._watched and len(batch) < SWEEP_KEYS:
+                batch.append(self._watched.popitem(last=False)[0])
+        codes: list[int] = []
+        try:
+            codes = list(self._client().batch_is_exist([key_text(k) for k in batch]))
+        except Exception:  # the store is down or closing: ask again at the next sweep
+            codes = []
+        answered = len(codes) == len(batch)
+        with self._watch_lock:
+            for key, code in zip(batch, codes if answered else [1] * len(batch), strict=True):
+                if code == 0:
+                    gone.append(key)
+                elif key not in self._watched:  # a get or put may have watched it again meanwhile
+                    self._watched[key] = None
+        return gone
+
+    def _watch(self, keys: Sequence[bytes]) -> None:
+        if not keys:
+            return
+        with self._watch_lock:
+            for k in keys:
+                self._watched[k] = None
+                self._watched.move_to_end(k)
+            while len(self._watched) > WATCH_KEYS:
+                self._watched.popitem(last=False)
+
+    def _unwatch(self, keys: Sequence[bytes], *, gone: bool) -> None:
+        if not keys:
+            return
+        with self._watch_lock:
+            for k in keys:
+                if self._watched.pop(k, 0) is None and gone:
+                    self._gone.append(k)
 
     def discard(self, keys: Sequence[bytes]) -> None:
         if keys:
+            self._unwatch(keys, gone=False)  # the caller announces the drop of what it discards
             self._client().batch_remove([key_text(k) for k in keys], force=True)
 
     def probe(self) -> None:

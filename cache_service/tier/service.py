@@ -70,6 +70,8 @@ DEFAULT_BATCH_PAGES = 128
 RETRY_MIN_SECONDS = 0.5
 RETRY_MAX_SECONDS = 30.0
 RECONNECT_AFTER_PROBES = 3
+DROPPED_CHECK_SECONDS = 0.5
+"""How often an idle offload worker asks the backend what the store dropped on its own (`take_dropped`)."""
 
 
 @dataclass(frozen=True)
@@ -608,7 +610,11 @@ class TierService:
 
     def _offload_worker(self) -> None:
         while True:
-            job = self._offloads.get()
+            try:
+                job = self._offloads.get(timeout=DROPPED_CHECK_SECONDS)
+            except queue.Empty:  # idle: what the store dropped on its own still reaches KV events
+                self._check_dropped()
+                continue
             if job is _STOP:
                 return
             jobs = [job]
@@ -710,6 +716,17 @@ class TierService:
         self._link.note("put", Counter(r for r in reasons if r))
         self._report_dropped()
         return reasons
+
+    def _check_dropped(self) -> None:
+        """`_report_dropped` while the store is up (a backend that must ask the store asks it then)."""
+        if not self._link.enter():
+            return
+        try:
+            self._report_dropped()
+        except Exception as e:  # the link thread notices a store that is gone; this check waits for it
+            self._log.debug("tier_dropped_check_failed", error=str(e))
+        finally:
+            self._link.leave()
 
     def _report_dropped(self) -> None:
         """Hand the keys the store dropped since the last report to `on_dropped` (on the loop)."""

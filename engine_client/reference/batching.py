@@ -222,7 +222,8 @@ class BatchingEngine:
             if aborted:
                 batch.abort(a.session)
             else:
-                batch.commit(a.session, a.generated)
+                turn = a.session.turn
+                batch.commit(a.session, a.generated, reuse=turn.reuse if turn is not None else None)
             if close:
                 batch.close(a.session, cache=True)
         self._finishing = []

@@ -41,7 +41,7 @@ import numpy.typing as npt
 
 from engine_client.errors import KVCacheClientError, ServiceUnavailable, SessionExists
 from engine_client.step import StepBatch, StepOutcome
-from engine_client.types import AppendResult, CommitResult, ExtendResult, PoolInfo
+from engine_client.types import AppendResult, CommitResult, ExtendResult, PoolInfo, ReuseReport
 from engine_client.vllm.config import ConnectorConfig
 from engine_client.vllm.counters import Counters
 from engine_client.vllm.sender import Down, Finish, Sender, Sent, Up
@@ -144,6 +144,8 @@ class _Sess:
 
 
 # request states
+_START_POLL_SECONDS = 0.05
+"""Before the first connection, the longest one scheduler call waits for it (then: "ask again")."""
 _IDLE_SECONDS = 0.2
 """With no scheduler step for this long, the idle tick sends finishes itself."""
 
@@ -157,8 +159,8 @@ _DONE = "done"          # finished and handed back
 
 class _Req:
     __slots__ = ("async_load", "blocks", "capacity", "chat", "chat_close", "confirmed_end", "extending", "finished",
-                 "kv_start", "load", "local", "num_computed", "output", "planned_end", "prompt", "remote", "req_id",
-                 "saving", "sess", "state", "ticket")
+                 "kv_start", "load", "loaded", "local", "num_computed", "output", "planned_end", "prompt", "remote",
+                 "req_id", "saving", "sess", "state", "ticket")
 
     def __init__(self, req_id: str, prompt: Tokens) -> None:
         self.req_id = req_id
@@ -178,6 +180,9 @@ class _Req:
         """vLLM's block ids of the request in each KV cache group (null block 0 where a window dropped one)."""
         self.load: int = 0
         """External tokens vLLM took at its last admission (loaded this step)."""
+        self.loaded = 0
+        """Tokens loaded into vLLM's blocks since its last admission (planned loads; 0 again when one fails or
+        the request is preempted): the commit's report."""
         self.local = 0
         """vLLM's own prefix hit when it asked (an asynchronous load starts there)."""
         self.remote = False
@@ -244,6 +249,9 @@ class SchedulerSide:
         self._idle = True
         """vLLM's last step ran nothing: a lookup answered a step later would cost a step of its own."""
         self._ticket = 0
+        self._started = clock()
+        self._start_waited = False
+        """A request was held for the first connection (its outcome is logged once)."""
         self._sender.start()
 
     # ------------------------------------------------------------------ vLLM's hooks
@@ -255,6 +263,8 @@ class SchedulerSide:
         try:
             self._drain()
             r = self._reqs.get(request.request_id)
+            if r is None and not self._ever_up and self._starting():
+                return None
             if r is None:
                 r = self._admit(request)
                 if (r.state == _QUEUED and self._idle and self.config.lookup_in_step and not self._waited
@@ -271,14 +281,35 @@ class SchedulerSide:
                     self._drain()
                 if r.state in (_QUEUED, _SENT):
                     return None
-            if r.state != _READY or not self.loads:
+            if r.state != _READY:
                 return 0
-            r.local = num_computed_tokens
+            if not r.loaded:  # not vLLM asking again after an asynchronous load
+                r.local = num_computed_tokens
+            if not self.loads:
+                return 0
             valid = max(r.kv_start, r.confirmed_end)
             return max(0, min(valid, int(request.num_tokens) - 1) - num_computed_tokens)
         finally:
             self._lock.release()
             self.counters.scheduler_seconds += self._clock() - start
+
+    def _starting(self) -> bool:
+        """Before the first connection, within `kvcache_start_wait_seconds` of the start: wait for it a little
+        (at most `_START_POLL_SECONDS` a call, so vLLM's loop does not spin) and say whether to ask again. A
+        request there is kvcache's to answer: computing it would throw away what kvcache holds for it."""
+        left = self.config.start_wait_seconds - (self._clock() - self._started)
+        if left > 0 and not self._sender.wait_first_up(min(left, _START_POLL_SECONDS)):
+            if not self._start_waited:
+                self._start_waited = True
+                log.info("kvcache connector: requests wait for the connection to kvcache at %s (at most %.0f s "
+                         "after the start)", self.config.target, self.config.start_wait_seconds)
+            return True
+        self._drain()
+        if not self._ever_up:
+            self._warn_once("start", "kvcache connector: not on kvcache at %s %.0f s after the start; requests "
+                            "are computed until it is (kvcache_start_wait_seconds)", self.config.target,
+                            self.config.start_wait_seconds)
+        return False
 
     def load_async(self, request: Any, num_external_tokens: int | None) -> bool:
         """Whether vLLM should hold `request` in WAITING_FOR_REMOTE_KVS while its `num_external_tokens` load
@@ -339,13 +370,14 @@ class SchedulerSide:
             for req_id in out.preempted_req_ids or ():
                 r = self._reqs.get(req_id)
                 if r is not None:
-                    r.blocks, r.load = [], 0
+                    r.blocks, r.load, r.loaded = [], 0, 0
                     r.planned_end = r.confirmed_end
             waiting: list[tuple[int, int, Any, Any]] = []
             for r in self._async:
                 if r.async_load and r.state == _READY and r.sess is not None and r.load:
                     waiting.append(self._range(r, r.sess, r.local, r.local + r.load, plan.page_size, self.block_size))
                     plan.async_reqs.append(r.req_id)
+                    r.loaded += r.load
                 r.async_load, r.load = False, 0
             self._async.clear()
             plan.loads, plan.saves = Transfers.build(loads, self.groups), Transfers.build(saves, self.groups)
@@ -386,6 +418,10 @@ class SchedulerSide:
             r = self._reqs.get(req_id)
             if r is not None:
                 r.saving = False
+        for req_id in report.load_failed:  # vLLM computes what failed to load
+            r = self._reqs.get(req_id)
+            if r is not None:
+                r.loaded = 0
         if report.unusable is not None and self._info is not None and report.unusable[0] == self._info.instance_id:
             if self._usable:
                 log.warning("kvcache connector: the workers cannot use kvcache instance %s (%s); vLLM computes "
@@ -659,6 +695,7 @@ class SchedulerSide:
             lo, hi = computed - r.load, computed
             loads.append(self._range(r, sess, lo, hi, ps, bs))
             plan.load_reqs.append(r.req_id)
+            r.loaded += r.load
             r.load = 0
         end = computed + scheduled
         if self.role == "kv_producer":
@@ -711,14 +748,19 @@ class SchedulerSide:
         if sess is None or sess.generation != self._generation or not self._up:
             return
         kv = max(r.kv_start, min(r.confirmed_end, r.num_computed))
+        prompt = int(r.prompt.size)
+        held = min(r.local, prompt)
+        loaded = min(r.loaded, prompt - held)
+        # where the prompt's KV came from, as vLLM saw it (a request aborted before its prefill ended: unknown)
+        reuse = ReuseReport(held, loaded, prompt - held - loaded) if r.num_computed >= prompt else None
         if kv > r.kv_start or r.output.size:
-            outcome = self._batch.commit(sess.id, r.output, kv_tokens=kv)
+            outcome = self._batch.commit(sess.id, r.output, kv_tokens=kv, reuse=reuse)
             self._finishes.append(Finish(sess.id, outcome))
             if sess.streaming:
                 self._commits.append(sess)
             self._handlers.append((outcome, lambda o: self._on_committed(r, sess, o)))
         else:
-            self._batch.abort(sess.id)
+            self._batch.abort(sess.id, reuse=reuse)
             sess.busy = sess.committing = False
         if not sess.streaming or r.chat_close:
             self._batch.close(sess.id, cache=True)
@@ -804,8 +846,10 @@ class SchedulerSide:
     def _on_down(self, down: Down) -> None:
         if self._up or not self._ever_up:
             self.counters.errors += 1
-            log.warning("kvcache connector: kvcache at %s is unreachable (%s); vLLM computes every prompt until it "
-                        "is back", self.config.target, down.error)
+            waits = not self._ever_up and self._clock() - self._started < self.config.start_wait_seconds
+            log.warning("kvcache connector: kvcache at %s is unreachable (%s); %s", self.config.target, down.error,
+                        f"requests wait for it until {self.config.start_wait_seconds:.0f} s after the start, then vLLM "
+                        "computes them" if waits else "vLLM computes every prompt until it is back")
         self._up = False
         # every session of that connection is gone with its lease: stop using them
         for r in list(self._reqs.values()):

@@ -97,6 +97,8 @@ class Sender(threading.Thread):
         self._up = False
         self._down_reported = False
         self._stopping = False
+        self._first_up = threading.Event()
+        """Set at the first connection (its Up posted)."""
 
     # ------------------------------------------------------------------ called by the scheduler thread
 
@@ -116,6 +118,10 @@ class Sender(threading.Thread):
         """Wait until `count` jobs have finished, at most `timeout` seconds; True if they have."""
         with self._done:
             return self._done.wait_for(lambda: self._completed >= count, timeout)
+
+    def wait_first_up(self, timeout: float) -> bool:
+        """Wait at most `timeout` seconds for the first connection; True once it is made (its Up is posted)."""
+        return self._first_up.wait(timeout)
 
     def stop(self) -> None:
         self._stopping = True
@@ -174,6 +180,7 @@ class Sender(threading.Thread):
         self._up = True
         self._down_reported = False
         self._post(Up(self._generation, info, lease.engine_id))
+        self._first_up.set()
 
     def _lose(self, error: Exception) -> None:
         self._up = False

@@ -22,7 +22,7 @@ from engine_client.vllm.scheduler import SchedulerSide, WorkerReport
 from engine_client.vllm.transfer import LayerKV, layer_kv, mla_latent
 from engine_client.vllm.worker import WorkerSide, head_shard
 from tests.integration.conftest import ServerProcess, verify_stats
-from tests.loopback import wait_until
+from tests.loopback import free_port, wait_until
 
 PAGE, BLOCK = 16, 32
 
@@ -125,6 +125,70 @@ def test_a_chat_turn_waits_for_the_previous_turns_commit(server: ServerProcess) 
     finally:
         side.close()
     verify_stats(server.target)
+
+
+def test_each_commit_reports_what_vllm_held_loaded_and_computed(server: ServerProcess) -> None:
+    config = ConnectorConfig.from_extra({"kvcache_target": server.target, "kvcache_lookup_wait_seconds": 5.0}, env={})
+    side = SchedulerSide(config, block_size=BLOCK, engine_id="sched-reuse",
+                         client_factory=lambda: KVCacheClient(server.target))
+    p = np.random.default_rng(11).integers(1, 500, 70).tolist()
+    try:
+        wait_until(lambda: side.connected, "the connector connected to kvcache", poll=0.02)
+        # (request, vLLM's own prefix hit, what kvcache answers beyond it, the workers' report on its load)
+        for r, local, answer, loaded in ((req("r1", p), 0, 0, {}), (req("r2", p), 32, 32, {}),
+                                         (req("r3", p), 0, 64, {"load_failed": {"r3"}})):
+            assert ask(side, r, local)[0] == answer
+            side.allocated(r, answer)
+            side.build_step(step(new=[(r, local + answer, 70 - local - answer)]))
+            side.confirm(WorkerReport(saved={r.request_id: (local + answer, 70)}, ranks=frozenset({0}), **loaded))
+            side.finished(req(r.request_id, p, output=[3]))
+            side.build_step(step())  # the finish goes out with the next step
+            with KVCacheClient(server.target) as client:
+                wait_until(lambda: not client.list_sessions(), "the request committed and closed", 10, poll=0.02)
+        with KVCacheClient(server.target) as client:
+            [reuse] = [e for e in client.get_stats().engine_reuse if e.engine_id == "sched-reuse"]
+        # kvcache matched 64 tokens for r2 and r3: r2 held 32 itself and loaded 32; r3's load failed (computed)
+        assert (reuse.turns, reuse.matched_tokens, reuse.engine_cached_tokens, reuse.loaded_tokens,
+                reuse.computed_tokens) == (3, 128, 32, 32, 70 + 6 + 70)
+    finally:
+        side.close()
+    verify_stats(server.target)
+
+
+def test_requests_before_the_first_connection_ask_again_within_the_start_wait(tmp_path: Path,
+                                                                              caplog: pytest.LogCaptureFixture) -> None:
+    target = f"127.0.0.1:{free_port()}"
+    config = ConnectorConfig.from_extra({"kvcache_target": target, "kvcache_retry_seconds": 0.2,
+                                         "kvcache_start_wait_seconds": 120.0}, env={})
+    side = SchedulerSide(config, block_size=BLOCK, engine_id="sched-start",
+                         client_factory=lambda: KVCacheClient(target))
+    r = req("early", np.random.default_rng(12).integers(1, 500, 40).tolist())
+    server = None
+    try:
+        assert [side.matched_tokens(r, 0) for _ in range(3)] == [None, None, None]  # kvcache not there yet
+        server = ServerProcess("--page-size", str(PAGE), "--num-pages", "64", "--num-layers", "2", "--num-kv-heads",
+                               "2", "--head-dim", "64", "--dtype", "float32", listen=target,
+                               log_path=tmp_path / "server.log")
+        assert ask(side, r, steps=2000)[0] == 0  # asked on kvcache, not computed for want of a lease
+        counters = side.take_counters()
+        assert (counters["lookups"], counters.get("skipped_requests", 0)) == (1, 0)
+    finally:
+        side.close()
+    # past the start wait (here 0 s) a request before the connection is computed, with one warning
+    config = ConnectorConfig.from_extra({"kvcache_target": f"127.0.0.1:{free_port()}",
+                                         "kvcache_start_wait_seconds": 0}, env={})
+    side = SchedulerSide(config, block_size=BLOCK, engine_id="sched-late",
+                         client_factory=lambda: KVCacheClient(config.target))
+    try:
+        with caplog.at_level("WARNING", logger="engine_client.vllm"):
+            assert [side.matched_tokens(req(f"late{i}", [1, 2, 3]), 0) for i in range(2)] == [0, 0]
+        assert [m for m in caplog.messages if "not on kvcache" in m] == [
+            f"kvcache connector: not on kvcache at {config.target} 0 s after the start; requests are computed until "
+            "it is (kvcache_start_wait_seconds)"]
+    finally:
+        side.close()
+        if server is not None:
+            server.close()
 
 
 def test_tensor_parallel_saves_commit_only_once_every_rank_reported(server: ServerProcess) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from cache_service.memory.select import probe_cuda, probe_cuda_vmm
-from engine_client import KVCacheClient
+from engine_client import KVCacheClient, ReuseReport
 
 from .conftest import REPO, ServerProcess
 
@@ -248,6 +248,21 @@ def test_stats_sessions_and_health_commands(server: ServerProcess) -> None:
     assert (health.returncode, health.stdout.strip()) == (0, f"{server.target}: SERVING")
     with KVCacheClient(server.target) as client:
         client.commit_session("chat-7", abort=True)
+
+
+def test_stats_shows_the_reuse_engines_report(server: ServerProcess) -> None:
+    with KVCacheClient(server.target) as client:
+        client.register_engine("reuse-cli")
+        for sid, report in (("r1", ReuseReport(computed_tokens=36)), ("r2", ReuseReport(20, 12, 4))):
+            client.open_session(sid, streaming=False)
+            client.append_session(sid, list(range(500, 536)))  # 36 tokens; the second time 32 matched
+            client.commit_session(sid, [1], reuse=report)
+        stats = run_cli("stats", "--target", server.target)
+        client.unregister_engine()
+    assert stats.returncode == 0, stats.stderr
+    row = next(line for line in stats.stdout.splitlines() if line.startswith("  reuse-cli"))
+    assert row.split(None, 1)[1] == "2 turns: 32 matched; 20 engine-cached, 12 loaded, 40 computed"
+    assert next(line for line in stats.stdout.splitlines() if line.startswith("reuse (engines)"))
 
 
 def test_sessions_shows_parked_sessions_and_filters_them(server: ServerProcess) -> None:

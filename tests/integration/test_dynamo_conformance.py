@@ -10,6 +10,7 @@ Its HTTP server binds every interface and has no host flag: it gets a free port 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -25,8 +26,15 @@ from typing import Any
 import pytest
 import zmq
 
+from cache_service.memory import PoolLayout
+from cache_service.tier import MooncakeTier, TierService, page_memory
+from cache_service.tier.memory import geometry
 from engine_client import KVCacheClient
 from tests.loopback import free_port, wait_until
+from tests.tier.cluster import MooncakeCluster
+from tests.tier.conftest import Pool
+from tests.tier.node import keys_for
+from tests.tier.support import offload
 
 from .conftest import REPO, ServerProcess
 
@@ -34,6 +42,8 @@ INDEXER_PYTHON = REPO / ".venv-conformance" / "bin" / "python"
 MODEL = "conformance-model"
 INSTANCE = 41
 PAGE = 4
+FILLER = PoolLayout(num_layers=4, num_kv_heads=8, head_dim=128, dtype="float16", page_size=16, num_pages=64)
+"""Another Mooncake client's pool: 256 KiB values, 63 of which overfill a 16 MB store."""
 
 
 class Indexer:
@@ -309,3 +319,65 @@ def test_dynamos_indexer_reads_a_window_pools_per_group_events(start_server: Cal
         wait_until(lambda: indexer.matched(kept, "") == 0, "the indexer to see the prefix removed", timeout=15)
     log = indexer.log_path.read_text()
     assert "Failed to decode" not in log, log[-3000:]
+
+
+def test_dynamos_indexer_forgets_what_mooncakes_master_evicted(start_server: Callable[..., ServerProcess],
+                                                               indexer: Indexer, tmp_path: Path) -> None:
+    """Mooncake's master evicts without telling its clients: kvcache finds the values it announced that are gone
+    (MooncakeTier.take_dropped) and sends BlockRemoved with the tier's medium, so the indexer's disk tier (where
+    Dynamo counts EXTERNAL) matches what MatchPrefix finds in the store after the eviction. Another store client
+    fills the store (16 MB, 200 ms leases) until the master evicts the prefix kvcache stored."""
+    cluster = MooncakeCluster(tmp_path, segment="16MB", lease_ttl_ms=200)
+    filler = Pool(tmp_path, FILLER)
+    try:
+        server = start_server(*service_flags("tcp://127.0.0.1:0", "tcp://127.0.0.1:0"), "--tier", "mooncake",
+                              "--mooncake-master", cluster.address)
+        pub, replay = endpoints(server)
+        status, answer = indexer.post("/register", {"instance_id": INSTANCE, "endpoint": pub, "model_name": MODEL,
+                                                    "block_size": PAGE, "replay_endpoint": replay})
+        assert status == 201, answer
+        kept = prompt(5, 6 * PAGE + 1)  # 6 full pages
+        with KVCacheClient(server.target) as c:
+            c.open_session("kept", engine_id="")
+            c.append_session("kept", kept)
+            c.commit_session("kept", [])
+            c.close_session("kept", cache=True)
+            c.open_session("burst", engine_id="")  # the pool's whole: the prefix leaves the pool for the store
+            c.append_session("burst", prompt(6, 40 * PAGE))
+            c.commit_session("burst", abort=True)
+            wait_until(lambda: c.match_prefix(kept).tier_tokens == 6 * PAGE, "the prefix stored in Mooncake")
+            wait_until(lambda: indexer.tiers(kept) == {"gpu": 0, "cpu": 0, "disk": 6 * PAGE},
+                       "the indexer to see the prefix in the store only", timeout=15)
+
+            seeds = iter(range(1000, 1100))
+
+            async def fill() -> None:
+                tier = TierService(MooncakeTier(cluster.address, geometry(FILLER)), page_memory(filler.pool))
+                tier.start(asyncio.get_running_loop())
+                assert tier.wait_up(30)
+                try:
+                    while c.match_prefix(kept).cached_tokens == 6 * PAGE:  # the master evicts once leases end
+                        keys = keys_for(next(seeds), 40)
+                        await offload(tier, [(k, 1 + i) for i, k in enumerate(keys)])
+                        await asyncio.sleep(0.2)
+                finally:
+                    await asyncio.to_thread(tier.close)
+
+            asyncio.run(fill())
+            want = c.match_prefix(kept).cached_tokens
+
+            def split() -> dict[str, int]:
+                return indexer.tiers(kept)
+
+            try:
+                wait_until(lambda: split() == {"gpu": 0, "cpu": 0, "disk": want},
+                           "the indexer to forget what the master evicted", timeout=20)
+            except AssertionError:
+                raise AssertionError(f"MatchPrefix {want}, indexer tiers {split()}; log:\n"
+                                     f"{indexer.log_path.read_text()[-3000:]}") from None
+            assert want < 6 * PAGE
+    finally:
+        filler.close()
+        cluster.stop()
+    log = indexer.log_path.read_text()
+    assert "unknown medium" not in log and "Failed to decode" not in log, log[-3000:]

@@ -132,6 +132,7 @@ def test_each_turn_equals_generate_with_dynamic_cache_and_computes_only_new_toke
     seen = computed(model)
     history: list[int] = []
     in_process = DynamicChat(model)  # the same conversation with a DynamicCache kept across turns
+    reported: list[tuple[int, int]] = []
     with KVCacheClient(server.target) as client, SessionChat(client, model) as chat:
         for turn, n_new in enumerate((9, 5, 6), start=1):
             new = tokens(10 * turn, n_new)
@@ -147,6 +148,12 @@ def test_each_turn_equals_generate_with_dynamic_cache_and_computes_only_new_toke
             assert (out.turn, out.cached_tokens, out.context_tokens) == (turn, expected_cached, len(history) + n_new)
             assert seen.take() == [out.computed_tokens] + [1] * 7
             history = history + new + out.generated
+            reported.append((out.cached_tokens, out.context_tokens - out.cached_tokens))
+        # each commit reported its turn: the cached tokens read from kvcache's pages, the rest computed
+        reuse = client.get_stats().reuse
+        assert (reuse.turns, reuse.matched_tokens, reuse.engine_cached_tokens, reuse.loaded_tokens,
+                reuse.computed_tokens) == (3, 16 + 29, 0, 16 + 29, 9 + 6 + 7)
+        assert reported == [(0, 9), (16, 6), (29, 7)]
     assert_clean(server)
 
 

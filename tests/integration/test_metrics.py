@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
-from engine_client import KVCacheClient, SessionNotFound
+from engine_client import KVCacheClient, ReuseReport, SessionNotFound
 
 from .conftest import ServerProcess
 
@@ -51,10 +51,23 @@ def test_metrics_report_pages_sessions_tokens_and_rpc_latency(start_server: Call
         assert m['kvcache_rpc_duration_seconds_count{code="NOT_FOUND",method="GetSession"}'] == 1
         info = next(k for k in m if k.startswith("kvcache_info{"))
         assert re.search(rf'instance_id="{server.instance_id}"', info) and 'backend="host_shm"' in info
-        c.commit_session("m", [1])
+        c.commit_session("m", [1], reuse=ReuseReport(computed_tokens=10))
         c.close_session("m", cache=True)
         m = scrape(port)
         assert (m['kvcache_pages{state="evictable"}'], m['kvcache_sessions{state="idle"}']) == (2, 0)
+        c.register_engine("vllm-1")
+        c.open_session("n")
+        c.append_session("n", list(range(10)), 2)  # 8 of them matched
+        c.commit_session("n", [1], reuse=ReuseReport(engine_cached_tokens=4, loaded_tokens=4, computed_tokens=2))
+        m = scrape(port)
+        assert {k: v for k, v in m.items() if "reuse" in k} == {
+            "kvcache_reuse_turns_total": 2,
+            **{f'kvcache_reuse_tokens_total{{kind="{k}"}}': v for k, v in (
+                ("matched", 8), ("engine_cached", 4), ("loaded", 4), ("computed", 12))},
+            **{f'kvcache_engine_reuse_tokens_total{{engine="{e}",kind="{k}"}}': v for e, k, v in (
+                ("", "matched", 0), ("", "engine_cached", 0), ("", "loaded", 0), ("", "computed", 10),
+                ("vllm-1", "matched", 8), ("vllm-1", "engine_cached", 4), ("vllm-1", "loaded", 4),
+                ("vllm-1", "computed", 2))}}
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5)
     assert err.value.code == 404

@@ -175,10 +175,17 @@ def test_stats_carry_the_tier_only_when_there_is_one(make_core_for_convert: KVCa
 
 def test_stats_and_session_info_convert_every_field_by_name(make_core_for_convert: KVCacheCore) -> None:
     core = make_core_for_convert
+    core.open_session("r", engine_id="e")
+    core.append("r", np.arange(2, dtype=np.int32), 0, engine_id="e")
+    core.commit("r", engine_id="e", reuse=(1, 0, 1))
     st = core.stats()
+    assert st.engine_reuse
     msg = stats(st, instance_id="i", uptime_seconds=2.0, verified=False)
     for f in dataclasses.fields(st):
-        assert getattr(msg, f.name) == getattr(st, f.name), f.name
+        if f.name not in ("reuse", "engine_reuse"):
+            assert getattr(msg, f.name) == getattr(st, f.name), f.name
+    for got, want in zip((msg.reuse, *msg.engine_reuse), (st.reuse, *st.engine_reuse), strict=True):
+        assert {f.name: getattr(got, f.name) for f in dataclasses.fields(want)} == dataclasses.asdict(want)
     assert (msg.instance_id, msg.uptime_seconds, msg.physical_usage) == ("i", 2.0, pytest.approx(3 / 15))
     info = core.get_session("s")
     converted = session_info(info)

@@ -73,6 +73,7 @@ def to_columns(ops: list[pb.StepOp]) -> pb.StepColumns:
     """The same ops as columns."""
     cols = pb.StepColumns()
     kinds, epochs, counts, flags, ntoks, turns, timeouts, tokens = bytearray(), [], [], bytearray(), [], [], [], []
+    reuse: list[int] = []
     for o in ops:
         kind = o.WhichOneof("op")
         req = getattr(o, kind) if kind else None
@@ -95,6 +96,8 @@ def to_columns(ops: list[pb.StepOp]) -> pb.StepColumns:
             flag = pb.STEP_FLAG_SET if req.cache else 0
         if kind in ("append", "commit", "match"):
             toks = _tokens(req)
+        r = req.reuse if kind == "commit" and req.HasField("reuse") else pb.ReuseReport()
+        reuse += [r.engine_cached_tokens, r.loaded_tokens, r.computed_tokens]
         counts.append(count)
         flags.append(flag)
         timeouts.append(timeout)
@@ -108,6 +111,8 @@ def to_columns(ops: list[pb.StepOp]) -> pb.StepColumns:
     cols.token_ids = b"".join(tokens)
     cols.turns = np.array(turns, dtype="<u4").tobytes()
     cols.timeouts = np.array(timeouts, dtype="<f8").tobytes()
+    if any(reuse):
+        cols.reuse = np.array(reuse, dtype="<u4").tobytes()
     return cols
 
 
@@ -205,6 +210,30 @@ def test_a_failing_op_changes_nothing_and_later_ops_still_run(start_thread_serve
     assert list(results[5].append.page_ids) == [7]  # the failed append took nothing
     after = server.stub.GetStats(pb.GetStatsRequest(), timeout=10)
     assert (after.free_pages, after.in_flight_pages, after.sessions_in_turn) == (before.free_pages - 7, 7, 2)
+
+
+def test_commits_report_reuse_per_engine_and_a_bad_report_fails_only_its_op(
+        start_thread_server: Callable[..., ThreadServer]) -> None:
+    server = start_thread_server()
+    server.stub.RegisterEngine(pb.RegisterEngineRequest(engine_id="e1"), timeout=10)
+    results = step(server, [
+        op("open", session_id="a"),
+        op("append", session_id="a", token_ids=list(range(10))),
+        op("commit", session_id="a", token_ids=[7], reuse=pb.ReuseReport(computed_tokens=10)),
+        op("open", session_id="b"),
+        op("append", session_id="b", token_ids=list(range(10))),  # 8 cached: two pages of 4
+        op("commit", session_id="b", token_ids=[7], reuse=pb.ReuseReport(engine_cached_tokens=8, computed_tokens=1)),
+        op("commit", session_id="b", token_ids=[7], reuse=pb.ReuseReport(engine_cached_tokens=4, loaded_tokens=4,
+                                                                          computed_tokens=2)),
+    ], engine_id="e1")
+    assert [r.status.code for r in results] == [0, 0, 0, 0, 0, code_pb2.INVALID_ARGUMENT, 0]
+    assert results[5].status.message == ("reuse: engine_cached_tokens + loaded_tokens + computed_tokens must be the "
+                                         "turn's 10 context tokens, got 8 + 0 + 1")
+    st = server.stub.GetStats(pb.GetStatsRequest(), timeout=10)
+    assert st.reuse == pb.ReuseStats(turns=2, matched_tokens=8, engine_cached_tokens=4, loaded_tokens=4,
+                                     computed_tokens=12)
+    assert list(st.engine_reuse) == [pb.ReuseStats(engine_id="e1", turns=2, matched_tokens=8, engine_cached_tokens=4,
+                                                   loaded_tokens=4, computed_tokens=12)]
 
 
 def test_the_step_engine_id_is_the_default_owner(start_thread_server: Callable[..., ThreadServer]) -> None:
@@ -442,6 +471,8 @@ def test_random_sequences_give_the_same_results_and_state_as_unary_calls(
     (pb.StepColumns(kinds=b"\x02", session_ids=["a"], token_counts=b"\x02\x00\x00\x00", token_ids=b"\x01\x00\x00\x00"),
      "columns.token_ids", "holds 4 bytes; token_counts add up to 2 int32 ids"),
     (pb.StepColumns(kinds=b"\x03", session_ids=["a"], flags=b"\x00\x00"), "columns.flags", "holds 2 bytes for 1 ops"),
+    (pb.StepColumns(kinds=b"\x04", session_ids=["a"], reuse=bytes(4)), "columns.reuse",
+     "holds 4 bytes, not 1 ops of 12 bytes"),
     # No ops, but a column set: not the empty Step's short way (nothing set), refused as any other count.
     (pb.StepColumns(session_ids=["a"]), "columns.session_ids", "has 1 entries for 0 ops"),
     (pb.StepColumns(epochs=bytes(8)), "columns.epochs", "holds 8 bytes, not 0 ops of 8 bytes"),

@@ -318,3 +318,47 @@ def test_calls_stay_under_the_tcp_transports_slice_queue(geometry_: Geometry, pe
 def test_bad_flags_are_one_line_errors() -> None:
     with pytest.raises(TierConfigError, match=r"--mooncake-master: 'nohost' is not host:port"):
         MooncakeTier("nohost", G)
+
+
+def test_what_the_master_evicts_is_reported_dropped(tmp_path: Path) -> None:
+    """Mooncake's master evicts (its memory full, leases expired) without telling clients: the tier finds the
+    keys it stored that are gone (a sweep of `batch_is_exist`) and reports exactly those to `on_dropped`."""
+    cluster = MooncakeCluster(tmp_path, segment="16MB", lease_ttl_ms=200)
+    pool = Pool(tmp_path, BIG)
+    reported: list[bytes] = []
+
+    async def scenario() -> None:
+        service = _service(cluster, pool)
+        service.on_dropped = reported.extend
+        for p in range(1, 64):
+            pool.write(p, seed=p)
+        stored: list[bytes] = []
+        seeds = iter(range(100, 200))
+
+        async def fill() -> bool:
+            """Store one more prompt's pages (40 of 256 KiB in a 16 MB store): past the leases, the master
+            evicts older values to make room."""
+            keys = keys_for(next(seeds), 40)
+            result = await offload(service, [(k, 1 + i) for i, k in enumerate(keys)])
+            stored.extend(k for k, ok in zip(keys, result.stored, strict=True) if ok)
+            return bool(reported)
+
+        while not await fill():
+            await asyncio.sleep(0.25)  # a lease must run out before the master may evict
+        client = service.backend
+
+        def gone() -> set[bytes]:
+            codes = client._client().batch_is_exist([key_text(k) for k in stored])
+            return {k for k, c in zip(stored, codes, strict=True) if c == 0}
+
+        deadline = time.monotonic() + 30
+        while set(reported) != gone() and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert set(reported) == gone() and len(reported) == len(set(reported)) > 0
+        await asyncio.to_thread(service.close)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        pool.close()
+        cluster.stop()

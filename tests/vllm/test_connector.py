@@ -6,10 +6,14 @@ module's kvcache, restarted by the tests that need a restart), and the ones a te
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +85,23 @@ def engines(model: Path, engine_log_dir: Path, kvcache: ServerProcess) -> Iterat
     holder.close()
 
 
+def reuse_by_engine(target: str) -> dict[str, tuple[int, int, int, int, int]]:
+    """GetStats' per-engine reuse: engine -> (turns, matched, engine_cached, loaded, computed)."""
+    with KVCacheClient(target) as client:
+        return {e.engine_id: (e.turns, e.matched_tokens, e.engine_cached_tokens, e.loaded_tokens, e.computed_tokens)
+                for e in client.get_stats().engine_reuse}
+
+
+def new_reuse(target: str, before: dict[str, tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The reuse figures that changed since `before`, as deltas (one per engine that reported since)."""
+    out = []
+    for engine, now in reuse_by_engine(target).items():
+        was = before.get(engine, (0,) * len(now))
+        if now != was:
+            out.append(tuple(a - b for a, b in zip(now, was, strict=True)))
+    return out
+
+
 def reference(alone: VllmEngine, requests: list[dict[str, Any]]) -> list[list[int]]:
     return tokens(alone.generate([{k: v for k, v in r.items() if k != "kv_transfer_params"} for r in requests]))
 
@@ -92,18 +113,24 @@ def test_tokens_equal_vllm_alone_and_the_next_engine_loads_the_prompts(
     want = reference(alone, batch)
 
     first = engines.current
+    reuse = reuse_by_engine(kvcache.target)
     out = first.generate(batch)
     assert tokens(out) == want
     assert [o["num_cached_tokens"] for o in out] == [0, 0, 0, 0]
     drained(kvcache.target)
+    # kvcache's reuse figures as the engine reported them: (turns, matched, engine-cached, loaded, computed)
+    assert new_reuse(kvcache.target, reuse) == [(4, 0, 0, 0, 341)]
     with KVCacheClient(kvcache.target) as client:  # each prompt's full pages (and its answer's) are in the radix
         assert [client.match_prefix(r["prompt"]).cached_tokens for r in batch] == [n // PAGE * PAGE for n in lengths]
 
     second = engines.restart()
     before = second.metrics()
+    reuse = reuse_by_engine(kvcache.target)
     out = second.generate(batch)
     assert tokens(out) == want
     assert [o["num_cached_tokens"] for o in out] == [hits(n) for n in lengths] == [32, 48, 80, 144]
+    drained(kvcache.target)
+    assert new_reuse(kvcache.target, reuse) == [(4, 304, 0, 304, 37)]  # after a restart: all loaded
     after = second.metrics()
     assert after["kvcache_connector_hit_tokens_total"] - before.get("kvcache_connector_hit_tokens_total", 0) == 304
     assert after["kvcache_connector_load_tokens_total"] - before.get("kvcache_connector_load_tokens_total", 0) == 304
@@ -112,9 +139,15 @@ def test_tokens_equal_vllm_alone_and_the_next_engine_loads_the_prompts(
 
     # a new prompt that starts with one of them hits its full pages (vLLM's own cache has 2 blocks of it)
     longer = request(batch[2]["prompt"] + prompt(99, 30))
+    before, reuse = second.metrics(), reuse_by_engine(kvcache.target)
     out = second.generate([longer])
     assert tokens(out) == reference(alone, [longer])
     assert out[0]["num_cached_tokens"] == 80
+    drained(kvcache.target)
+    # kvcache matched 80 tokens; vLLM held 64 of them itself (2 blocks) and loaded 16: both sides say so
+    assert new_reuse(kvcache.target, reuse) == [(1, 80, 64, 16, 40)]
+    assert _delta(second, before, "kvcache_connector_load_tokens_total") == 16
+    assert _delta(second, before, "vllm:external_prefix_cache_hits_total") == 16
 
 
 def test_a_streaming_chat_survives_a_vllm_restart(alone: VllmEngine, engines: Engines,
@@ -358,11 +391,12 @@ def test_prefill_on_a_producer_then_decode_on_a_consumer_both_paths(
     assert tokens(out) == want_plain
     assert [o["num_cached_tokens"] for o in out] == [hits(n) for n in lengths] == [32, 96]
     assert _delta(consumer, before, "vllm:request_prefill_kv_computed_tokens_sum") == 13 + 4  # < a page each
+    drained(kvcache.target)
 
     # do_remote_prefill: the consumer holds each request in WAITING_FOR_REMOTE_KVS while its load runs
     # (vLLM then reports the producer's cached tokens, 0, as num_cached_tokens, and counts the prompt as
     # computed; its external-hit counter says what was loaded: all but 13 and 4 tokens, less than a page)
-    before = consumer.metrics()
+    before, reuse = consumer.metrics(), reuse_by_engine(kvcache.target)
     out = consumer.generate([dict(r, kv_transfer_params=p) for r, p in zip(remote, params[2:], strict=True)])
     assert tokens(out) == want_remote and [o["num_cached_tokens"] for o in out] == [0, 0]
     assert _delta(consumer, before, "vllm:external_prefix_cache_hits_total") == 32 + 96 == 145 - (13 + 4)
@@ -370,6 +404,8 @@ def test_prefill_on_a_producer_then_decode_on_a_consumer_both_paths(
     assert _delta(consumer, before, "kvcache_connector_async_loads_total") == 2
     assert consumer.metrics().get("kvcache_connector_save_tokens_total", 0) == 0  # a consumer never saves
     drained(kvcache.target)
+    # what kvcache reports for them is what the consumer did: 128 matched and loaded, 17 computed
+    assert new_reuse(kvcache.target, reuse) == [(2, 128, 0, 128, 17)]
 
     # pages gone (never prefilled here): the consumer computes the prompt
     gone = [request(prompt(320, 70), 8)]
@@ -385,3 +421,35 @@ def test_prefill_on_a_producer_then_decode_on_a_consumer_both_paths(
     assert tokens(out) == reference(alone, saved) and out[0]["num_cached_tokens"] == 0
     assert _delta(producer, before, "kvcache_connector_load_tokens_total") == 0
     assert _delta(producer, before, "kvcache_connector_hit_tokens_total") == 0
+
+
+@contextmanager
+def busy_host() -> Iterator[int]:
+    """The host kept busy beside the suite's own work: CPU-bound processes on half the cores, started here and
+    stopped at exit (yields their count)."""
+    n = max(1, (os.cpu_count() or 2) // 2)
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield n
+    finally:
+        for p in burners:
+            p.kill()
+        for p in burners:
+            p.wait()
+
+
+def test_a_new_engine_hits_what_another_saved_while_the_host_is_busy(
+        alone: VllmEngine, engines: Engines, kvcache: ServerProcess, model: Path, engine_log_dir: Path) -> None:
+    shared = request(prompt(400, 520), 4)
+    want = reference(alone, [shared])
+    with busy_host():
+        out = engines.current.generate([shared])
+        assert tokens(out) == want
+        # the next engine is started right after the save, on the loaded host, and asked at once
+        fresh = VllmEngine(model, engine_log_dir / "busy.log", kvcache=kvcache.target)
+        try:
+            out = fresh.generate([shared])
+            assert tokens(out) == want and out[0]["num_cached_tokens"] == hits(520) == 512
+            assert "kvcache connector: a request computed" not in fresh.log_text()
+        finally:
+            fresh.close()

@@ -335,7 +335,7 @@ class AppendSessionResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., turn: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., context_tokens: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., page_offset: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., packed_page_ids: _Optional[bytes] = ..., num_pages: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., tier_tokens: _Optional[int] = ...) -> None: ...
 
 class CommitSessionRequest(_message.Message):
-    __slots__ = ("session_id", "token_ids", "packed_token_ids", "kv_tokens", "abort", "turn", "epoch", "engine_id")
+    __slots__ = ("session_id", "token_ids", "packed_token_ids", "kv_tokens", "abort", "turn", "epoch", "engine_id", "reuse")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PACKED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -344,6 +344,7 @@ class CommitSessionRequest(_message.Message):
     TURN_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REUSE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     packed_token_ids: bytes
@@ -352,7 +353,18 @@ class CommitSessionRequest(_message.Message):
     turn: int
     epoch: int
     engine_id: str
-    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., packed_token_ids: _Optional[bytes] = ..., kv_tokens: _Optional[int] = ..., abort: _Optional[bool] = ..., turn: _Optional[int] = ..., epoch: _Optional[int] = ..., engine_id: _Optional[str] = ...) -> None: ...
+    reuse: ReuseReport
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., packed_token_ids: _Optional[bytes] = ..., kv_tokens: _Optional[int] = ..., abort: _Optional[bool] = ..., turn: _Optional[int] = ..., epoch: _Optional[int] = ..., engine_id: _Optional[str] = ..., reuse: _Optional[_Union[ReuseReport, _Mapping]] = ...) -> None: ...
+
+class ReuseReport(_message.Message):
+    __slots__ = ("engine_cached_tokens", "loaded_tokens", "computed_tokens")
+    ENGINE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOADED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    engine_cached_tokens: int
+    loaded_tokens: int
+    computed_tokens: int
+    def __init__(self, engine_cached_tokens: _Optional[int] = ..., loaded_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ...) -> None: ...
 
 class CommitSessionResponse(_message.Message):
     __slots__ = ("session_id", "context_tokens", "kv_tokens", "num_pages", "closed")
@@ -463,7 +475,7 @@ class StepRequest(_message.Message):
     def __init__(self, ops: _Optional[_Iterable[_Union[StepOp, _Mapping]]] = ..., engine_id: _Optional[str] = ..., columns: _Optional[_Union[StepColumns, _Mapping]] = ...) -> None: ...
 
 class StepColumns(_message.Message):
-    __slots__ = ("kinds", "session_ids", "epochs", "counts", "flags", "token_counts", "token_ids", "turns", "timeouts", "engine_ids", "cache_salts")
+    __slots__ = ("kinds", "session_ids", "epochs", "counts", "flags", "token_counts", "token_ids", "turns", "timeouts", "engine_ids", "cache_salts", "reuse")
     KINDS_FIELD_NUMBER: _ClassVar[int]
     SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
     EPOCHS_FIELD_NUMBER: _ClassVar[int]
@@ -475,6 +487,7 @@ class StepColumns(_message.Message):
     TIMEOUTS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALTS_FIELD_NUMBER: _ClassVar[int]
+    REUSE_FIELD_NUMBER: _ClassVar[int]
     kinds: bytes
     session_ids: _containers.RepeatedScalarFieldContainer[str]
     epochs: bytes
@@ -486,7 +499,8 @@ class StepColumns(_message.Message):
     timeouts: bytes
     engine_ids: _containers.RepeatedScalarFieldContainer[str]
     cache_salts: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, kinds: _Optional[bytes] = ..., session_ids: _Optional[_Iterable[str]] = ..., epochs: _Optional[bytes] = ..., counts: _Optional[bytes] = ..., flags: _Optional[bytes] = ..., token_counts: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., turns: _Optional[bytes] = ..., timeouts: _Optional[bytes] = ..., engine_ids: _Optional[_Iterable[str]] = ..., cache_salts: _Optional[_Iterable[str]] = ...) -> None: ...
+    reuse: bytes
+    def __init__(self, kinds: _Optional[bytes] = ..., session_ids: _Optional[_Iterable[str]] = ..., epochs: _Optional[bytes] = ..., counts: _Optional[bytes] = ..., flags: _Optional[bytes] = ..., token_counts: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., turns: _Optional[bytes] = ..., timeouts: _Optional[bytes] = ..., engine_ids: _Optional[_Iterable[str]] = ..., cache_salts: _Optional[_Iterable[str]] = ..., reuse: _Optional[bytes] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("status", "open", "append", "extend", "commit", "close", "match")
@@ -649,7 +663,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, verify: _Optional[bool] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("num_pages", "page_size", "free_pages", "evictable_pages", "radix_locked_pages", "session_held_pages", "in_flight_pages", "session_budget_pages", "radix_tokens", "session_tokens", "session_kv_tokens", "prefix_hit_tokens", "session_hit_tokens", "miss_tokens", "evicted_pages", "duplicate_pages", "demoted_sessions", "reaped_sessions", "expired_leases", "sessions_idle", "sessions_in_turn", "sessions_closing", "sessions_demoted", "engines", "instance_id", "uptime_seconds", "physical_usage", "verified", "quarantined_pages", "tier", "loading_pages", "offloading_pages", "tier_stored_pages", "evicted_unstored_pages", "sessions_parked", "parked_sessions", "adopted_sessions", "expired_parked_sessions")
+    __slots__ = ("num_pages", "page_size", "free_pages", "evictable_pages", "radix_locked_pages", "session_held_pages", "in_flight_pages", "session_budget_pages", "radix_tokens", "session_tokens", "session_kv_tokens", "prefix_hit_tokens", "session_hit_tokens", "miss_tokens", "evicted_pages", "duplicate_pages", "demoted_sessions", "reaped_sessions", "expired_leases", "sessions_idle", "sessions_in_turn", "sessions_closing", "sessions_demoted", "engines", "instance_id", "uptime_seconds", "physical_usage", "verified", "quarantined_pages", "tier", "loading_pages", "offloading_pages", "tier_stored_pages", "evicted_unstored_pages", "sessions_parked", "parked_sessions", "adopted_sessions", "expired_parked_sessions", "reuse", "engine_reuse")
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -688,6 +702,8 @@ class GetStatsResponse(_message.Message):
     PARKED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     ADOPTED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     EXPIRED_PARKED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    REUSE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_REUSE_FIELD_NUMBER: _ClassVar[int]
     num_pages: int
     page_size: int
     free_pages: int
@@ -726,7 +742,25 @@ class GetStatsResponse(_message.Message):
     parked_sessions: int
     adopted_sessions: int
     expired_parked_sessions: int
-    def __init__(self, num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., free_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ..., radix_locked_pages: _Optional[int] = ..., session_held_pages: _Optional[int] = ..., in_flight_pages: _Optional[int] = ..., session_budget_pages: _Optional[int] = ..., radix_tokens: _Optional[int] = ..., session_tokens: _Optional[int] = ..., session_kv_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., session_hit_tokens: _Optional[int] = ..., miss_tokens: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., duplicate_pages: _Optional[int] = ..., demoted_sessions: _Optional[int] = ..., reaped_sessions: _Optional[int] = ..., expired_leases: _Optional[int] = ..., sessions_idle: _Optional[int] = ..., sessions_in_turn: _Optional[int] = ..., sessions_closing: _Optional[int] = ..., sessions_demoted: _Optional[int] = ..., engines: _Optional[int] = ..., instance_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., physical_usage: _Optional[float] = ..., verified: _Optional[bool] = ..., quarantined_pages: _Optional[int] = ..., tier: _Optional[_Union[TierStats, _Mapping]] = ..., loading_pages: _Optional[int] = ..., offloading_pages: _Optional[int] = ..., tier_stored_pages: _Optional[int] = ..., evicted_unstored_pages: _Optional[int] = ..., sessions_parked: _Optional[int] = ..., parked_sessions: _Optional[int] = ..., adopted_sessions: _Optional[int] = ..., expired_parked_sessions: _Optional[int] = ...) -> None: ...
+    reuse: ReuseStats
+    engine_reuse: _containers.RepeatedCompositeFieldContainer[ReuseStats]
+    def __init__(self, num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., free_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ..., radix_locked_pages: _Optional[int] = ..., session_held_pages: _Optional[int] = ..., in_flight_pages: _Optional[int] = ..., session_budget_pages: _Optional[int] = ..., radix_tokens: _Optional[int] = ..., session_tokens: _Optional[int] = ..., session_kv_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., session_hit_tokens: _Optional[int] = ..., miss_tokens: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., duplicate_pages: _Optional[int] = ..., demoted_sessions: _Optional[int] = ..., reaped_sessions: _Optional[int] = ..., expired_leases: _Optional[int] = ..., sessions_idle: _Optional[int] = ..., sessions_in_turn: _Optional[int] = ..., sessions_closing: _Optional[int] = ..., sessions_demoted: _Optional[int] = ..., engines: _Optional[int] = ..., instance_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., physical_usage: _Optional[float] = ..., verified: _Optional[bool] = ..., quarantined_pages: _Optional[int] = ..., tier: _Optional[_Union[TierStats, _Mapping]] = ..., loading_pages: _Optional[int] = ..., offloading_pages: _Optional[int] = ..., tier_stored_pages: _Optional[int] = ..., evicted_unstored_pages: _Optional[int] = ..., sessions_parked: _Optional[int] = ..., parked_sessions: _Optional[int] = ..., adopted_sessions: _Optional[int] = ..., expired_parked_sessions: _Optional[int] = ..., reuse: _Optional[_Union[ReuseStats, _Mapping]] = ..., engine_reuse: _Optional[_Iterable[_Union[ReuseStats, _Mapping]]] = ...) -> None: ...
+
+class ReuseStats(_message.Message):
+    __slots__ = ("engine_id", "turns", "matched_tokens", "engine_cached_tokens", "loaded_tokens", "computed_tokens")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    TURNS_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOADED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    turns: int
+    matched_tokens: int
+    engine_cached_tokens: int
+    loaded_tokens: int
+    computed_tokens: int
+    def __init__(self, engine_id: _Optional[str] = ..., turns: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., engine_cached_tokens: _Optional[int] = ..., loaded_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ...) -> None: ...
 
 class TierStats(_message.Message):
     __slots__ = ("backend", "up", "hit_pages", "miss_pages", "lookup_pages", "load_pages", "load_bytes", "load_seconds", "load_timeouts", "offload_pages", "offload_bytes", "offload_seconds", "offload_dropped_pages", "queue_pages", "queue_capacity_pages", "load_queue_pages", "tainted_pages", "errors", "outages", "stored_values", "stored_bytes", "capacity_bytes", "staging_pages", "staging_capacity_pages", "staged_pages", "staging_written_pages", "staging_dropped_pages", "staging_lost_pages", "staging_hit_pages")
