@@ -47,7 +47,7 @@ class TierMemoryError(RuntimeError):
 
 def geometry(layout: PoolLayout) -> Geometry:
     """The value geometry of a pool layout: 2 * num_layers chunks of one page of one plane."""
-    return Geometry(num_chunks=2 * layout.num_layers, chunk_bytes=layout.page_bytes)
+    return Geometry(num_chunks=2 * layout.num_layers, chunk_bytes=layout.page_bytes, layout=layout.describe())
 
 
 def chunk_offsets(layout: PoolLayout, page: int) -> range:

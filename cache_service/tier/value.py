@@ -38,6 +38,9 @@ class Geometry:
 
     num_chunks: int
     chunk_bytes: int
+    layout: str = ""
+    """The pool layout in words (`PoolLayout.describe`): stores that keep their own files record it, so a
+    directory written for another layout is never read."""
 
     @property
     def payload_bytes(self) -> int:
