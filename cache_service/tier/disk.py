@@ -300,6 +300,13 @@ class DiskTier:
             os.close(seg.fd)
         return keys
 
+    def _forget_all(self) -> None:
+        """The directory is gone: so is every value (with the write lock held)."""
+        with self._lock:
+            self._active = None
+            for seg in list(self._segments.values()):
+                self._dropped += self._drop_segment(seg)
+
     def take_dropped(self) -> list[bytes]:
         with self._lock:
             dropped, self._dropped = self._dropped, []
@@ -345,6 +352,9 @@ class DiskTier:
         self._check_open()
         out = [""] * len(items)
         with self._write_lock:
+            if not self.directory.is_dir():  # an open segment of a removed directory would take writes
+                self._forget_all()
+                raise TierUnavailable("io", f"{self.directory} is gone")
             todo: list[int] = []
             with self._lock:
                 batch: set[bytes] = set()
@@ -506,8 +516,7 @@ class DiskTier:
     def describe(self) -> str:
         u = self.usage()
         return (f"disk {self.directory}: {u.values:,} values, {format_bytes(u.bytes or 0)} of "
-                f"{format_bytes(self.capacity_bytes)} in {len(self._segments)} segments of up to "
-                f"{self.segment_values:,} values")
+                f"{format_bytes(self.capacity_bytes)}")
 
     def close(self) -> None:
         if self._lock_fd is None:

@@ -21,7 +21,7 @@ from cache_service.tier.memory import geometry
 from cache_service.tier.service import CLOSED, LoadResult, OffloadResult
 from tests.tier.conftest import LAYOUT, Pool
 from tests.tier.node import keys_for
-from tests.tier.support import offload
+from tests.tier.support import offload, on_disk
 
 G = geometry(LAYOUT)
 
@@ -106,7 +106,7 @@ def test_results_come_back_on_the_loop_thread_and_the_store_runs_off_it(pool: Po
         assert (st.offload_pages, st.offload_bytes, st.load_pages, st.load_bytes) == (4, 4 * 576, 4, 4 * 576)
         assert (st.hit_pages, st.miss_pages, st.lookup_pages, st.queue_pages, st.load_queue_pages) == (4, 0, 4, 0, 0)
         assert st.offload_seconds > 0 and st.load_seconds > 0 and st.up and st.errors == {}
-        assert (st.stored_values, st.stored_bytes, st.capacity_bytes) == (4, 4 * 576, 1 << 20)
+        assert (st.stored_values, st.stored_bytes, st.capacity_bytes) == (4, 64 + 4 * 576, 1 << 20)
         await asyncio.to_thread(service.close)
 
     asyncio.run(scenario())
@@ -178,7 +178,7 @@ def test_a_full_queue_refuses_pages_at_once_and_counts_them(pool: Pool, disk: Di
         assert service.stats().queue_pages == 0
         assert service.offload([(keys[7], 8)], results.append) == 1  # room again
         await asyncio.to_thread(service.close)
-        assert [disk.path(k).exists() for k in keys] == [True] * 4 + [False] * 3 + [True]
+        assert on_disk(disk.directory, keys) == [True] * 4 + [False] * 3 + [True]
 
     asyncio.run(scenario())
 
@@ -282,7 +282,7 @@ def test_close_drains_queued_offloads_and_refuses_new_work(pool: Pool, disk: Dis
         assert await closing is True
         await asyncio.sleep(0)  # the deliveries are scheduled on this loop
         assert [r.reasons for r in results] == [("",), ("",)]
-        assert disk.path(keys[0]).exists() and disk.path(keys[1]).exists()  # drained: a restart finds them
+        assert on_disk(disk.directory, keys[:2]) == [True, True]  # drained: a restart finds them
         assert service.offload([(keys[2], 3)]) == 0
         late = await service.load([keys[0]], [9]).wait()
         assert late is not None and late.reasons == (CLOSED,)

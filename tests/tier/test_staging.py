@@ -19,6 +19,7 @@ from cache_service.tier.memory import geometry
 from cache_service.tier.staging import EvictionStaging
 from tests.tier.conftest import LAYOUT, Pool
 from tests.tier.node import keys_for
+from tests.tier.support import on_disk
 from tests.tier.test_service import Gated, _service
 
 G = geometry(LAYOUT)
@@ -152,7 +153,7 @@ def test_staged_pages_the_tier_never_wrote_before_the_stop_are_lost_and_counted(
         assert (st.staged_pages, st.staging_written_pages, st.staging_lost_pages) == (3, 1, 2)
         assert lost == [keys[1:]]
         assert [e["pages"] for e in logs if e["event"] == "tier_staging_unwritten"] == [2]
-        assert disk.path(keys[0]).exists() and not disk.path(keys[1]).exists()
+        assert on_disk(disk.directory, keys[:2]) == [True, False]
 
     asyncio.run(scenario())
 
