@@ -38,9 +38,10 @@ import re
 import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from cache_service.memory.base import format_bytes
 from cache_service.tier.backend import (
@@ -139,6 +140,8 @@ class DiskTier:
         self._segments: OrderedDict[int, _Segment] = OrderedDict()
         """Least recently used first."""
         self._active: _Segment | None = None
+        self._unsynced: dict[int, _Segment] = {}
+        """Segments written since the last `sync`."""
         self._next_id = 0
         self._bytes = 0
         self._dropped: list[bytes] = []
@@ -349,8 +352,16 @@ class DiskTier:
     def put(self, items: Sequence[PutItem]) -> list[str]:
         """Append the values the tier lacks to the active segment, one pwritev a run (a new segment where the
         active one is full); a key held already counts as stored and touches its segment."""
+        return self._store([item.key for item in items],
+                           lambda i: [memoryview(items[i].header), *items[i].buffers.views])
+
+    def put_values(self, keys: Sequence[bytes], values: Any) -> list[str]:
+        """`put` of whole values, the rows of `values` (`[n, value_bytes]` uint8)."""
+        return self._store(list(keys), lambda i: [values[i].data])
+
+    def _store(self, keys: list[bytes], value_of: Callable[[int], list[memoryview]]) -> list[str]:
         self._check_open()
-        out = [""] * len(items)
+        out = [""] * len(keys)
         with self._write_lock:
             if not self.directory.is_dir():  # an open segment of a removed directory would take writes
                 self._forget_all()
@@ -358,12 +369,12 @@ class DiskTier:
             todo: list[int] = []
             with self._lock:
                 batch: set[bytes] = set()
-                for i, item in enumerate(items):
-                    held = self._where.get(item.key)
+                for i, key in enumerate(keys):
+                    held = self._where.get(key)
                     if held is not None:
                         self._touch(held[0])
-                    elif item.key not in batch:
-                        batch.add(item.key)
+                    elif key not in batch:
+                        batch.add(key)
                         todo.append(i)
             at = 0
             while at < len(todo):
@@ -374,7 +385,7 @@ class DiskTier:
                         seg = self._active = self._new_segment()
                     n = min(len(todo) - at, seg.capacity - len(seg.keys))
                     run = todo[at:at + n]
-                    self._append(seg, [items[i] for i in run])
+                    self._append(seg, [keys[i] for i in run], [v for i in run for v in value_of(i)])
                 except OSError as e:
                     reason = self._failed(e)
                     for i in todo[at:]:
@@ -386,12 +397,8 @@ class DiskTier:
             self._sync_mtimes(touched)
         return out
 
-    def _append(self, seg: _Segment, items: list[PutItem]) -> None:
-        """One pwritev of `items` at the segment's end; indexed only once all of it is written."""
-        buffers: list[memoryview] = []
-        for item in items:
-            buffers.append(memoryview(item.header))
-            buffers += item.buffers.views
+    def _append(self, seg: _Segment, keys: list[bytes], buffers: list[memoryview]) -> None:
+        """One pwritev of the values at the segment's end; indexed only once all of it is written."""
         try:
             _move(seg.fd, buffers, seg.size, write=True)
         except OSError:
@@ -399,18 +406,15 @@ class DiskTier:
                 os.ftruncate(seg.fd, seg.size)  # nothing half-written stays behind the indexed values
             raise
         with self._lock:
-            for item in items:
-                old = self._where.get(item.key)
-                if old is not None:  # stored meanwhile by nobody else (one writer); kept for safety
-                    old[0].keys[old[1]] = None
-                    old[0].live -= 1
-                self._where[item.key] = (seg, len(seg.keys))
-                seg.keys.append(item.key)
+            for key in keys:
+                self._where[key] = (seg, len(seg.keys))
+                seg.keys.append(key)
                 seg.live += 1
-            grown = len(items) * self._value
+            grown = len(keys) * self._value
             seg.size += grown
             self._bytes += grown
             self._segments.move_to_end(seg.id)  # its mtime moves with the write
+            self._unsynced[seg.id] = seg
 
     def _failed(self, e: OSError) -> str:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -421,12 +425,22 @@ class DiskTier:
 
     def get(self, items: Sequence[GetItem]) -> list[GetResult]:
         """Read each value into its buffers: one preadv per run of consecutive values of a segment."""
+        heads = [bytearray(HEADER_BYTES) for _ in items]
+        reasons = self._load([item.key for item in items],
+                             lambda i: [memoryview(heads[i]), *items[i].buffers.views], 1 + self.geometry.num_chunks)
+        return [GetResult(r, bytes(h) if not r else b"") for r, h in zip(reasons, heads, strict=True)]
+
+    def get_values(self, keys: Sequence[bytes], values: Any) -> list[str]:
+        """`get` of whole values into the rows of `values` (`[n, value_bytes]` uint8)."""
+        return self._load(list(keys), lambda i: [values[i].data], 1)
+
+    def _load(self, keys: list[bytes], value_of: Callable[[int], list[memoryview]], views: int) -> list[str]:
         self._check_open()
-        out = [GetResult(MISSING, b"")] * len(items)
+        out = [MISSING] * len(keys)
         located: list[tuple[_Segment, int, int]] = []  # (segment, slot, item)
         with self._lock:
-            for i, item in enumerate(items):
-                held = self._where.get(item.key)
+            for i, key in enumerate(keys):
+                held = self._where.get(key)
                 if held is not None:
                     held[0].readers += 1
                     self._touch(held[0])
@@ -437,36 +451,31 @@ class DiskTier:
             while start < len(located):
                 end = start + 1
                 while (end < len(located) and located[end][0] is located[start][0]
-                       and located[end][1] == located[end - 1][1] + 1
-                       and (end - start + 1) * (1 + self.geometry.num_chunks) <= _IOV_MAX):
+                       and located[end][1] == located[end - 1][1] + 1 and (end - start + 1) * views <= _IOV_MAX):
                     end += 1
-                self._read_run(items, located[start:end], out)
+                self._read_run(located[start:end], value_of, out)
                 start = end
+            self._sync_mtimes(list(dict.fromkeys(seg for seg, _, _ in located)))
         finally:
             with self._lock:
                 for seg, _, _ in located:
                     seg.readers -= 1
                     if seg.reclaimed and seg.readers == 0:
                         os.close(seg.fd)
-        self._sync_mtimes(list(dict.fromkeys(seg for seg, _, _ in located)))
         return out
 
-    def _read_run(self, items: Sequence[GetItem], run: list[tuple[_Segment, int, int]],
-                  out: list[GetResult]) -> None:
+    def _read_run(self, run: list[tuple[_Segment, int, int]], value_of: Callable[[int], list[memoryview]],
+                  out: list[str]) -> None:
         seg, first, _ = run[0]
-        heads = [bytearray(HEADER_BYTES) for _ in run]
-        buffers: list[memoryview] = []
-        for head, (_, _, i) in zip(heads, run, strict=True):
-            buffers.append(memoryview(head))
-            buffers += items[i].buffers.views
+        buffers = [v for _, _, i in run for v in value_of(i)]
         try:
             n = _move(seg.fd, buffers, SEGMENT_HEADER_BYTES + first * self._value, write=False)
         except OSError:
             for _, _, i in run:
-                out[i] = GetResult(ERROR, b"")
+                out[i] = ERROR
             return
-        for k, (head, (_, _, i)) in enumerate(zip(heads, run, strict=True)):
-            out[i] = GetResult("", bytes(head)) if n >= (k + 1) * self._value else GetResult(SHORT, b"")
+        for k, (_, _, i) in enumerate(run):
+            out[i] = "" if n >= (k + 1) * self._value else SHORT
 
     def discard(self, keys: Sequence[bytes]) -> None:
         """Forget values found unsound; a segment left with no value is reclaimed at once."""
@@ -508,10 +517,13 @@ class DiskTier:
             return list(self._segments)
 
     def sync(self) -> None:
-        """fsync the segment being written (what the write path leaves to the page cache)."""
+        """fsync the segments written since the last sync (what the write path leaves to the page cache)."""
         with self._write_lock:
-            if self._active is not None:
-                os.fsync(self._active.fd)
+            with self._lock:
+                segments = [s for s in self._unsynced.values() if not s.reclaimed]
+                self._unsynced.clear()
+            for seg in segments:
+                os.fsync(seg.fd)
 
     def describe(self) -> str:
         u = self.usage()
@@ -521,11 +533,10 @@ class DiskTier:
     def close(self) -> None:
         if self._lock_fd is None:
             return
+        with contextlib.suppress(OSError):
+            self.sync()
         with self._write_lock, self._lock:
-            if self._active is not None:
-                with contextlib.suppress(OSError):
-                    os.fsync(self._active.fd)
-                self._active = None
+            self._active = None
             for seg in self._segments.values():
                 if seg.readers == 0:
                     with contextlib.suppress(OSError):

@@ -46,6 +46,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from cache_service.log import get_logger
 from cache_service.tier.backend import (
     DOWN,
@@ -54,14 +56,15 @@ from cache_service.tier.backend import (
     TAINTED,
     GetItem,
     GetResult,
+    PackedBackend,
     PutItem,
     TierBackend,
     TierUnavailable,
 )
-from cache_service.tier.memory import PageBuffers, PageMemory
+from cache_service.tier.memory import PackedMemory, PageBuffers, PageMemory
 from cache_service.tier.staging import EvictionStaging
 from cache_service.tier.stats import TierCounters, TierStats
-from cache_service.tier.value import checksum, header, verify
+from cache_service.tier.value import HEADER_BYTES, Geometry, checksum, header, pack_headers, verify, verify_rows
 
 CLOSED = "closed"
 """The service was stopping: the page was not offloaded (or loaded)."""
@@ -123,6 +126,54 @@ class _SlotBatch:
 
     def finish(self, ok: Sequence[bool]) -> None:
         pass
+
+
+class _PackedLoad:
+    """A load's pages as one `[n, value_bytes]` array: the store reads into it (`get`, with the rows verified
+    there), and `finish` scatters the sound rows into their pool pages in one copy. `buffers` are the rows'
+    chunks, for what eviction staging copies in."""
+
+    def __init__(self, memory: PackedMemory, pages: Sequence[int], geometry: Geometry) -> None:
+        self._memory = memory
+        self._pages = list(pages)
+        self._geometry = geometry
+        n = len(self._pages)
+        self.values = np.empty((n, geometry.value_bytes), np.uint8)
+        payload = self.values[:, HEADER_BYTES:].reshape(n, geometry.num_chunks, geometry.chunk_bytes)
+        self.buffers = _LazyRows(payload)
+
+    def get(self, backend: Any, keys: Sequence[bytes], asked: list[int]) -> list[GetResult]:
+        if not asked:
+            return []
+        whole = len(asked) == len(self._pages)
+        rows = self.values if whole else np.ascontiguousarray(self.values[asked])
+        mine = [keys[i] for i in asked]
+        reasons = backend.get_values(mine, rows)
+        checked = verify_rows(rows, mine, self._geometry)
+        if not whole:
+            self.values[asked] = rows
+        return [GetResult(r or c, b"") for r, c in zip(reasons, checked, strict=True)]
+
+    def finish(self, ok: Sequence[bool]) -> None:
+        rows = [i for i, good in enumerate(ok) if good]
+        if rows:
+            self._memory.scatter([self._pages[i] for i in rows], self.values[rows, HEADER_BYTES:])
+
+
+class _LazyRows:
+    """`buffers[i]` of a packed load: a row's chunks, made only for the rows asked (eviction staging's)."""
+
+    def __init__(self, payload: Any) -> None:
+        self._payload = payload
+
+    def __len__(self) -> int:
+        return len(self._payload)
+
+    def __getitem__(self, i: int) -> PageBuffers:
+        return PageBuffers([c.data for c in self._payload[i]], [])
+
+    def __iter__(self) -> Any:
+        return (self[i] for i in range(len(self)))
 
 
 @dataclass(eq=False)
@@ -343,6 +394,9 @@ class TierService:
         self.timeout_seconds = timeout_seconds
         self.batch_pages = min(batch_pages, memory.max_batch_pages)
         self._geometry = memory.geometry
+        self._packed: PackedMemory | None = (memory if isinstance(memory, PackedMemory) and isinstance(
+            backend, PackedBackend) else None)
+        """Where both sides move a batch as one array (host pools, the disk tier): no object per chunk."""
         self._log = get_logger("kvcache.tier")
         self._counters = TierCounters(backend.name, queue_pages, self.staging.slots if self.staging else 0)
         self._link = _Link(backend, self._counters, self._log, retry=retry_seconds, retry_max=retry_max_seconds,
@@ -679,25 +733,28 @@ class TierService:
         started = time.perf_counter()
         geometry = self._geometry
         try:
-            try:
-                staging = (_SlotBatch([self.staging.buffers(s) for s in slots]) if slots and self.staging is not None
-                           else self.memory.stage_out(pages))
-            except Exception as e:
-                self._log.warning("tier_staging_failed", operation="put", error=str(e))
-                self._link.note("put", Counter({ERROR: n}))
-                return [ERROR] * n
-            try:
-                items = [PutItem(k, header(k, geometry, checksum(b.views)), b)
-                         for k, b in zip(keys, staging.buffers, strict=True)]
-                reasons = self.backend.put(items)
-            except TierUnavailable as e:
-                self._link.down("put", e)
-                reasons = [DOWN] * n
-            except Exception as e:
-                self._log.warning("tier_put_failed", error=repr(e))
-                reasons = [ERROR] * n
-            finally:
-                staging.finish([True] * n)
+            if self._packed is not None and not slots:
+                reasons = self._put_packed(self._packed, keys, pages)
+            else:
+                try:
+                    staging = (_SlotBatch([self.staging.buffers(s) for s in slots])
+                               if slots and self.staging is not None else self.memory.stage_out(pages))
+                except Exception as e:
+                    self._log.warning("tier_staging_failed", operation="put", error=str(e))
+                    self._link.note("put", Counter({ERROR: n}))
+                    return [ERROR] * n
+                try:
+                    items = [PutItem(k, header(k, geometry, checksum(b.views)), b)
+                             for k, b in zip(keys, staging.buffers, strict=True)]
+                    reasons = self.backend.put(items)
+                except TierUnavailable as e:
+                    self._link.down("put", e)
+                    reasons = [DOWN] * n
+                except Exception as e:
+                    self._log.warning("tier_put_failed", error=repr(e))
+                    reasons = [ERROR] * n
+                finally:
+                    staging.finish([True] * n)
         finally:
             self._link.leave()
         seconds = time.perf_counter() - started
@@ -710,6 +767,26 @@ class TierService:
         self._link.note("put", Counter(r for r in reasons if r))
         self._report_dropped()
         return reasons
+
+    def _put_packed(self, packed: PackedMemory, keys: list[bytes], pages: list[int]) -> list[str]:
+        """The batch as one `[n, value_bytes]` array: the pages gathered in one copy, the headers and CRCs
+        computed over it, the store's `put_values` (one write a run of the segment)."""
+        n = len(keys)
+        try:
+            values = np.empty((n, self._geometry.value_bytes), np.uint8)
+            packed.gather(pages, values[:, HEADER_BYTES:])
+            pack_headers(values, keys, self._geometry)
+        except Exception as e:
+            self._log.warning("tier_staging_failed", operation="put", error=str(e))
+            return [ERROR] * n
+        try:
+            return self.backend.put_values(keys, values)  # type: ignore[attr-defined]
+        except TierUnavailable as e:
+            self._link.down("put", e)
+            return [DOWN] * n
+        except Exception as e:
+            self._log.warning("tier_put_failed", error=repr(e))
+            return [ERROR] * n
 
     def _report_dropped(self) -> None:
         """Hand the keys the store dropped since the last report to `on_dropped` (on the loop)."""
@@ -839,33 +916,45 @@ class TierService:
         n = len(keys)
         started = time.perf_counter()
         reasons: list[str] = []
-        try:
-            staging = self.memory.stage_in(pages)
-        except Exception as e:
-            self._log.warning("tier_staging_failed", operation="get", error=str(e))
-            self._link.note("get", Counter({ERROR: n}))
-            return [self._unloaded(job, ERROR) for job in jobs]
+        staging: Any
+        if self._packed is not None:
+            staging = _PackedLoad(self._packed, pages, self._geometry)
+        else:
+            try:
+                staging = self.memory.stage_in(pages)
+            except Exception as e:
+                self._log.warning("tier_staging_failed", operation="get", error=str(e))
+                self._link.note("get", Counter({ERROR: n}))
+                return [self._unloaded(job, ERROR) for job in jobs]
         ok: list[bool] = [False] * n
         staged = self.staging
-        local = [staged is not None and staged.read_into(k, b) for k, b in zip(keys, staging.buffers, strict=True)]
+        local = [False] * n
+        if staged is not None and staged.used:
+            for i, k in enumerate(keys):
+                local[i] = staged.holds(k) and staged.read_into(k, staging.buffers[i])
         try:
             asked = [i for i in range(n) if not local[i]]
             try:
-                got = self.backend.get([GetItem(keys[i], staging.buffers[i]) for i in asked]) if asked else []
+                if isinstance(staging, _PackedLoad):
+                    got = staging.get(self.backend, keys, asked)
+                else:
+                    got = self.backend.get([GetItem(keys[i], staging.buffers[i]) for i in asked]) if asked else []
             except TierUnavailable as e:
                 self._link.down("get", e)
                 got = [GetResult(DOWN, b"")] * len(asked)
             results: list[GetResult | None] = [None] * n
             for i, answer in zip(asked, got, strict=False):
                 results[i] = answer
-            for i, (key, buffers) in enumerate(zip(keys, staging.buffers, strict=True)):
+            for i, key in enumerate(keys):
                 res = results[i]
                 if local[i]:
                     reason = ""  # our own copy of the evicted page, made on the loop
                 elif res is None:
                     break  # a store that answered fewer items than asked
+                elif isinstance(staging, _PackedLoad):
+                    reason = res.reason  # verified by rows in `get`
                 else:
-                    reason = res.reason or verify(res.header, key, self._geometry, buffers.views)
+                    reason = res.reason or verify(res.header, key, self._geometry, staging.buffers[i].views)
                 reasons.append(reason)
                 ok[i] = not reason
         except Exception as e:

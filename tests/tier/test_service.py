@@ -53,6 +53,15 @@ class Gated:
         self.calls.append(("get", [len(items)]))
         return self.inner.get(items)
 
+    def put_values(self, keys: Sequence[bytes], values: Any) -> list[str]:
+        self._wait()
+        return self.inner.put_values(keys, values)
+
+    def get_values(self, keys: Sequence[bytes], values: Any) -> list[str]:
+        self._wait()
+        self.calls.append(("get", [len(keys)]))
+        return self.inner.get_values(keys, values)
+
     def exists(self, runs: Sequence[Sequence[bytes]]) -> list[int]:
         self._wait()
         self.calls.append(("exists", [len(run) for run in runs]))
