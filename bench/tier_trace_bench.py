@@ -320,6 +320,8 @@ class RateRun:
     load_timeouts: int = 0
     queue_pages: int = 0
     """Pages waiting in the offload queue when the trace's last request finished."""
+    failed: int = 0
+    """Requests that got an error instead of an answer (counted as caching nothing)."""
 
 
 async def run_rate(cfg: ServiceConfig, requests: list[tuple[list[int], list[int]]], tier: str, mode: str,
@@ -334,6 +336,7 @@ async def run_rate(cfg: ServiceConfig, requests: list[tuple[list[int], list[int]
             loop = asyncio.get_running_loop()
             start = loop.time()
             answers: list[tuple[pb.AppendSessionResponse, float]] = []
+            failed = 0
             if not rate:
                 for i, (prompt, gen) in enumerate(requests):
                     answers.append(await _turn(stub, f"r{i}", prompt, gen, 0))
@@ -343,11 +346,18 @@ async def run_rate(cfg: ServiceConfig, requests: list[tuple[list[int], list[int]
                            np.cumsum([0] + [len(p) for p, _ in requests[:-1]]) / (trace_tps * rate))
 
                 async def one(i: int) -> tuple[pb.AppendSessionResponse, float]:
+                    nonlocal failed
                     await asyncio.sleep(max(0.0, start + float(offsets[i]) - loop.time()))
                     if conversations and i - conversations in done:  # the conversation's previous turn
                         await done[i - conversations].wait()
                     try:
                         return await _turn(stub, f"r{i}", *requests[i], prefill_tps)
+                    except grpc.aio.AioRpcError as e:  # counted (a request that got no answer caches nothing)
+                        failed += 1
+                        if failed == 1:
+                            print(f"[tier_trace_bench] request {i}: {e.code().name} {e.details()}", file=sys.stderr,
+                                  flush=True)
+                        return pb.AppendSessionResponse(), 0.0
                     finally:
                         done[i].set()
 
@@ -362,7 +372,7 @@ async def run_rate(cfg: ServiceConfig, requests: list[tuple[list[int], list[int]
                            sum(len(p) for p, _ in requests), st.evicted_unstored_pages, t.staged_pages,
                            t.staging_dropped_pages, wall, st.evicted_pages, t.offload_pages, t.offload_bytes,
                            t.offload_seconds, 1e3 * float(np.median([s for _, s in answers])), t.load_timeouts,
-                           queued)
+                           queued, failed)
     finally:
         await server.stop(grace=0)
 
@@ -518,6 +528,9 @@ def policy_tables(args: argparse.Namespace, modes: list[str], rates: list[float]
                     cfg = config(tier, pool, Path(tmp), master, LAYOUTS[args.layout], **shares, **MODES[mode])
                     rated.append(asyncio.run(run_rate(cfg, requests, tier, mode, rate, args.trace_tps,
                                                       args.prefill_tps, conversations, arrivals)))
+                    r = rated[-1]
+                    print(f"[tier_trace_bench] {tier} {mode} {rate:g}x: hit {r.cached / r.prompt:.3f}, "
+                          f"{r.failed} failed, {r.wall_seconds:.0f} s", file=sys.stderr, flush=True)
         finally:
             if cluster is not None:
                 cluster.stop()
@@ -541,7 +554,7 @@ def policy_tables(args: argparse.Namespace, modes: list[str], rates: list[float]
               f"1x = {pace}; infinite cache: hit ratio {bound:.3f}")
         print(f"{'tier':<9} {'mode':<14} {'rate':>8} {'hit':>6} {'of inf':>7} {'lost':>5} {'staged':>6} "
               f"{'dropped':>7} {'append ms':>9} {'got tok/s':>9} {'need MB/s':>9} {'wrote MB/s':>10} {'busy s':>7} "
-              f"{'wall s':>7} {'queued':>6} {'timeouts':>8}")
+              f"{'wall s':>7} {'queued':>6} {'timeouts':>8} {'failed':>6}")
         for r in rated:
             need = (r.offload_pages + r.lost) * value / r.wall_seconds / 1e6  # what the tier got or should have
             wrote = r.offload_bytes / r.offload_seconds / 1e6 if r.offload_seconds else 0.0
@@ -549,7 +562,7 @@ def policy_tables(args: argparse.Namespace, modes: list[str], rates: list[float]
             print(f"{r.tier:<9} {r.mode:<14} {rate:>8} {r.cached / r.prompt:>6.3f} {r.cached / r.prompt / bound:>7.3f} "
                   f"{r.lost:>5} {r.staged:>6} {r.dropped:>7} {r.append_ms:>9.2f} {r.prompt / r.wall_seconds:>9,.0f} "
                   f"{need:>9.1f} {wrote:>10.1f} {r.offload_seconds:>7.1f} {r.wall_seconds:>7.1f} {r.queue_pages:>6} "
-                  f"{r.load_timeouts:>8}")
+                  f"{r.load_timeouts:>8} {r.failed:>6}")
     return 0
 
 

@@ -60,6 +60,7 @@ from cache_service.tier.backend import (
 from cache_service.tier.value import HEADER, HEADER_BYTES, MAGIC, VERSION, Geometry
 
 LOCK_NAME = ".kvcache-tier.lock"
+STAGING_LEDGER_NAME = ".kvcache-staging"
 SEGMENT_MAGIC = b"KVS1"
 SEGMENT_VERSION = 1
 SEGMENT_HEADER = struct.Struct("<4sHHQII32s8x")
@@ -176,6 +177,11 @@ class DiskTier:
         self.segment_values = max(1, min(fit, segment_values or default))
         self.evicted_at_start = self._rebuild()
         self._dropped = []  # what the start reclaimed was never announced by this instance
+
+    @property
+    def staging_ledger_path(self) -> Path:
+        """Where eviction staging keeps its ledger (what a crash lost is counted at the next start)."""
+        return self.directory / STAGING_LEDGER_NAME
 
     @classmethod
     def from_settings(cls, settings: TierSettings, geometry: Geometry) -> DiskTier:

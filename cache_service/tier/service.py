@@ -377,12 +377,14 @@ class TierService:
     def __init__(self, backend: TierBackend, memory: PageMemory, *, timeout_seconds: float = 1.0,
                  queue_pages: int = 256, batch_pages: int = DEFAULT_BATCH_PAGES,
                  retry_seconds: float = RETRY_MIN_SECONDS, retry_max_seconds: float = RETRY_MAX_SECONDS,
-                 reconnect_after: int = RECONNECT_AFTER_PROBES, staging_bytes: int = 0) -> None:
+                 reconnect_after: int = RECONNECT_AFTER_PROBES, staging_bytes: int = 0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if queue_pages < 1 or batch_pages < 1:
             raise ValueError("queue_pages and batch_pages must be >= 1")
         self.backend = backend
         self.memory = memory
-        staging = EvictionStaging(memory, staging_bytes) if staging_bytes > 0 else None
+        ledger = getattr(backend, "staging_ledger_path", None)  # stores with a directory of their own (disk)
+        staging = EvictionStaging(memory, staging_bytes, ledger) if staging_bytes > 0 else None
         self.staging = staging if staging is not None and staging.slots else None
         """Where pages evicted before the tier stored them wait for it (None: --tier-staging-bytes 0)."""
         self.on_lost: Callable[[list[bytes]], None] | None = None
@@ -392,6 +394,8 @@ class TierService:
         self._staging_episode: str | None = None
         self._staging_episode_pages = 0
         self.timeout_seconds = timeout_seconds
+        self._clock = clock
+        self._behind_dropped = 0
         self.batch_pages = min(batch_pages, memory.max_batch_pages)
         self._geometry = memory.geometry
         self._packed: PackedMemory | None = (memory if isinstance(memory, PackedMemory) and isinstance(
@@ -399,6 +403,14 @@ class TierService:
         """Where both sides move a batch as one array (host pools, the disk tier): no object per chunk."""
         self._log = get_logger("kvcache.tier")
         self._counters = TierCounters(backend.name, queue_pages, self.staging.slots if self.staging else 0)
+        c = self._counters
+        c.recovered_values = backend.usage().values or 0
+        c.torn_values = getattr(backend, "torn_values", 0)  # the disk tier's start; Mooncake cannot tell
+        c.staging_crashed_pages = staging.crashed_pages if staging is not None else 0
+        if c.torn_values or c.staging_crashed_pages:
+            self._log.warning("tier_lost_at_start", backend=backend.name, recovered_values=c.recovered_values,
+                              torn_values=c.torn_values, staging_crashed_pages=c.staging_crashed_pages,
+                              note="the previous process died mid-write or with pages in eviction staging")
         self._link = _Link(backend, self._counters, self._log, retry=retry_seconds, retry_max=retry_max_seconds,
                            reconnect_after=reconnect_after)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -471,7 +483,35 @@ class TierService:
     def stats(self) -> TierStats:
         usage = self.backend.usage()
         return self._counters.snapshot(usage.values, usage.bytes, usage.capacity_bytes,
-                                       staging_pages=self.staging.used if self.staging is not None else 0)
+                                       staging_pages=self.staging.used if self.staging is not None else 0,
+                                       now=self._clock())
+
+    def _check_pace(self) -> None:
+        """On the loop, after the offload queue or staging changed: start or end a falling-behind episode. It
+        starts when the queue is full or staging more than half full, and ends once the queue is at most half
+        full and staging at most a quarter; one warning at its start, one line at its end."""
+        c = self._counters
+        staged = self.staging.used if self.staging is not None else 0
+        slots = self.staging.slots if self.staging is not None else 0
+        with c.lock:
+            queued, capacity, since = c.queue_pages, c.queue_capacity_pages, c.behind_since
+            dropped = c.offload_dropped_pages + c.staging_dropped_pages
+        if since is None and (queued >= capacity or 2 * staged > slots > 0):
+            with c.lock:
+                c.behind_since = self._clock()
+                c.behind_episodes += 1
+            self._behind_dropped = dropped
+            self._log.warning("tier_falling_behind", backend=self.backend.name, queue_pages=queued,
+                              queue_capacity_pages=capacity, staging_pages=staged, staging_slots=slots,
+                              effect="offloads ahead of eviction wait; pages evicted meanwhile go to staging, "
+                                     "and are lost once it is full")
+        elif since is not None and 2 * queued <= capacity and 4 * staged <= slots:
+            now = self._clock()
+            with c.lock:
+                c.behind_since = None
+                c.behind_seconds += now - since
+            self._log.info("tier_caught_up", backend=self.backend.name, seconds=round(now - since, 3),
+                           pages_lost=dropped - self._behind_dropped)
 
     def stage(self, keys: list[bytes], pages: Any) -> int:
         """Eviction staging, on the loop, inside the core call that evicts `pages` (the tier lacks them): copy
@@ -501,6 +541,7 @@ class TierService:
         if why == "off":
             return 0
         self._staging_note(why, n - staged)
+        self._check_pace()
         return staged
 
     def _staging_note(self, why: str, dropped: int) -> None:
@@ -546,6 +587,7 @@ class TierService:
             keys = tuple(k for k, _ in items[:accepted])
             pages = tuple(p for _, p in items[:accepted])
             self._offloads.put(_Offload(keys, pages, done))
+        self._check_pace()
         return accepted
 
     def load(self, keys: Sequence[bytes], pages: Sequence[int], done: Done | None = None) -> LoadTicket:
@@ -626,6 +668,7 @@ class TierService:
     def _finish_offload(self, job: _Offload, result: OffloadResult) -> None:
         with self._counters.lock:
             self._counters.queue_pages -= len(job.pages)
+        self._check_pace()
         if job.done is not None:
             self._call(job.done, result)
 
@@ -715,6 +758,7 @@ class TierService:
             self._counters.staging_lost_pages += len(lost)
         if lost and self.on_lost is not None:
             self._deliver(self.on_lost, lost)
+        self._deliver(self._check_pace)  # staging drained: an episode may end
 
     def _past_drain(self) -> bool:
         return self._drain_deadline is not None and time.monotonic() > self._drain_deadline
