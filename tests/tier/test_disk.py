@@ -239,6 +239,8 @@ def test_sigkill_during_batch_writes_keeps_every_acknowledged_page(tmp_path: Pat
 
     async def check() -> None:
         service = TierService(tier, page_memory(pool.pool))
+        st = service.stats()
+        assert (st.recovered_values, st.torn_values) == (len(indexed), tier.torn_values)
         service.start(asyncio.get_running_loop())
         for start in range(0, acknowledged, 32):
             pages = list(range(20, 52))

@@ -331,3 +331,33 @@ def test_mismatched_keys_and_pages_are_refused(pool: Pool, disk: DiskTier) -> No
         await asyncio.to_thread(service.close)
 
     asyncio.run(scenario())
+
+
+def test_falling_behind_is_one_episode_logged_once_with_its_seconds(pool: Pool, disk: DiskTier) -> None:
+    gated = Gated(disk)
+    keys = keys_for(8, 8)
+    now = [100.0]
+
+    async def scenario() -> None:
+        service = _service(gated, pool, queue_pages=4, clock=lambda: now[0])
+        gated.gate.clear()
+        results: list[OffloadResult] = []
+        with capture_logs() as logs:
+            assert service.offload([(keys[0], 1), (keys[1], 2)], results.append) == 2
+            await asyncio.to_thread(gated.entered.acquire)  # the worker is inside the (slow) store
+            assert service.offload([(keys[2], 3), (keys[3], 4)], results.append) == 2  # the queue is full
+            assert service.offload([(keys[4], 5)], results.append) == 0  # refused: still the same episode
+            now[0] = 102.5
+            st = service.stats()
+            assert (st.behind, st.behind_episodes, st.behind_seconds) == (True, 1, 2.5)
+            gated.gate.set()
+            while len(results) < 2:
+                await asyncio.sleep(0.01)
+        behind = [e for e in logs if e["event"] in ("tier_falling_behind", "tier_caught_up")]
+        assert [(e["event"], e.get("queue_pages"), e.get("seconds"), e.get("pages_lost")) for e in behind] == [
+            ("tier_falling_behind", 4, None, None), ("tier_caught_up", None, 2.5, 1)]
+        st = service.stats()
+        assert (st.behind, st.behind_episodes, st.behind_seconds, st.offload_dropped_pages) == (False, 1, 2.5, 1)
+        await asyncio.to_thread(service.close)
+
+    asyncio.run(scenario())
