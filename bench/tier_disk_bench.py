@@ -3,7 +3,7 @@ offload and load pages a second and MB/s through `TierService` (the worker threa
 batched calls), for small test pages and Llama-3-8B-shaped pages, the segment layout beside the file-per-page
 layout it replaced (kept here, in the bench only, as the baseline).
 
-    python -m bench.tier_disk_bench            # 576-byte values (100k pages) and 2 MiB values (1 GiB)
+    python -m bench.tier_disk_bench            # 576-byte values (50k pages), 2 MiB values (1 GiB)
     python -m bench.tier_disk_bench --quick    # fewer pages (the smoke test)
 
 The disk's bandwidth: the same bytes written to one file in 8 MiB writes, then fsync'd. An offload's time runs
@@ -30,6 +30,7 @@ import numpy as np
 from bench.common import machine_load
 from bench.tier_bench import make_pool
 from cache_service.core.tier_keys import Namespace, chain
+from cache_service.log import configure_logging
 from cache_service.memory import PoolLayout
 from cache_service.memory.base import PoolBackend
 from cache_service.tier import DiskTier, TierService, page_memory
@@ -220,13 +221,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer pages (the smoke test)")
     ap.add_argument("--dir", default="", help="where the files go (default: a temporary directory under /tmp)")
     ap.add_argument("--layouts", default="per-file,segments", help="comma-separated: per-file, segments")
-    ap.add_argument("--small-pages", type=int, default=0, help="576-byte values to write (default 100,000)")
+    ap.add_argument("--small-pages", type=int, default=0, help="576-byte values to write (default 50,000)")
     ap.add_argument("--large-bytes", type=int, default=0, help="bytes of 2 MiB values to write (default 1 GiB)")
     args = ap.parse_args(argv)
     layouts = [x for x in args.layouts.split(",") if x]
     if unknown := [x for x in layouts if x not in ("per-file", "segments")]:
         ap.error(f"--layouts: unknown {', '.join(unknown)}; per-file or segments")
-    small = args.small_pages or (4_000 if args.quick else 100_000)
+    small = args.small_pages or (4_000 if args.quick else 50_000)
     large = args.large_bytes or ((64 << 20) if args.quick else (1 << 30))
     cases = [(SMALL, small, 128), (LLAMA, max(1, large // geometry(LLAMA).value_bytes), 32)]
     rows: list[tuple[str, int, str, int, float, float, float]] = []
@@ -264,4 +265,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    configure_logging("error")  # the tier's own lines (it falls behind on purpose here)
     sys.exit(main())

@@ -70,6 +70,10 @@ CLOSED = "closed"
 """The service was stopping: the page was not offloaded (or loaded)."""
 
 DEFAULT_BATCH_PAGES = 128
+PACKED_MAX_VALUE_BYTES = 64 << 10
+"""Values up to this size move as one array a batch: below it the per-chunk objects cost more than a copy."""
+BEHIND_LOG_SECONDS = 30.0
+"""A falling-behind episode that starts within this long of the last logged one is counted, not logged."""
 RETRY_MIN_SECONDS = 0.5
 RETRY_MAX_SECONDS = 30.0
 RECONNECT_AFTER_PROBES = 3
@@ -396,11 +400,14 @@ class TierService:
         self.timeout_seconds = timeout_seconds
         self._clock = clock
         self._behind_dropped = 0
+        self._behind_logged = False
+        self._behind_last_log: float | None = None
         self.batch_pages = min(batch_pages, memory.max_batch_pages)
         self._geometry = memory.geometry
         self._packed: PackedMemory | None = (memory if isinstance(memory, PackedMemory) and isinstance(
-            backend, PackedBackend) else None)
-        """Where both sides move a batch as one array (host pools, the disk tier): no object per chunk."""
+            backend, PackedBackend) and self._geometry.value_bytes <= PACKED_MAX_VALUE_BYTES else None)
+        """Where both sides move a batch as one array (host pools, the disk tier, small values): no object per
+        chunk. Large values go straight between the pool and the store instead (no copy)."""
         self._log = get_logger("kvcache.tier")
         self._counters = TierCounters(backend.name, queue_pages, self.staging.slots if self.staging else 0)
         c = self._counters
@@ -497,21 +504,26 @@ class TierService:
             queued, capacity, since = c.queue_pages, c.queue_capacity_pages, c.behind_since
             dropped = c.offload_dropped_pages + c.staging_dropped_pages
         if since is None and (queued >= capacity or 2 * staged > slots > 0):
+            now = self._clock()
             with c.lock:
-                c.behind_since = self._clock()
+                c.behind_since = now
                 c.behind_episodes += 1
-            self._behind_dropped = dropped
-            self._log.warning("tier_falling_behind", backend=self.backend.name, queue_pages=queued,
-                              queue_capacity_pages=capacity, staging_pages=staged, staging_slots=slots,
-                              effect="offloads ahead of eviction wait; pages evicted meanwhile go to staging, "
-                                     "and are lost once it is full")
+            self._behind_logged = self._behind_last_log is None or now - self._behind_last_log >= BEHIND_LOG_SECONDS
+            if self._behind_logged:  # episodes that flap within the interval are counted, not logged
+                self._behind_last_log = now
+                self._behind_dropped = dropped
+                self._log.warning("tier_falling_behind", backend=self.backend.name, queue_pages=queued,
+                                  queue_capacity_pages=capacity, staging_pages=staged, staging_slots=slots,
+                                  effect="offloads ahead of eviction wait; pages evicted meanwhile go to staging, "
+                                         "and are lost once it is full")
         elif since is not None and 2 * queued <= capacity and 4 * staged <= slots:
             now = self._clock()
             with c.lock:
                 c.behind_since = None
                 c.behind_seconds += now - since
-            self._log.info("tier_caught_up", backend=self.backend.name, seconds=round(now - since, 3),
-                           pages_lost=dropped - self._behind_dropped)
+            if self._behind_logged:
+                self._log.info("tier_caught_up", backend=self.backend.name, seconds=round(now - since, 3),
+                               pages_lost=dropped - self._behind_dropped)
 
     def stage(self, keys: list[bytes], pages: Any) -> int:
         """Eviction staging, on the loop, inside the core call that evicts `pages` (the tier lacks them): copy
