@@ -253,7 +253,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f.unlink() if f.is_file() else f.rmdir()
             finally:
                 pool.close()
-    print(f"disk tier throughput through TierService; {machine_load()}; files under {args.dir or tempfile.gettempdir()}")
+    where = args.dir or tempfile.gettempdir()
+    print(f"disk tier throughput through TierService; {machine_load()}; files under {where}")
     print(f"{'layout':<9} {'value B':>9} {'pages':>8} {'offload pg/s':>12} {'offload MB/s':>12} {'disk MB/s':>9} "
           f"{'of disk':>7} {'load pg/s':>10} {'load MB/s':>9}")
     for name, value, count_text, total, off, load, disk_seconds in rows:

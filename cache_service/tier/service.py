@@ -44,7 +44,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -836,7 +836,7 @@ class TierService:
             self._log.warning("tier_staging_failed", operation="put", error=str(e))
             return [ERROR] * n
         try:
-            return self.backend.put_values(keys, values)  # type: ignore[attr-defined]
+            return cast(PackedBackend, self.backend).put_values(keys, values)
         except TierUnavailable as e:
             self._link.down("put", e)
             return [DOWN] * n
