@@ -73,6 +73,7 @@ LAYOUTS: dict[str, dict[str, object]] = {
 512-byte values (576 with the header: the tier's file operations, not its bytes, are what it pays)."""
 LAYOUT = LAYOUTS["16k"]
 TIERS = ("none", "disk", "mooncake")
+LOG_LEVEL = "error"
 
 
 def trace(conversations: int, turns: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
@@ -216,7 +217,7 @@ def config(tier: str, pool_pages: int, tmp: Path, master: str, layout: dict[str,
     elif tier == "mooncake":
         extra = {"tier": "mooncake", "mooncake_master": master}
     return ServiceConfig(listen="127.0.0.1:0", num_pages=pool_pages + 1, backend="host_shm", shm_dir="/dev/shm",
-                         shm_prefix="kvbench-trace", log_level="error", reap_interval=60, tier_timeout=5.0,
+                         shm_prefix="kvbench-trace", log_level=LOG_LEVEL, reap_interval=60, tier_timeout=5.0,
                          model_name=f"trace-{uuid.uuid4().hex[:8]}",  # a fresh namespace: no hits from earlier runs
                          **layout, **extra, **settings)  # type: ignore[arg-type]
 
