@@ -72,6 +72,9 @@ CLOSED = "closed"
 DEFAULT_BATCH_PAGES = 128
 PACKED_MAX_VALUE_BYTES = 64 << 10
 """Values up to this size move as one array a batch: below it the per-chunk objects cost more than a copy."""
+BEHIND_FULL_SECONDS = 1.0
+"""The offload queue full for this long is falling behind (write-back keeps the queue full while the pool is
+under its watermark: full alone is the normal state of a busy tier)."""
 BEHIND_LOG_SECONDS = 30.0
 """A falling-behind episode that starts within this long of the last logged one is counted, not logged."""
 RETRY_MIN_SECONDS = 0.5
@@ -401,6 +404,7 @@ class TierService:
         self._clock = clock
         self._behind_dropped = 0
         self._behind_logged = False
+        self._full_since: float | None = None
         self._behind_last_log: float | None = None
         self.batch_pages = min(batch_pages, memory.max_batch_pages)
         self._geometry = memory.geometry
@@ -495,16 +499,22 @@ class TierService:
 
     def _check_pace(self) -> None:
         """On the loop, after the offload queue or staging changed: start or end a falling-behind episode. It
-        starts when the queue is full or staging more than half full, and ends once the queue is at most half
-        full and staging at most a quarter; one warning at its start, one line at its end."""
+        starts when the queue has been full for BEHIND_FULL_SECONDS or staging is more than half full, and ends
+        once the queue is at most half full and staging at most a quarter; one warning at its start, one line
+        at its end."""
         c = self._counters
         staged = self.staging.used if self.staging is not None else 0
         slots = self.staging.slots if self.staging is not None else 0
         with c.lock:
             queued, capacity, since = c.queue_pages, c.queue_capacity_pages, c.behind_since
             dropped = c.offload_dropped_pages + c.staging_dropped_pages
-        if since is None and (queued >= capacity or 2 * staged > slots > 0):
-            now = self._clock()
+        now = self._clock()
+        if queued < capacity:
+            self._full_since = None
+        elif self._full_since is None:
+            self._full_since = now
+        full = self._full_since is not None and now - self._full_since >= BEHIND_FULL_SECONDS
+        if since is None and (full or 2 * staged > slots > 0):
             with c.lock:
                 c.behind_since = now
                 c.behind_episodes += 1
@@ -517,7 +527,6 @@ class TierService:
                                   effect="offloads ahead of eviction wait; pages evicted meanwhile go to staging, "
                                          "and are lost once it is full")
         elif since is not None and 2 * queued <= capacity and 4 * staged <= slots:
-            now = self._clock()
             with c.lock:
                 c.behind_since = None
                 c.behind_seconds += now - since

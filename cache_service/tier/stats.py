@@ -68,7 +68,7 @@ class TierStats:
     staging_hit_pages: int = 0
     """Pages loads copied from eviction staging (staged, not written yet)."""
     behind: bool = False
-    """The tier is falling behind now: the offload queue is full, or eviction staging more than half full."""
+    """The tier is falling behind now: the offload queue full for a second, or eviction staging over half full."""
     behind_episodes: int = 0
     """Times the tier fell behind (each logged once: `tier_falling_behind`, then `tier_caught_up`)."""
     behind_seconds: float = 0.0

@@ -345,9 +345,13 @@ def test_falling_behind_is_one_episode_logged_once_with_its_seconds(pool: Pool, 
         with capture_logs() as logs:
             assert service.offload([(keys[0], 1), (keys[1], 2)], results.append) == 2
             await asyncio.to_thread(gated.entered.acquire)  # the worker is inside the (slow) store
-            assert service.offload([(keys[2], 3), (keys[3], 4)], results.append) == 2  # the queue is full
-            assert service.offload([(keys[4], 5)], results.append) == 0  # refused: still the same episode
-            now[0] = 102.5
+            assert service.offload([(keys[2], 3), (keys[3], 4)], results.append) == 2  # full: not behind yet
+            assert service.stats().behind is False
+            now[0] = 101.0  # full for a second: behind
+            assert service.offload([(keys[4], 5)], results.append) == 0
+            now[0] = 101.5
+            assert service.offload([(keys[5], 6)], results.append) == 0  # refused: still the same episode
+            now[0] = 103.5
             st = service.stats()
             assert (st.behind, st.behind_episodes, st.behind_seconds) == (True, 1, 2.5)
             gated.gate.set()
@@ -357,7 +361,7 @@ def test_falling_behind_is_one_episode_logged_once_with_its_seconds(pool: Pool, 
         assert [(e["event"], e.get("queue_pages"), e.get("seconds"), e.get("pages_lost")) for e in behind] == [
             ("tier_falling_behind", 4, None, None), ("tier_caught_up", None, 2.5, 1)]
         st = service.stats()
-        assert (st.behind, st.behind_episodes, st.behind_seconds, st.offload_dropped_pages) == (False, 1, 2.5, 1)
+        assert (st.behind, st.behind_episodes, st.behind_seconds, st.offload_dropped_pages) == (False, 1, 2.5, 2)
         await asyncio.to_thread(service.close)
 
     asyncio.run(scenario())
