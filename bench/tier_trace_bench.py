@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import sys
 import tempfile
 import time
@@ -64,9 +65,15 @@ from protos.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 OUT = Path(__file__).resolve().parent / "out"
 PAGE = 16
 SYSTEM, USER, OUTPUT = 64, 48, 16
-LAYOUT = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 64, "dtype": "float16", "page_size": PAGE}
-"""16 KiB values: big enough that the tier moves real bytes, small enough for many runs."""
+LAYOUTS: dict[str, dict[str, object]] = {
+    "16k": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 64, "dtype": "float16", "page_size": PAGE},
+    "tiny": {"num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "dtype": "float16", "page_size": PAGE},
+}
+"""--layout name -> the pool's layout: 16 KiB values (the tier moves real bytes, small enough for many runs), or
+512-byte values (576 with the header: the tier's file operations, not its bytes, are what it pays)."""
+LAYOUT = LAYOUTS["16k"]
 TIERS = ("none", "disk", "mooncake")
+LOG_LEVEL = "error"
 
 
 def trace(conversations: int, turns: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
@@ -84,30 +91,71 @@ def trace(conversations: int, turns: int, seed: int = 0) -> list[tuple[list[int]
     return out
 
 
+def _page_digests(tokens: list[int]) -> list[bytes]:
+    """A chained digest per full page of `tokens` (equal digests: equal prefixes), linear in the tokens."""
+    data = np.asarray(tokens, "<i4").tobytes()
+    out: list[bytes] = []
+    parent = b""
+    for j in range(len(tokens) // PAGE):
+        parent = hashlib.blake2b(parent + data[j * PAGE * 4:(j + 1) * PAGE * 4], digest_size=16).digest()
+        out.append(parent)
+    return out
+
+
 def infinite(requests: list[tuple[list[int], list[int]]]) -> tuple[int, int]:
-    """(cached tokens, prompt tokens) against a radix that never evicts; also the working set in pages."""
-    seen: set[tuple[int, ...]] = set()
+    """(cached tokens, prompt tokens) against a radix that never evicts."""
+    seen: set[bytes] = set()
     cached = total = 0
     for prompt, gen in requests:
         n = (len(prompt) - 1) // PAGE
+        pages = _page_digests(prompt[: n * PAGE])
         hit = 0
-        while hit < n and tuple(prompt[: (hit + 1) * PAGE]) in seen:
+        while hit < n and pages[hit] in seen:
             hit += 1
         cached += hit * PAGE
         total += len(prompt)
         full = prompt + gen
-        for j in range((len(full) - 1) // PAGE):
-            seen.add(tuple(full[: (j + 1) * PAGE]))
+        seen.update(_page_digests(full[: (len(full) - 1) // PAGE * PAGE]))
     return cached, total
 
 
 def working_set_pages(requests: list[tuple[list[int], list[int]]]) -> int:
-    seen: set[tuple[int, ...]] = set()
+    seen: set[bytes] = set()
     for prompt, gen in requests:
         full = prompt + gen
-        for j in range((len(full) - 1) // PAGE):
-            seen.add(tuple(full[: (j + 1) * PAGE]))
+        seen.update(_page_digests(full[: (len(full) - 1) // PAGE * PAGE]))
     return len(seen)
+
+
+BLOCK = 512
+"""Tokens a hash id of Mooncake's public traces stands for."""
+
+
+def public_trace(path: Path, limit: int) -> tuple[list[tuple[list[int], list[int]]], list[float]]:
+    """The first `limit` requests of a Mooncake-format trace (JSON lines: timestamp ms, input_length,
+    output_length, hash_ids of 512-token blocks): (prompt, generated) per request and its arrival in seconds.
+    Equal hash ids become equal token blocks (a block's tokens are drawn from its id), so prefixes are shared
+    exactly as the trace says; the last block is cut to the input length."""
+    import json
+
+    requests: list[tuple[list[int], list[int]]] = []
+    arrivals: list[float] = []
+    blocks: dict[int, list[int]] = {}
+    with open(path) as f:
+        for line in f:
+            if len(requests) >= limit:
+                break
+            r = json.loads(line)
+            prompt: list[int] = []
+            for h in r["hash_ids"]:
+                if h not in blocks:
+                    blocks[h] = np.random.default_rng(h).integers(0, 30_000, BLOCK).tolist()
+                prompt += blocks[h]
+            prompt = prompt[: r["input_length"]]
+            gen = np.random.default_rng(10**9 + len(requests)).integers(0, 30_000, r["output_length"]).tolist()
+            requests.append((prompt, gen))
+            arrivals.append(r["timestamp"] / 1e3)
+    return requests, arrivals
 
 
 @dataclass
@@ -160,7 +208,8 @@ async def run_trace(cfg: ServiceConfig, requests: list[tuple[list[int], list[int
         await server.stop(grace=0)
 
 
-def config(tier: str, pool_pages: int, tmp: Path, master: str, **settings: object) -> ServiceConfig:
+def config(tier: str, pool_pages: int, tmp: Path, master: str, layout: dict[str, object] = LAYOUT,
+           **settings: object) -> ServiceConfig:
     """The service of one run; `settings` are further ServiceConfig fields (the tier's watermark, pin share)."""
     extra: dict[str, object] = {}
     if tier == "disk":
@@ -168,9 +217,9 @@ def config(tier: str, pool_pages: int, tmp: Path, master: str, **settings: objec
     elif tier == "mooncake":
         extra = {"tier": "mooncake", "mooncake_master": master}
     return ServiceConfig(listen="127.0.0.1:0", num_pages=pool_pages + 1, backend="host_shm", shm_dir="/dev/shm",
-                         shm_prefix="kvbench-trace", log_level="error", reap_interval=60, tier_timeout=5.0,
+                         shm_prefix="kvbench-trace", log_level=LOG_LEVEL, reap_interval=60, tier_timeout=5.0,
                          model_name=f"trace-{uuid.uuid4().hex[:8]}",  # a fresh namespace: no hits from earlier runs
-                         **LAYOUT, **extra, **settings)  # type: ignore[arg-type]
+                         **layout, **extra, **settings)  # type: ignore[arg-type]
 
 
 MODES: dict[str, dict[str, object]] = {
@@ -269,11 +318,18 @@ class RateRun:
     offload_seconds: float
     append_ms: float
     """Median AppendSession from the client."""
+    load_timeouts: int = 0
+    queue_pages: int = 0
+    """Pages waiting in the offload queue when the trace's last request finished."""
+    failed: int = 0
+    """Requests that got an error instead of an answer (counted as caching nothing)."""
 
 
 async def run_rate(cfg: ServiceConfig, requests: list[tuple[list[int], list[int]]], tier: str, mode: str,
-                   rate: float, trace_tps: float, prefill_tps: float, conversations: int) -> RateRun:
-    """The trace open-loop at `rate` x `trace_tps` prompt tokens a second (0: back to back, no engine time)."""
+                   rate: float, trace_tps: float, prefill_tps: float, conversations: int,
+                   arrivals: Sequence[float] = ()) -> RateRun:
+    """The trace open-loop at `rate` x `trace_tps` prompt tokens a second (0: back to back, no engine time), or
+    at `rate` x its own pace where `arrivals` (seconds) are given; `conversations` 0: requests are independent."""
     server, port = await build_server(cfg)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -281,19 +337,28 @@ async def run_rate(cfg: ServiceConfig, requests: list[tuple[list[int], list[int]
             loop = asyncio.get_running_loop()
             start = loop.time()
             answers: list[tuple[pb.AppendSessionResponse, float]] = []
+            failed = 0
             if not rate:
                 for i, (prompt, gen) in enumerate(requests):
                     answers.append(await _turn(stub, f"r{i}", prompt, gen, 0))
             else:
                 done: dict[int, asyncio.Event] = {}
-                offsets = np.cumsum([0] + [len(p) for p, _ in requests[:-1]]) / (trace_tps * rate)
+                offsets = (np.asarray(arrivals, float) / rate if len(arrivals) else
+                           np.cumsum([0] + [len(p) for p, _ in requests[:-1]]) / (trace_tps * rate))
 
                 async def one(i: int) -> tuple[pb.AppendSessionResponse, float]:
+                    nonlocal failed
                     await asyncio.sleep(max(0.0, start + float(offsets[i]) - loop.time()))
-                    if i - conversations in done:  # the conversation's previous turn
+                    if conversations and i - conversations in done:  # the conversation's previous turn
                         await done[i - conversations].wait()
                     try:
                         return await _turn(stub, f"r{i}", *requests[i], prefill_tps)
+                    except grpc.aio.AioRpcError as e:  # counted (a request that got no answer caches nothing)
+                        failed += 1
+                        if failed == 1:
+                            print(f"[tier_trace_bench] request {i}: {e.code().name} {e.details()}", file=sys.stderr,
+                                  flush=True)
+                        return pb.AppendSessionResponse(), 0.0
                     finally:
                         done[i].set()
 
@@ -301,12 +366,14 @@ async def run_rate(cfg: ServiceConfig, requests: list[tuple[list[int], list[int]
                     done[i] = asyncio.Event()
                 answers = list(await asyncio.gather(*(one(i) for i in range(len(requests)))))
             wall = loop.time() - start
-            st = await _settle(stub)
+            queued = (await stub.GetStats(pb.GetStatsRequest())).tier.queue_pages
+            st = await _settle(stub, 600.0)
             t = st.tier
             return RateRun(tier, mode, rate, sum(a.cached_tokens for a, _ in answers),
                            sum(len(p) for p, _ in requests), st.evicted_unstored_pages, t.staged_pages,
                            t.staging_dropped_pages, wall, st.evicted_pages, t.offload_pages, t.offload_bytes,
-                           t.offload_seconds, 1e3 * float(np.median([s for _, s in answers])))
+                           t.offload_seconds, 1e3 * float(np.median([s for _, s in answers])), t.load_timeouts,
+                           queued, failed)
     finally:
         await server.stop(grace=0)
 
@@ -357,6 +424,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help=f"comma-separated, for --burst and --rates: {', '.join(MODES)}")
     ap.add_argument("--trace-tps", type=float, default=42_000.0,
                     help="the trace's arrival rate at 1x, prompt tokens a second")
+    ap.add_argument("--trace-file", default="",
+                    help="a Mooncake-format trace (JSON lines with timestamp, input_length, output_length, hash_ids; "
+                         "e.g. the public conversation_trace.jsonl) for --rates: 1x is its own pace")
+    ap.add_argument("--trace-requests", type=int, default=1000, help="the first N requests of --trace-file")
+    ap.add_argument("--layout", default="16k", choices=list(LAYOUTS),
+                    help="the pool's page layout: 16k (16 KiB values) or tiny (512-byte values)")
     args = ap.parse_args(argv)
     try:  # the service's own check of the two shares, as one line, before any run starts
         ServiceConfig(tier_watermark=args.tier_watermark, tier_pin_fraction=args.tier_pin_fraction)
@@ -366,6 +439,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown := [m for m in modes if m not in MODES]:
         ap.error(f"--modes: unknown {', '.join(unknown)}; one of {', '.join(MODES)}")
     rates = [float(r) for r in args.rates.split(",") if r]
+    if args.trace_file:
+        if not rates:
+            ap.error("--trace-file: give --rates (1 is the trace's own pace)")
+        try:
+            requests, arrivals = public_trace(Path(args.trace_file), args.trace_requests)
+        except (OSError, ValueError, KeyError) as e:
+            ap.error(f"--trace-file {args.trace_file}: {e}")
+        return policy_tables(args, modes, rates, requests, 0, arrivals)
     conversations, turns = (24, 3) if args.quick else (48, 6)
     requests = trace(conversations, turns)
     if args.burst or rates:
@@ -418,7 +499,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def policy_tables(args: argparse.Namespace, modes: list[str], rates: list[float],
-                  requests: list[tuple[list[int], list[int]]], conversations: int) -> int:
+                  requests: list[tuple[list[int], list[int]]], conversations: int,
+                  arrivals: Sequence[float] = ()) -> int:
     """The burst table and the rate table, per tier (of --tiers, "none" once) and mode."""
     tiers = [t for t in args.tiers.split(",") if t]
     shares = {"tier_watermark": args.tier_watermark, "tier_pin_fraction": args.tier_pin_fraction}
@@ -444,14 +526,18 @@ def policy_tables(args: argparse.Namespace, modes: list[str], rates: list[float]
                 for tier, mode in runs:
                     print(f"[tier_trace_bench] rate {rate:g}x: {tier} {mode}, pool {pool} pages", file=sys.stderr,
                           flush=True)
-                    cfg = config(tier, pool, Path(tmp), master, **shares, **MODES[mode])
+                    cfg = config(tier, pool, Path(tmp), master, LAYOUTS[args.layout], **shares, **MODES[mode])
                     rated.append(asyncio.run(run_rate(cfg, requests, tier, mode, rate, args.trace_tps,
-                                                      args.prefill_tps, conversations)))
+                                                      args.prefill_tps, conversations, arrivals)))
+                    r = rated[-1]
+                    print(f"[tier_trace_bench] {tier} {mode} {rate:g}x: hit {r.cached / r.prompt:.3f}, "
+                          f"{r.failed} failed, {r.wall_seconds:.0f} s", file=sys.stderr, flush=True)
         finally:
             if cluster is not None:
                 cluster.stop()
-    value = 2 * LAYOUT["num_layers"] * PAGE * LAYOUT["num_kv_heads"] * LAYOUT["head_dim"] * 2  # type: ignore[operator]
-    print(f"{machine_load()}; pages of {PAGE} tokens, {value // 1024} KiB of KV a page; engine prefill emulated at "
+    chosen = LAYOUTS[args.layout]
+    value = 2 * chosen["num_layers"] * PAGE * chosen["num_kv_heads"] * chosen["head_dim"] * 2  # type: ignore[operator]
+    print(f"{machine_load()}; pages of {PAGE} tokens, {value:,} bytes of KV a page; engine prefill emulated at "
           f"{args.prefill_tps:,.0f} tokens/s")
     if bursts:
         print(f"burst: a {BURST_PREFIX_PAGES}-page prefix in a {BURST_POOL}-page pool, then {BURST_PROMPTS} unrelated "
@@ -464,17 +550,20 @@ def policy_tables(args: argparse.Namespace, modes: list[str], rates: list[float]
     if rated:
         bound_cached, total = infinite(requests)
         bound = bound_cached / total
+        pace = "the trace's own pace" if arrivals else f"{args.trace_tps:,.0f} prompt tokens/s"
         print(f"rates: {len(requests)} requests, {total:,} prompt tokens, working set {ws} pages, pool {pool} pages; "
-              f"1x = {args.trace_tps:,.0f} prompt tokens/s; infinite cache: hit ratio {bound:.3f}")
+              f"1x = {pace}; infinite cache: hit ratio {bound:.3f}")
         print(f"{'tier':<9} {'mode':<14} {'rate':>8} {'hit':>6} {'of inf':>7} {'lost':>5} {'staged':>6} "
-              f"{'dropped':>7} {'append ms':>9} {'got tok/s':>9} {'need MB/s':>9} {'wrote MB/s':>10}")
+              f"{'dropped':>7} {'append ms':>9} {'got tok/s':>9} {'need MB/s':>9} {'wrote MB/s':>10} {'busy s':>7} "
+              f"{'wall s':>7} {'queued':>6} {'timeouts':>8} {'failed':>6}")
         for r in rated:
             need = (r.offload_pages + r.lost) * value / r.wall_seconds / 1e6  # what the tier got or should have
             wrote = r.offload_bytes / r.offload_seconds / 1e6 if r.offload_seconds else 0.0
             rate = f"{r.rate:g}x" if r.rate else "unpaced"
             print(f"{r.tier:<9} {r.mode:<14} {rate:>8} {r.cached / r.prompt:>6.3f} {r.cached / r.prompt / bound:>7.3f} "
                   f"{r.lost:>5} {r.staged:>6} {r.dropped:>7} {r.append_ms:>9.2f} {r.prompt / r.wall_seconds:>9,.0f} "
-                  f"{need:>9.1f} {wrote:>10.1f}")
+                  f"{need:>9.1f} {wrote:>10.1f} {r.offload_seconds:>7.1f} {r.wall_seconds:>7.1f} {r.queue_pages:>6} "
+                  f"{r.load_timeouts:>8} {r.failed:>6}")
     return 0
 
 

@@ -209,6 +209,13 @@ class _TierCollector(Collector):
             ("kvcache_tier_staging_lost_pages", "Staged pages the tier never stored (it failed, or the service "
              "stopped first): lost.", t.staging_lost_pages),
             ("kvcache_tier_staging_hit_pages", "Pages loads copied from eviction staging.", t.staging_hit_pages),
+            ("kvcache_tier_behind_episodes", "Times the tier fell behind (offload queue full for a second, or staging "
+             "over half full).", t.behind_episodes),
+            ("kvcache_tier_behind_seconds", "Seconds the tier spent behind, in all.", t.behind_seconds),
+            ("kvcache_tier_torn_values", "Values the store found cut short or unsound at start (a crash "
+             "mid-write).", t.torn_values),
+            ("kvcache_tier_staging_crashed_pages", "Pages eviction staging held when the previous process died "
+             "(SIGKILL): lost, counted at this start.", t.staging_crashed_pages),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         errors = CounterMetricFamily("kvcache_tier_errors", "Tier failures by operation (exists, put, get) and "
@@ -223,6 +230,8 @@ class _TierCollector(Collector):
         yield queue
         yield GaugeMetricFamily("kvcache_tier_staging_pages", "Pages waiting in eviction staging for the tier now.",
                                 value=t.staging_pages)
+        yield GaugeMetricFamily("kvcache_tier_behind", "1 while the tier falls behind (offload queue full for a "
+                                "second, or eviction staging over half full).", value=int(t.behind))
         if t.stored_bytes is not None:
             yield GaugeMetricFamily("kvcache_tier_stored_bytes", "Value bytes the tier holds (disk).",
                                     value=t.stored_bytes)

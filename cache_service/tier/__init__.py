@@ -2,7 +2,8 @@
 off the RPC path.
 
     backend.py   the TierBackend protocol, per-page outcomes, TierUnavailable
-    disk.py      DiskTier: files under --tier-dir, LRU within --tier-bytes, rebuilt at start
+    disk.py      DiskTier: values appended to segment files under --tier-dir, LRU segments reclaimed within
+                 --tier-bytes, the index rebuilt from the segments at start
     mooncake.py  MooncakeTier: Mooncake Store's Python client, zero-copy from registered pool memory
     value.py     a value's header and CRC; memory.py where pages are read and written (pool or staging)
     service.py   TierService: the queues, worker threads and counters the service loop uses

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from cache_service.tier.memory import PageBuffers
 from cache_service.tier.value import Geometry
@@ -118,6 +118,19 @@ class TierBackend(Protocol):
 
     def close(self) -> None:
         """Idempotent."""
+
+
+@runtime_checkable
+class PackedBackend(Protocol):
+    """A store that also moves a batch as one array, `[n, value_bytes]` uint8 (each row a whole value, header
+    included): no Python object per chunk. The tier uses it where the page memory can gather and scatter
+    batches too (host pools)."""
+
+    def put_values(self, keys: Sequence[bytes], values: Any) -> list[str]:
+        """`put` of rows `values[i]` under `keys[i]`."""
+
+    def get_values(self, keys: Sequence[bytes], values: Any) -> list[str]:
+        """`get` into rows `values[i]` (the caller verifies them); per key "" or a reason."""
 
 
 class TierSettings(Protocol):

@@ -1,18 +1,30 @@
-"""The `disk` tier: one file per page value under --tier-dir, least recently used first out within
---tier-bytes, found again by a restarted service.
+"""The `disk` tier: page values appended to segment files under --tier-dir, whole segments reclaimed least
+recently used first within --tier-bytes, found again by a restarted service (docs/design.md §8).
 
-Layout: `<dir>/<first two hex digits of the key>/kvc1-<key hex>.kv`, each file a whole value (header and
-payload). A value is written to a temporary name in the same directory and renamed into place, so a file
-under a value's name is never one still being written; a crash can leave only temporary files, which the
-next start removes. No fsync: after a power loss a renamed file may be short or hold stale blocks, which
-the header and CRC turn into a miss (a tier is a cache; a lost value costs a hit).
+Layout: `<dir>/seg-<12-digit id>.kvs`. A segment is a 64-byte segment header (magic, version, the value
+geometry and a digest of the pool layout it was written for), then values of one fixed size back to back
+(each a whole value: its own 64-byte header naming its key, then the payload), so value `i` is at
+`SEGMENT_HEADER_BYTES + i * value_bytes`. A batch of puts is one `pwritev` a run of values (the file
+operations are per batch, not per page); a batch of gets one `preadv` per run of consecutive values.
+Segments are append-only: a value is never rewritten in place, and a segment's bytes go back to the disk
+only when the whole segment is reclaimed (unlinked).
 
-The index (key -> size, in LRU order) lives in memory and is rebuilt from the directory at start, ordered
-by modification time; a hit touches the file's mtime, so the order survives restarts. One service owns a
-directory at a time (an flock on `<dir>/.kvcache-tier.lock`); a second one is refused at start.
+Capacity and LRU: the budget counts segment files. Segments are kept in least-recently-used order (a put
+into one, a hit on one of its values, or a put of a key it holds moves it to the end); when a new segment
+needs room, the least recently used segments are reclaimed whole, their values dropped (`take_dropped`).
+A segment whose every value was discarded goes at once. The index (key -> segment, slot) lives in memory.
 
-Reads and writes go straight between the file and the page buffers with preadv/pwritev (the pool's own
-chunks for host pools): the kernel's page cache is the only copy.
+Restart: the index is rebuilt from the segment files, ordered by modification time (a hit touches its
+segment's mtime once a batch, so the order survives): every value header is read and checked (magic,
+geometry). A torn tail (a value cut short by a crash mid-write) is cut off and counted (`torn_values`); a
+value whose header is not sound is skipped and counted too. Values are not fsynced on the write path (a
+tier is a cache): after a power loss a value may hold stale blocks, which its CRC turns into a miss at load.
+`close()` fsyncs the segment being written. A segment written for another pool layout or value geometry is
+never read: it holds no key for this service and is reclaimed in its LRU turn like any other.
+
+One service owns a directory at a time (an flock on `<dir>/.kvcache-tier.lock`); a second one is refused.
+Values go straight between the files and the page buffers (the pool's own chunks for host pools): the
+kernel's page cache is the only copy.
 """
 
 from __future__ import annotations
@@ -20,21 +32,23 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import itertools
+import hashlib
 import os
+import re
+import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from cache_service.core.tier_keys import key_from_text, key_text
 from cache_service.memory.base import format_bytes
 from cache_service.tier.backend import (
     ERROR,
     FULL,
     MISSING,
     SHORT,
-    WRONG_SIZE,
     GetItem,
     GetResult,
     PutItem,
@@ -43,65 +57,101 @@ from cache_service.tier.backend import (
     TierUnavailable,
     Usage,
 )
-from cache_service.tier.value import HEADER_BYTES, Geometry
+from cache_service.tier.value import HEADER, HEADER_BYTES, MAGIC, VERSION, Geometry
 
-SUFFIX = ".kv"
-TEMP_SUFFIX = ".tmp"
 LOCK_NAME = ".kvcache-tier.lock"
+STAGING_LEDGER_NAME = ".kvcache-staging"
+SEGMENT_MAGIC = b"KVS1"
+SEGMENT_VERSION = 1
+SEGMENT_HEADER = struct.Struct("<4sHHQII32s8x")
+"""magic | version u16 | header bytes u16 | value bytes u64 | chunks u32 | chunk bytes u32 | layout digest."""
+SEGMENT_HEADER_BYTES = SEGMENT_HEADER.size
+assert SEGMENT_HEADER_BYTES == 64, SEGMENT_HEADER_BYTES
+SEGMENT_NAME = re.compile(r"seg-(\d{12})\.kvs")
+SEGMENTS_PER_BUDGET = 16
+"""The budget is cut into about this many segments: what one reclamation frees (1/16 of the budget)."""
+MAX_SEGMENT_BYTES = 1 << 30
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+_SCAN_CHUNK_BYTES = 8 << 20
 
 
-def _writev_all(fd: int, buffers: Sequence[object], total: int) -> None:
-    """pwritev every byte of `buffers` from offset 0 (a short write continues where it stopped)."""
-    views = [memoryview(b).cast("B") for b in buffers]  # type: ignore[arg-type]
-    offset = 0
+def _move(fd: int, buffers: list[memoryview], offset: int, write: bool) -> int:
+    """pwritev (write) or preadv every byte of `buffers` at `offset`, continuing after short transfers; returns
+    the bytes moved (less than asked only when a read reaches the end of the file)."""
+    views = [b.cast("B") for b in buffers]
+    moved = 0
     while views:
-        n = os.pwritev(fd, views[:_IOV_MAX], offset)
+        n = os.pwritev(fd, views[:_IOV_MAX], offset + moved) if write else os.preadv(fd, views[:_IOV_MAX],
+                                                                                       offset + moved)
         if n <= 0:
-            raise OSError(errno.EIO, "pwritev wrote nothing")
-        offset += n
-        _consume(views, n)
-    assert offset == total, (offset, total)
-
-
-def _readv_all(fd: int, buffers: Sequence[memoryview]) -> int:
-    """preadv into every buffer from offset 0 until they are full or the file ends; returns bytes read."""
-    views = [memoryview(b).cast("B") for b in buffers]
-    offset = 0
-    while views:
-        n = os.preadv(fd, views[:_IOV_MAX], offset)
-        if n <= 0:
+            if write:
+                raise OSError(errno.EIO, "pwritev wrote nothing")
             break
-        offset += n
-        _consume(views, n)
-    return offset
+        moved += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
+    return moved
 
 
-def _consume(views: list[memoryview], n: int) -> None:
-    """Drop the first `n` bytes of `views` (what one pwritev/preadv moved)."""
-    while views and n >= len(views[0]):
-        n -= len(views[0])
-        views.pop(0)
-    if n:
-        views[0] = views[0][n:]
+def layout_digest(geometry: Geometry) -> bytes:
+    """What a segment header records of the pool it was written for (the layout's words and the geometry)."""
+    text = f"{geometry.layout}|{geometry.num_chunks}|{geometry.chunk_bytes}".encode()
+    return hashlib.sha256(text).digest()
+
+
+@dataclass(eq=False)
+class _Segment:
+    id: int
+    path: Path
+    fd: int
+    capacity: int
+    """Values it may hold (0 for a foreign segment: never written or read)."""
+    keys: list[bytes | None] = field(default_factory=list)
+    """Per slot written: the key it holds, or None (discarded, unsound, or superseded)."""
+    live: int = 0
+    size: int = SEGMENT_HEADER_BYTES
+    """File bytes counted against the budget."""
+    readers: int = 0
+    reclaimed: bool = False
+    touched: bool = False
+    """Hit since the last batch: its mtime is brought forward (the LRU order a restart rebuilds)."""
 
 
 class DiskTier:
-    """Page values as files under `directory`, at most `capacity_bytes` in all (LRU)."""
+    """Page values in segment files under `directory`, at most `capacity_bytes` of files (LRU by segment)."""
 
     name = "disk"
     medium = "DISK"
 
-    def __init__(self, directory: str | os.PathLike[str], capacity_bytes: int, geometry: Geometry) -> None:
+    def __init__(self, directory: str | os.PathLike[str], capacity_bytes: int, geometry: Geometry, *,
+                 segment_values: int = 0) -> None:
+        """`segment_values`: values a segment holds (0: about 1/16 of the budget, at most 1 GiB a segment)."""
         self.directory = Path(directory).absolute()
         self.geometry = geometry
+        self._value = geometry.value_bytes
+        self._digest = layout_digest(geometry)
         self._lock = threading.Lock()
-        self._index: OrderedDict[bytes, int] = OrderedDict()
+        """Guards the index, the segments' order and their reader counts."""
+        self._write_lock = threading.Lock()
+        """One writer at a time appends to the active segment."""
+        self._where: dict[bytes, tuple[_Segment, int]] = {}
+        self._segments: OrderedDict[int, _Segment] = OrderedDict()
+        """Least recently used first."""
+        self._active: _Segment | None = None
+        self._unsynced: dict[int, _Segment] = {}
+        """Segments written since the last `sync`."""
+        self._next_id = 0
         self._bytes = 0
         self._dropped: list[bytes] = []
-        """Keys evicted by the LRU since `take_dropped` (KV events announce their removal)."""
-        self._temp_names = itertools.count()
+        """Keys reclaimed with their segments since `take_dropped` (KV events announce their removal)."""
         self._lock_fd: int | None = None
+        self.torn_values = 0
+        """Values found cut short or unsound at start (a crash mid-write): not indexed."""
+        self.foreign_segments = 0
+        """Segments of another layout or geometry found at start: never read."""
         try:
             # The directory itself is made, never its parents: a missing parent is a typo or a volume not
             # mounted, where values written would fill another disk (README: a missing directory stops it).
@@ -123,12 +173,20 @@ class DiskTier:
             st = os.statvfs(self.directory)
             capacity_bytes = st.f_bavail * st.f_frsize // 2
         self.capacity_bytes = capacity_bytes
-        if capacity_bytes < geometry.value_bytes:
+        if capacity_bytes < SEGMENT_HEADER_BYTES + self._value:
             self.close()
             raise TierConfigError(f"--tier-bytes {capacity_bytes} holds no page value of "
-                                  f"{format_bytes(geometry.value_bytes)}")
-        self.removed_temp_files, self.evicted_at_start = self._rebuild()
-        self._dropped = []  # what the start evicted was never announced by this instance
+                                  f"{format_bytes(self._value)}")
+        fit = (capacity_bytes - SEGMENT_HEADER_BYTES) // self._value
+        default = min(capacity_bytes // SEGMENTS_PER_BUDGET, MAX_SEGMENT_BYTES) // self._value
+        self.segment_values = max(1, min(fit, segment_values or default))
+        self.evicted_at_start = self._rebuild()
+        self._dropped = []  # what the start reclaimed was never announced by this instance
+
+    @property
+    def staging_ledger_path(self) -> Path:
+        """Where eviction staging keeps its ledger (what a crash lost is counted at the next start)."""
+        return self.directory / STAGING_LEDGER_NAME
 
     @classmethod
     def from_settings(cls, settings: TierSettings, geometry: Geometry) -> DiskTier:
@@ -136,67 +194,150 @@ class DiskTier:
             raise TierConfigError("--tier-dir: the disk tier needs a directory")
         return cls(settings.tier_dir, settings.tier_bytes, geometry)
 
-    # ------------------------------------------------------------------ index
+    # ------------------------------------------------------------------ segments
 
-    def path(self, key: bytes) -> Path:
-        text = key_text(key)
-        return self.directory / key.hex()[:2] / (text + SUFFIX)
+    def segment_path(self, segment_id: int) -> Path:
+        return self.directory / f"seg-{segment_id:012d}.kvs"
 
-    def _rebuild(self) -> tuple[int, int]:
-        """Index every value file by mtime (oldest first), remove temporary files, then evict down to the
-        capacity. Returns (temporary files removed, values evicted)."""
-        found: list[tuple[int, bytes, int]] = []
-        removed = 0
-        for sub in self.directory.iterdir():
-            if not sub.is_dir() or len(sub.name) != 2:
+    def _rebuild(self) -> int:
+        """Index every segment (oldest mtime first), cut torn tails, then reclaim down to the budget. Returns
+        the values reclaimed."""
+        found: list[tuple[int, int, Path]] = []
+        for entry in os.scandir(self.directory):
+            m = SEGMENT_NAME.fullmatch(entry.name)
+            if m is None:
                 continue
-            for entry in os.scandir(sub):
-                if entry.name.endswith(TEMP_SUFFIX):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(entry.path)
-                    removed += 1
-                    continue
-                if not entry.name.endswith(SUFFIX):
-                    continue
-                key = key_from_text(entry.name[:-len(SUFFIX)])
-                if key is None:
-                    continue
-                try:
-                    st = entry.stat()
-                except FileNotFoundError:
-                    continue
-                found.append((st.st_mtime_ns, key, st.st_size))
+            with contextlib.suppress(FileNotFoundError):
+                found.append((entry.stat().st_mtime_ns, int(m.group(1)), Path(entry.path)))
         found.sort()
-        for _, key, size in found:
-            self._index[key] = size
-            self._bytes += size
-        return removed, len(self._evict_over(self.capacity_bytes))
+        for _, segment_id, path in found:
+            self._next_id = max(self._next_id, segment_id + 1)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            seg = _Segment(segment_id, path, fd, 0, size=os.fstat(fd).st_size)
+            self._segments[segment_id] = seg
+            self._bytes += seg.size
+            raw = os.pread(fd, SEGMENT_HEADER_BYTES, 0)
+            if len(raw) < SEGMENT_HEADER_BYTES or SEGMENT_HEADER.unpack(raw) != (
+                    SEGMENT_MAGIC, SEGMENT_VERSION, SEGMENT_HEADER_BYTES, self._value, self.geometry.num_chunks,
+                    self.geometry.chunk_bytes, self._digest):
+                self.foreign_segments += 1  # counted against the budget, never read
+                continue
+            self._index_segment(seg)
+        return len(self._reclaim(0))
 
-    def _evict_over(self, capacity: int) -> list[bytes]:
-        """Drop least recently used values until the index fits `capacity`; unlink their files."""
+    def _index_segment(self, seg: _Segment) -> None:
+        value = self._value
+        whole, tail = divmod(seg.size - SEGMENT_HEADER_BYTES, value)
+        if tail:  # a value cut short by a crash mid-write: cut it off
+            self.torn_values += 1
+            os.ftruncate(seg.fd, SEGMENT_HEADER_BYTES + whole * value)
+            self._bytes -= tail
+            seg.size -= tail
+        per_read = max(1, _SCAN_CHUNK_BYTES // value) if value <= (64 << 10) else 1
+        slot = 0
+        while slot < whole:
+            n = min(per_read, whole - slot)
+            offset = SEGMENT_HEADER_BYTES + slot * value
+            raw = os.pread(seg.fd, n * value, offset) if n > 1 else os.pread(seg.fd, HEADER_BYTES, offset)
+            for i in range(n):
+                key = self._sound_key(raw, i * value)
+                seg.keys.append(key)
+                if key is None:
+                    self.torn_values += 1
+                    continue
+                old = self._where.get(key)
+                if old is not None:  # written twice (reclaimed and stored again): the newer copy counts
+                    old[0].keys[old[1]] = None
+                    old[0].live -= 1
+                self._where[key] = (seg, slot + i)
+                seg.live += 1
+            slot += n
+
+    def _sound_key(self, raw: bytes, at: int) -> bytes | None:
+        if len(raw) < at + HEADER_BYTES:
+            return None
+        magic, version, header_bytes, chunks, chunk_bytes, _crc, _flags, key = HEADER.unpack_from(raw, at)
+        if (magic, version, header_bytes, chunks, chunk_bytes) != (MAGIC, VERSION, HEADER_BYTES,
+                                                                   self.geometry.num_chunks, self.geometry.chunk_bytes):
+            return None
+        return bytes(key)
+
+    def _new_segment(self) -> _Segment:
+        """A fresh segment at the LRU's end, after reclaiming what it needs (called with the write lock)."""
+        size = SEGMENT_HEADER_BYTES + self.segment_values * self._value
+        gone = self._reclaim(size)
+        segment_id = self._next_id
+        self._next_id += 1
+        path = self.segment_path(segment_id)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.pwrite(fd, SEGMENT_HEADER.pack(SEGMENT_MAGIC, SEGMENT_VERSION, SEGMENT_HEADER_BYTES, self._value,
+                                              self.geometry.num_chunks, self.geometry.chunk_bytes, self._digest), 0)
+        except OSError:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
+        seg = _Segment(segment_id, path, fd, self.segment_values)
+        with self._lock:
+            self._segments[segment_id] = seg
+            self._bytes += seg.size
+            self._dropped += gone
+        return seg
+
+    def _reclaim(self, room: int) -> list[bytes]:
+        """Reclaim least recently used segments (never the active one) until `room` more bytes fit the budget;
+        returns the keys they held."""
         gone: list[bytes] = []
         with self._lock:
-            while self._bytes > capacity and self._index:
-                key, size = self._index.popitem(last=False)
-                self._bytes -= size
-                gone.append(key)
-        for key in gone:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path(key))
-        with self._lock:
-            self._dropped += gone
+            while self._bytes + room > self.capacity_bytes:
+                victim = next((s for s in self._segments.values() if s is not self._active), None)
+                if victim is None:
+                    break
+                gone += self._drop_segment(victim)
         return gone
+
+    def _drop_segment(self, seg: _Segment) -> list[bytes]:
+        """Unlink a segment and forget its keys (with the lock held); its fd closes when no reader is left."""
+        del self._segments[seg.id]
+        self._bytes -= seg.size
+        keys = [k for k in seg.keys if k is not None]
+        for key in keys:
+            del self._where[key]
+        seg.reclaimed = True
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(seg.path)
+        if seg.readers == 0:
+            os.close(seg.fd)
+        return keys
+
+    def _forget_all(self) -> None:
+        """The directory is gone: so is every value (with the write lock held)."""
+        with self._lock:
+            self._active = None
+            for seg in list(self._segments.values()):
+                self._dropped += self._drop_segment(seg)
 
     def take_dropped(self) -> list[bytes]:
         with self._lock:
             dropped, self._dropped = self._dropped, []
         return dropped
 
-    def _forget(self, key: bytes) -> None:
-        with self._lock:
-            size = self._index.pop(key, None)
-            if size is not None:
-                self._bytes -= size
+    def _touch(self, seg: _Segment) -> None:
+        """Most recently used now (with the lock held)."""
+        if not seg.reclaimed:
+            self._segments.move_to_end(seg.id)
+            seg.touched = True
+
+    def _sync_mtimes(self, segments: Sequence[_Segment]) -> None:
+        for seg in segments:
+            if seg.touched and not seg.reclaimed and seg is not self._active:
+                seg.touched = False
+                with contextlib.suppress(OSError):
+                    os.utime(seg.path)  # the LRU order a restarted service rebuilds
 
     # ------------------------------------------------------------------ TierBackend
 
@@ -211,96 +352,154 @@ class DiskTier:
         self._check_open()
         found: list[int] = []
         with self._lock:
-            index = self._index
+            where = self._where
             for run in runs:
                 n = 0
-                while n < len(run) and run[n] in index:
+                while n < len(run) and run[n] in where:
                     n += 1
                 found.append(n)
         return found
 
     def put(self, items: Sequence[PutItem]) -> list[str]:
+        """Append the values the tier lacks to the active segment, one pwritev a run (a new segment where the
+        active one is full); a key held already counts as stored and touches its segment."""
+        return self._store([item.key for item in items],
+                           lambda i: [memoryview(items[i].header), *items[i].buffers.views])
+
+    def put_values(self, keys: Sequence[bytes], values: Any) -> list[str]:
+        """`put` of whole values, the rows of `values` (`[n, value_bytes]` uint8)."""
+        return self._store(list(keys), lambda i: [values[i].data])
+
+    def _store(self, keys: list[bytes], value_of: Callable[[int], list[memoryview]]) -> list[str]:
         self._check_open()
-        value_bytes = self.geometry.value_bytes
-        out: list[str] = []
-        for item in items:
+        out = [""] * len(keys)
+        with self._write_lock:
+            if not self.directory.is_dir():  # an open segment of a removed directory would take writes
+                self._forget_all()
+                raise TierUnavailable("io", f"{self.directory} is gone")
+            todo: list[int] = []
             with self._lock:
-                if item.key in self._index:
-                    self._index.move_to_end(item.key)
-                    out.append("")
-                    continue
-            out.append(self._write(item, value_bytes))
-        self._evict_over(self.capacity_bytes)
+                batch: set[bytes] = set()
+                for i, key in enumerate(keys):
+                    held = self._where.get(key)
+                    if held is not None:
+                        self._touch(held[0])
+                    elif key not in batch:
+                        batch.add(key)
+                        todo.append(i)
+            at = 0
+            while at < len(todo):
+                try:
+                    seg = self._active
+                    if seg is None or len(seg.keys) >= seg.capacity:
+                        self._active = None
+                        seg = self._active = self._new_segment()
+                    n = min(len(todo) - at, seg.capacity - len(seg.keys))
+                    run = todo[at:at + n]
+                    self._append(seg, [keys[i] for i in run], [v for i in run for v in value_of(i)])
+                except OSError as e:
+                    reason = self._failed(e)
+                    for i in todo[at:]:
+                        out[i] = reason
+                    break
+                at += n
+            with self._lock:
+                touched = [s for s in self._segments.values() if s.touched]
+            self._sync_mtimes(touched)
         return out
 
-    def _write(self, item: PutItem, value_bytes: int) -> str:
-        final = self.path(item.key)
-        temp = final.with_name(f".{final.name}.{os.getpid()}.{next(self._temp_names)}{TEMP_SUFFIX}")
+    def _append(self, seg: _Segment, keys: list[bytes], buffers: list[memoryview]) -> None:
+        """One pwritev of the values at the segment's end; indexed only once all of it is written."""
         try:
-            final.parent.mkdir(exist_ok=True)
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            try:
-                _writev_all(fd, [item.header, *item.buffers.views], value_bytes)
-            finally:
-                os.close(fd)
-            os.rename(temp, final)
-        except OSError as e:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(temp)
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                return FULL
-            if e.errno in (errno.ENOENT, errno.EROFS, errno.EACCES) and not self.directory.is_dir():
-                raise TierUnavailable("io", f"{self.directory}: {e.strerror}") from None
-            return ERROR
+            _move(seg.fd, buffers, seg.size, write=True)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(seg.fd, seg.size)  # nothing half-written stays behind the indexed values
+            raise
         with self._lock:
-            old = self._index.pop(item.key, None)
-            self._bytes += value_bytes - (old or 0)
-            self._index[item.key] = value_bytes
-        return ""
+            for key in keys:
+                self._where[key] = (seg, len(seg.keys))
+                seg.keys.append(key)
+                seg.live += 1
+            grown = len(keys) * self._value
+            seg.size += grown
+            self._bytes += grown
+            self._segments.move_to_end(seg.id)  # its mtime moves with the write
+            self._unsynced[seg.id] = seg
+
+    def _failed(self, e: OSError) -> str:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return FULL
+        if not self.directory.is_dir():
+            raise TierUnavailable("io", f"{self.directory}: {e.strerror}") from None
+        return ERROR
 
     def get(self, items: Sequence[GetItem]) -> list[GetResult]:
+        """Read each value into its buffers: one preadv per run of consecutive values of a segment."""
+        heads = [bytearray(HEADER_BYTES) for _ in items]
+        reasons = self._load([item.key for item in items],
+                             lambda i: [memoryview(heads[i]), *items[i].buffers.views], 1 + self.geometry.num_chunks)
+        return [GetResult(r, bytes(h) if not r else b"") for r, h in zip(reasons, heads, strict=True)]
+
+    def get_values(self, keys: Sequence[bytes], values: Any) -> list[str]:
+        """`get` of whole values into the rows of `values` (`[n, value_bytes]` uint8)."""
+        return self._load(list(keys), lambda i: [values[i].data], 1)
+
+    def _load(self, keys: list[bytes], value_of: Callable[[int], list[memoryview]], views: int) -> list[str]:
         self._check_open()
-        value_bytes = self.geometry.value_bytes
-        out: list[GetResult] = []
-        for item in items:
-            path = self.path(item.key)
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            except FileNotFoundError:
-                self._forget(item.key)
-                out.append(GetResult(MISSING, b""))
-                continue
-            except OSError:
-                out.append(GetResult(ERROR, b""))
-                continue
-            try:
-                size = os.fstat(fd).st_size
-                if size != value_bytes:
-                    out.append(GetResult(SHORT if size < value_bytes else WRONG_SIZE, b""))
-                    continue
-                head = bytearray(HEADER_BYTES)
-                n = _readv_all(fd, [memoryview(head), *item.buffers.views])
-                if n != value_bytes:
-                    out.append(GetResult(SHORT, b""))
-                    continue
-                out.append(GetResult("", bytes(head)))
-            except OSError:
-                out.append(GetResult(ERROR, b""))
-                continue
-            finally:
-                os.close(fd)
+        out = [MISSING] * len(keys)
+        located: list[tuple[_Segment, int, int]] = []  # (segment, slot, item)
+        with self._lock:
+            for i, key in enumerate(keys):
+                held = self._where.get(key)
+                if held is not None:
+                    held[0].readers += 1
+                    self._touch(held[0])
+                    located.append((held[0], held[1], i))
+        located.sort(key=lambda x: (x[0].id, x[1]))
+        try:
+            start = 0
+            while start < len(located):
+                end = start + 1
+                while (end < len(located) and located[end][0] is located[start][0]
+                       and located[end][1] == located[end - 1][1] + 1 and (end - start + 1) * views <= _IOV_MAX):
+                    end += 1
+                self._read_run(located[start:end], value_of, out)
+                start = end
+            self._sync_mtimes(list(dict.fromkeys(seg for seg, _, _ in located)))
+        finally:
             with self._lock:
-                if item.key in self._index:
-                    self._index.move_to_end(item.key)
-            with contextlib.suppress(OSError):
-                os.utime(path)  # the LRU order a restarted service rebuilds
+                for seg, _, _ in located:
+                    seg.readers -= 1
+                    if seg.reclaimed and seg.readers == 0:
+                        os.close(seg.fd)
         return out
 
+    def _read_run(self, run: list[tuple[_Segment, int, int]], value_of: Callable[[int], list[memoryview]],
+                  out: list[str]) -> None:
+        seg, first, _ = run[0]
+        buffers = [v for _, _, i in run for v in value_of(i)]
+        try:
+            n = _move(seg.fd, buffers, SEGMENT_HEADER_BYTES + first * self._value, write=False)
+        except OSError:
+            for _, _, i in run:
+                out[i] = ERROR
+            return
+        for k, (_, _, i) in enumerate(run):
+            out[i] = "" if n >= (k + 1) * self._value else SHORT
+
     def discard(self, keys: Sequence[bytes]) -> None:
-        for key in keys:
-            self._forget(key)
-            with contextlib.suppress(OSError):
-                os.unlink(self.path(key))
+        """Forget values found unsound; a segment left with no value is reclaimed at once."""
+        with self._lock:
+            for key in keys:
+                held = self._where.pop(key, None)
+                if held is None:
+                    continue
+                seg, slot = held
+                seg.keys[slot] = None
+                seg.live -= 1
+                if seg.live == 0 and seg is not self._active and not seg.reclaimed:
+                    self._drop_segment(seg)
 
     def probe(self) -> None:
         self._check_open()
@@ -316,12 +515,26 @@ class DiskTier:
 
     def usage(self) -> Usage:
         with self._lock:
-            return Usage(values=len(self._index), bytes=self._bytes, capacity_bytes=self.capacity_bytes)
+            return Usage(values=len(self._where), bytes=self._bytes, capacity_bytes=self.capacity_bytes)
 
     def indexed_keys(self) -> list[bytes]:
-        """Indexed keys, least recently used first."""
+        """Indexed keys, least recently used segment first, each segment's in the order written."""
         with self._lock:
-            return list(self._index)
+            return [k for seg in self._segments.values() for k in seg.keys if k is not None]
+
+    def segment_ids(self) -> list[int]:
+        """Segments, least recently used first."""
+        with self._lock:
+            return list(self._segments)
+
+    def sync(self) -> None:
+        """fsync the segments written since the last sync (what the write path leaves to the page cache)."""
+        with self._write_lock:
+            with self._lock:
+                segments = [s for s in self._unsynced.values() if not s.reclaimed]
+                self._unsynced.clear()
+            for seg in segments:
+                os.fsync(seg.fd)
 
     def describe(self) -> str:
         u = self.usage()
@@ -329,6 +542,18 @@ class DiskTier:
                 f"{format_bytes(self.capacity_bytes)}")
 
     def close(self) -> None:
-        if self._lock_fd is not None:
+        if self._lock_fd is None:
+            return
+        with contextlib.suppress(OSError):
+            self.sync()
+        with self._write_lock, self._lock:
+            self._active = None
+            for seg in self._segments.values():
+                if seg.readers == 0:
+                    with contextlib.suppress(OSError):
+                        os.close(seg.fd)
+                seg.reclaimed = True  # a reader still inside closes it
+            self._segments.clear()
+            self._where.clear()
             fd, self._lock_fd = self._lock_fd, None
             os.close(fd)

@@ -32,7 +32,7 @@ import mmap
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -47,7 +47,7 @@ class TierMemoryError(RuntimeError):
 
 def geometry(layout: PoolLayout) -> Geometry:
     """The value geometry of a pool layout: 2 * num_layers chunks of one page of one plane."""
-    return Geometry(num_chunks=2 * layout.num_layers, chunk_bytes=layout.page_bytes)
+    return Geometry(num_chunks=2 * layout.num_layers, chunk_bytes=layout.page_bytes, layout=layout.describe())
 
 
 def chunk_offsets(layout: PoolLayout, page: int) -> range:
@@ -102,6 +102,16 @@ class PageMemory(Protocol):
         `host_area`), synchronously: when it returns, the page may be reused."""
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class PackedMemory(Protocol):
+    """Page memory that copies a batch of pages to and from one array, `[n, payload_bytes]` (rows may be
+    strided, e.g. the payload columns of an `[n, value_bytes]` array): one copy a batch, not one a chunk."""
+
+    def gather(self, pages: Sequence[int], out: Any) -> None: ...
+
+    def scatter(self, pages: Sequence[int], src: Any) -> None: ...
 
 
 class HostArea:
@@ -186,6 +196,28 @@ class HostPoolMemory:
 
     def stage_in(self, pages: Sequence[int]) -> Staging:
         return _InPlace([self.page(p) for p in pages])
+
+    def _batch(self, pages: Sequence[int], rows: Any) -> tuple[Any, Any, Any]:
+        planes = self._planes
+        if planes is None:
+            raise TierMemoryError("the tier's pool mapping is closed")
+        index = np.asarray(pages, dtype=np.intp)
+        if index.size and (index.min() < 1 or index.max() >= self.layout.num_pages):
+            raise ValueError(f"a page outside the pool (1..{self.layout.num_pages - 1})")
+        view = rows.reshape(len(index), planes.shape[0], planes.shape[2])
+        if not np.shares_memory(view, rows):
+            raise ValueError("the rows must reshape into chunks without a copy")
+        return planes, index, view
+
+    def gather(self, pages: Sequence[int], out: Any) -> None:
+        """The pages' payloads into the rows of `out` (`[n, payload_bytes]`), in value order."""
+        planes, index, view = self._batch(pages, out)
+        view[:] = planes[:, index].transpose(1, 0, 2)
+
+    def scatter(self, pages: Sequence[int], src: Any) -> None:
+        """The rows of `src` (`[n, payload_bytes]`) into the pages."""
+        planes, index, view = self._batch(pages, src)
+        planes[:, index] = view.transpose(1, 0, 2)
 
     def host_area(self, nbytes: int) -> HostArea:
         mm = mmap.mmap(-1, nbytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

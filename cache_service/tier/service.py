@@ -44,7 +44,9 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
+
+import numpy as np
 
 from cache_service.log import get_logger
 from cache_service.tier.backend import (
@@ -54,19 +56,27 @@ from cache_service.tier.backend import (
     TAINTED,
     GetItem,
     GetResult,
+    PackedBackend,
     PutItem,
     TierBackend,
     TierUnavailable,
 )
-from cache_service.tier.memory import PageBuffers, PageMemory
+from cache_service.tier.memory import PackedMemory, PageBuffers, PageMemory
 from cache_service.tier.staging import EvictionStaging
 from cache_service.tier.stats import TierCounters, TierStats
-from cache_service.tier.value import checksum, header, verify
+from cache_service.tier.value import HEADER_BYTES, Geometry, checksum, header, pack_headers, verify, verify_rows
 
 CLOSED = "closed"
 """The service was stopping: the page was not offloaded (or loaded)."""
 
 DEFAULT_BATCH_PAGES = 128
+PACKED_MAX_VALUE_BYTES = 64 << 10
+"""Values up to this size move as one array a batch: below it the per-chunk objects cost more than a copy."""
+BEHIND_FULL_SECONDS = 1.0
+"""The offload queue full for this long is falling behind (write-back keeps the queue full while the pool is
+under its watermark: full alone is the normal state of a busy tier)."""
+BEHIND_LOG_SECONDS = 30.0
+"""A falling-behind episode that starts within this long of the last logged one is counted, not logged."""
 RETRY_MIN_SECONDS = 0.5
 RETRY_MAX_SECONDS = 30.0
 RECONNECT_AFTER_PROBES = 3
@@ -125,6 +135,54 @@ class _SlotBatch:
 
     def finish(self, ok: Sequence[bool]) -> None:
         pass
+
+
+class _PackedLoad:
+    """A load's pages as one `[n, value_bytes]` array: the store reads into it (`get`, with the rows verified
+    there), and `finish` scatters the sound rows into their pool pages in one copy. `buffers` are the rows'
+    chunks, for what eviction staging copies in."""
+
+    def __init__(self, memory: PackedMemory, pages: Sequence[int], geometry: Geometry) -> None:
+        self._memory = memory
+        self._pages = list(pages)
+        self._geometry = geometry
+        n = len(self._pages)
+        self.values = np.empty((n, geometry.value_bytes), np.uint8)
+        payload = self.values[:, HEADER_BYTES:].reshape(n, geometry.num_chunks, geometry.chunk_bytes)
+        self.buffers = _LazyRows(payload)
+
+    def get(self, backend: Any, keys: Sequence[bytes], asked: list[int]) -> list[GetResult]:
+        if not asked:
+            return []
+        whole = len(asked) == len(self._pages)
+        rows = self.values if whole else np.ascontiguousarray(self.values[asked])
+        mine = [keys[i] for i in asked]
+        reasons = backend.get_values(mine, rows)
+        checked = verify_rows(rows, mine, self._geometry)
+        if not whole:
+            self.values[asked] = rows
+        return [GetResult(r or c, b"") for r, c in zip(reasons, checked, strict=True)]
+
+    def finish(self, ok: Sequence[bool]) -> None:
+        rows = [i for i, good in enumerate(ok) if good]
+        if rows:
+            self._memory.scatter([self._pages[i] for i in rows], self.values[rows, HEADER_BYTES:])
+
+
+class _LazyRows:
+    """`buffers[i]` of a packed load: a row's chunks, made only for the rows asked (eviction staging's)."""
+
+    def __init__(self, payload: Any) -> None:
+        self._payload = payload
+
+    def __len__(self) -> int:
+        return len(self._payload)
+
+    def __getitem__(self, i: int) -> PageBuffers:
+        return PageBuffers([c.data for c in self._payload[i]], [])
+
+    def __iter__(self) -> Any:
+        return (self[i] for i in range(len(self)))
 
 
 @dataclass(eq=False)
@@ -328,12 +386,14 @@ class TierService:
     def __init__(self, backend: TierBackend, memory: PageMemory, *, timeout_seconds: float = 1.0,
                  queue_pages: int = 256, batch_pages: int = DEFAULT_BATCH_PAGES,
                  retry_seconds: float = RETRY_MIN_SECONDS, retry_max_seconds: float = RETRY_MAX_SECONDS,
-                 reconnect_after: int = RECONNECT_AFTER_PROBES, staging_bytes: int = 0) -> None:
+                 reconnect_after: int = RECONNECT_AFTER_PROBES, staging_bytes: int = 0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if queue_pages < 1 or batch_pages < 1:
             raise ValueError("queue_pages and batch_pages must be >= 1")
         self.backend = backend
         self.memory = memory
-        staging = EvictionStaging(memory, staging_bytes) if staging_bytes > 0 else None
+        ledger = getattr(backend, "staging_ledger_path", None)  # stores with a directory of their own (disk)
+        staging = EvictionStaging(memory, staging_bytes, ledger) if staging_bytes > 0 else None
         self.staging = staging if staging is not None and staging.slots else None
         """Where pages evicted before the tier stored them wait for it (None: --tier-staging-bytes 0)."""
         self.on_lost: Callable[[list[bytes]], None] | None = None
@@ -343,10 +403,27 @@ class TierService:
         self._staging_episode: str | None = None
         self._staging_episode_pages = 0
         self.timeout_seconds = timeout_seconds
+        self._clock = clock
+        self._behind_dropped = 0
+        self._behind_logged = False
+        self._full_since: float | None = None
+        self._behind_last_log: float | None = None
         self.batch_pages = min(batch_pages, memory.max_batch_pages)
         self._geometry = memory.geometry
+        self._packed: PackedMemory | None = (memory if isinstance(memory, PackedMemory) and isinstance(
+            backend, PackedBackend) and self._geometry.value_bytes <= PACKED_MAX_VALUE_BYTES else None)
+        """Where both sides move a batch as one array (host pools, the disk tier, small values): no object per
+        chunk. Large values go straight between the pool and the store instead (no copy)."""
         self._log = get_logger("kvcache.tier")
         self._counters = TierCounters(backend.name, queue_pages, self.staging.slots if self.staging else 0)
+        c = self._counters
+        c.recovered_values = backend.usage().values or 0
+        c.torn_values = getattr(backend, "torn_values", 0)  # the disk tier's start; Mooncake cannot tell
+        c.staging_crashed_pages = staging.crashed_pages if staging is not None else 0
+        if c.torn_values or c.staging_crashed_pages:
+            self._log.warning("tier_lost_at_start", backend=backend.name, recovered_values=c.recovered_values,
+                              torn_values=c.torn_values, staging_crashed_pages=c.staging_crashed_pages,
+                              note="the previous process died mid-write or with pages in eviction staging")
         self._link = _Link(backend, self._counters, self._log, retry=retry_seconds, retry_max=retry_max_seconds,
                            reconnect_after=reconnect_after)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -419,7 +496,45 @@ class TierService:
     def stats(self) -> TierStats:
         usage = self.backend.usage()
         return self._counters.snapshot(usage.values, usage.bytes, usage.capacity_bytes,
-                                       staging_pages=self.staging.used if self.staging is not None else 0)
+                                       staging_pages=self.staging.used if self.staging is not None else 0,
+                                       now=self._clock())
+
+    def _check_pace(self) -> None:
+        """On the loop, after the offload queue or staging changed: start or end a falling-behind episode. It
+        starts when the queue has been full for BEHIND_FULL_SECONDS or staging is more than half full, and ends
+        once the queue is at most half full and staging at most a quarter; one warning at its start, one line
+        at its end."""
+        c = self._counters
+        staged = self.staging.used if self.staging is not None else 0
+        slots = self.staging.slots if self.staging is not None else 0
+        with c.lock:
+            queued, capacity, since = c.queue_pages, c.queue_capacity_pages, c.behind_since
+            dropped = c.offload_dropped_pages + c.staging_dropped_pages
+        now = self._clock()
+        if queued < capacity:
+            self._full_since = None
+        elif self._full_since is None:
+            self._full_since = now
+        full = self._full_since is not None and now - self._full_since >= BEHIND_FULL_SECONDS
+        if since is None and (full or 2 * staged > slots > 0):
+            with c.lock:
+                c.behind_since = now
+                c.behind_episodes += 1
+            self._behind_logged = self._behind_last_log is None or now - self._behind_last_log >= BEHIND_LOG_SECONDS
+            if self._behind_logged:  # episodes that flap within the interval are counted, not logged
+                self._behind_last_log = now
+                self._behind_dropped = dropped
+                self._log.warning("tier_falling_behind", backend=self.backend.name, queue_pages=queued,
+                                  queue_capacity_pages=capacity, staging_pages=staged, staging_slots=slots,
+                                  effect="offloads ahead of eviction wait; pages evicted meanwhile go to staging, "
+                                         "and are lost once it is full")
+        elif since is not None and 2 * queued <= capacity and 4 * staged <= slots:
+            with c.lock:
+                c.behind_since = None
+                c.behind_seconds += now - since
+            if self._behind_logged:
+                self._log.info("tier_caught_up", backend=self.backend.name, seconds=round(now - since, 3),
+                               pages_lost=dropped - self._behind_dropped)
 
     def stage(self, keys: list[bytes], pages: Any) -> int:
         """Eviction staging, on the loop, inside the core call that evicts `pages` (the tier lacks them): copy
@@ -449,6 +564,7 @@ class TierService:
         if why == "off":
             return 0
         self._staging_note(why, n - staged)
+        self._check_pace()
         return staged
 
     def _staging_note(self, why: str, dropped: int) -> None:
@@ -494,6 +610,7 @@ class TierService:
             keys = tuple(k for k, _ in items[:accepted])
             pages = tuple(p for _, p in items[:accepted])
             self._offloads.put(_Offload(keys, pages, done))
+        self._check_pace()
         return accepted
 
     def load(self, keys: Sequence[bytes], pages: Sequence[int], done: Done | None = None) -> LoadTicket:
@@ -574,6 +691,7 @@ class TierService:
     def _finish_offload(self, job: _Offload, result: OffloadResult) -> None:
         with self._counters.lock:
             self._counters.queue_pages -= len(job.pages)
+        self._check_pace()
         if job.done is not None:
             self._call(job.done, result)
 
@@ -667,6 +785,7 @@ class TierService:
             self._counters.staging_lost_pages += len(lost)
         if lost and self.on_lost is not None:
             self._deliver(self.on_lost, lost)
+        self._deliver(self._check_pace)  # staging drained: an episode may end
 
     def _past_drain(self) -> bool:
         return self._drain_deadline is not None and time.monotonic() > self._drain_deadline
@@ -685,25 +804,28 @@ class TierService:
         started = time.perf_counter()
         geometry = self._geometry
         try:
-            try:
-                staging = (_SlotBatch([self.staging.buffers(s) for s in slots]) if slots and self.staging is not None
-                           else self.memory.stage_out(pages))
-            except Exception as e:
-                self._log.warning("tier_staging_failed", operation="put", error=str(e))
-                self._link.note("put", Counter({ERROR: n}))
-                return [ERROR] * n
-            try:
-                items = [PutItem(k, header(k, geometry, checksum(b.views)), b)
-                         for k, b in zip(keys, staging.buffers, strict=True)]
-                reasons = self.backend.put(items)
-            except TierUnavailable as e:
-                self._link.down("put", e)
-                reasons = [DOWN] * n
-            except Exception as e:
-                self._log.warning("tier_put_failed", error=repr(e))
-                reasons = [ERROR] * n
-            finally:
-                staging.finish([True] * n)
+            if self._packed is not None and not slots:
+                reasons = self._put_packed(self._packed, keys, pages)
+            else:
+                try:
+                    staging = (_SlotBatch([self.staging.buffers(s) for s in slots])
+                               if slots and self.staging is not None else self.memory.stage_out(pages))
+                except Exception as e:
+                    self._log.warning("tier_staging_failed", operation="put", error=str(e))
+                    self._link.note("put", Counter({ERROR: n}))
+                    return [ERROR] * n
+                try:
+                    items = [PutItem(k, header(k, geometry, checksum(b.views)), b)
+                             for k, b in zip(keys, staging.buffers, strict=True)]
+                    reasons = self.backend.put(items)
+                except TierUnavailable as e:
+                    self._link.down("put", e)
+                    reasons = [DOWN] * n
+                except Exception as e:
+                    self._log.warning("tier_put_failed", error=repr(e))
+                    reasons = [ERROR] * n
+                finally:
+                    staging.finish([True] * n)
         finally:
             self._link.leave()
         seconds = time.perf_counter() - started
@@ -727,6 +849,26 @@ class TierService:
             self._log.debug("tier_dropped_check_failed", error=str(e))
         finally:
             self._link.leave()
+
+    def _put_packed(self, packed: PackedMemory, keys: list[bytes], pages: list[int]) -> list[str]:
+        """The batch as one `[n, value_bytes]` array: the pages gathered in one copy, the headers and CRCs
+        computed over it, the store's `put_values` (one write a run of the segment)."""
+        n = len(keys)
+        try:
+            values = np.empty((n, self._geometry.value_bytes), np.uint8)
+            packed.gather(pages, values[:, HEADER_BYTES:])
+            pack_headers(values, keys, self._geometry)
+        except Exception as e:
+            self._log.warning("tier_staging_failed", operation="put", error=str(e))
+            return [ERROR] * n
+        try:
+            return cast(PackedBackend, self.backend).put_values(keys, values)
+        except TierUnavailable as e:
+            self._link.down("put", e)
+            return [DOWN] * n
+        except Exception as e:
+            self._log.warning("tier_put_failed", error=repr(e))
+            return [ERROR] * n
 
     def _report_dropped(self) -> None:
         """Hand the keys the store dropped since the last report to `on_dropped` (on the loop)."""
@@ -856,33 +998,45 @@ class TierService:
         n = len(keys)
         started = time.perf_counter()
         reasons: list[str] = []
-        try:
-            staging = self.memory.stage_in(pages)
-        except Exception as e:
-            self._log.warning("tier_staging_failed", operation="get", error=str(e))
-            self._link.note("get", Counter({ERROR: n}))
-            return [self._unloaded(job, ERROR) for job in jobs]
+        staging: Any
+        if self._packed is not None:
+            staging = _PackedLoad(self._packed, pages, self._geometry)
+        else:
+            try:
+                staging = self.memory.stage_in(pages)
+            except Exception as e:
+                self._log.warning("tier_staging_failed", operation="get", error=str(e))
+                self._link.note("get", Counter({ERROR: n}))
+                return [self._unloaded(job, ERROR) for job in jobs]
         ok: list[bool] = [False] * n
         staged = self.staging
-        local = [staged is not None and staged.read_into(k, b) for k, b in zip(keys, staging.buffers, strict=True)]
+        local = [False] * n
+        if staged is not None and staged.used:
+            for i, k in enumerate(keys):
+                local[i] = staged.holds(k) and staged.read_into(k, staging.buffers[i])
         try:
             asked = [i for i in range(n) if not local[i]]
             try:
-                got = self.backend.get([GetItem(keys[i], staging.buffers[i]) for i in asked]) if asked else []
+                if isinstance(staging, _PackedLoad):
+                    got = staging.get(self.backend, keys, asked)
+                else:
+                    got = self.backend.get([GetItem(keys[i], staging.buffers[i]) for i in asked]) if asked else []
             except TierUnavailable as e:
                 self._link.down("get", e)
                 got = [GetResult(DOWN, b"")] * len(asked)
             results: list[GetResult | None] = [None] * n
             for i, answer in zip(asked, got, strict=False):
                 results[i] = answer
-            for i, (key, buffers) in enumerate(zip(keys, staging.buffers, strict=True)):
+            for i, key in enumerate(keys):
                 res = results[i]
                 if local[i]:
                     reason = ""  # our own copy of the evicted page, made on the loop
                 elif res is None:
                     break  # a store that answered fewer items than asked
+                elif isinstance(staging, _PackedLoad):
+                    reason = res.reason  # verified by rows in `get`
                 else:
-                    reason = res.reason or verify(res.header, key, self._geometry, buffers.views)
+                    reason = res.reason or verify(res.header, key, self._geometry, staging.buffers[i].views)
                 reasons.append(reason)
                 ok[i] = not reason
         except Exception as e:

@@ -11,6 +11,11 @@ anything else: a slot is written only when it is taken, and reused only after it
 is taken, `capture` takes what fits and the caller counts the rest as lost. Slots are page-major (a page's
 chunks contiguous), in memory the store registers (Mooncake puts from it without a copy).
 
+The ledger (`ledger_path`, where the store has a directory: the disk tier's): a file of one key per slot,
+mapped shared and written as slots are taken and released (a memory write, no system call). What a process
+that dies without its drain (SIGKILL) leaves there is what staging lost; the next start counts it
+(`crashed_pages`) and starts the ledger afresh. A stop that drains leaves it empty.
+
 Threads: the loop captures and looks up, the load worker copies out, the offload worker reads slots and
 releases them; one lock guards the key map and the free list. A slot's bytes are read without the lock: it
 stays taken until its key is released, which happens only after the store finished reading it.
@@ -18,8 +23,13 @@ stays taken until its key is released, which happens only after the store finish
 
 from __future__ import annotations
 
+import mmap
+import os
 import threading
 from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
 
 from cache_service.tier.memory import HostArea, PageBuffers, PageMemory
 
@@ -27,7 +37,7 @@ from cache_service.tier.memory import HostArea, PageBuffers, PageMemory
 class EvictionStaging:
     """`slots` pages of host memory, keyed by tier key. `close()` (idempotent) frees the memory."""
 
-    def __init__(self, memory: PageMemory, capacity_bytes: int) -> None:
+    def __init__(self, memory: PageMemory, capacity_bytes: int, ledger_path: Path | None = None) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"staging capacity must be >= 0 bytes, got {capacity_bytes}")
         self._memory = memory
@@ -41,6 +51,11 @@ class EvictionStaging:
         self._fresh = 0
         self._slot_of: dict[bytes, int] = {}
         self._lock = threading.Lock()
+        self.crashed_pages = 0
+        """Slots the previous process's ledger still held (it died before writing them): lost."""
+        self._ledger: mmap.mmap | None = None
+        if ledger_path is not None and self.slots:
+            self.crashed_pages, self._ledger = _open_ledger(ledger_path, self.slots)
 
     @property
     def used(self) -> int:
@@ -77,6 +92,8 @@ class EvictionStaging:
                     self._free.append(slot)
                     raise
                 self._slot_of[key] = slot
+                if self._ledger is not None:
+                    self._ledger[slot * KEY_BYTES:(slot + 1) * KEY_BYTES] = key
                 taken.append((key, slot))
                 n += 1
         return n, taken
@@ -113,16 +130,45 @@ class EvictionStaging:
                 slot = self._slot_of.pop(key, None)
                 if slot is not None:
                     self._free.append(slot)
+                    if self._ledger is not None:
+                        self._ledger[slot * KEY_BYTES:(slot + 1) * KEY_BYTES] = _EMPTY
 
     def _address(self, slot: int) -> int:
         assert self._area is not None, "a slot exists only where the area does"
         return self._area.address + slot * self._slot_bytes
 
     def close(self) -> None:
+        """Free the memory; the ledger is cleared (what was staged is written or counted lost by then)."""
         with self._lock:
+            if self._ledger is not None:
+                self._ledger[:] = bytes(len(self._ledger))
+                self._ledger.close()
+                self._ledger = None
             self._slot_of.clear()
             self._free = []
             self._fresh = self.slots
         area, self._area = self._area, None
         if area is not None:
             area.close()
+
+
+KEY_BYTES = 32
+_EMPTY = bytes(KEY_BYTES)
+
+
+def _open_ledger(path: Path, slots: int) -> tuple[int, mmap.mmap]:
+    """(keys the ledger at `path` still holds: what a dead process lost, a fresh ledger of `slots` keys)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        size = os.fstat(fd).st_size
+        crashed = 0
+        if size >= KEY_BYTES:
+            with mmap.mmap(fd, size - size % KEY_BYTES, mmap.MAP_SHARED, mmap.PROT_READ) as old:
+                keys = np.frombuffer(old, np.uint8).reshape(-1, KEY_BYTES)
+                crashed = int(keys.any(axis=1).sum())
+                del keys
+        os.ftruncate(fd, 0)
+        os.ftruncate(fd, slots * KEY_BYTES)
+        return crashed, mmap.mmap(fd, slots * KEY_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)

@@ -67,6 +67,19 @@ class TierStats:
     """Staged pages the tier did not store (it failed, or the service stopped first): lost."""
     staging_hit_pages: int = 0
     """Pages loads copied from eviction staging (staged, not written yet)."""
+    behind: bool = False
+    """The tier is falling behind now: the offload queue full for a second, or eviction staging over half full."""
+    behind_episodes: int = 0
+    """Times the tier fell behind (each logged once: `tier_falling_behind`, then `tier_caught_up`)."""
+    behind_seconds: float = 0.0
+    """Seconds spent behind, in all (the episode in progress included)."""
+    recovered_values: int = 0
+    """Values the store found at start (the disk tier's segments; 0 for Mooncake)."""
+    torn_values: int = 0
+    """Values found cut short or unsound at start (a crash mid-write): not used, counted."""
+    staging_crashed_pages: int = 0
+    """Pages eviction staging held when the previous process on this tier died without its drain (a SIGKILL):
+    lost, counted at this start (the disk tier keeps the staging ledger in its directory)."""
 
 
 class TierCounters:
@@ -99,6 +112,12 @@ class TierCounters:
         self.staging_dropped_pages = 0
         self.staging_lost_pages = 0
         self.staging_hit_pages = 0
+        self.behind_since: float | None = None
+        self.behind_episodes = 0
+        self.behind_seconds = 0.0
+        self.recovered_values = 0
+        self.torn_values = 0
+        self.staging_crashed_pages = 0
 
     def error(self, operation: str, reason: str, n: int = 1) -> None:
         """Count n failures (call with the lock held)."""
@@ -106,8 +125,9 @@ class TierCounters:
         self.errors[key] = self.errors.get(key, 0) + n
 
     def snapshot(self, stored_values: int | None = None, stored_bytes: int | None = None,
-                 capacity_bytes: int | None = None, *, staging_pages: int = 0) -> TierStats:
+                 capacity_bytes: int | None = None, *, staging_pages: int = 0, now: float = 0.0) -> TierStats:
         with self.lock:
+            since = self.behind_since
             return TierStats(
                 backend=self.backend, up=self.up, hit_pages=self.hit_pages, miss_pages=self.miss_pages,
                 lookup_pages=self.lookup_pages, load_pages=self.load_pages, load_bytes=self.load_bytes,
@@ -120,4 +140,8 @@ class TierCounters:
                 staging_pages=staging_pages, staging_capacity_pages=self.staging_capacity_pages,
                 staged_pages=self.staged_pages, staging_written_pages=self.staging_written_pages,
                 staging_dropped_pages=self.staging_dropped_pages, staging_lost_pages=self.staging_lost_pages,
-                staging_hit_pages=self.staging_hit_pages)
+                staging_hit_pages=self.staging_hit_pages, behind=since is not None,
+                behind_episodes=self.behind_episodes,
+                behind_seconds=self.behind_seconds + (max(0.0, now - since) if since is not None else 0.0),
+                recovered_values=self.recovered_values, torn_values=self.torn_values,
+                staging_crashed_pages=self.staging_crashed_pages)

@@ -123,9 +123,11 @@ def test_a_corrupt_value_costs_only_the_hit(start_server: Callable[..., ServerPr
     a = Engine(start_server(*TIER_ARGS, *disk_tier(tmp_path)).target)
     engines.append(a)
     write_then_evict(a, p)
-    for f in (tmp_path / "tier").rglob("*.kv"):  # flip one payload byte of every value (sizes unchanged)
+    for f in (tmp_path / "tier").glob("seg-*.kvs"):  # flip one payload byte of every value (sizes unchanged)
         data = bytearray(f.read_bytes())
-        data[100] ^= 0xFF
+        value = int.from_bytes(data[8:16], "little")  # the segment header's value bytes
+        for at in range(64, len(data), value):
+            data[at + 100] ^= 0xFF
         f.write_bytes(bytes(data))
     res = a.turn(p)
     assert (res.cached_tokens, res.tier_tokens) == (0, 0)

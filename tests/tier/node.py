@@ -3,12 +3,16 @@
     python -m tests.tier.node offload --tier disk --dir D --pages N --seed S
     python -m tests.tier.node load    --tier mooncake --master HOST:PORT --pages N --seed S
     python -m tests.tier.node offload-forever --tier disk --dir D --seed S    # until killed
+    python -m tests.tier.node offload-batches --tier disk --dir D --seed S --pages B   # B a batch, until killed
+    python -m tests.tier.node stage-and-wait --tier disk --dir D --seed S --pages N    # until killed
 
 Keys and page contents are functions of (seed, index) (`expected`), so the test process knows what every
 node wrote without being told. `offload` writes pages as an engine would, offloads them and prints
 {"stored": [...reasons]}; `load` loads the keys into fresh pages of its own pool and prints {"loaded": n,
 "reasons": [...], "digests": [sha256 of each page's bytes as the engine sees them]}. `offload-forever`
-prints one line per value stored (so a test can SIGKILL it mid-write).
+prints one line per value stored (so a test can SIGKILL it mid-write); `offload-batches` offloads batches of
+`--pages` pages and prints the count acknowledged after each; `stage-and-wait` puts N pages in eviction staging
+of a tier whose workers never start (so they stay staged), prints "staged N" and waits to be killed.
 """
 
 from __future__ import annotations
@@ -59,6 +63,11 @@ def backend(args: argparse.Namespace) -> TierBackend:
 
 
 async def run(args: argparse.Namespace, pool: Pool) -> dict[str, object]:
+    if args.command == "stage-and-wait":
+        staging = TierService(backend(args), page_memory(pool.pool), staging_bytes=1 << 20)
+        staged = staging.stage(keys_for(args.seed, args.pages), np.arange(1, args.pages + 1))
+        print(f"staged {staged}", flush=True)
+        await asyncio.sleep(3600)
     tier = TierService(backend(args), page_memory(pool.pool), timeout_seconds=10)
     tier.start(asyncio.get_running_loop())
     if not await asyncio.to_thread(tier.wait_up, 30):  # the link thread connects in the background
@@ -81,6 +90,19 @@ async def run(args: argparse.Namespace, pool: Pool) -> dict[str, object]:
             res = await done
             return {"stored": list(res.reasons)}  # type: ignore[attr-defined]
         keys = keys_for(args.seed, 4096)
+        if args.command == "offload-batches":
+            size = args.pages
+            for start in range(0, len(keys), size):
+                batch = []
+                for i in range(start, start + size):
+                    page = 1 + i % (LAYOUT.num_pages - 1)
+                    pool.kv[:, :, page] = expected(args.seed, i)
+                    batch.append((keys[i], page))
+                stored: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+                tier.offload(batch, stored.set_result)
+                assert not any((await stored).reasons)  # type: ignore[attr-defined]
+                print(start + size, flush=True)
+            return {}
         for i, key in enumerate(keys):  # offload-forever: one page at a time, reporting each
             page = 1 + i % (LAYOUT.num_pages - 1)
             pool.kv[:, :, page] = expected(args.seed, i)
@@ -95,7 +117,7 @@ async def run(args: argparse.Namespace, pool: Pool) -> dict[str, object]:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("command", choices=["offload", "load", "offload-forever"])
+    ap.add_argument("command", choices=["offload", "load", "offload-forever", "offload-batches", "stage-and-wait"])
     ap.add_argument("--tier", choices=["disk", "mooncake"], required=True)
     ap.add_argument("--dir", default="")
     ap.add_argument("--bytes", type=int, default=1 << 30)

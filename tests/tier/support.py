@@ -30,3 +30,17 @@ async def offload(tier: TierService, items: Sequence[tuple[bytes, int]]) -> Offl
     done: asyncio.Future[OffloadResult] = asyncio.get_running_loop().create_future()
     assert tier.offload(items, done.set_result) == len(items)
     return await done
+
+
+def on_disk(directory: Path, keys: Sequence[bytes]) -> list[bool]:
+    """Whether a disk tier restarted on `directory` (after the writer closed it) holds each key."""
+    from cache_service.tier import DiskTier
+    from cache_service.tier.memory import geometry
+    from tests.tier.conftest import LAYOUT
+
+    tier = DiskTier(directory, 1 << 20, geometry(LAYOUT))
+    try:
+        held = set(tier.indexed_keys())
+    finally:
+        tier.close()
+    return [k in held for k in keys]

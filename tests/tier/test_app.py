@@ -13,6 +13,7 @@ import numpy as np
 from cache_service.app import build_server
 from cache_service.config import ServiceConfig
 from cache_service.tier import DiskTier
+from cache_service.tier.disk import SEGMENT_HEADER_BYTES
 from cache_service.tier.memory import geometry
 from protos.kvcache.v1 import kvcache_pb2 as pb
 from protos.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
@@ -47,7 +48,8 @@ def test_offloads_and_loads_show_in_get_stats_and_survive_a_restart(tmp_path: Pa
             value = geometry(cfg.layout()).value_bytes
             assert (st.backend, st.up, st.offload_pages, st.offload_bytes, st.load_pages, st.hit_pages) == (
                 "disk", True, 3, 3 * value, 2, 2)
-            assert (st.stored_values, st.stored_bytes, st.capacity_bytes) == (3, 3 * value, 1 << 20)
+            assert (st.stored_values, st.stored_bytes, st.capacity_bytes) == (
+                3, SEGMENT_HEADER_BYTES + 3 * value, 1 << 20)
             del kv
         finally:
             await server.stop(grace=1)

@@ -21,7 +21,7 @@ from cache_service.tier.memory import geometry
 from cache_service.tier.service import CLOSED, LoadResult, OffloadResult
 from tests.tier.conftest import LAYOUT, Pool
 from tests.tier.node import keys_for
-from tests.tier.support import offload
+from tests.tier.support import offload, on_disk
 
 G = geometry(LAYOUT)
 
@@ -52,6 +52,15 @@ class Gated:
         self._wait()
         self.calls.append(("get", [len(items)]))
         return self.inner.get(items)
+
+    def put_values(self, keys: Sequence[bytes], values: Any) -> list[str]:
+        self._wait()
+        return self.inner.put_values(keys, values)
+
+    def get_values(self, keys: Sequence[bytes], values: Any) -> list[str]:
+        self._wait()
+        self.calls.append(("get", [len(keys)]))
+        return self.inner.get_values(keys, values)
 
     def exists(self, runs: Sequence[Sequence[bytes]]) -> list[int]:
         self._wait()
@@ -106,7 +115,7 @@ def test_results_come_back_on_the_loop_thread_and_the_store_runs_off_it(pool: Po
         assert (st.offload_pages, st.offload_bytes, st.load_pages, st.load_bytes) == (4, 4 * 576, 4, 4 * 576)
         assert (st.hit_pages, st.miss_pages, st.lookup_pages, st.queue_pages, st.load_queue_pages) == (4, 0, 4, 0, 0)
         assert st.offload_seconds > 0 and st.load_seconds > 0 and st.up and st.errors == {}
-        assert (st.stored_values, st.stored_bytes, st.capacity_bytes) == (4, 4 * 576, 1 << 20)
+        assert (st.stored_values, st.stored_bytes, st.capacity_bytes) == (4, 64 + 4 * 576, 1 << 20)
         await asyncio.to_thread(service.close)
 
     asyncio.run(scenario())
@@ -178,7 +187,7 @@ def test_a_full_queue_refuses_pages_at_once_and_counts_them(pool: Pool, disk: Di
         assert service.stats().queue_pages == 0
         assert service.offload([(keys[7], 8)], results.append) == 1  # room again
         await asyncio.to_thread(service.close)
-        assert [disk.path(k).exists() for k in keys] == [True] * 4 + [False] * 3 + [True]
+        assert on_disk(disk.directory, keys) == [True] * 4 + [False] * 3 + [True]
 
     asyncio.run(scenario())
 
@@ -282,7 +291,7 @@ def test_close_drains_queued_offloads_and_refuses_new_work(pool: Pool, disk: Dis
         assert await closing is True
         await asyncio.sleep(0)  # the deliveries are scheduled on this loop
         assert [r.reasons for r in results] == [("",), ("",)]
-        assert disk.path(keys[0]).exists() and disk.path(keys[1]).exists()  # drained: a restart finds them
+        assert on_disk(disk.directory, keys[:2]) == [True, True]  # drained: a restart finds them
         assert service.offload([(keys[2], 3)]) == 0
         late = await service.load([keys[0]], [9]).wait()
         assert late is not None and late.reasons == (CLOSED,)
@@ -319,6 +328,40 @@ def test_mismatched_keys_and_pages_are_refused(pool: Pool, disk: DiskTier) -> No
         with pytest.raises(ValueError, match="2 keys for 1 pages"):
             service.load(keys_for(8, 2), [1])
         assert await service.lookup([]) == 0
+        await asyncio.to_thread(service.close)
+
+    asyncio.run(scenario())
+
+
+def test_falling_behind_is_one_episode_logged_once_with_its_seconds(pool: Pool, disk: DiskTier) -> None:
+    gated = Gated(disk)
+    keys = keys_for(8, 8)
+    now = [100.0]
+
+    async def scenario() -> None:
+        service = _service(gated, pool, queue_pages=4, clock=lambda: now[0])
+        gated.gate.clear()
+        results: list[OffloadResult] = []
+        with capture_logs() as logs:
+            assert service.offload([(keys[0], 1), (keys[1], 2)], results.append) == 2
+            await asyncio.to_thread(gated.entered.acquire)  # the worker is inside the (slow) store
+            assert service.offload([(keys[2], 3), (keys[3], 4)], results.append) == 2  # full: not behind yet
+            assert service.stats().behind is False
+            now[0] = 101.0  # full for a second: behind
+            assert service.offload([(keys[4], 5)], results.append) == 0
+            now[0] = 101.5
+            assert service.offload([(keys[5], 6)], results.append) == 0  # refused: still the same episode
+            now[0] = 103.5
+            st = service.stats()
+            assert (st.behind, st.behind_episodes, st.behind_seconds) == (True, 1, 2.5)
+            gated.gate.set()
+            while len(results) < 2:
+                await asyncio.sleep(0.01)
+        behind = [e for e in logs if e["event"] in ("tier_falling_behind", "tier_caught_up")]
+        assert [(e["event"], e.get("queue_pages"), e.get("seconds"), e.get("pages_lost")) for e in behind] == [
+            ("tier_falling_behind", 4, None, None), ("tier_caught_up", None, 2.5, 1)]
+        st = service.stats()
+        assert (st.behind, st.behind_episodes, st.behind_seconds, st.offload_dropped_pages) == (False, 1, 2.5, 2)
         await asyncio.to_thread(service.close)
 
     asyncio.run(scenario())

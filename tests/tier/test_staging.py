@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -14,11 +17,12 @@ import numpy as np
 import pytest
 from structlog.testing import capture_logs
 
-from cache_service.tier import DiskTier, TierService
+from cache_service.tier import DiskTier, TierService, page_memory
 from cache_service.tier.memory import geometry
 from cache_service.tier.staging import EvictionStaging
 from tests.tier.conftest import LAYOUT, Pool
 from tests.tier.node import keys_for
+from tests.tier.support import REPO, on_disk
 from tests.tier.test_service import Gated, _service
 
 G = geometry(LAYOUT)
@@ -152,7 +156,7 @@ def test_staged_pages_the_tier_never_wrote_before_the_stop_are_lost_and_counted(
         assert (st.staged_pages, st.staging_written_pages, st.staging_lost_pages) == (3, 1, 2)
         assert lost == [keys[1:]]
         assert [e["pages"] for e in logs if e["event"] == "tier_staging_unwritten"] == [2]
-        assert disk.path(keys[0]).exists() and not disk.path(keys[1]).exists()
+        assert on_disk(disk.directory, keys[:2]) == [True, False]
 
     asyncio.run(scenario())
 
@@ -188,3 +192,24 @@ def test_a_tier_that_is_down_stages_nothing_counts_and_logs_once(pool: Pool, tmp
         await asyncio.to_thread(service.close)
 
     asyncio.run(scenario())
+
+
+def test_pages_staging_held_at_a_sigkill_are_counted_at_the_next_start(pool: Pool, tmp_path: Path) -> None:
+    directory = tmp_path / "tier"
+    proc = subprocess.Popen([sys.executable, "-m", "tests.tier.node", "stage-and-wait", "--tier", "disk", "--dir",
+                             str(directory), "--seed", "12", "--pages", "5"], cwd=REPO, stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "staged 5"
+    proc.send_signal(signal.SIGKILL)  # five pages in staging, none written
+    proc.wait()
+    with capture_logs() as logs:
+        service = TierService(DiskTier(directory, 1 << 20, G), page_memory(pool.pool), staging_bytes=1 << 20)
+    st = service.stats()
+    assert (st.staging_crashed_pages, st.recovered_values, st.torn_values) == (5, 0, 0)
+    assert [(e["event"], e["staging_crashed_pages"]) for e in logs if e["log_level"] == "warning"] == [
+        ("tier_lost_at_start", 5)]
+    assert service.close() is True  # a clean stop leaves the ledger empty
+    again = TierService(DiskTier(directory, 1 << 20, G), page_memory(pool.pool), staging_bytes=1 << 20)
+    assert again.stats().staging_crashed_pages == 0
+    again.close()

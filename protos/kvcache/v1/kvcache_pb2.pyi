@@ -763,7 +763,7 @@ class ReuseStats(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., turns: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., engine_cached_tokens: _Optional[int] = ..., loaded_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ...) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("backend", "up", "hit_pages", "miss_pages", "lookup_pages", "load_pages", "load_bytes", "load_seconds", "load_timeouts", "offload_pages", "offload_bytes", "offload_seconds", "offload_dropped_pages", "queue_pages", "queue_capacity_pages", "load_queue_pages", "tainted_pages", "errors", "outages", "stored_values", "stored_bytes", "capacity_bytes", "staging_pages", "staging_capacity_pages", "staged_pages", "staging_written_pages", "staging_dropped_pages", "staging_lost_pages", "staging_hit_pages")
+    __slots__ = ("backend", "up", "hit_pages", "miss_pages", "lookup_pages", "load_pages", "load_bytes", "load_seconds", "load_timeouts", "offload_pages", "offload_bytes", "offload_seconds", "offload_dropped_pages", "queue_pages", "queue_capacity_pages", "load_queue_pages", "tainted_pages", "errors", "outages", "stored_values", "stored_bytes", "capacity_bytes", "staging_pages", "staging_capacity_pages", "staged_pages", "staging_written_pages", "staging_dropped_pages", "staging_lost_pages", "staging_hit_pages", "behind", "behind_episodes", "behind_seconds", "recovered_values", "torn_values", "staging_crashed_pages")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     UP_FIELD_NUMBER: _ClassVar[int]
     HIT_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -793,6 +793,12 @@ class TierStats(_message.Message):
     STAGING_DROPPED_PAGES_FIELD_NUMBER: _ClassVar[int]
     STAGING_LOST_PAGES_FIELD_NUMBER: _ClassVar[int]
     STAGING_HIT_PAGES_FIELD_NUMBER: _ClassVar[int]
+    BEHIND_FIELD_NUMBER: _ClassVar[int]
+    BEHIND_EPISODES_FIELD_NUMBER: _ClassVar[int]
+    BEHIND_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RECOVERED_VALUES_FIELD_NUMBER: _ClassVar[int]
+    TORN_VALUES_FIELD_NUMBER: _ClassVar[int]
+    STAGING_CRASHED_PAGES_FIELD_NUMBER: _ClassVar[int]
     backend: str
     up: bool
     hit_pages: int
@@ -822,7 +828,13 @@ class TierStats(_message.Message):
     staging_dropped_pages: int
     staging_lost_pages: int
     staging_hit_pages: int
-    def __init__(self, backend: _Optional[str] = ..., up: _Optional[bool] = ..., hit_pages: _Optional[int] = ..., miss_pages: _Optional[int] = ..., lookup_pages: _Optional[int] = ..., load_pages: _Optional[int] = ..., load_bytes: _Optional[int] = ..., load_seconds: _Optional[float] = ..., load_timeouts: _Optional[int] = ..., offload_pages: _Optional[int] = ..., offload_bytes: _Optional[int] = ..., offload_seconds: _Optional[float] = ..., offload_dropped_pages: _Optional[int] = ..., queue_pages: _Optional[int] = ..., queue_capacity_pages: _Optional[int] = ..., load_queue_pages: _Optional[int] = ..., tainted_pages: _Optional[int] = ..., errors: _Optional[_Iterable[_Union[TierErrorCount, _Mapping]]] = ..., outages: _Optional[int] = ..., stored_values: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., staging_pages: _Optional[int] = ..., staging_capacity_pages: _Optional[int] = ..., staged_pages: _Optional[int] = ..., staging_written_pages: _Optional[int] = ..., staging_dropped_pages: _Optional[int] = ..., staging_lost_pages: _Optional[int] = ..., staging_hit_pages: _Optional[int] = ...) -> None: ...
+    behind: bool
+    behind_episodes: int
+    behind_seconds: float
+    recovered_values: int
+    torn_values: int
+    staging_crashed_pages: int
+    def __init__(self, backend: _Optional[str] = ..., up: _Optional[bool] = ..., hit_pages: _Optional[int] = ..., miss_pages: _Optional[int] = ..., lookup_pages: _Optional[int] = ..., load_pages: _Optional[int] = ..., load_bytes: _Optional[int] = ..., load_seconds: _Optional[float] = ..., load_timeouts: _Optional[int] = ..., offload_pages: _Optional[int] = ..., offload_bytes: _Optional[int] = ..., offload_seconds: _Optional[float] = ..., offload_dropped_pages: _Optional[int] = ..., queue_pages: _Optional[int] = ..., queue_capacity_pages: _Optional[int] = ..., load_queue_pages: _Optional[int] = ..., tainted_pages: _Optional[int] = ..., errors: _Optional[_Iterable[_Union[TierErrorCount, _Mapping]]] = ..., outages: _Optional[int] = ..., stored_values: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., staging_pages: _Optional[int] = ..., staging_capacity_pages: _Optional[int] = ..., staged_pages: _Optional[int] = ..., staging_written_pages: _Optional[int] = ..., staging_dropped_pages: _Optional[int] = ..., staging_lost_pages: _Optional[int] = ..., staging_hit_pages: _Optional[int] = ..., behind: _Optional[bool] = ..., behind_episodes: _Optional[int] = ..., behind_seconds: _Optional[float] = ..., recovered_values: _Optional[int] = ..., torn_values: _Optional[int] = ..., staging_crashed_pages: _Optional[int] = ...) -> None: ...
 
 class TierErrorCount(_message.Message):
     __slots__ = ("operation", "reason", "count")
