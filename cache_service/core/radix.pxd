@@ -42,6 +42,7 @@ cdef class RadixTree:
     @cython.locals(n=RadixNode)
     cpdef unguard(self, RadixNode node)
 
+    @cython.locals(n=RadixNode)
     cpdef mark_leftover(self, RadixNode node)
 
     @cython.locals(klass=Py_ssize_t)

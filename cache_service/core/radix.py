@@ -358,12 +358,18 @@ class RadixTree:
         return n
 
     def mark_leftover(self, node: RadixNode) -> None:
-        """What a closed session left at `node` goes first (CLOSED_CHILD), unless the node is guarded or
-        pinned by someone else (then it is not a leftover nobody wants)."""
-        if node.parent is not None and node.guard == 0 and node.lock_ref == 0 and node.klass != CLOSED_CHILD:
-            node.klass = CLOSED_CHILD
-            if node in self._leaves:
-                self._leaves.push(node)
+        """What a closed session left on the path ending at `node` goes first (CLOSED_CHILD): `node` and the
+        ancestors that lead only to it, up to the first one that is guarded, pinned or shared with another
+        path (those are not leftovers nobody wants)."""
+        n: RadixNode | None = node
+        while n is not None and n.parent is not None and n.guard == 0 and n.lock_ref == 0:
+            if n.klass != CLOSED_CHILD:
+                n.klass = CLOSED_CHILD
+                if n in self._leaves:
+                    self._leaves.push(n)
+            if len(n.parent.children) != 1:
+                break
+            n = n.parent
 
     def _reclass(self, node: RadixNode) -> None:
         klass = PARENT if node.guard > 0 else ORDINARY
