@@ -89,7 +89,8 @@ SESSION_KINDS = ("opened", "closed", "demoted", "parked", "adopted")
 CLOSE_REASONS = ("client", "timeout", "lease_ended", "parked_timeout")
 """Why a session closed: its client closed it (CloseSession, or a close op; at its turn's end when one was in
 flight), it sat idle past its timeout, its engine's lease ended while its close was deferred or before it
-committed anything (a lease's end parks the others, §11), or it was parked and no engine adopted it within --parked-session-timeout."""
+committed anything (a lease's end parks the others, §11), or it was parked and no engine adopted it within
+--parked-session-timeout."""
 
 
 def salt_hash(cache_salt: str) -> bytes:

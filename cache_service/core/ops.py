@@ -204,9 +204,8 @@ class Ops:
         """Close now (returns (id, True, tokens cached)), or at the turn's end (id, False, 0). `mode` is a
         CloseMode; 0 (unspecified) takes `cache`'s meaning: cache=True caches, cache=False frees the private
         KV (keep-prefix for a top-level session, drop for a child: docs/design.md §15)."""
-        if mode:
-            if mode not in _CLOSE_MODES:
-                raise invalid_argument("mode", f"{mode} is not a CloseMode (1 cache, 2 drop, 3 keep-prefix)")
+        if mode and mode not in _CLOSE_MODES:
+            raise invalid_argument("mode", f"{mode} is not a CloseMode (1 cache, 2 drop, 3 keep-prefix)")
         s = self.session(session_id, epoch, engine_id, identity, self._clock(), False)
         if not mode:
             mode = _CACHE if cache else _DROP if s.parent_id else _KEEP_PREFIX
