@@ -1,7 +1,7 @@
 """KV pressure from an agent and its subagents: does the main agent's prefix survive the subagents' cycles?
 
     .venv/bin/python -m bench.agent_pressure            # both pools, five modes (~10-20 min on 2 busy cores)
-    .venv/bin/python -m bench.agent_pressure --quick --pools small --modes alone,cached,trees   # the smoke test
+    .venv/bin/python -m bench.agent_pressure --quick --pools small --modes alone,cached,trees --starts-ahead 3
 
 Dynamo's session-routing work (ai-dynamo/dynamo#7665) measured this on SGLang: 3 main-agent turns
 interleaved with 5 subagent sessions of 9-15 turns. This is the same interleaving, synthetic but shaped
@@ -187,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the pool sizes to run: small (the main agent and a subagent do not fit together), big "
                         "(they do), or both")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    p.add_argument("--starts-ahead", type=int, default=1, choices=range(1, 11), metavar="N",
+                   help="engines starting ahead of the mode that runs (1-10; default 1)")
     p.add_argument("--vllm-python", default=str(REPO / ".venv-vllm" / "bin" / "python"))
     args = p.parse_args(argv)
     modes = tuple(m for m in MODES if m in args.modes.split(","))
@@ -236,16 +238,17 @@ def main(argv: list[str] | None = None) -> int:
         return engine, service
 
     try:
-        with ThreadPoolExecutor(1) as starter:  # the next mode's engine starts while this one runs
-            upcoming = starter.submit(start, jobs[0])
+        # the next modes' engines start while this one runs (--starts-ahead of them: each is ~1-2 GB of memory)
+        with ThreadPoolExecutor(args.starts_ahead) as starter:
+            upcoming = [starter.submit(start, job) for job in jobs[: args.starts_ahead]]
             for k, (name, mode) in enumerate(jobs):
                 try:
-                    engine, service = upcoming.result()
+                    engine, service = upcoming.pop(0).result()
                 except DriverError as e:
                     print(f"[agent_pressure] {TITLES[mode]} ({name} pool): the engine did not start: {e}")
                     return 1
-                if k + 1 < len(jobs):
-                    upcoming = starter.submit(start, jobs[k + 1])
+                if k + args.starts_ahead < len(jobs):
+                    upcoming.append(starter.submit(start, jobs[k + args.starts_ahead]))
                 pool = Pool(service.target) if service is not None else None
                 try:
                     began = time.perf_counter()

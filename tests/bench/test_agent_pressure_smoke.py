@@ -9,12 +9,12 @@ import pytest
 
 from bench import agent_pressure
 
-pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.timeout(900)]  # three engines, one starting ahead
+pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.timeout(900)]  # three engines start together, ~45 s
 
 
 def test_agent_pressure_quick_prints_its_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     png = tmp_path / "agent_pressure.png"
-    assert agent_pressure.main(["--quick", "--pools", "small", "--modes", "alone,cached,trees",
+    assert agent_pressure.main(["--quick", "--pools", "small", "--modes", "alone,cached,trees", "--starts-ahead", "3",
                                 "--plot", str(png)]) == 0
     out = capsys.readouterr().out
     for title in ("vLLM alone", "closed cached", "agent trees"):  # each mode ran its 22 requests
