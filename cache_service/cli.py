@@ -410,6 +410,9 @@ def format_stats(st: pb.GetStatsResponse) -> str:
                    f"{st.demoted_sessions} demotions, {st.reaped_sessions} reaped, {st.expired_leases} leases expired, "
                    f"{st.parked_sessions} parked, {st.adopted_sessions} adopted, {st.expired_parked_sessions} parked "
                    "expired"),
+        ("relief by class", f"evicted {st.evicted_closed_child_pages:,} closed-child, {st.evicted_ordinary_pages:,} "
+                            f"ordinary, {st.evicted_parent_pages:,} parent pages; demoted "
+                            f"{st.demoted_session_pages:,} idle-session, {st.demoted_parent_pages:,} parent pages"),
     ]
     if st.HasField("tier"):
         rows += tier_rows(st.tier)
@@ -488,16 +491,23 @@ def _cmd_sessions(args: argparse.Namespace) -> int:
                                       preserving_proto_field_name=True))
         return 0
     header = (f"{'session':<34} {'state':<8} {'mode':<9} {'turns':>5} {'tokens':>7} {'pages':>6} {'idle s':>7}  "
-              "engine  identity")
+              "engine  identity  parent")
     lines = [header]
     for s in res.sessions:
         state = pb.SessionState.Name(s.state).removeprefix("SESSION_STATE_")
         mode = "streaming" if s.streaming else "regular"
         lines.append(f"{s.session_id[:34]:<34} {state:<8} {mode:<9} {s.turns:>5} {s.context_tokens:>7} "
-                     f"{s.num_pages:>6} {s.idle_seconds:>7.1f}  {_engine_cell(s)}  {s.identity or '-'}")
+                     f"{s.num_pages:>6} {s.idle_seconds:>7.1f}  {_engine_cell(s)}  {s.identity or '-'}  "
+                     f"{_parent_cell(s)}")
     lines.append(f"{len(res.sessions)} session(s)")
     print("\n".join(lines))
     return 0
+
+
+def _parent_cell(s: pb.SessionInfo) -> str:
+    """The session it works for, and how many children it has (docs/design.md §15)."""
+    cell = s.parent_session_id or "-"
+    return f"{cell} ({s.child_sessions} children)" if s.child_sessions else cell
 
 
 def _engine_cell(s: pb.SessionInfo) -> str:
@@ -559,7 +569,8 @@ def format_event(batch: pb.WatchEventsResponse, event: pb.KvEvent) -> str:
     if kind == "session_opened":
         o = event.session_opened
         return (f"{head} session opened {o.session_id} epoch={o.epoch} {'streaming' if o.streaming else 'regular'} "
-                f"salt={o.cache_salt!r} engine={o.engine_id or '-'}")
+                f"salt={o.cache_salt!r} engine={o.engine_id or '-'}"
+                + (f" parent={o.parent_session_id}" if o.parent_session_id else ""))
     if kind == "session_parked":
         parked = event.session_parked
         return (f"{head} session parked {parked.session_id} epoch={parked.epoch} "

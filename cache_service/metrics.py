@@ -85,6 +85,17 @@ class _StatsCollector(Collector):
             ("kvcache_expired_leases", "Engine leases that expired.", st.expired_leases),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+        relief = CounterMetricFamily("kvcache_relief_pages", "Pages relief took, by class in the order it takes "
+                                     "them (docs/design.md §15): radix pages evicted (closed_child, ordinary, "
+                                     "parent) and session pages demoted (idle_session, parent_session).",
+                                     labels=["class", "action"])
+        for klass, action, value in (("closed_child", "evicted", st.evicted_closed_child_pages),
+                                     ("ordinary", "evicted", st.evicted_ordinary_pages),
+                                     ("idle_session", "demoted", st.demoted_session_pages),
+                                     ("parent", "evicted", st.evicted_parent_pages),
+                                     ("parent_session", "demoted", st.demoted_parent_pages)):
+            relief.add_metric([klass, action], value)
+        yield relief
         yield from _reuse_families(st)
         info = GaugeMetricFamily("kvcache_info", "Service identity.", labels=sorted(self._info))
         info.add_metric([self._info[k] for k in sorted(self._info)], 1)

@@ -140,10 +140,11 @@ def match_prefix(tokens: TokensLike, cache_salt: str) -> Call[pb.MatchPrefixResp
 
 
 def open_session(client: ClientBase, session_id: str, streaming: bool, timeout_seconds: float | None,
-                 cache_salt: str, engine_id: str | None) -> Call[pb.OpenSessionResponse, OpenedSession]:
+                 cache_salt: str, engine_id: str | None, parent_session_id: str = ""
+                 ) -> Call[pb.OpenSessionResponse, OpenedSession]:
     """`engine_id=None` makes the client's engine the owner; "" opens a session no lease owns."""
     req = requests.open_request(session_id, streaming, timeout_seconds, cache_salt,
-                                client.engine_id if engine_id is None else engine_id)
+                                client.engine_id if engine_id is None else engine_id, parent_session_id)
     return Call("OpenSession", req, codec.opened, after=_learn_instance)
 
 
@@ -167,9 +168,11 @@ def commit_session(client: ClientBase, session_id: str, tokens: TokensLike, kv_t
     return Call("CommitSession", req, codec.committed)
 
 
-def close_session(client: ClientBase, session_id: str, cache: bool,
-                  epoch: int) -> Call[pb.CloseSessionResponse, CloseResult]:
-    return Call("CloseSession", requests.close_request(session_id, cache, epoch, client.engine_id), codec.closed)
+def close_session(client: ClientBase, session_id: str, cache: bool, epoch: int,
+                  mode: str | None = None) -> Call[pb.CloseSessionResponse, CloseResult]:
+    """`mode`: "cache", "drop" or "keep-prefix" (docs/design.md §15); None leaves the choice to `cache`."""
+    return Call("CloseSession", requests.close_request(session_id, cache, epoch, client.engine_id,
+                                                       requests.close_mode(mode)), codec.closed)
 
 
 def step(client: ClientBase, batch: StepBatch) -> Call[pb.StepResponse, list[StepOutcome[Any]]]:

@@ -10,10 +10,25 @@ from __future__ import annotations
 from engine_client.types import ReuseReport
 from protos.kvcache.v1 import kvcache_pb2 as pb
 
+CLOSE_MODES = {"cache": pb.CLOSE_MODE_CACHE, "drop": pb.CLOSE_MODE_DROP, "keep-prefix": pb.CLOSE_MODE_KEEP_PREFIX}
+"""A close's `mode` by name (docs/design.md §15), as the vLLM connector's `kvcache_close_session` spells them."""
+
+
+def close_mode(mode: str | None) -> int:
+    """The CloseMode number of `mode` (None: UNSPECIFIED, the `cache` bool decides); ValueError naming the
+    accepted names for any other."""
+    if mode is None:
+        return pb.CLOSE_MODE_UNSPECIFIED
+    code = CLOSE_MODES.get(mode)
+    if code is None:
+        raise ValueError(f"close mode {mode!r} is not one of {', '.join(map(repr, CLOSE_MODES))}")
+    return code
+
 
 def open_request(session_id: str, streaming: bool, timeout_seconds: float | None, cache_salt: str,
-                 engine_id: str) -> pb.OpenSessionRequest:
-    req = pb.OpenSessionRequest(session_id=session_id, streaming=streaming, cache_salt=cache_salt, engine_id=engine_id)
+                 engine_id: str, parent_session_id: str = "") -> pb.OpenSessionRequest:
+    req = pb.OpenSessionRequest(session_id=session_id, streaming=streaming, cache_salt=cache_salt, engine_id=engine_id,
+                                parent_session_id=parent_session_id)
     if timeout_seconds is not None:  # unset (the service's default) differs from 0 (never times out)
         req.timeout_seconds = timeout_seconds
     return req
@@ -43,8 +58,11 @@ def commit_request(session_id: str, packed_tokens: bytes, kv_tokens: int | None,
     return req
 
 
-def close_request(session_id: str, cache: bool, epoch: int, engine_id: str = "") -> pb.CloseSessionRequest:
-    return pb.CloseSessionRequest(session_id=session_id, cache=cache, epoch=epoch, engine_id=engine_id)
+def close_request(session_id: str, cache: bool, epoch: int, engine_id: str = "", mode: int = 0
+                  ) -> pb.CloseSessionRequest:
+    """`mode`: a CloseMode number (`close_mode`); 0 leaves the choice to `cache`."""
+    return pb.CloseSessionRequest(session_id=session_id, cache=cache, epoch=epoch, engine_id=engine_id,
+                                  mode=mode)  # type: ignore[arg-type]
 
 
 def match_request(packed_tokens: bytes, cache_salt: str) -> pb.MatchPrefixRequest:

@@ -138,9 +138,9 @@ class AsyncKVCacheClient(ClientBase):
 
     async def open_session(self, session_id: str = "", *, streaming: bool = True,
                            timeout_seconds: float | None = None, cache_salt: str = "",
-                           engine_id: str | None = None) -> OpenedSession:
+                           engine_id: str | None = None, parent_session_id: str = "") -> OpenedSession:
         return await self._run(calls.open_session(self, session_id, streaming, timeout_seconds, cache_salt,
-                                                  engine_id))
+                                                  engine_id, parent_session_id))
 
     async def append_session(self, session_id: str, tokens: TokensLike, reserve_tokens: int = 0, *,
                              epoch: int = 0) -> AppendResult:
@@ -193,8 +193,9 @@ class AsyncKVCacheClient(ClientBase):
         (`ReuseReport`), added to this engine's reuse figures in GetStats."""
         return await self._run(calls.commit_session(self, session_id, tokens, kv_tokens, abort, turn, epoch, reuse))
 
-    async def close_session(self, session_id: str, *, cache: bool = False, epoch: int = 0) -> CloseResult:
-        return await self._run(calls.close_session(self, session_id, cache, epoch))
+    async def close_session(self, session_id: str, *, cache: bool = False, epoch: int = 0,
+                            mode: str | None = None) -> CloseResult:
+        return await self._run(calls.close_session(self, session_id, cache, epoch, mode))
 
     async def reap_sessions(self) -> ReapResult:
         return await self._run(calls.reap_sessions())

@@ -107,8 +107,10 @@ class KVCacheClient(ClientBase):
         return self._run(calls.match_prefix(tokens, cache_salt))
 
     def open_session(self, session_id: str = "", *, streaming: bool = True, timeout_seconds: float | None = None,
-                     cache_salt: str = "", engine_id: str | None = None) -> OpenedSession:
-        return self._run(calls.open_session(self, session_id, streaming, timeout_seconds, cache_salt, engine_id))
+                     cache_salt: str = "", engine_id: str | None = None, parent_session_id: str = "") -> OpenedSession:
+        """`parent_session_id`: the open session this one works for (an agent tree, docs/design.md §15)."""
+        return self._run(calls.open_session(self, session_id, streaming, timeout_seconds, cache_salt, engine_id,
+                                            parent_session_id))
 
     def append_session(self, session_id: str, tokens: TokensLike, reserve_tokens: int = 0, *,
                        epoch: int = 0) -> AppendResult:
@@ -167,8 +169,10 @@ class KVCacheClient(ClientBase):
         (`ReuseReport`), added to this engine's reuse figures in GetStats."""
         return self._run(calls.commit_session(self, session_id, tokens, kv_tokens, abort, turn, epoch, reuse))
 
-    def close_session(self, session_id: str, *, cache: bool = False, epoch: int = 0) -> CloseResult:
-        return self._run(calls.close_session(self, session_id, cache, epoch))
+    def close_session(self, session_id: str, *, cache: bool = False, epoch: int = 0,
+                      mode: str | None = None) -> CloseResult:
+        """`mode`: "cache", "drop" or "keep-prefix" (docs/design.md §15); None leaves it to `cache`."""
+        return self._run(calls.close_session(self, session_id, cache, epoch, mode))
 
     def reap_sessions(self) -> ReapResult:
         return self._run(calls.reap_sessions())

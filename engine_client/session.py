@@ -298,12 +298,12 @@ class Session(_SessionState):
     def __init__(self, client: KVCacheClient, session_id: str = "", *, streaming: bool = True,
                  timeout_seconds: float | None = None, cache_salt: str = "", close_cache: bool = True,
                  page_size: int | None = None, device: str | torch.device = "cpu",
-                 pool: MappedPool | None = None) -> None:
+                 pool: MappedPool | None = None, parent_session_id: str = "") -> None:
         self.client = client
         if not page_size:
             page_size = (pool.info if pool is not None else client.get_pool_info()).layout.page_size
         opened = client.open_session(session_id, streaming=streaming, timeout_seconds=timeout_seconds,
-                                     cache_salt=cache_salt)
+                                     cache_salt=cache_salt, parent_session_id=parent_session_id)
         super().__init__(opened.session_id, opened.epoch, page_size, device, close_cache, pool)
 
     @classmethod
@@ -324,13 +324,14 @@ class Session(_SessionState):
     def open_in(cls, batch: StepBatch, client: KVCacheClient, session_id: str = "", *, page_size: int,
                 streaming: bool = True, timeout_seconds: float | None = None, cache_salt: str = "",
                 close_cache: bool = True, device: str | torch.device = "cpu",
-                pool: MappedPool | None = None) -> Session:
+                pool: MappedPool | None = None, parent_session_id: str = "") -> Session:
         """A session that `batch` opens (its admission in the same Step as its first append). Usable in
         the batch at once; its epoch is known after the Step."""
         session = cls.__new__(cls)
         session.client = client
         _SessionState.__init__(session, session_id, 0, page_size, device, close_cache, pool)
-        batch.open(streaming=streaming, timeout_seconds=timeout_seconds, cache_salt=cache_salt, session=session)
+        batch.open(streaming=streaming, timeout_seconds=timeout_seconds, cache_salt=cache_salt, session=session,
+                   parent_session_id=parent_session_id)
         return session
 
     def append(self, tokens: TokensLike, reserve_tokens: int = 0) -> Turn:
@@ -368,12 +369,13 @@ class Session(_SessionState):
         self._on_commit(res)
         return res
 
-    def close(self, cache: bool | None = None) -> None:
-        """Close (idempotent). During a turn the service defers the close to the turn's end."""
+    def close(self, cache: bool | None = None, *, mode: str | None = None) -> None:
+        """Close (idempotent). During a turn the service defers the close to the turn's end. `mode` ("cache",
+        "drop", "keep-prefix": docs/design.md §15) overrides `cache` / `close_cache`."""
         if self.closed:
             return
         self._on_close(self.client.close_session(self.session_id, cache=self.close_cache if cache is None else cache,
-                                                 epoch=self.epoch))
+                                                 epoch=self.epoch, mode=mode))
 
     def __enter__(self) -> Session:
         return self
@@ -395,11 +397,11 @@ class AsyncSession(_SessionState):
     async def open(cls, client: AsyncKVCacheClient, session_id: str = "", *, streaming: bool = True,
                    timeout_seconds: float | None = None, cache_salt: str = "", close_cache: bool = True,
                    page_size: int | None = None, device: str | torch.device = "cpu",
-                   pool: MappedPool | None = None) -> AsyncSession:
+                   pool: MappedPool | None = None, parent_session_id: str = "") -> AsyncSession:
         if not page_size:
             page_size = (pool.info if pool is not None else await client.get_pool_info()).layout.page_size
         opened = await client.open_session(session_id, streaming=streaming, timeout_seconds=timeout_seconds,
-                                           cache_salt=cache_salt)
+                                           cache_salt=cache_salt, parent_session_id=parent_session_id)
         session = cls(opened.session_id, opened.epoch, page_size, device, close_cache, pool)
         session.client = client
         return session
@@ -408,11 +410,12 @@ class AsyncSession(_SessionState):
     def open_in(cls, batch: StepBatch, client: AsyncKVCacheClient, session_id: str = "", *, page_size: int,
                 streaming: bool = True, timeout_seconds: float | None = None, cache_salt: str = "",
                 close_cache: bool = True, device: str | torch.device = "cpu",
-                pool: MappedPool | None = None) -> AsyncSession:
+                pool: MappedPool | None = None, parent_session_id: str = "") -> AsyncSession:
         """A session that `batch` opens; usable in the batch at once, its epoch known after the Step."""
         session = cls(session_id, 0, page_size, device, close_cache, pool)
         session.client = client
-        batch.open(streaming=streaming, timeout_seconds=timeout_seconds, cache_salt=cache_salt, session=session)
+        batch.open(streaming=streaming, timeout_seconds=timeout_seconds, cache_salt=cache_salt, session=session,
+                   parent_session_id=parent_session_id)
         return session
 
     async def append(self, tokens: TokensLike, reserve_tokens: int = 0) -> Turn:
@@ -448,12 +451,12 @@ class AsyncSession(_SessionState):
         self._on_commit(res)
         return res
 
-    async def close(self, cache: bool | None = None) -> None:
+    async def close(self, cache: bool | None = None, *, mode: str | None = None) -> None:
         if self.closed:
             return
         self._on_close(await self.client.close_session(self.session_id,
                                                        cache=self.close_cache if cache is None else cache,
-                                                       epoch=self.epoch))
+                                                       epoch=self.epoch, mode=mode))
 
     async def __aenter__(self) -> AsyncSession:
         return self

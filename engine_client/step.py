@@ -253,6 +253,7 @@ class StepBatch:
         self._timeouts: dict[int, float] = {}
         self._engines: dict[int, str] = {}
         self._salts: dict[int, str] = {}
+        self._parents: dict[int, str] = {}
         self._reuse: dict[int, ReuseReport] = {}
         self.sent = False
 
@@ -267,9 +268,9 @@ class StepBatch:
 
     def open(self, session_id: str = "", *, streaming: bool = True, timeout_seconds: float | None = None,
              cache_salt: str = "", engine_id: str = "", session: StepSession | None = None,
-             ) -> StepOutcome[OpenedSession]:
+             parent_session_id: str = "") -> StepOutcome[OpenedSession]:
         """Open a session in this Step. `session`, a session object not yet open, takes the result (its
-        epoch); `Session.open_in` passes itself here."""
+        epoch); `Session.open_in` passes itself here. `parent_session_id`: the session it works for."""
         sid = (session.session_id if session is not None else session_id) or uuid.uuid4().hex
         flags = _SET if streaming else 0
         if timeout_seconds is not None:
@@ -285,6 +286,8 @@ class StepBatch:
             self._salts[i] = cache_salt
         if engine_id:
             self._engines[i] = engine_id
+        if parent_session_id:
+            self._parents[i] = parent_session_id
         return outcome
 
     def append(self, session: SessionRef, tokens: TokensLike, reserve_tokens: int = 0) -> StepOutcome[AppendResult]:
@@ -312,8 +315,9 @@ class StepBatch:
             self._reuse[outcome.index] = reuse
         return outcome
 
-    def close(self, session: SessionRef, *, cache: bool = False) -> StepOutcome[CloseResult]:
-        return self._add(CLOSE, session, 0, _SET if cache else 0)
+    def close(self, session: SessionRef, *, cache: bool = False, mode: str | None = None) -> StepOutcome[CloseResult]:
+        """`mode`: "cache", "drop" or "keep-prefix" (docs/design.md §15); None leaves the choice to `cache`."""
+        return self._add(CLOSE, session, requests.close_mode(mode), _SET if cache else 0)
 
     def match(self, tokens: TokensLike, cache_salt: str = "") -> StepOutcome[MatchResult]:
         outcome: StepOutcome[MatchResult] = self._add(MATCH, "", 0, 0, codec.pack_tokens(tokens))
@@ -386,6 +390,8 @@ class StepBatch:
             cols.engine_ids.extend(self._engines.get(i, "") for i in range(n))
         if self._salts:
             cols.cache_salts.extend(self._salts.get(i, "") for i in range(n))
+        if self._parents:
+            cols.parent_session_ids.extend(self._parents.get(i, "") for i in range(n))
         if self._reuse:
             reuse = array("I", bytes(12 * n))
             for i, r in self._reuse.items():
@@ -420,7 +426,7 @@ class StepBatch:
             if kind == OPEN:
                 ops.append(pb.StepOp(open=requests.open_request(
                     sid, bool(flags & _SET), self._timeouts[i] if flags & _TIMEOUT else None,
-                    self._salts.get(i, ""), self._engines.get(i, ""))))
+                    self._salts.get(i, ""), self._engines.get(i, ""), self._parents.get(i, ""))))
             elif kind == APPEND:
                 ops.append(pb.StepOp(append=requests.append_request(sid, tokens, count, epoch)))
             elif kind == EXTEND:
@@ -431,7 +437,7 @@ class StepBatch:
                     sid, tokens, count if flags & _KV_TOKENS else None, abort, self._turns.get(i, 0), epoch,
                     reuse=self._reuse.get(i))))
             elif kind == CLOSE:
-                ops.append(pb.StepOp(close=requests.close_request(sid, bool(flags & _SET), epoch)))
+                ops.append(pb.StepOp(close=requests.close_request(sid, bool(flags & _SET), epoch, mode=count)))
             else:
                 ops.append(pb.StepOp(match=requests.match_request(tokens, self._salts.get(i, ""))))
         return ops

@@ -149,6 +149,10 @@ class SessionInfo:
     """The engine whose lease end last parked it ("" if never parked)."""
     parked_seconds_left: float | None = None
     """Seconds until a parked session is closed (cache=true); None unless parked with a deadline."""
+    parent_session_id: str = ""
+    """The session it was opened under ("" for a top-level one; docs/design.md §15)."""
+    child_sessions: int = 0
+    """Its live children."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +227,14 @@ class Stats:
     adopted_sessions: int = 0
     expired_parked_sessions: int = 0
     """Cumulative: parks, adoptions, and parked sessions closed at their parked timeout."""
+    evicted_closed_child_pages: int = 0
+    evicted_ordinary_pages: int = 0
+    evicted_parent_pages: int = 0
+    demoted_session_pages: int = 0
+    demoted_parent_pages: int = 0
+    """Cumulative relief by class, first taken first (docs/design.md §15): radix pages evicted of closed sessions'
+    leftovers, ordinary entries and parents' guarded paths; session pages demoted of idle sessions without
+    live children and of parents."""
     reuse: ReuseStats = ReuseStats("", 0, 0, 0, 0, 0)
     """What engines reported at their commits (`ReuseReport`), in total."""
     engine_reuse: tuple[ReuseStats, ...] = ()

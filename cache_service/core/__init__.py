@@ -10,6 +10,7 @@ from cache_service.core.errors import ErrorCode, InvariantError, KVCacheError, R
 from cache_service.core.pages import PageAllocator
 from cache_service.core.types import (
     AppendResult,
+    CloseMode,
     CloseResult,
     CommitResult,
     EngineInfo,
@@ -24,6 +25,7 @@ from cache_service.core.types import (
 
 __all__ = [
     "AppendResult",
+    "CloseMode",
     "CloseResult",
     "CommitResult",
     "CoreConfig",

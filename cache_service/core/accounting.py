@@ -16,6 +16,7 @@ import numpy.typing as npt
 
 from cache_service.core.config import CoreConfig
 from cache_service.core.errors import InvariantError
+from cache_service.core.eviction import CLOSED_CHILD, ORDINARY, PARENT
 from cache_service.core.leases import LeaseTable
 from cache_service.core.ledger import (
     EVICTABLE,
@@ -90,6 +91,11 @@ class Accounting:
             parked_sessions=c.parked_sessions,
             adopted_sessions=c.adopted_sessions,
             expired_parked_sessions=c.expired_parked_sessions,
+            evicted_closed_child_pages=radix.evicted_by_class[CLOSED_CHILD],
+            evicted_ordinary_pages=radix.evicted_by_class[ORDINARY],
+            evicted_parent_pages=radix.evicted_by_class[PARENT],
+            demoted_session_pages=c.demoted_session_pages,
+            demoted_parent_pages=c.demoted_parent_pages,
             reuse=self._reuse.total,
             engine_reuse=self._reuse.engines(),
         )
@@ -128,10 +134,15 @@ class Accounting:
             closing += s.state is CLOSING
             demoted += s.demoted
             parked += s.parked
+        expected_guards = self._check_tree()
         for n in self._radix.iter_nodes():
             if n.parent is not None and n.lock_ref != expected_locks.get(n, 0):
                 raise InvariantError(
                     f"radix node {n.id}: lock_ref {n.lock_ref} != {expected_locks.get(n, 0)} session and tier pins"
+                )
+            if n.parent is not None and n.guard != expected_guards.get(n, 0):
+                raise InvariantError(
+                    f"radix node {n.id}: guard {n.guard} != {expected_guards.get(n, 0)} guards of parent sessions"
                 )
         self._check_single_owner(np.frombuffer(b"".join(owned), dtype=np.int32))
         c, counts = self._c, self._ledger.counts
@@ -164,6 +175,25 @@ class Accounting:
                 f"!= num_pages - 1 = {st.usable_pages}"
             )
         return st
+
+    def _check_tree(self) -> Counter[RadixNode]:
+        """The agent tree (docs/design.md §15): every parent link names an open session that lists the child,
+        each parent's live-children count is its children, and only parents with live children guard a radix
+        node. Returns the guards each node should have."""
+        guards: Counter[RadixNode] = Counter()
+        for s in self._sessions:
+            p = s.parent
+            if p is not None and (self._sessions.find(p.id) is not p or s not in p.children):
+                raise InvariantError(f"session {s.id!r}: its parent {p.id!r} is not open or does not list it")
+            if any(c.parent is not s or self._sessions.find(c.id) is not c for c in s.children):
+                raise InvariantError(f"session {s.id!r} lists a child that is not open or not its own")
+            if s.guard_node is not None:
+                if not s.children:
+                    raise InvariantError(f"session {s.id!r} guards the radix with no live children")
+                at = self._radix.guarded_at(s.guard_node)
+                if at is not None:
+                    guards[at] += 1
+        return guards
 
     def _check_session(self, sid: str, s: SessionSlot, expected_locks: Counter[RadixNode]) -> None:
         if sid != s.id:

@@ -43,6 +43,7 @@ from cache_service.core.tiering import TierIndex
 from cache_service.core.types import (
     EMPTY_PAGES,
     AppendResult,
+    CloseMode,
     CloseResult,
     CommitResult,
     EngineInfo,
@@ -105,12 +106,15 @@ class KVCacheCore:
     # ================================================================== sessions
 
     def open_session(self, session_id: str = "", *, streaming: bool = False, timeout_seconds: float | None = None,
-                     cache_salt: str = "", engine_id: str = "", identity: str = "", quota: int = 0) -> OpenResult:
+                     cache_salt: str = "", engine_id: str = "", identity: str = "", quota: int = 0,
+                     parent_session_id: str = "") -> OpenResult:
         """Open a session for `identity`. An empty id gets a generated one; `timeout_seconds` None means the
         default, 0 means never. `engine_id` (optional) must hold a live lease of the same identity and
-        becomes the owner. SESSION_LIMIT when --max-sessions or the identity's `quota` (0: none) is full."""
+        becomes the owner. SESSION_LIMIT when --max-sessions or the identity's `quota` (0: none) is full.
+        `parent_session_id` (optional) names the open session of the same identity and salt it works for
+        (docs/design.md §15)."""
         return OpenResult(*self.ops.open(session_id, streaming, timeout_seconds, cache_salt, engine_id, identity,
-                                         quota))
+                                         quota, parent_session_id))
 
     def append(self, session_id: str, token_ids: npt.ArrayLike, reserve_tokens: int = 0, *, epoch: int = 0,
                engine_id: str = "", identity: str | None = "") -> AppendResult:
@@ -149,11 +153,13 @@ class KVCacheCore:
         return CommitResult(*self.ops.commit(session_id, token_bytes(token_ids), kv_tokens, abort, turn, epoch,
                                              engine_id, identity, reuse))
 
-    def close(self, session_id: str, *, cache: bool = False, epoch: int = 0, engine_id: str = "",
-              identity: str | None = "") -> CloseResult:
+    def close(self, session_id: str, *, cache: bool = False, mode: CloseMode | None = None, epoch: int = 0,
+              engine_id: str = "", identity: str | None = "") -> CloseResult:
         """Close a session. During a turn the close is deferred to the turn's end (SESSION_CLOSING for
-        new appends meanwhile). `cache=True` inserts the committed context's full pages into the radix."""
-        return CloseResult(*self.ops.close(session_id, cache, epoch, engine_id, identity))
+        new appends meanwhile). `mode` says what stays (docs/design.md §15); without it `cache=True` inserts
+        the committed context's full pages into the radix, and cache=False frees the private KV (keep-prefix
+        for a top-level session, drop for a child)."""
+        return CloseResult(*self.ops.close(session_id, cache, epoch, engine_id, identity, int(mode or 0)))
 
     def get_session(self, session_id: str, *, epoch: int = 0) -> SessionInfo:
         return self.sessions.info(self.sessions.get(session_id, epoch), self._clock())
@@ -233,9 +239,7 @@ class KVCacheCore:
         lease = self.leases.find(engine_id)
         if lease is None or lease.serial != serial:
             return ()
-        parked = self.leases.end(lease, expired=True)
-        self.ops.park_sessions(parked, self._clock(), fence=False)
-        return parked
+        return self.ops.park_sessions(self.leases.end(lease, expired=True), self._clock(), fence=False)
 
     def held_lease(self, engine_id: str, serial: int) -> EngineInfo | None:
         """The lease `serial` of `engine_id` if it is still the live one, else None."""

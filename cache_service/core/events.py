@@ -79,6 +79,8 @@ class SessionChange(NamedTuple):
     identity: str
     reason: str = ""
     """Why a "closed" session closed: one of CLOSE_REASONS ("" for the other kinds)."""
+    parent_session_id: str = ""
+    """The session it was opened under ("" for a top-level one; docs/design.md §15)."""
 
 
 Record = Stored | Removed | Cleared | SessionChange
@@ -86,8 +88,9 @@ Record = Stored | Removed | Cleared | SessionChange
 SESSION_KINDS = ("opened", "closed", "demoted", "parked", "adopted")
 CLOSE_REASONS = ("client", "timeout", "lease_ended", "parked_timeout")
 """Why a session closed: its client closed it (CloseSession, or a close op; at its turn's end when one was in
-flight), it sat idle past its timeout, its engine's lease ended while its close was deferred (a lease's end
-parks the others, §11), or it was parked and no engine adopted it within --parked-session-timeout."""
+flight), it sat idle past its timeout, its engine's lease ended while its close was deferred or before it
+committed anything (a lease's end parks the others, §11), or it was parked and no engine adopted it within
+--parked-session-timeout."""
 
 
 def salt_hash(cache_salt: str) -> bytes:

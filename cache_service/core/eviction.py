@@ -1,6 +1,9 @@
 """Eviction order of the radix tree's unlocked leaves: small strategy objects and a lazy heap.
 
-A policy maps a leaf to a sort key (smallest first). `LeafHeap` holds the evictable leaves in a heap with
+A policy maps a leaf to a sort key (smallest first). Every key starts with the leaf's eviction class
+(docs/design.md §15): a closed session's leftovers (`CLOSED_CHILD`) go before ordinary entries (`ORDINARY`),
+which go before the radix prefix of a parent whose children are live (`PARENT`); the policy orders leaves
+within a class. `LeafHeap` holds the evictable leaves in a heap with
 lazy invalidation: a leaf whose key changed is pushed again with a new version, stale entries are
 skipped when popped, and the heap is compacted when stale entries outnumber live ones, so an eviction
 costs O(log n) per leaf touched and never rebuilds the heap per call.
@@ -14,6 +17,11 @@ from typing import Generic, Protocol, TypeVar
 
 _HEAP_SLACK = 1024
 
+CLOSED_CHILD, ORDINARY, PARENT = 0, 1, 2
+"""Radix eviction classes, first evicted first (a leaf's `klass`)."""
+EVICTION_CLASSES = ("closed_child", "ordinary", "parent")
+"""The classes' names, by number (stats and metrics)."""
+
 
 class Leaf(Protocol):
     """What eviction reads of a radix node (it never walks the tree, and imports none of it)."""
@@ -22,6 +30,7 @@ class Leaf(Protocol):
     tick: int
     hits: int
     heap_ver: int
+    klass: int
 
 
 RadixNode = TypeVar("RadixNode", bound=Leaf)
@@ -34,17 +43,17 @@ class EvictionPolicy(Protocol):
 
 
 class LRUPolicy:
-    """Least recently used first (ticks are a logical clock, so order is deterministic)."""
+    """Least recently used first within a class (ticks are a logical clock, so order is deterministic)."""
 
     def key(self, node: Leaf) -> tuple[int, ...]:
-        return (node.tick,)
+        return (node.klass, node.tick)
 
 
 class LFUPolicy:
-    """Fewest hits first, then least recently used."""
+    """Fewest hits first within a class, then least recently used."""
 
     def key(self, node: Leaf) -> tuple[int, ...]:
-        return (node.hits, node.tick)
+        return (node.klass, node.hits, node.tick)
 
 
 EVICTION_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRUPolicy, "lfu": LFUPolicy}

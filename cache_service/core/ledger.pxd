@@ -16,3 +16,4 @@ cdef class Counters:
     cdef public Py_ssize_t demoted_sessions, duplicate_pages, expired_leases, miss_tokens, prefix_hit_tokens
     cdef public Py_ssize_t reaped_sessions, session_hit_tokens, session_kv_tokens, session_tokens
     cdef public Py_ssize_t adopted_sessions, expired_parked_sessions, parked_sessions
+    cdef public Py_ssize_t demoted_session_pages, demoted_parent_pages

@@ -65,6 +65,8 @@ class Counters:
 
     __slots__ = (
         "adopted_sessions",
+        "demoted_parent_pages",
+        "demoted_session_pages",
         "demoted_sessions",
         "duplicate_pages",
         "expired_leases",
@@ -91,3 +93,5 @@ class Counters:
         self.parked_sessions = 0
         self.adopted_sessions = 0
         self.expired_parked_sessions = 0
+        self.demoted_session_pages = 0
+        self.demoted_parent_pages = 0

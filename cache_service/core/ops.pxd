@@ -4,7 +4,7 @@ cimport cython
 from cache_service.core.leases cimport Lease, LeaseTable
 from cache_service.core.ledger cimport Counters
 from cache_service.core.pages cimport PageAllocator
-from cache_service.core.radix cimport RadixTree
+from cache_service.core.radix cimport RadixNode, RadixTree
 from cache_service.core.sessions cimport SessionTable
 from cache_service.core.slot cimport SessionSlot, Slots
 
@@ -23,7 +23,10 @@ cdef class Ops:
 
     @cython.locals(s=SessionSlot, lease=Lease)
     cpdef tuple open(self, object session_id, bint streaming, object timeout_seconds, object cache_salt,
-                     object engine_id, object identity, object quota)
+                     object engine_id, object identity, object quota, object parent_session_id=*)
+
+    @cython.locals(p=SessionSlot, up=SessionSlot)
+    cpdef SessionSlot _parent(self, object parent_id, object session_id, object cache_salt, object identity)
 
     @cython.locals(s=SessionSlot, context=Py_ssize_t, adopter=Lease)
     cpdef tuple append(self, object session_id, object tokens, object reserve_tokens, object epoch, object engine_id,
@@ -38,7 +41,8 @@ cdef class Ops:
                        object epoch, object engine_id, object identity, object reuse=*)
 
     @cython.locals(s=SessionSlot)
-    cpdef tuple close(self, object session_id, bint cache, object epoch, object engine_id, object identity)
+    cpdef tuple close(self, object session_id, bint cache, object epoch, object engine_id, object identity,
+                      object mode=*)
 
     @cython.locals(s=SessionSlot, lease=Lease)
     cpdef SessionSlot session(self, object session_id, object epoch, object engine_id, object identity, object now,
@@ -49,5 +53,5 @@ cdef class Ops:
     @cython.locals(new_total=Py_ssize_t, capacity=Py_ssize_t, generated=Py_ssize_t)
     cpdef Py_ssize_t _kv_after_commit(self, SessionSlot s, Py_ssize_t generated, object kv_tokens) except -1
 
-    @cython.locals(cached=Py_ssize_t)
-    cpdef Py_ssize_t finish_close(self, SessionSlot s, bint cache, str reason=*) except -1
+    @cython.locals(cached=Py_ssize_t, cache=bint, node=RadixNode)
+    cpdef Py_ssize_t finish_close(self, SessionSlot s, Py_ssize_t mode, str reason=*) except -1

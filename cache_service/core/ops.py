@@ -36,7 +36,7 @@ from cache_service.core.radix import RadixTree
 from cache_service.core.reuse import ReuseLedger, check_report
 from cache_service.core.sessions import SessionTable
 from cache_service.core.slot import CLOSING, IDLE, IN_TURN, SessionSlot, Slots, change
-from cache_service.core.types import EngineInfo, TokenBytes
+from cache_service.core.types import CloseMode, EngineInfo, TokenBytes
 from cache_service.core.validate import check_count, check_id, check_salt, check_seconds
 
 
@@ -71,10 +71,14 @@ class Ops:
         return match.num_pages * ps, match.pages
 
     def open(self, session_id: str, streaming: bool, timeout_seconds: float | None, cache_salt: str,
-             engine_id: str, identity: str, quota: int) -> tuple[str, int, float]:
+             engine_id: str, identity: str, quota: int, parent_session_id: str = "") -> tuple[str, int, float]:
         now = self._clock()
         if session_id:
             check_id(session_id, "session_id")
+        if parent_session_id:
+            check_id(parent_session_id, "parent_session_id")
+            if parent_session_id == session_id:
+                raise invalid_argument("parent_session_id", f"session {session_id!r} cannot be its own parent")
         if cache_salt:
             check_salt(cache_salt)
         if timeout_seconds is None:
@@ -84,14 +88,38 @@ class Ops:
         lease = self.live_lease(engine_id, now, identity) if engine_id else None
         if session_id:
             self._sessions.check_new(session_id)
+        parent = self._parent(parent_session_id, session_id, cache_salt, identity) if parent_session_id else None
         self._sessions.check_room(identity, max_sessions=self.config.max_sessions, quota=quota)
         s = self._sessions.create(session_id, streaming=streaming, cache_salt=cache_salt, owner=engine_id,
                                   identity=identity, timeout_seconds=timeout_seconds, now=now)
+        if parent is not None:
+            self._slots.link(s, parent)
         if lease is not None:
             lease.sessions.add(s.id)
         if self.recording:
             self._changes.append(change("opened", s))
         return s.id, s.epoch, timeout_seconds
+
+    def _parent(self, parent_id: str, session_id: str, cache_salt: str, identity: str) -> SessionSlot:
+        """The open session a new session `session_id` names as its parent (docs/design.md §15): it must exist
+        (SESSION_NOT_FOUND), belong to the same identity and cache salt (NOT_OWNER), and not have the new
+        session among its ancestors (INVALID_ARGUMENT); every refusal names the field parent_session_id."""
+        p = self._by_id.get(parent_id)
+        if p is None:
+            raise KVCacheError(Reason.SESSION_NOT_FOUND, f"parent session {parent_id!r} not found",
+                               session_id=parent_id, field="parent_session_id")
+        if p.identity != identity:
+            raise KVCacheError(Reason.NOT_OWNER, f"parent session {parent_id!r} belongs to another identity",
+                               session_id=parent_id, field="parent_session_id")
+        if p.cache_salt != cache_salt:
+            raise KVCacheError(Reason.NOT_OWNER, f"parent session {parent_id!r} has another cache_salt: a tree "
+                               "lives in one tenant's cache", session_id=parent_id, field="parent_session_id")
+        up: SessionSlot | None = p
+        while up is not None:
+            if up.id == session_id:
+                raise invalid_argument("parent_session_id", f"{parent_id!r} descends from {session_id!r}: a cycle")
+            up = up.parent
+        return p
 
     def append(self, session_id: str, tokens: TokenBytes, reserve_tokens: int, epoch: int, engine_id: str,
                identity: str | None) -> tuple[SessionSlot, tuple[int, int, int, int, bytes, int, int]]:
@@ -176,20 +204,26 @@ class Ops:
         self._by_id.move_to_end(session_id)
         closed = s.state is CLOSING
         if closed:
-            self.finish_close(s, s.close_cache)  # the counts below are then what the close left: none
+            self.finish_close(s, s.close_mode)  # the counts below are then what the close left: none
         else:
             self._slots.transition(s, IDLE)
         return s.id, s.committed_tokens, s.kv_tokens, s.committed_pages, closed
 
-    def close(self, session_id: str, cache: bool, epoch: int, engine_id: str, identity: str | None
+    def close(self, session_id: str, cache: bool, epoch: int, engine_id: str, identity: str | None, mode: int = 0
               ) -> tuple[str, bool, int]:
-        """Close now (returns (id, True, tokens cached)), or at the turn's end (id, False, 0)."""
+        """Close now (returns (id, True, tokens cached)), or at the turn's end (id, False, 0). `mode` is a
+        CloseMode; 0 (unspecified) takes `cache`'s meaning: cache=True caches, cache=False frees the private
+        KV (keep-prefix for a top-level session, drop for a child: docs/design.md §15)."""
+        if mode and mode not in _CLOSE_MODES:
+            raise invalid_argument("mode", f"{mode} is not a CloseMode (1 cache, 2 drop, 3 keep-prefix)")
         s = self.session(session_id, epoch, engine_id, identity, self._clock(), False)
+        if not mode:
+            mode = _CACHE if cache else _DROP if s.parent_id else _KEEP_PREFIX
         if s.state is not IDLE:
-            s.close_cache = cache
+            s.close_mode = mode
             self._slots.transition(s, CLOSING)
             return s.id, False, 0
-        return s.id, True, self.finish_close(s, cache)
+        return s.id, True, self.finish_close(s, mode)
 
     def session(self, session_id: str, epoch: int, engine_id: str, identity: str | None, now: float,
                 appending: bool) -> SessionSlot:
@@ -249,10 +283,17 @@ class Ops:
                                    "(the turn's cached tokens .. context with its reserved capacity)")
         return kv_tokens
 
-    def finish_close(self, s: SessionSlot, cache: bool, reason: str = "client") -> int:
-        """Release the session's KV and forget it; `reason` (events.CLOSE_REASONS) is why, for its event.
-        Returns the context tokens now cached (cache=True)."""
-        self._slots.drop_kv(s, cache=cache)
+    def finish_close(self, s: SessionSlot, mode: int, reason: str = "client") -> int:
+        """Release the session's KV as `mode` (a CloseMode) says and forget it; `reason` (events.CLOSE_REASONS)
+        is why, for its event. Returns the context tokens now cached (mode cache).
+
+        What a drop leaves in the radix (a streaming session's first-turn prompt), and what a child's cache
+        leaves, is a closed session's leftover: evicted before anything else until a match hits it again."""
+        cache = mode == _CACHE
+        self._slots.orphan(s)  # its children lose its guard before its KV moves
+        node = self._slots.drop_kv(s, cache=cache)
+        if node is not None and (mode == _DROP or (cache and s.parent_id)):
+            self._radix.mark_leftover(node)
         cached = self._slots.cached_tokens(s) if cache else 0
         self._c.session_tokens -= s.committed_tokens
         self._sessions.remove(s)
@@ -267,26 +308,28 @@ class Ops:
     def reap_session(self, s: SessionSlot, *, count: bool = True, reason: str = "timeout") -> None:
         """Close `s` now, aborting its turn if one is in flight; its committed KV goes to the radix
         (unless a deferred close asked otherwise). `reason`: why (events.CLOSE_REASONS)."""
-        cache = s.close_cache if s.state is CLOSING else True
+        mode = s.close_mode if s.state is CLOSING else _CACHE
         if s.state is not IDLE:
             self._slots.abort(s)
         if count and s.parked:
             self._c.expired_parked_sessions += 1
         if s.parked and reason == "timeout":
             reason = "parked_timeout"
-        self.finish_close(s, cache, reason)
+        self.finish_close(s, mode, reason)
         self._c.reaped_sessions += count
 
-    def park_sessions(self, session_ids: tuple[str, ...], now: float, *, fence: bool) -> None:
+    def park_sessions(self, session_ids: tuple[str, ...], now: float, *, fence: bool) -> tuple[str, ...]:
         """Their engine's lease has ended: abort each session's turn in flight and park it (a session whose
-        close was deferred closes now, as it asked). `fence`: the engine may still be running (call inside
-        `quarantining`), see `Slots.park`. Parks least recently active first (relief demotes parked sessions
-        in that order)."""
+        close was deferred closes now, as it asked; one with nothing committed closes too: there is nothing
+        to continue). `fence`: the engine may still be running (call inside `quarantining`), see
+        `Slots.park`. Parks least recently active first (relief demotes parked sessions in that order).
+        Returns the ids parked."""
         sessions = [self._sessions.get(sid) for sid in session_ids]
         sessions.sort(key=_last_active)
         timeout = self.config.parked_session_timeout_seconds
+        parked: list[str] = []
         for s in sessions:
-            if s.state is CLOSING:
+            if s.state is CLOSING or s.committed_tokens == 0:
                 self.reap_session(s, count=False, reason="lease_ended")
                 continue
             in_turn = s.state is IN_TURN
@@ -297,6 +340,8 @@ class Ops:
             until = now + timeout if timeout else own
             self._slots.park(s, until, fence=fence and in_turn)
             self._sessions.parked(s)
+            parked.append(s.id)
+        return tuple(parked)
 
     def release_quarantine(self, now: float) -> None:
         due = self._pages.next_release()
@@ -356,18 +401,19 @@ class Ops:
         return lease
 
     def end_lease(self, lease: Lease, *, expired: bool, now: float) -> tuple[str, ...]:
-        """End `lease` and park its sessions (turns in flight aborted). Returns their ids.
+        """End `lease` and park its sessions (turns in flight aborted). Returns the ids parked (a session with
+        nothing committed, or whose close was deferred, closes instead).
 
         An expired lease's engine may be stalled rather than gone, and still write its pages: what its
         sessions' aborted turns release (and the last partial page each was writing) is quarantined for
         --quarantine-seconds instead of going straight to the free list.
         """
-        parked = self._leases.end(lease, expired=expired)
+        held = self._leases.end(lease, expired=expired)
         if expired and self.config.quarantine_seconds:
             with self._pages.quarantining(now + self.config.quarantine_seconds):
-                self.park_sessions(parked, now, fence=True)
+                parked = self.park_sessions(held, now, fence=True)
         else:
-            self.park_sessions(parked, now, fence=False)
+            parked = self.park_sessions(held, now, fence=False)
         if expired:
             self._c.expired_leases += 1
         return parked
@@ -377,6 +423,10 @@ def check_lease_owner(lease: Lease, identity: str | None) -> None:
     if identity is not None and identity != lease.identity:
         raise KVCacheError(Reason.NOT_OWNER, f"engine {lease.engine_id!r} belongs to another identity",
                            engine_id=lease.engine_id)
+
+
+_CACHE, _DROP, _KEEP_PREFIX = int(CloseMode.CACHE), int(CloseMode.DROP), int(CloseMode.KEEP_PREFIX)
+_CLOSE_MODES = frozenset((_CACHE, _DROP, _KEEP_PREFIX))
 
 
 def _last_active(s: SessionSlot) -> float:

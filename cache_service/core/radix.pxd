@@ -7,9 +7,9 @@ from cache_service.core.ledger cimport PageLedger
 @cython.final
 cdef class RadixNode:
     cdef public object key, pages, salt
-    cdef public RadixNode parent
+    cdef public RadixNode parent, forward
     cdef public dict children
-    cdef public Py_ssize_t id, lock_ref, tick, hits, heap_ver
+    cdef public Py_ssize_t id, lock_ref, tick, hits, heap_ver, klass, guard
 
 
 @cython.final
@@ -19,6 +19,7 @@ cdef class RadixTree:
     cdef public PageLedger _ledger
     cdef public list _counts
     cdef public dict _roots
+    cdef public list evicted_by_class
 
     @cython.locals(root=RadixNode, node=RadixNode, matched=Py_ssize_t, into=Py_ssize_t)
     cpdef match(self, object salt, object key, bint lock=*, bint touch=*, Py_ssize_t end=*)
@@ -35,6 +36,20 @@ cdef class RadixTree:
 
     @cython.locals(n=RadixNode, counts=list, k=Py_ssize_t)
     cpdef unlock(self, RadixNode node)
+
+    cpdef guard(self, RadixNode node)
+
+    @cython.locals(n=RadixNode)
+    cpdef unguard(self, RadixNode node)
+
+    @cython.locals(n=RadixNode)
+    cpdef mark_leftover(self, RadixNode node)
+
+    @cython.locals(klass=Py_ssize_t)
+    cpdef _reclass(self, RadixNode node)
+
+    @cython.locals(root=RadixNode)
+    cpdef RadixNode find(self, object salt, object key, Py_ssize_t end=*)
 
     cpdef Py_ssize_t _new_id(self)
 

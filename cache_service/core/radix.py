@@ -14,6 +14,13 @@ Eviction frees unlocked leaves in policy order (LRU by default; see `eviction.py
 touched, no rebuild per call. `evict(n)` frees exactly n pages when it can, trimming a leaf from its
 tail (the remaining pages are still a valid prefix).
 
+Eviction classes (docs/design.md §15, `eviction.CLOSED_CHILD` < `ORDINARY` < `PARENT`): every node has a
+`klass` that leads its eviction key. `guard(node)` puts a node in PARENT (a parent session whose children are
+live is certain to return to the path ending there); the guard stays on the node however it is split (the
+lower half keeps its identity), and when the guarded leaf is evicted it moves up to its parent, which is the
+path's new end (the evicted node forwards `unguard` there). `mark_leftover(node)` puts an unguarded node in
+CLOSED_CHILD (what a closed subagent left behind); a match that touches it makes it ORDINARY again.
+
 The tree knows nothing of sessions, nor of who listens to its changes: it moves its pages' counts in the
 page ledger (pages it takes from their owner's state, EVICTABLE <-> RADIX_LOCKED as pins come and go,
 EVICTABLE -> FREE through the allocator's `give` when it evicts), and while `changes` is a list it
@@ -27,7 +34,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from cache_service.core.errors import InvariantError
-from cache_service.core.eviction import EVICTION_POLICIES, LeafHeap
+from cache_service.core.eviction import CLOSED_CHILD, EVICTION_POLICIES, ORDINARY, PARENT, LeafHeap
 from cache_service.core.ledger import EVICTABLE, RADIX_LOCKED, PageLedger
 from cache_service.core.types import TokenArray
 
@@ -46,10 +53,13 @@ class RadixNode:
 
     __slots__ = (
         "children",
+        "forward",
+        "guard",
         "heap_ver",
         "hits",
         "id",
         "key",
+        "klass",
         "lock_ref",
         "pages",
         "parent",
@@ -68,6 +78,12 @@ class RadixNode:
         self.hits = 0
         self.heap_ver = 0
         self.salt: str | None = None  # every node's tree's cache salt
+        self.klass = ORDINARY
+        """Eviction class (eviction.CLOSED_CHILD / ORDINARY / PARENT): leads the eviction key."""
+        self.guard = 0
+        """Guards on this node (parent sessions whose children are live); klass is PARENT while > 0."""
+        self.forward: RadixNode | None = None
+        """Once evicted with guards: the node they moved to (`unguard` follows it)."""
 
     @property
     def num_pages(self) -> int:
@@ -135,6 +151,8 @@ class RadixTree:
         self._next_id = 1
         self._tick = 0
         self.evicted_pages_total = 0
+        self.evicted_by_class = [0, 0, 0]
+        """Pages evicted, by eviction class (they sum to `evicted_pages_total`)."""
         self.changes: list[Any] | None = None
         """Where change records go while someone listens (the facade's queue); None: nobody does."""
 
@@ -209,6 +227,15 @@ class RadixTree:
             return 0
         return self._walk(root, key, touch=False, end=end)[1]
 
+    def find(self, salt: str, key: bytes | bytearray, end: int = -1) -> RadixNode | None:
+        """The deepest node a read-only walk of `key` (`key[:end]` for `end` >= 0) reaches under `salt` (the
+        match may end inside it), or None when nothing matches. No LRU touch."""
+        root = self._roots.get(salt)
+        if root is None or not (len(key) if end < 0 else end):
+            return None
+        node, matched, _ = self._walk(root, key, touch=False, end=end)
+        return node if matched else None
+
     def insert(self, salt: str, key: bytes, pages: bytes, *, below: RadixNode | None = None,
                src: int = EVICTABLE) -> RadixInsert:
         """Cache `pages` (int32 LE page ids) under `key` (len(key) == num pages * page_bytes).
@@ -243,6 +270,8 @@ class RadixTree:
             while n is not None and n.parent is not None:
                 n.tick = self._tick
                 n.hits += 1
+                if n.klass == CLOSED_CHILD:
+                    n.klass = ORDINARY
                 n = n.parent
         if matched:
             existing = self._matched_pages(node, into, matched, below)
@@ -302,16 +331,69 @@ class RadixTree:
                 self._update_leaf(n)
             n = n.parent
 
+    # ------------------------------------------------------------------ eviction classes
+
+    def guard(self, node: RadixNode) -> None:
+        """Defer `node`'s eviction to the last class (PARENT) until a matching `unguard`."""
+        node.guard += 1
+        self._reclass(node)
+
+    def unguard(self, node: RadixNode) -> None:
+        """Release one `guard(node)`, wherever eviction has moved it since (nothing when it went with its
+        path's last node)."""
+        n = self.guarded_at(node)
+        if n is None:
+            return
+        if n.guard <= 0:
+            raise InvariantError(f"radix guard balance: unguard of node {n.id} whose guard is {n.guard}")
+        n.guard -= 1
+        self._reclass(n)
+
+    @staticmethod
+    def guarded_at(node: RadixNode) -> RadixNode | None:
+        """Where a `guard(node)` is now: `node`, or the node eviction moved it to (None: gone with its path)."""
+        n: RadixNode | None = node
+        while n is not None and n.parent is None:
+            n = n.forward
+        return n
+
+    def mark_leftover(self, node: RadixNode) -> None:
+        """What a closed session left on the path ending at `node` goes first (CLOSED_CHILD): `node` and the
+        ancestors that lead only to it, up to the first one that is guarded, pinned or shared with another
+        path (those are not leftovers nobody wants)."""
+        n: RadixNode | None = node
+        while n is not None and n.parent is not None and n.guard == 0 and n.lock_ref == 0:
+            if n.klass != CLOSED_CHILD:
+                n.klass = CLOSED_CHILD
+                if n in self._leaves:
+                    self._leaves.push(n)
+            if len(n.parent.children) != 1:
+                break
+            n = n.parent
+
+    def _reclass(self, node: RadixNode) -> None:
+        klass = PARENT if node.guard > 0 else ORDINARY
+        if node.klass != klass:
+            node.klass = klass
+            if node in self._leaves:
+                self._leaves.push(node)
+
     # ------------------------------------------------------------------ eviction
 
-    def evict(self, num_pages: int) -> int:
-        """Free up to `num_pages` unlocked pages, leaves first in policy order. Returns pages freed."""
+    def evict(self, num_pages: int, max_class: int = PARENT) -> int:
+        """Free up to `num_pages` unlocked pages, leaves first in class then policy order, only from classes
+        up to `max_class`. Returns pages freed."""
         freed = 0
         if num_pages <= 0:
             return 0
         changes = self.changes
         hook = self.evict_hook
+        by_class = self.evicted_by_class
         for node in self._leaves.pop_order():
+            if node.klass > max_class:
+                self._leaves.push(node)  # back in place: every leaf after it is of its class or later
+                break
+            by_class[node.klass] += min(num_pages - freed, len(node.pages) >> 2)
             has = len(node.pages) >> 2
             take = min(num_pages - freed, has)
             if hook is not None:
@@ -376,6 +458,8 @@ class RadixTree:
             if touch:
                 child.tick = self._tick
                 child.hits += 1
+                if child.klass == CLOSED_CHILD:
+                    child.klass = ORDINARY  # hit again: no longer a leftover nobody wants
             if common < clen:
                 break
         if touch and node in self._leaves:
@@ -438,6 +522,12 @@ class RadixTree:
         del parent.children[node.key[: self.page_bytes]]
         self._leaves.discard(node)
         node.parent = None
+        if node.guard:
+            if parent.parent is not None:  # the guarded path now ends at the parent
+                node.forward = parent
+                parent.guard += node.guard
+                parent.klass = PARENT
+            node.guard = 0
         if parent.parent is None:
             if not parent.children:
                 assert parent.salt is not None
@@ -477,6 +567,8 @@ class RadixTree:
                 continue
             if n.lock_ref < 0:
                 raise InvariantError(f"node {n.id} has a negative lock_ref {n.lock_ref}")
+            if n.guard < 0 or (n.guard > 0) != (n.klass == PARENT):
+                raise InvariantError(f"node {n.id}: eviction class {n.klass} does not match its {n.guard} guards")
             if n.num_pages == 0 or len(n.key) != n.num_pages * self.page_bytes:
                 raise InvariantError(f"node {n.id}: key bytes and page count disagree")
             if n.parent.children.get(n.key[: self.page_bytes]) is not n:
@@ -495,6 +587,9 @@ class RadixTree:
                 f"radix page counters (evictable={self.evictable_pages}, locked={self.locked_pages}) "
                 f"!= recount ({evictable}, {locked})"
             )
+        if sum(self.evicted_by_class) != self.evicted_pages_total:
+            raise InvariantError(f"pages evicted by class {self.evicted_by_class} do not sum to "
+                                 f"{self.evicted_pages_total}")
         if leaves != self._leaves.leaves():
             raise InvariantError("evictable leaf set differs from the unlocked leaves of the tree")
         if not leaves <= self._leaves.live_entries():

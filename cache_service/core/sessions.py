@@ -151,14 +151,23 @@ class SessionTable:
 
     def demotable(self, exclude: Session | None) -> Iterator[Session]:
         """Idle sessions holding KV (never `exclude`): parked ones first, in the order they were parked, then
-        the others least recently active first; lazily, so a caller that needs a few looks at a few. Do not
-        demote while iterating a generator made before."""
+        the others least recently active first, and last of all (in the same order) parents whose children
+        are live (docs/design.md §15); lazily, so a caller that needs a few looks at a few. Do not demote
+        while iterating a generator made before."""
+        parents: list[Session] = []
         for v in self._parked.values():
             if v is not exclude and v.committed_pages > 0:
-                yield v
+                if v.children:
+                    parents.append(v)
+                else:
+                    yield v
         for v in self._by_id.values():
             if v is not exclude and v.state is IDLE and v.committed_pages > 0 and not v.parked:
-                yield v
+                if v.children:
+                    parents.append(v)
+                else:
+                    yield v
+        yield from parents
 
     def page(self, after_epoch: int, size: int, keep: Callable[[Session], bool]) -> tuple[list[Session], int, bool]:
         """Sessions in opening order after `after_epoch` that `keep` accepts: up to `size` of them, how many
@@ -207,6 +216,8 @@ class SessionTable:
             former_engine_id=s.former_owner,
             parked_seconds_left=max(0.0, s.parked_until - now) if s.parked and s.parked_until != math.inf
             else None,
+            parent_session_id=s.parent_id,
+            child_sessions=len(s.children),
         )
 
 

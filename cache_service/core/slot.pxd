@@ -8,12 +8,14 @@ from cache_service.core.radix cimport RadixNode, RadixTree
 
 @cython.final
 cdef class SessionSlot:
-    cdef public object cache_salt, epoch, former_owner, id, identity, owner, state
-    cdef public bint close_cache, demoted, parked, radix_turn, streaming
-    cdef public Py_ssize_t committed_pages, committed_tokens, kv_tokens, radix_pages, synced_pages, turns
+    cdef public object cache_salt, epoch, former_owner, id, identity, owner, state, parent_id
+    cdef public bint demoted, parked, radix_turn, streaming
+    cdef public Py_ssize_t committed_pages, committed_tokens, kv_tokens, radix_pages, synced_pages, turns, close_mode
     cdef public Py_ssize_t turn_cached_tokens, turn_context_tokens
     cdef public double last_active, parked_until, timeout_seconds
-    cdef public RadixNode lock_node
+    cdef public RadixNode lock_node, guard_node
+    cdef public SessionSlot parent
+    cdef public list children
     cdef public bytearray pages, tokens
 
     cpdef reset(self, object session_id, object epoch, bint streaming, object cache_salt, object owner,
@@ -33,6 +35,18 @@ cdef class Slots:
     cpdef set_demoted(self, SessionSlot s, bint demoted)
     cpdef release(self, SessionSlot s)
 
+    @cython.locals(node=RadixNode, end=Py_ssize_t)
+    cpdef link(self, SessionSlot child, SessionSlot parent)
+
+    @cython.locals(p=SessionSlot)
+    cpdef unlink(self, SessionSlot child)
+
+    @cython.locals(c=SessionSlot)
+    cpdef orphan(self, SessionSlot parent)
+
+    @cython.locals(old=RadixNode)
+    cpdef set_guard(self, SessionSlot s, RadixNode node)
+
     @cython.locals(ps=Py_ssize_t, full=Py_ssize_t)
     cpdef park(self, SessionSlot s, double until, bint fence)
 
@@ -46,24 +60,25 @@ cdef class Slots:
     @cython.locals(ps=Py_ssize_t, held=Py_ssize_t, offset=Py_ssize_t)
     cpdef tuple extend(self, SessionSlot s, object reserve_tokens)
 
-    @cython.locals(ps=Py_ssize_t, total=Py_ssize_t, c=Counters, prompt_pages=Py_ssize_t, keep=Py_ssize_t)
+    @cython.locals(ps=Py_ssize_t, total=Py_ssize_t, c=Counters, prompt_pages=Py_ssize_t, keep=Py_ssize_t,
+                   node=RadixNode)
     cpdef commit(self, SessionSlot s, object generated, Py_ssize_t kv)
 
     cpdef abort(self, SessionSlot s)
 
     @cython.locals(start=Py_ssize_t, committed=Py_ssize_t, full=Py_ssize_t, src=Py_ssize_t, pages=bytearray,
-                   rest=Py_ssize_t)
-    cpdef drop_kv(self, SessionSlot s, bint cache)
+                   rest=Py_ssize_t, node=RadixNode)
+    cpdef RadixNode drop_kv(self, SessionSlot s, bint cache)
 
     @cython.locals(ps=Py_ssize_t, n=Py_ssize_t)
     cpdef Py_ssize_t cached_tokens(self, SessionSlot s) except -1
 
-    @cython.locals(counts=list)
+    @cython.locals(counts=list, v=SessionSlot, upto=Py_ssize_t, demoting=bint, pages=PageAllocator)
     cpdef object allocate(self, object n, SessionSlot s)
 
     @cython.locals(ps=Py_ssize_t, pinned=Py_ssize_t, pages=bytearray, existing=Py_ssize_t, end=Py_ssize_t,
                    old=RadixNode)
-    cpdef _cache_into_radix(self, SessionSlot s, Py_ssize_t num_pages, bint pin, Py_ssize_t src)
+    cpdef RadixNode _cache_into_radix(self, SessionSlot s, Py_ssize_t num_pages, bint pin, Py_ssize_t src)
 
 
 cpdef bytes _span(bytearray buf, Py_ssize_t start, Py_ssize_t end)

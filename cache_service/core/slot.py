@@ -19,6 +19,11 @@ the plan out (demotions, evictions).
 States move only through `transition` (IDLE -> IN_TURN -> IDLE; IN_TURN -> CLOSING when a close comes
 during a turn, which then completes at the turn's end), which also keeps the counts by state. An idle
 slot whose engine's lease ended is `park`ed (owner none, KV kept) until an append `adopt`s it.
+
+Agent trees (docs/design.md §15): a slot may have a `parent` slot (`link`); a parent with live `children`
+guards the radix node where its KV ends (`guard_node`, moved as its KV enters the radix at a regular
+commit or a demotion), so eviction takes that path last, and relief demotes it after every other idle
+slot. A slot leaving the table unlinks from its parent and orphans its children (they stay valid, unguarded).
 Callers (the facade) validate requests and find slots; these methods assume both were done.
 """
 
@@ -32,10 +37,11 @@ from cache_service.core.capacity import plan_relief
 from cache_service.core.config import CoreConfig
 from cache_service.core.errors import InvariantError, KVCacheError
 from cache_service.core.events import SessionChange
+from cache_service.core.eviction import ORDINARY, PARENT
 from cache_service.core.ledger import IN_FLIGHT, SESSION_HELD, Counters, PageLedger
 from cache_service.core.pages import PageAllocator
 from cache_service.core.radix import RadixNode, RadixTree
-from cache_service.core.types import SessionState, TokenBytes
+from cache_service.core.types import CloseMode, SessionState, TokenBytes
 
 IDLE, IN_TURN, CLOSING = SessionState.IDLE, SessionState.IN_TURN, SessionState.CLOSING
 
@@ -49,12 +55,14 @@ class SessionSlot:
 
     __slots__ = (
         "cache_salt",
-        "close_cache",
+        "children",
+        "close_mode",
         "committed_pages",
         "committed_tokens",
         "demoted",
         "epoch",
         "former_owner",
+        "guard_node",
         "id",
         "identity",
         "kv_tokens",
@@ -62,6 +70,8 @@ class SessionSlot:
         "lock_node",
         "owner",
         "pages",
+        "parent",
+        "parent_id",
         "parked",
         "parked_until",
         "radix_pages",
@@ -80,6 +90,8 @@ class SessionSlot:
         self.tokens = bytearray()
         """Committed context, plus the in-flight turn's new tokens during a turn (int32 LE)."""
         self.pages = bytearray()
+        self.children: list[SessionSlot] = []
+        """Open sessions opened under this one (its live children)."""
         self.reset("", 0, streaming=False, cache_salt="", owner="", identity="", timeout_seconds=0.0, now=0.0)
 
     def reset(self, session_id: str, epoch: int, *, streaming: bool, cache_salt: str, owner: str, identity: str,
@@ -96,8 +108,15 @@ class SessionSlot:
         self.timeout_seconds = timeout_seconds
         self.last_active = now
         self.state = IDLE
-        self.close_cache = False
-        """What a deferred close (state CLOSING) does with the KV at the turn's end."""
+        self.close_mode = int(CloseMode.CACHE)
+        """What a deferred close (state CLOSING) does with the KV at the turn's end (a CloseMode)."""
+        self.parent: SessionSlot | None = None
+        """The open session it was opened under (None: top-level, or its parent has closed)."""
+        self.parent_id = ""
+        """The id it was opened under ("" for a top-level session); kept after the parent closes."""
+        del self.children[:]
+        self.guard_node: RadixNode | None = None
+        """While it has live children: the radix node it guards (where its KV in the radix ends)."""
         self.demoted = False
         self.parked = False
         """Its engine's lease ended (owner ""): idle, KV kept until `parked_until`; an append adopts it."""
@@ -196,7 +215,10 @@ class Slots:
             s.demoted = demoted
 
     def release(self, s: SessionSlot) -> None:
-        """A slot leaves the table (its KV released): it no longer counts in any state."""
+        """A slot leaves the table (its KV released): it no longer counts in any state, leaves its parent's
+        children, and its own children lose their parent (they stay valid, unguarded)."""
+        self.unlink(s)
+        self.orphan(s)
         self.transition(s, IDLE)
         self.set_demoted(s, False)
         if s.parked:
@@ -245,6 +267,48 @@ class Slots:
         self._c.adopted_sessions += 1
         if self.changes is not None:
             self.changes.append(change("adopted", s))
+
+    # ------------------------------------------------------------------ agent trees
+
+    def link(self, child: SessionSlot, parent: SessionSlot) -> None:
+        """`child` (just opened) lives under `parent`. A parent's first live child makes it guard the radix
+        path its committed KV already has there (a regular session's, or a demoted one's)."""
+        child.parent = parent
+        child.parent_id = parent.id
+        parent.children.append(child)
+        if parent.guard_node is None:
+            end = (parent.committed_tokens // self._ps * self._ps) * 4
+            node = self._radix.find(parent.cache_salt, parent.tokens, end) if end else None
+            if node is not None:
+                self.set_guard(parent, node)
+
+    def unlink(self, child: SessionSlot) -> None:
+        """`child` closes: it leaves its parent, which stops guarding with its last live child gone."""
+        p = child.parent
+        if p is None:
+            return
+        p.children.remove(child)
+        child.parent = None
+        if not p.children:
+            self.set_guard(p, None)
+
+    def orphan(self, parent: SessionSlot) -> None:
+        """`parent` closes: its children stay open with no parent, and nothing is guarded for it."""
+        for c in parent.children:
+            c.parent = None
+        del parent.children[:]
+        self.set_guard(parent, None)
+
+    def set_guard(self, s: SessionSlot, node: RadixNode | None) -> None:
+        """Make `node` (None: nothing) the radix node `s` guards."""
+        old = s.guard_node
+        if old is node:
+            return
+        if node is not None:
+            self._radix.guard(node)
+        if old is not None:
+            self._radix.unguard(old)
+        s.guard_node = node
 
     # ------------------------------------------------------------------ a turn
 
@@ -332,7 +396,9 @@ class Slots:
         c.session_kv_tokens += kv - s.kv_tokens
         s.kv_tokens = kv
         if s.radix_turn and not s.streaming:
-            self.drop_kv(s, cache=True)
+            node = self.drop_kv(s, cache=True)
+            if s.children and node is not None:
+                self.set_guard(s, node)  # the parent's conversation now ends deeper
         else:
             if s.radix_turn:
                 # Streaming first turn: the prompt's full pages join the radix and stay pinned.
@@ -368,11 +434,14 @@ class Slots:
 
     # ------------------------------------------------------------------ KV outside turns
 
-    def drop_kv(self, s: SessionSlot, *, cache: bool) -> None:
+    def drop_kv(self, s: SessionSlot, *, cache: bool) -> RadixNode | None:
         """Release a slot's committed KV: into the radix (cache=True, full pages) or back to the pool.
-        Called on idle slots, and by a regular session's commit (whose pages are all in flight)."""
+        Called on idle slots, and by a regular session's commit (whose pages are all in flight). Returns the
+        radix node where what it leaves in the radix ends (the cached path, or its pinned prefix unpinned;
+        None: it leaves nothing there)."""
         if not s.pages and s.lock_node is None and not s.kv_tokens:
-            return  # it holds nothing (a regular session between turns)
+            return None  # it holds nothing (a regular session between turns)
+        node: RadixNode | None = s.lock_node
         start = s.radix_pages
         committed = s.committed_pages
         full = max(s.kv_tokens // self._ps, s.radix_pages)
@@ -383,7 +452,7 @@ class Slots:
                 src = IN_FLIGHT
             else:
                 raise InvariantError(f"session {s.id!r}: caching pages that are part held, part in flight")
-            self._cache_into_radix(s, full, pin=False, src=src)
+            node = self._cache_into_radix(s, full, pin=False, src=src)
             start = full
         elif s.lock_node is not None:
             self._radix.unlock(s.lock_node)
@@ -398,11 +467,18 @@ class Slots:
         s.committed_pages = s.radix_pages = s.synced_pages = 0
         self._c.session_kv_tokens -= s.kv_tokens
         s.kv_tokens = 0
+        return node
 
     def demote(self, s: SessionSlot) -> None:
         """Turn an idle slot's KV into ordinary evictable radix entries; it keeps its tokens, and its next
-        append re-matches the radix."""
-        self.drop_kv(s, cache=True)
+        append re-matches the radix. A parent with live children keeps guarding what it leaves there."""
+        if s.children:
+            self._c.demoted_parent_pages += s.committed_pages
+        else:
+            self._c.demoted_session_pages += s.committed_pages
+        node = self.drop_kv(s, cache=True)
+        if s.children and node is not None:
+            self.set_guard(s, node)
         self.set_demoted(s, True)
         self._c.demoted_sessions += 1
         if self.changes is not None:
@@ -424,31 +500,44 @@ class Slots:
         counts = self._ledger.counts
         budget = self._config.session_budget_pages
         if not budget or counts[SESSION_HELD] + counts[IN_FLIGHT] + n <= budget:
-            pages = self._pages.take(n, IN_FLIGHT)  # no pressure: the common case, without planning
-            if pages is not None:
-                return pages
+            got = self._pages.take(n, IN_FLIGHT)  # no pressure: the common case, without planning
+            if got is not None:
+                return got
+        demoting = self._config.demote_idle_sessions
         plan = plan_relief(n, s, config=self._config, ledger=self._ledger,
-                           victims=self._victims(s) if self._config.demote_idle_sessions else iter(()))
+                           victims=self._victims(s) if demoting else iter(()))
         for v in plan.budget_victims:
             self.demote(v)
-        # The pool's shortfall is fixed here and paid by evictions alone: a demotion's partial pages
-        # that go straight to the free list are extra room, not part of it.
-        short = n - self._pages.num_free
-        if short > 0:
-            short -= self._radix.evict(short)
-            for v in plan.pool_victims:
-                if short <= 0:
+        # The order (docs/design.md §15): closed children's leftovers and ordinary radix entries, then idle
+        # sessions without live children (demoted, then evicted), then the radix paths that parents with live
+        # children guard, then those parents. The plan proved the whole sequence suffices; it runs only as far
+        # as the free pages fall short (a demotion's partial pages go straight to the free list).
+        pages = self._pages
+        if n > pages.num_free:
+            self._radix.evict(n - pages.num_free, ORDINARY)
+            upto = ORDINARY
+            for v in (self._victims(s) if demoting else iter(())):
+                if n <= pages.num_free:
                     break
+                if v.children and upto == ORDINARY:
+                    upto = PARENT
+                    self._radix.evict(n - pages.num_free)
+                    if n <= pages.num_free:
+                        break
                 self.demote(v)
-                short -= self._radix.evict(short)
-        pages = self._pages.take(n, IN_FLIGHT)
-        if pages is None:
+                if n > pages.num_free:
+                    self._radix.evict(n - pages.num_free, upto)
+            if n > pages.num_free and upto == ORDINARY:
+                self._radix.evict(n - pages.num_free)
+        taken = pages.take(n, IN_FLIGHT)
+        if taken is None:
             raise InvariantError(f"allocator refused {n} pages after relief that was planned to suffice")
-        return pages
+        return taken
 
-    def _cache_into_radix(self, s: SessionSlot, num_pages: int, *, pin: bool, src: int) -> None:
+    def _cache_into_radix(self, s: SessionSlot, num_pages: int, *, pin: bool, src: int) -> RadixNode | None:
         """Insert the slot's first `num_pages` pages (with their tokens) into the radix; pages
-        [radix_pages, num_pages) are in ledger state `src` until the tree takes them.
+        [radix_pages, num_pages) are in ledger state `src` until the tree takes them. Returns the node ending
+        at them.
 
         The pinned prefix is already the tree's, so the insert continues below the slot's lock node.
         Pages the tree already had are duplicates: ours are freed and the page table switches to the
@@ -485,6 +574,7 @@ class Slots:
             s.radix_pages = 0
         if old is not None:
             self._radix.unlock(old)
+        return ins.node
 
 
 def _span(buf: bytearray, start: int, end: int) -> bytes:
@@ -496,4 +586,4 @@ def _span(buf: bytearray, start: int, end: int) -> bytes:
 def change(kind: str, s: SessionSlot, reason: str = "") -> SessionChange:
     """The event record of session `s` having been `kind` ("opened", "closed", "demoted", "parked" (engine_id:
     the former owner), "adopted" (engine_id: the new owner)); `reason`: why it closed (events.CLOSE_REASONS)."""
-    return SessionChange(kind, s.id, s.epoch, s.cache_salt, s.streaming, s.owner, s.identity, reason)
+    return SessionChange(kind, s.id, s.epoch, s.cache_salt, s.streaming, s.owner, s.identity, reason, s.parent_id)

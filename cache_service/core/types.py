@@ -26,6 +26,19 @@ EMPTY_PAGES: PageArray = np.zeros(0, dtype=np.int32)
 EMPTY_PAGES.setflags(write=False)
 
 
+class CloseMode(enum.IntEnum):
+    """What a close keeps (docs/design.md §15); the numbers are the proto's CloseMode values."""
+
+    CACHE = 1
+    """The committed context's full pages go into the radix (a resumed or forked conversation hits)."""
+    DROP = 2
+    """Private pages are freed at once; what the radix also holds (a streaming session's pinned first-turn
+    prompt) stays, as a leftover that is evicted first."""
+    KEEP_PREFIX = 3
+    """Private pages are freed at once; the pinned first-turn prompt stays as an ordinary radix entry
+    (SGLang's streaming close)."""
+
+
 class SessionState(enum.Enum):
     IDLE = "IDLE"
     """No turn in flight."""
@@ -127,6 +140,10 @@ class SessionInfo:
     """The engine whose lease end last parked it ("" if never parked); kept after an adoption."""
     parked_seconds_left: float | None = None
     """Seconds until a parked session is closed (cache=true); None unless parked with a deadline."""
+    parent_session_id: str = ""
+    """The session it was opened under ("" for a top-level session); kept after the parent closes."""
+    child_sessions: int = 0
+    """Open sessions opened under it (its live children)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,6 +231,15 @@ class Stats:
     """Cumulative: parked sessions an append continued (adopted)."""
     expired_parked_sessions: int = 0
     """Cumulative: parked sessions closed (cache=true) at their parked timeout (counted in reaped_sessions too)."""
+    evicted_closed_child_pages: int = 0
+    """Cumulative radix pages evicted by class (docs/design.md §15; the three sum to evicted_pages): what closed
+    sessions left (a child's close, a drop), ordinary entries, and prefixes of parents whose children are live."""
+    evicted_ordinary_pages: int = 0
+    evicted_parent_pages: int = 0
+    demoted_session_pages: int = 0
+    """Cumulative pages relief demoted from idle sessions without live children (they became radix entries)."""
+    demoted_parent_pages: int = 0
+    """Cumulative pages relief demoted from parents whose children are live (the last resort)."""
     reuse: Reuse = Reuse()
     """What engines reported at their commits, in total (reuse.py)."""
     engine_reuse: tuple[Reuse, ...] = ()

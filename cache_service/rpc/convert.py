@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from cache_service.core import KVCacheError, Reason, SessionInfo, SessionState, Stats
+from cache_service.core import CloseMode, KVCacheError, Reason, SessionInfo, SessionState, Stats
 from cache_service.core.errors import invalid_argument
 from cache_service.core.types import PageArray, TokenArray
 from cache_service.tier.stats import TierStats
@@ -22,6 +22,23 @@ _STATES = {
 }
 STATE_FILTERS = {code: state for state, code in _STATES.items()}
 """A ListSessions state filter -> the core's state (UNSPECIFIED is no filter)."""
+
+
+_CLOSE_MODES: dict[int, CloseMode] = {pb.CLOSE_MODE_CACHE: CloseMode.CACHE, pb.CLOSE_MODE_DROP: CloseMode.DROP,
+                                      pb.CLOSE_MODE_KEEP_PREFIX: CloseMode.KEEP_PREFIX}
+assert all(code == mode.value for code, mode in _CLOSE_MODES.items()), "CloseMode numbers are the proto's"
+
+
+def close_mode(code: int) -> CloseMode | None:
+    """A CloseSessionRequest.mode as the core's CloseMode (None: UNSPECIFIED, the `cache` bool decides); a
+    number the proto does not define is INVALID_ARGUMENT naming the field."""
+    if not code:
+        return None
+    mode = _CLOSE_MODES.get(code)
+    if mode is None:
+        raise invalid_argument("mode", f"{code} is not a CloseMode (1 CLOSE_MODE_CACHE, 2 CLOSE_MODE_DROP, "
+                               "3 CLOSE_MODE_KEEP_PREFIX)")
+    return mode
 
 
 def pool_layout(layout: PoolLayout) -> pb.PoolLayout:

@@ -167,7 +167,7 @@ def proto_event(record: Record, medium: str, page_size: int, tier_medium: str = 
     if record.kind == "opened":
         return pb.KvEvent(session_opened=pb.SessionOpened(
             session_id=record.session_id, epoch=record.epoch, streaming=record.streaming,
-            cache_salt=record.cache_salt, engine_id=record.engine_id))
+            cache_salt=record.cache_salt, engine_id=record.engine_id, parent_session_id=record.parent_session_id))
     if record.kind == "closed":
         return pb.KvEvent(session_closed=pb.SessionClosed(session_id=record.session_id, epoch=record.epoch,
                                                           reason=CLOSE_REASONS[record.reason]))
@@ -358,7 +358,7 @@ class EventHub:
         records: list[Record] = [Cleared(), *self.core.event_snapshot()]
         for info in self.core.list_sessions():
             records.append(SessionChange("opened", info.session_id, info.epoch, info.cache_salt, info.streaming,
-                                         info.engine_id, info.identity))
+                                         info.engine_id, info.identity, "", info.parent_session_id))
             if info.state is SessionState.PARKED:
                 records.append(SessionChange("parked", info.session_id, info.epoch, info.cache_salt, info.streaming,
                                              info.former_engine_id, info.identity))

@@ -87,7 +87,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         timeout = req.timeout_seconds if req.HasField("timeout_seconds") else None
         res = self.core.open_session(req.session_id, streaming=req.streaming, timeout_seconds=timeout,
                                      cache_salt=who.salt(req.cache_salt), engine_id=engine_id, identity=who.name,
-                                     quota=who.max_sessions)
+                                     quota=who.max_sessions, parent_session_id=req.parent_session_id)
         out.session_id = res.session_id
         out.epoch = res.epoch
         out.timeout_seconds = res.timeout_seconds
@@ -133,8 +133,8 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         out.closed = res.closed
 
     def _close(self, req: pb.CloseSessionRequest, out: pb.CloseSessionResponse, engine_id: str, who: Identity) -> None:
-        res = self.core.close(req.session_id, cache=req.cache, epoch=req.epoch, engine_id=engine_id,
-                              identity=who.owner)
+        res = self.core.close(req.session_id, cache=req.cache, mode=convert.close_mode(req.mode), epoch=req.epoch,
+                              engine_id=engine_id, identity=who.owner)
         out.session_id = res.session_id
         out.closed = res.closed
         out.cached_tokens = res.cached_tokens

@@ -19,6 +19,7 @@ from cache_service.core.errors import invalid_argument
 from cache_service.core.types import TokenBytes
 from cache_service.core.validate import negative_token
 from cache_service.log import get_logger
+from cache_service.rpc.convert import close_mode
 from cache_service.rpc.errors import CODE_NAMES, add_status, add_status_proto
 from cache_service.rpc.identity import Identity
 from protos.kvcache.v1 import kvcache_pb2 as pb
@@ -74,6 +75,7 @@ def run_columns(core: KVCacheCore, cols: pb.StepColumns, default_engine: str, wh
         raise invalid_argument("columns.flags", f"holds {len(flags)} bytes for {n} ops")
     engines = _strings(cols.engine_ids, n, "engine_ids", optional=True)
     salts = _strings(cols.cache_salts, n, "cache_salts", optional=True)
+    parents = _strings(cols.parent_session_ids, n, "parent_session_ids", optional=True)
     tokens = cols.token_ids
     if len(tokens) != 4 * sum(token_counts):
         raise invalid_argument("columns.token_ids", f"holds {len(tokens)} bytes; token_counts add up to "
@@ -148,14 +150,18 @@ def run_columns(core: KVCacheCore, cols: pb.StepColumns, default_engine: str, wh
                 r_pages[i] = num
                 r_closed[i] = closed
             elif k == CLOSE:
-                _, closed, cached = ops.close(sid, bool(flags[i] & SET), epochs[i], engine, owner)
+                mode = counts[i]
+                if mode:
+                    close_mode(mode)  # a number the proto lacks: refused as the message's mode would be
+                _, closed, cached = ops.close(sid, bool(flags[i] & SET), epochs[i], engine, owner, mode)
                 r_closed[i] = closed
                 r_cached[i] = cached
             elif k == OPEN:
                 f = flags[i]
                 opened_id, epoch, timeout = ops.open(
                     sid, bool(f & SET), timeouts[i] if f & TIMEOUT else None,
-                    who.salt(salts[i] if salts is not None else ""), engine, who.name, who.max_sessions)
+                    who.salt(salts[i] if salts is not None else ""), engine, who.name, who.max_sessions,
+                    parents[i] if parents is not None else "")
                 opened.append(opened_id)
                 r_epochs[i] = epoch
                 r_timeouts[i] = timeout

@@ -47,13 +47,23 @@ from engine_client.vllm.counters import Counters
 from engine_client.vllm.sender import Down, Finish, Sender, Sent, Up
 from engine_client.vllm.transfer import NULL_BLOCK, Transfers
 
-__all__ = ["CLOSE_PARAM", "PREFILL_PARAM", "REMOTE_PARAM", "ROLES", "SESSION_PARAM", "SchedulerSide", "StepPlan",
-           "WorkerReport"]
+__all__ = ["CLOSE_PARAM", "DYNAMO_HEADERS", "FINAL_PARAM", "PARENT_PARAM", "PREFILL_PARAM", "REMOTE_PARAM", "ROLES",
+           "SESSION_PARAM", "SchedulerSide", "StepPlan", "WorkerReport", "close_mode_of", "dynamo_session_params"]
 
 log = logging.getLogger("engine_client.vllm")
 
 SESSION_PARAM = "kvcache_session_id"
 CLOSE_PARAM = "kvcache_close_session"
+"""Close the streaming session after this turn: true (= "cache"), "cache", "drop" or "keep-prefix"."""
+PARENT_PARAM = "kvcache_parent_session_id"
+"""The streaming session this one works for (an agent tree, docs/design.md §15); read when the session opens."""
+FINAL_PARAM = "kvcache_final"
+"""This is the session's last turn: it closes after it, dropping its KV when it has a parent (a subagent's
+work is done), caching it otherwise, unless kvcache_close_session says what to keep."""
+CLOSE_VALUES = ("cache", "drop", "keep-prefix")
+DYNAMO_HEADERS = {"x-dynamo-session-id": SESSION_PARAM, "x-dynamo-parent-session-id": PARENT_PARAM,
+                  "x-dynamo-session-final": FINAL_PARAM}
+"""A Dynamo frontend's passive session fields (HTTP headers, any case) -> the kv_transfer_params they become."""
 REMOTE_PARAM = "do_remote_prefill"
 """vLLM's flag for a request whose prompt was prefilled elsewhere (a producer's `kv_transfer_params`)."""
 PREFILL_PARAM = "kvcache_prefill_tokens"
@@ -65,6 +75,41 @@ ROLES: dict[str, tuple[bool, bool]] = {"kv_both": (True, True), "kv_producer": (
 prompt's KV only and commits it as soon as every rank saved it; a consumer (a decode engine) only loads."""
 
 Tokens = npt.NDArray[np.int32]
+
+
+def close_mode_of(params: dict[str, Any]) -> str | None:
+    """What a streaming session's turn with `kv_transfer_params` `params` does after it: None (stays open), or
+    the close mode ("cache", "drop", "keep-prefix"). ValueError, naming the accepted values, for a
+    kvcache_close_session that is none of them."""
+    close = params.get(CLOSE_PARAM)
+    if close is True:
+        return "cache"
+    if close in CLOSE_VALUES:
+        return str(close)
+    if close is not None and close is not False:
+        raise ValueError(f"{CLOSE_PARAM}={close!r} is not one of true, "
+                         + ", ".join(f'"{v}"' for v in CLOSE_VALUES))
+    if _truthy(params.get(FINAL_PARAM)):
+        return "drop" if params.get(PARENT_PARAM) else "cache"
+    return None
+
+
+def dynamo_session_params(headers: Any) -> dict[str, Any]:
+    """The kv_transfer_params a request carrying Dynamo's passive session fields gets (X-Dynamo-Session-ID,
+    X-Dynamo-Parent-Session-ID, X-Dynamo-Session-Final; `headers` a mapping, names in any case)."""
+    out: dict[str, Any] = {}
+    for name, value in headers.items():
+        param = DYNAMO_HEADERS.get(str(name).lower())
+        if param is not None and value not in (None, ""):
+            out[param] = _truthy(value) if param == FINAL_PARAM else str(value)
+    return out
+
+
+def _truthy(value: Any) -> bool:
+    """A flag as JSON or an HTTP header carries it: true / "true" / "1" / "yes" (any case)."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("true", "1", "yes")
+    return bool(value)
 
 
 @dataclass
@@ -108,8 +153,8 @@ class _Sess:
     """The scheduler's view of one kvcache session: its page table and, for a streaming session, its
     committed tokens."""
 
-    __slots__ = ("busy", "commit_ticket", "committing", "generation", "id", "kv_tokens", "num_pages", "pages", "salt",
-                 "streaming", "tokens")
+    __slots__ = ("busy", "commit_ticket", "committing", "generation", "id", "kv_tokens", "num_pages", "pages",
+                 "parent", "salt", "streaming", "tokens")
 
     def __init__(self, session_id: str, streaming: bool, salt: str, generation: int) -> None:
         self.id = session_id
@@ -127,6 +172,8 @@ class _Sess:
         """The busy turn's request finished: its commit is queued or in flight (the next turn waits for it)."""
         self.commit_ticket = -1
         """The sender's job count that covers the commit (-1: not sent yet)."""
+        self.parent = ""
+        """The session it works for, as its open named it ("": top-level)."""
 
     def apply(self, offset: int, page_ids: npt.NDArray[np.int32]) -> None:
         end = offset + page_ids.size
@@ -158,7 +205,7 @@ _DONE = "done"          # finished and handed back
 
 
 class _Req:
-    __slots__ = ("async_load", "blocks", "capacity", "chat", "chat_close", "confirmed_end", "extending", "finished",
+    __slots__ = ("async_load", "blocks", "capacity", "chat", "close_mode", "confirmed_end", "extending", "finished",
                  "kv_start", "load", "loaded", "local", "num_computed", "output", "planned_end", "prompt", "remote",
                  "req_id", "saving", "sess", "state", "ticket")
 
@@ -169,9 +216,10 @@ class _Req:
         self.state = _OFF
         self.ticket = -1
         """The sender's job count that covers this request's lookup (-1: not sent yet)."""
-        self.chat: tuple[str, str] | None = None
-        """(session id, salt) of the streaming session a _WAITING turn waits for."""
-        self.chat_close = False
+        self.chat: tuple[str, str, str] | None = None
+        """(session id, salt, parent session id) of its streaming session (a _WAITING turn waits for it)."""
+        self.close_mode: str | None = None
+        """Close the streaming session after this turn, so ("cache", "drop", "keep-prefix"); None: keep it."""
         self.kv_start = 0
         """Positions below this have KV in kvcache at the turn's start (the append's cached_tokens)."""
         self.capacity = 0
@@ -522,12 +570,19 @@ class SchedulerSide:
         r.saving = self.saves
         chat_id = params.get(SESSION_PARAM)
         if chat_id:
-            r.chat_close = bool(params.get(CLOSE_PARAM, False))
+            try:
+                r.close_mode = close_mode_of(params)
+            except ValueError as e:  # the request is computed by vLLM; its session is left as it is
+                self._warn_once(f"close:{params.get(CLOSE_PARAM)!r}", "kvcache connector: %s; request %s uses "
+                                "no kvcache", e, r.req_id)
+                return self._skip(r)
+            parent = str(params.get(PARENT_PARAM) or "")
+            r.chat = (str(chat_id), salt, parent)
             chat = self._chats.get(str(chat_id))
             if chat is not None and chat.committing and chat.salt == salt:
-                r.state, r.chat = _WAITING, (str(chat_id), salt)
+                r.state = _WAITING
                 return r
-            self._admit_turn(r, str(chat_id), salt, r.chat_close)
+            self._admit_turn(r, str(chat_id), salt, parent)
         else:
             self._lookup_regular(r, salt)
         return r
@@ -536,7 +591,7 @@ class SchedulerSide:
         """A _WAITING turn: start it once its session's previous turn has committed (vLLM is told "ask again"
         meanwhile, at most one bounded wait a scheduler step, never a block); kvcache gone: vLLM computes."""
         assert r.chat is not None
-        chat_id, salt = r.chat
+        chat_id, salt, parent = r.chat
         chat = self._chats.get(chat_id)
         if chat is not None and chat.committing and self._up:
             if chat.commit_ticket >= 0 and not self._waited and self.config.lookup_wait_seconds > 0:
@@ -548,7 +603,7 @@ class SchedulerSide:
         if not self._up or not self._usable:
             self._skip(r)
             return
-        self._admit_turn(r, chat_id, salt, r.chat_close)
+        self._admit_turn(r, chat_id, salt, parent)
 
     def _wait(self, ticket: int) -> None:
         """Wait for the sender's job `ticket`, at most `lookup_wait_seconds` (the caller waits once a step)."""
@@ -562,22 +617,21 @@ class SchedulerSide:
         self._batch.open(sess.id, streaming=False, cache_salt=salt)
         self._append(r, r.prompt)
 
-    def _admit_turn(self, r: _Req, chat_id: str, salt: str, close: bool) -> None:
+    def _admit_turn(self, r: _Req, chat_id: str, salt: str, parent: str) -> None:
         chat = self._chats.get(chat_id)
         if chat is not None and (chat.busy or chat.salt != salt):
             self._warn_once(f"busy:{chat_id}", "kvcache connector: streaming session %s %s; this request uses "
                             "the radix only", chat_id, "has a turn in flight" if chat.busy else "has another salt")
             self._lookup_regular(r, salt)
             return
-        r.chat_close = close
         if chat is None:
             chat = self._chats[chat_id] = _Sess(chat_id, True, salt, self._generation)
+            chat.parent = parent
             chat.busy = True
             r.sess = chat
             r.state = _QUEUED
             self._queued.append(r)
-            outcome = self._batch.open(chat_id, streaming=True, cache_salt=salt)
-            self._handlers.append((outcome, lambda o: self._on_chat_open(r, chat, o)))
+            self._open_chat(r, chat)
             return
         chat.busy = True
         r.sess = chat
@@ -587,11 +641,23 @@ class SchedulerSide:
             return
         # an edited (or repeated) history: start the session again; the radix still has its shared part
         self._batch.close(chat_id, cache=True)
-        self._batch.open(chat_id, streaming=True, cache_salt=salt)
+        self._batch.open(chat_id, streaming=True, cache_salt=salt, parent_session_id=chat.parent)
         chat.reset()
         self._append(r, r.prompt)
 
+    def _open_chat(self, r: _Req, chat: _Sess) -> None:
+        outcome = self._batch.open(chat.id, streaming=True, cache_salt=chat.salt, parent_session_id=chat.parent)
+        self._handlers.append((outcome, lambda o: self._on_chat_open(r, chat, o)))
+
     def _on_chat_open(self, r: _Req, chat: _Sess, outcome: StepOutcome[Any]) -> None:
+        if (outcome.error is not None and chat.parent and outcome.error.reason != "SESSION_EXISTS"
+                and not r.finished and self._up):
+            # The parent is not a session here (unknown, another tenant's, itself): a top-level session then.
+            self._warn_once(f"parent:{chat.parent}", "kvcache connector: session %s cannot work under %s (%s); "
+                            "it opens without a parent", chat.id, chat.parent, outcome.error)
+            chat.parent = ""
+            self._open_chat(r, chat)
+            return
         if outcome.error is not None:
             self._chats.pop(chat.id, None)
             history = self._parked_history(chat) if isinstance(outcome.error, SessionExists) else None
@@ -762,10 +828,11 @@ class SchedulerSide:
         else:
             self._batch.abort(sess.id, reuse=reuse)
             sess.busy = sess.committing = False
-        if not sess.streaming or r.chat_close:
+        if not sess.streaming:
             self._batch.close(sess.id, cache=True)
-            if sess.streaming:
-                self._chats.pop(sess.id, None)
+        elif r.close_mode is not None:
+            self._batch.close(sess.id, mode=r.close_mode)
+            self._chats.pop(sess.id, None)
 
     def _on_committed(self, r: _Req, sess: _Sess, outcome: StepOutcome[CommitResult]) -> None:
         sess.busy = sess.committing = False

@@ -133,6 +133,8 @@ def test_a_closed_session_says_why_it_closed(make_core, clock: FakeClock) -> Non
     core.open_session("idle", timeout_seconds=5)
     core.register_engine("released", ttl_seconds=10)
     core.open_session("of-released", engine_id="released")
+    core.append("of-released", toks(6, 7), 0)
+    core.commit("of-released", toks(8))  # something committed: it parks (else it would close)
     core.open_session("closing", engine_id="released")
     core.append("closing", toks(4, 5), 0)
     core.close("closing")  # deferred behind the turn the lease's end aborts

@@ -44,18 +44,19 @@ def test_lease_expiry_parks_the_engines_sessions(make_core, clock: FakeClock) ->
     clock.advance(10)
     res = core.reap()
     assert res == ReapResult((), ("e1",))
-    # Both sessions park: the idle one keeps its KV (2 pinned pages, 1 held), the in-flight turn is aborted
-    # (no quarantine configured: its 4 pages are free at once).
+    # The idle session parks, keeping its KV (2 pinned pages, 1 held); the busy one's first turn is aborted
+    # (no quarantine configured: its 4 pages are free at once) and, with nothing committed, it closes.
     assert pages_by_state(core) == {"free": 59, "evictable": 0, "radix_locked": 3, "session_held": 1,
                                     "in_flight": 0}
     infos = {i.session_id: i for i in core.list_sessions()}
-    assert [(i.state, i.engine_id, i.former_engine_id, i.kv_tokens, i.parked_seconds_left)
-            for i in (infos["idle"], infos["busy"])] == [
-        (SessionState.PARKED, "", "e1", 11, 600.0), (SessionState.PARKED, "", "e1", 0, 600.0)]
+    assert sorted(infos) == ["idle", "other"]
+    i = infos["idle"]
+    assert (i.state, i.engine_id, i.former_engine_id, i.kv_tokens, i.parked_seconds_left) == (
+        SessionState.PARKED, "", "e1", 11, 600.0)
     assert infos["other"].state is SessionState.IDLE and infos["other"].former_engine_id == ""
     st = core.stats()
     assert (st.expired_leases, st.reaped_sessions, st.engines, st.sessions_parked, st.parked_sessions) == (
-        1, 0, 0, 2, 2)
+        1, 0, 0, 1, 1)
     raises_reason(Reason.LEASE_EXPIRED, core.heartbeat, "e1")
     raises_reason(Reason.LEASE_EXPIRED, core.unregister_engine, "e1")
     raises_reason(Reason.LEASE_EXPIRED, core.open_session, "new", engine_id="e1")
@@ -67,6 +68,8 @@ def test_an_expired_lease_is_noticed_at_use_before_the_reaper_runs(make_core, cl
     core.register_engine("e1", ttl_seconds=5)
     core.open_session("s", streaming=True, engine_id="e1")
     core.append("s", toks(1, 2, 3), 1)
+    core.commit("s", toks(4))
+    core.append("s", toks(5), 1)
     clock.advance(5)
     raises_reason(Reason.LEASE_EXPIRED, core.commit, "s", toks(4), engine_id="e1")
     assert core.get_session("s").state is SessionState.PARKED  # the turn aborted, the session parked
@@ -74,6 +77,8 @@ def test_an_expired_lease_is_noticed_at_use_before_the_reaper_runs(make_core, cl
     core.register_engine("e2", ttl_seconds=5)
     core.open_session("t", engine_id="e2")
     core.append("t", toks(1), 0)
+    core.commit("t", toks(2))
+    core.append("t", toks(3), 0)
     clock.advance(6)
     # A caller that is not e2 ends e2's lease at use and goes on with the parked session: no turn now.
     raises_reason(Reason.NO_TURN_IN_FLIGHT, core.commit, "t", toks(2))
@@ -112,11 +117,13 @@ def test_re_registering_a_live_id_parks_the_previous_incarnations_sessions(make_
     core.register_engine("pod-0")
     core.open_session("s", engine_id="pod-0")
     core.append("s", toks(1, 2), 0)
+    core.commit("s", toks(3))
+    core.append("s", toks(4), 0)
     info = core.register_engine("pod-0")
     assert info.num_sessions == 0
     s = core.get_session("s")
-    assert (s.state, s.former_engine_id, s.context_tokens, s.turns) == (SessionState.PARKED, "pod-0", 0, 0)
-    assert core.append("s", toks(1, 2), 0, engine_id="pod-0").turn == 1  # the new incarnation adopts it
+    assert (s.state, s.former_engine_id, s.context_tokens, s.turns) == (SessionState.PARKED, "pod-0", 3, 1)
+    assert core.append("s", toks(4), 0, engine_id="pod-0").turn == 2  # the new incarnation adopts it
     assert core.list_engines()[0].num_sessions == 1
 
 
@@ -135,6 +142,8 @@ def test_an_owned_in_flight_session_is_parked_once_its_lease_expires(make_core, 
     core.register_engine("e1", ttl_seconds=20)
     core.open_session("s", engine_id="e1")
     core.append("s", toks(1, 2), 3)
+    core.commit("s", toks(3))
+    core.append("s", toks(4), 3)
     clock.advance(10)
     assert core.reap().session_ids == ()
     assert core.get_session("s").state is SessionState.IN_TURN

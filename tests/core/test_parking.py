@@ -188,8 +188,10 @@ def test_a_parked_session_closes_with_cache_at_its_parked_timeout(make_core, clo
 def test_parked_timeout_zero_keeps_the_sessions_own_timeout(make_core, clock: FakeClock) -> None:
     core = make_core(num_pages=32, page_size=4, parked_session_timeout_seconds=0)
     core.register_engine("a")
-    core.open_session("never", streaming=True, engine_id="a", timeout_seconds=0)
-    core.open_session("own", streaming=True, engine_id="a", timeout_seconds=30)
+    for sid, timeout in (("never", 0), ("own", 30)):
+        core.open_session(sid, streaming=True, engine_id="a", timeout_seconds=timeout)
+        core.append(sid, toks(1, 2), 0)
+        core.commit(sid, toks(3))
     clock.advance(10)
     core.unregister_engine("a")
     infos = {i.session_id: i for i in core.list_sessions()}
@@ -267,7 +269,7 @@ def test_closing_a_parked_session_and_a_deferred_close_at_the_lease_end(make_cor
     core.open_session("c", streaming=True, engine_id="a")
     core.append("c", toks(range(40, 45)), 0, engine_id="a")
     core.close("c")  # deferred to the turn's end
-    assert core.unregister_engine("a") == ("c", "p")
+    assert core.unregister_engine("a") == ("p",)
     # The deferred close completes at the lease's end (the turn aborted); the other session parks.
     assert [i.session_id for i in core.list_sessions()] == ["p"]
     assert core.close("p", cache=True).cached_tokens == 8

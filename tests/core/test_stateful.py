@@ -11,7 +11,11 @@ engine, resumed after the stall) that goes on writing poison into the turn's pag
 window. Each page it writes must be quarantined at that moment, and the poison must never show up in
 anyone's cached KV. A lease's end parks its sessions (DESIGN §11): the model keeps them, with no owner and
 the turn aborted (a stale writer when the lease ran out by TTL), and an append naming an engine adopts
-one; pressure demotes parked sessions before owned ones, and a parked timeout closes them.
+one; pressure demotes parked sessions before owned ones, and a parked timeout closes them. A session with
+nothing committed closes at its lease's end instead of parking.
+
+Agent trees (docs/design.md §15): opens name a parent (a refused one changes nothing), closes pick each
+mode, and the invariant check verifies the tree (links, guards) and the eviction classes after every step.
 
 A tier (a dict standing in for the store) sits behind the radix: offloads pin LRU radix pages and copy their
 KV into the store when they complete (ok or failed); loads take LOADING pages, into which the "store" first
@@ -35,7 +39,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from cache_service.core import CoreConfig, KVCacheError, Reason, SessionState
+from cache_service.core import CloseMode, CoreConfig, KVCacheError, Reason, SessionState
 from cache_service.core.events import Removed, Stored
 from cache_service.core.tier_keys import Namespace
 from cache_service.core.tiering import TAINTED_QUARANTINE_SECONDS, Load, Offload
@@ -54,7 +58,7 @@ GONE = {Reason.SESSION_NOT_FOUND, Reason.LEASE_EXPIRED}
 FOREIGN = {Reason.NOT_OWNER, Reason.SESSION_BUSY, Reason.LEASE_EXPIRED, Reason.ENGINE_NOT_FOUND}
 """What an append naming an engine may hear besides the usual: another engine's session, a race lost, a lease
 gone, an unknown adopter."""
-PARKED_TIMEOUT = 30.0
+PARKED_TIMEOUT = 10.0
 NAMESPACE = Namespace("sim", 1, 1, 1, "float16", PAGE_SIZE)
 LOADING_GARBAGE = "loading"
 
@@ -69,6 +73,8 @@ class Model:
     salt: str
     owner: str
     parked: bool = False
+    parent: str = ""
+    closing: bool = False
     committed: list[int] = field(default_factory=list)
     table: list[int] = field(default_factory=list)
     turn: tuple[list[int], int, int] | None = None  # (context tokens, cached, capacity)
@@ -161,15 +167,27 @@ class Simulator:
             assert page != 0, "the engine was told to write into the null page"
             self.kv[page, pos % PAGE_SIZE] = fingerprint(m.salt, tokens[: pos + 1])
 
-    def open(self, sid: str, streaming: bool, salt: str, owner: str) -> None:
+    def open(self, sid: str, streaming: bool, salt: str, owner: str, parent: str = "") -> None:
+        p = self.models.get(parent)
         try:
-            res = self.core.open_session(sid, streaming=streaming, cache_salt=salt, engine_id=owner)
+            res = self.core.open_session(sid, streaming=streaming, cache_salt=salt, engine_id=owner,
+                                         parent_session_id=parent)
         except KVCacheError as e:
-            assert e.reason in {Reason.SESSION_EXISTS, Reason.ENGINE_NOT_FOUND, Reason.LEASE_EXPIRED}, e
+            allowed = {Reason.SESSION_EXISTS, Reason.ENGINE_NOT_FOUND, Reason.LEASE_EXPIRED}
+            if parent == sid:
+                assert e.reason is Reason.INVALID_ARGUMENT, e
+            elif parent and (p is None or p.salt != salt):
+                assert e.reason in allowed | {Reason.SESSION_NOT_FOUND, Reason.NOT_OWNER}, e
+            else:
+                assert e.reason in allowed, e
+            self.seen[f"open:{e.reason.value}"] += 1
             self.sync()
             return
         assert sid not in self.models
-        self.models[sid] = Model(res.epoch, salt, owner)
+        if parent:
+            assert p is not None and p.salt == salt and parent != sid, "a parent that should have been refused"
+            self.seen["open:child"] += 1
+        self.models[sid] = Model(res.epoch, salt, owner, parent=parent)
 
     def append(self, sid: str, new: list[int], reserve: int, engine: str = "") -> None:
         """A turn's start; naming `engine` adopts a parked session (and must be its owner otherwise)."""
@@ -288,10 +306,10 @@ class Simulator:
         if res.closed:
             del self.models[sid]
 
-    def close(self, sid: str, cache: bool) -> None:
+    def close(self, sid: str, cache: bool, mode: CloseMode | None = None) -> None:
         m = self.models.get(sid)
         try:
-            res = self.core.close(sid, cache=cache, epoch=m.epoch if m else 0)
+            res = self.core.close(sid, cache=cache, mode=mode, epoch=m.epoch if m else 0)
         except KVCacheError as e:
             self.sync()
             assert e.reason in GONE, e
@@ -299,8 +317,11 @@ class Simulator:
         assert m is not None
         assert res.closed == (m.turn is None)
         self.seen["close:deferred" if not res.closed else "close:parked" if m.parked else "close"] += 1
+        self.seen[f"close:{mode.name if mode else cache}{':child' if m.parent else ''}"] += 1
         if res.closed:
             del self.models[sid]
+        else:
+            m.closing = True
 
     def advance_and_reap(self, seconds: float) -> None:
         self.clock.advance(seconds)
@@ -338,8 +359,11 @@ class Simulator:
         except KVCacheError as e:
             assert e.reason in {Reason.ENGINE_NOT_FOUND, Reason.LEASE_EXPIRED}, e
             parked = ()
-        assert sorted(parked) == sorted(sid for sid, m in self.models.items() if m.owner == engine)
-        for sid in parked:
+        owned = [sid for sid, m in self.models.items() if m.owner == engine]
+        # Closed instead: a deferred close, or nothing committed to continue.
+        assert sorted(parked) == sorted(sid for sid in owned if self.models[sid].committed
+                                        and not self.models[sid].closing)
+        for sid in owned:
             self._park(self.models[sid], engine, stalled=False)  # a clean exit: nothing is still writing
         self.sync()
 
@@ -547,9 +571,9 @@ class CoreMachine(RuleBasedStateMachine):
         return data.draw(st.sampled_from(SESSION_IDS))
 
     @rule(sid=st.sampled_from(SESSION_IDS), streaming=st.booleans(), salt=st.sampled_from(SALTS),
-          owner=st.sampled_from(["", *ENGINES]))
-    def open(self, sid: str, streaming: bool, salt: str, owner: str) -> None:
-        self.sim.open(sid, streaming, salt, owner)
+          owner=st.sampled_from(["", *ENGINES]), parent=st.sampled_from(["", "", *SESSION_IDS]))
+    def open(self, sid: str, streaming: bool, salt: str, owner: str, parent: str) -> None:
+        self.sim.open(sid, streaming, salt, owner, parent)
 
     @rule(data=st.data(), new=tokens_st, reserve=st.integers(0, 6), engine=st.sampled_from(["", "", *ENGINES]))
     def append(self, data: st.DataObject, new: list[int], reserve: int, engine: str) -> None:
@@ -567,9 +591,9 @@ class CoreMachine(RuleBasedStateMachine):
     def abort(self, data: st.DataObject) -> None:
         self.sim.abort(self._pick(data))
 
-    @rule(data=st.data(), cache=st.booleans())
-    def close(self, data: st.DataObject, cache: bool) -> None:
-        self.sim.close(self._pick(data), cache)
+    @rule(data=st.data(), cache=st.booleans(), mode=st.sampled_from([None, *CloseMode]))
+    def close(self, data: st.DataObject, cache: bool, mode: CloseMode | None) -> None:
+        self.sim.close(self._pick(data), cache, mode)
 
     @rule(seconds=st.sampled_from([0.5, 1, 2, 4, 8, 16, 25]))
     def advance_and_reap(self, seconds: float) -> None:
@@ -632,6 +656,7 @@ TestCoreStateMachine = CoreMachine.TestCase
 
 # ---------------------------------------------------------------------------- long random walks
 
+_MODES: list[CloseMode | None] = [None, *CloseMode]
 _ACTIONS = ["open", "open", "append", "append", "append", "append", "commit", "commit", "commit",
             "commit", "abort", "close", "advance", "register", "heartbeat", "heartbeat", "heartbeat",
             "unregister", "evict", "match", "extend", "extend", "stale_write", "offload", "offload_done",
@@ -640,6 +665,8 @@ _ACTIONS = ["open", "open", "append", "append", "append", "append", "commit", "c
 
 def random_walk(seed: int, steps: int) -> Simulator:
     rng = np.random.default_rng(seed)
+    tree = np.random.default_rng(seed + 1_000_000)
+    """Parents and close modes: drawn apart, so the walks' other choices are what they were before trees."""
     sim = Simulator()
     if seed % 2 == 1:  # half the walks without eviction staging: evictions lose what the tier lacks
         assert sim.core.tier is not None
@@ -647,6 +674,15 @@ def random_walk(seed: int, steps: int) -> Simulator:
 
     def tokens(lo: int = 0) -> list[int]:
         return rng.integers(1, 3, int(rng.integers(lo, 8))).tolist()
+
+    def parent() -> str:
+        """Mostly none, else mostly an open session (a missing, foreign or self parent now and then)."""
+        r = tree.random()
+        if r < 0.6:
+            return ""
+        if sim.models and r < 0.95:
+            return str(tree.choice(sorted(sim.models)))
+        return str(tree.choice(SESSION_IDS))
 
     def pick() -> str:
         if sim.models and rng.random() < 0.9:
@@ -657,7 +693,7 @@ def random_walk(seed: int, steps: int) -> Simulator:
         action = _ACTIONS[int(rng.integers(len(_ACTIONS)))]
         if action == "open":
             sim.open(str(rng.choice(SESSION_IDS)), bool(rng.random() < 0.6), str(rng.choice(SALTS)),
-                     str(rng.choice(["", *ENGINES])))
+                     str(rng.choice(["", *ENGINES])), parent())
         elif action == "append":
             sim.append(pick(), tokens(), int(rng.integers(0, 7)), str(rng.choice(["", "", *ENGINES])))
         elif action == "commit":
@@ -667,14 +703,14 @@ def random_walk(seed: int, steps: int) -> Simulator:
         elif action == "abort":
             sim.abort(pick())
         elif action == "close" and rng.random() < 0.4:
-            sim.close(pick(), bool(rng.random() < 0.5))
+            sim.close(pick(), bool(rng.random() < 0.5), _MODES[int(tree.integers(len(_MODES)))])
         elif action == "advance":
             sim.advance_and_reap(float(rng.choice([0.5, 1, 2, 4, 8, 25], p=[0.3, 0.3, 0.2, 0.1, 0.07, 0.03])))
         elif action == "register" and rng.random() < 0.5:
             sim.register(str(rng.choice(ENGINES)))
         elif action == "heartbeat":
             sim.heartbeat(str(rng.choice(ENGINES)))
-        elif action == "unregister" and rng.random() < 0.1:
+        elif action == "unregister" and rng.random() < 0.25:
             sim.unregister(str(rng.choice(ENGINES)))
         elif action == "evict" and rng.random() < 0.3:
             sim.evict(int(rng.integers(0, 12)))
@@ -699,6 +735,9 @@ def random_walk(seed: int, steps: int) -> Simulator:
         sim.check()
     st_ = sim.core.stats()
     sim.seen["demoted"] += st_.demoted_sessions
+    sim.seen["demoted:parent_pages"] += st_.demoted_parent_pages
+    sim.seen["evicted:closed_child"] += st_.evicted_closed_child_pages
+    sim.seen["evicted:parent"] += st_.evicted_parent_pages
     sim.seen["duplicate_pages"] += st_.duplicate_pages
     sim.seen["evicted_pages"] += st_.evicted_pages
     sim.seen["expired_leases"] += st_.expired_leases
@@ -718,8 +757,10 @@ def test_long_random_walks_reach_deep_states() -> None:
         "extend:POOL_EXHAUSTED": 1, "stale_write": 20, "quarantined": 5, "events:stored": 100,
         "events:removed": 20, "tier:offload_ok": 20, "tier:offload_fail": 5, "tier:load_ok": 15,
         "tier:load_tainted": 3, "tier:load_late": 3, "tier:loaded_pages": 15, "tier:corrupt": 3,
-        "parked": 20, "adopted": 10, "unparked": 5, "reaped:parked": 3, "close:parked": 3,
-        "demoted:parked": 1,
+        "parked": 20, "adopted": 4, "unparked": 5, "reaped:parked": 3, "close:parked": 3,
+        "demoted:parked": 1, "open:child": 10, "open:SESSION_NOT_FOUND": 5, "open:NOT_OWNER": 5,
+        "open:INVALID_ARGUMENT": 5, "close:DROP:child": 2, "close:KEEP_PREFIX:child": 2, "close:CACHE:child": 2,
+        "evicted:closed_child": 5, "evicted:parent": 5, "demoted:parent_pages": 5,
         "tier:staged": 20, "tier:staging_full": 3, "events:tier_stored": 20,
     }
     low = {what: seen[what] for what, floor in floors.items() if seen[what] < floor}

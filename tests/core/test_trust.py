@@ -117,7 +117,8 @@ def test_a_held_lease_never_expires_and_its_end_frees_at_once(make_core, clock: 
     clock.advance(1000)
     assert core.reap().engine_ids == ()
     assert core.heartbeat("a").held
-    assert core.end_held_lease("a", info.serial) == ("s",)
+    assert core.end_held_lease("a", info.serial) == ()  # nothing committed: it closes instead of parking
+    assert core.list_sessions() == []
     assert by_state(core) == {"free": 15, "evictable": 0, "radix_locked": 0, "session_held": 0, "in_flight": 0,
                               "quarantined": 0}
     raises_reason(Reason.LEASE_EXPIRED, core.heartbeat, "a")
@@ -133,6 +134,8 @@ def test_a_stream_ends_only_the_lease_it_started(make_core) -> None:
     core.open_session("s", engine_id="a")
     assert core.end_held_lease("a", first.serial) == ()  # the old stream ending late changes nothing
     assert [i.session_id for i in core.list_sessions()] == ["s"]
+    core.append("s", toks(1, 2), 0)
+    core.commit("s", toks(3))
     assert core.end_held_lease("a", second.serial) == ("s",)
 
 

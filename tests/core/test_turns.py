@@ -101,15 +101,14 @@ def test_extend_relieves_pressure_like_an_append(make_core) -> None:
     assert r.page_ids.tolist() == [15, 16]
     assert pages_by_state(core) == {"free": 0, "evictable": 2, "radix_locked": 9, "session_held": 3,
                                     "in_flight": 2}
-    # 3 more pages: evict d's remaining 13-14, then demote a (least recently active; its page 4 is freed)
-    # and evict one page of its entry (3).
+    # 3 more pages: evict d's remaining 13-14, then demote a (least recently active): its page 4 is freed,
+    # which is the third page, so a's radix entry (1-3) stays whole.
     e = core.extend("e", 12)
-    assert (e.page_offset, e.page_ids.tolist(), e.capacity_tokens) == (2, [3, 4, 14], 20)
+    assert (e.page_offset, e.page_ids.tolist(), e.capacity_tokens) == (2, [4, 14, 13], 20)
     assert [core.get_session(s).demoted for s in "abc"] == [True, False, False]
     st = core.stats()
-    assert (st.demoted_sessions, st.evicted_pages) == (1, 4)
-    # The shortfall was fixed before the demotion freed page 4, so one page stays free (13 is left).
-    assert pages_by_state(core) == {"free": 1, "evictable": 2, "radix_locked": 6, "session_held": 2,
+    assert (st.demoted_sessions, st.evicted_pages) == (1, 3)
+    assert pages_by_state(core) == {"free": 0, "evictable": 3, "radix_locked": 6, "session_held": 2,
                                     "in_flight": 5}
 
 

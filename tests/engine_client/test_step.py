@@ -116,6 +116,28 @@ def test_each_op_sent_as_a_message_is_the_request_its_unary_call_sends() -> None
     ]
 
 
+def test_a_parent_and_a_close_mode_travel_the_same_in_columns_messages_and_alone() -> None:
+    """docs/design.md §15: an open's parent_session_id and a close's mode, in each encoding."""
+    client = ClientBase("127.0.0.1:1", None, "")
+    batches = [StepBatch(), StepBatch(columns=False)]
+    for batch in batches:
+        batch.open("sub", parent_session_id="main")
+        batch.close("sub", mode="keep-prefix")
+        batch.close("main", cache=True)
+    cols = batches[0].request("").columns
+    assert (list(cols.parent_session_ids), cols.counts) == (
+        ["main", "", ""], np.array([0, pb.CLOSE_MODE_KEEP_PREFIX, 0], dtype="<i4").tobytes())
+    ops = batches[1].request("").ops
+    assert [getattr(op, op.WhichOneof("op")) for op in ops] == [
+        calls.open_session(client, "sub", True, None, "", "", "main").request,
+        calls.close_session(client, "sub", False, 0, "keep-prefix").request,
+        calls.close_session(client, "main", True, 0).request,
+    ]
+    assert ops[1].close.mode == pb.CLOSE_MODE_KEEP_PREFIX and ops[2].close.mode == pb.CLOSE_MODE_UNSPECIFIED
+    with pytest.raises(ValueError, match="close mode 'forget' is not one of 'cache', 'drop', 'keep-prefix'"):
+        StepBatch().close("sub", mode="forget")
+
+
 def test_an_open_without_an_id_draws_one_so_later_ops_can_name_it() -> None:
     batch = StepBatch(engine_id="")
     batch.open()

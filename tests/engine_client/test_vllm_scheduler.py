@@ -385,3 +385,65 @@ def test_a_window_model_and_a_pool_without_its_window_refuse_each_other_naming_b
         verify_stats(windowed.target)
     finally:
         windowed.close()
+
+
+def _turn(side: SchedulerSide, r: Any, output: list[int]) -> int:
+    """One request through the scheduler side as vLLM runs it (everything computed is saved); its hit."""
+    hit, _ = ask(side, r)
+    side.allocated(r, 0)
+    n = len(r.prompt_token_ids)
+    side.build_step(step(new=[(r, hit, n - hit)]))
+    side.confirm(WorkerReport(saved={r.request_id: (hit, n)}, ranks=frozenset({0})))
+    r.output_token_ids, r.num_computed_tokens = output, n + len(output) - 1
+    side.finished(r)
+    side.build_step(step())  # the commit (and a close) go out with the next step
+    return hit
+
+
+def test_dynamo_session_fields_make_an_agent_tree_and_a_final_subagent_turn_drops(server: ServerProcess) -> None:
+    """docs/design.md §15: a request carrying Dynamo's passive session headers opens its session under its
+    parent; its final turn closes it with drop; a bad kvcache_close_session or an unknown parent is handled."""
+    from engine_client.vllm.scheduler import close_mode_of, dynamo_session_params
+
+    config = ConnectorConfig.from_extra({"kvcache_target": server.target, "kvcache_lookup_wait_seconds": 5.0,
+                                         "kvcache_lookup_in_step": True}, env={})
+    side = SchedulerSide(config, block_size=BLOCK, engine_id="tree-test",
+                         client_factory=lambda: KVCacheClient(server.target))
+    rng = np.random.default_rng(5)
+    try:
+        wait_until(lambda: side.connected, "the connector connected to kvcache", poll=0.02)
+        main = req("m1", rng.integers(1, 500, 40).tolist(), "main")
+        _turn(side, main, [1, 2, 3])
+        params = dynamo_session_params({"X-Dynamo-Session-ID": "sub-1", "x-dynamo-parent-session-id": "main",
+                                        "X-Dynamo-Session-Final": "true"})
+        assert params == {"kvcache_session_id": "sub-1", "kvcache_parent_session_id": "main", "kvcache_final": True}
+        assert close_mode_of(params) == "drop"  # a final subagent turn drops; a final top-level one caches
+        assert close_mode_of({"kvcache_final": True}) == "cache"
+        sub = req("s1", rng.integers(1, 500, 40).tolist())
+        sub.kv_transfer_params = params
+        ask(side, sub)
+        with KVCacheClient(server.target) as client:
+            assert (client.get_session("sub-1").parent_session_id, client.get_session("main").child_sessions) == (
+                "main", 1)
+        _turn(side, sub, [4, 5])
+        with KVCacheClient(server.target) as client:
+            wait_until(lambda: [s.session_id for s in client.list_sessions()] == ["main"], "the subagent closed")
+            assert client.get_session("main").child_sessions == 0
+
+        with pytest.raises(ValueError) as refused:
+            close_mode_of({"kvcache_close_session": "forget"})
+        assert str(refused.value) == ("kvcache_close_session='forget' is not one of true, "
+                                      '"cache", "drop", "keep-prefix"')
+        bad = req("b1", rng.integers(1, 500, 20).tolist())
+        bad.kv_transfer_params = {"kvcache_session_id": "bad", "kvcache_close_session": "forget"}
+        assert side.matched_tokens(bad, 0) == 0  # computed by vLLM alone; no session opened
+        orphan = req("o1", rng.integers(1, 500, 20).tolist())
+        orphan.kv_transfer_params = {"kvcache_session_id": "orphan", "kvcache_parent_session_id": "nobody"}
+        ask(side, orphan)  # the parent is unknown here: the session opens top-level
+        with KVCacheClient(server.target) as client:
+            assert client.get_session("orphan").parent_session_id == ""
+            assert sorted(s.session_id for s in client.list_sessions()) == ["main", "orphan"]
+        assert side.take_counters()["skipped_requests"] == 1
+    finally:
+        side.close()
+    verify_stats(server.target)

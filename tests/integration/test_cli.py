@@ -242,7 +242,8 @@ def test_stats_sessions_and_health_commands(server: ServerProcess) -> None:
     assert next(line for line in lines if line.startswith("  in_flight")).split()[1:] == ["3", "1.2%"]
     sessions = run_cli("sessions", "--target", server.target)
     row = sessions.stdout.splitlines()[1].split()
-    assert row[:6] + row[7:] == ["chat-7", "IN_TURN", "streaming", "0", "10", "3", "-", "-"]  # row[6]: idle seconds
+    # row[6]: idle seconds; then engine, identity, parent
+    assert row[:6] + row[7:] == ["chat-7", "IN_TURN", "streaming", "0", "10", "3", "-", "-", "-"]
     assert sessions.stdout.splitlines()[-1] == "1 session(s)"
     health = run_cli("health", "--target", server.target)
     assert (health.returncode, health.stdout.strip()) == (0, f"{server.target}: SERVING")
@@ -270,15 +271,20 @@ def test_sessions_shows_parked_sessions_and_filters_them(server: ServerProcess) 
         a.register_engine("pod-3")
         b.register_engine("pod-4")
         a.open_session("left", streaming=True)
-        b.open_session("kept", streaming=True)
+        a.append_session("left", [1, 2, 3], 0)
+        a.commit_session("left", [4])  # something to continue: it parks (with nothing committed it would close)
+        b.open_session("kept", streaming=True, parent_session_id="left")  # an agent tree across engines
         a.unregister_engine()
         parked = run_cli("sessions", "--target", server.target, "--parked")
         assert parked.returncode == 0, parked.stderr
         lines = parked.stdout.splitlines()
         row = lines[1].split()
         # default --parked-session-timeout 600: a whole number of seconds left, at most 600
-        assert row[:6] + row[7:10] == ["left", "PARKED", "streaming", "0", "0", "0", "-", "(parked", "from"]
-        assert row[10] == "pod-3," and 590 <= int(row[11].removesuffix("s")) <= 600 and row[12:] == ["left)", "-"]
+        assert row[:5] + row[7:10] == ["left", "PARKED", "streaming", "1", "4", "-", "(parked", "from"]
+        assert row[10] == "pod-3," and 590 <= int(row[11].removesuffix("s")) <= 600
+        assert row[12:] == ["left)", "-", "-", "(1", "children)"]  # identity, then parent and children
+        child = run_cli("sessions", "--target", server.target).stdout.splitlines()[2].split()
+        assert (child[0], child[-1]) == ("kept", "left")
         assert lines[-1] == "1 session(s)"
         former = run_cli("sessions", "--target", server.target, "--former-engine", "pod-4")
         assert former.stdout.splitlines()[-1] == "0 session(s)"

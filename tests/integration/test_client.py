@@ -145,6 +145,8 @@ def test_heartbeats_keep_a_lease_alive_and_its_loss_is_reported(
     with KVCacheClient(server.target) as c:
         c.register_engine("hb", ttl_seconds=ttl, hold=False)
         c.open_session("owned")
+        c.append_session("owned", [1, 2, 3], 0)
+        c.commit_session("owned", [4])  # something to continue: it parks at the lease's end (else it closes)
         c.start_heartbeats(interval_seconds=ttl / 8)
         time.sleep(1.5 * ttl)  # real time past the TTL: only the heartbeats can have kept the lease alive
         assert c.reap_sessions() == ReapResult((), ())

@@ -37,7 +37,10 @@ def test_unregister_ends_a_held_lease_cleanly(server: ServerProcess) -> None:
     with KVCacheClient(server.target) as c:
         c.register_engine("held")
         c.open_session("s")
-        assert c.unregister_engine() == ("s",)
+        c.open_session("empty")
+        c.append_session("s", [1, 2, 3])
+        c.commit_session("s", [4])
+        assert c.unregister_engine() == ("s",)  # "empty" held nothing committed: it closed
         assert not c.holding_lease and c.lease_error is None
         assert c.get_stats().engines == 0
 
@@ -46,6 +49,8 @@ def test_losing_a_held_lease_is_reported(server: ServerProcess) -> None:
     with KVCacheClient(server.target) as first, KVCacheClient(server.target) as second:
         first.register_engine("same-name", ttl_seconds=0.3)
         first.open_session("s")
+        first.append_session("s", [1, 2, 3])
+        first.commit_session("s", [4])  # something to continue: it parks (else it closes)
         second.register_engine("same-name", ttl_seconds=0.3)  # the engine restarted elsewhere: a new lease
         wait_until(lambda: first.lease_error is not None, "the first client to notice")
         assert isinstance(first.lease_error, LeaseExpired)

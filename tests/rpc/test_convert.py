@@ -199,6 +199,7 @@ def test_stats_and_session_info_convert_every_field_by_name(make_core_for_conver
 def test_a_parked_session_converts_with_its_former_owner_and_time_left(make_core_for_convert: KVCacheCore) -> None:
     core = make_core_for_convert
     owner = core.get_session("s").engine_id
+    core.commit("s", np.array([1], dtype=np.int32))  # something to continue: it parks (else it would close)
     core.unregister_engine(owner)
     converted = session_info(core.get_session("s"))
     assert (converted.state, converted.engine_id, converted.former_engine_id, converted.parked_seconds_left) == (

@@ -81,6 +81,7 @@ def to_columns(ops: list[pb.StepOp]) -> pb.StepColumns:
         cols.session_ids.append(getattr(req, "session_id", ""))
         cols.engine_ids.append(getattr(req, "engine_id", ""))
         cols.cache_salts.append(getattr(req, "cache_salt", ""))
+        cols.parent_session_ids.append(getattr(req, "parent_session_id", ""))
         epochs.append(getattr(req, "epoch", 0))
         turns.append(getattr(req, "turn", 0))
         count, flag, timeout, toks = getattr(req, "reserve_tokens", 0), 0, 0.0, b""
@@ -93,7 +94,7 @@ def to_columns(ops: list[pb.StepOp]) -> pb.StepColumns:
             if req.HasField("kv_tokens"):
                 flag, count = flag | pb.STEP_FLAG_KV_TOKENS, req.kv_tokens
         elif kind == "close":
-            flag = pb.STEP_FLAG_SET if req.cache else 0
+            flag, count = pb.STEP_FLAG_SET if req.cache else 0, req.mode
         if kind in ("append", "commit", "match"):
             toks = _tokens(req)
         r = req.reuse if kind == "commit" and req.HasField("reuse") else pb.ReuseReport()
@@ -377,6 +378,61 @@ def test_each_reason_comes_back_as_the_ops_status_exactly_as_alone(
         for info in s.stub.ListSessions(pb.ListSessionsRequest(), timeout=10).sessions:
             if info.state in (pb.SESSION_STATE_IN_TURN, pb.SESSION_STATE_CLOSING):
                 s.stub.CommitSession(pb.CommitSessionRequest(session_id=info.session_id, abort=True), timeout=10)
+
+
+# ------------------------------------------------------------------------ agent trees (docs/design.md §15)
+
+TREES: dict[str, tuple[list[pb.StepOp], tuple[int, str] | None]] = {
+    "missing parent": ([op("open", session_id="c", parent_session_id="nobody")],
+                       (code_pb2.NOT_FOUND, "SESSION_NOT_FOUND")),
+    "parent itself": ([op("open", session_id="c", parent_session_id="c")],
+                      (code_pb2.INVALID_ARGUMENT, "INVALID_ARGUMENT")),
+    "parent in another salt": ([op("open", session_id="p", cache_salt="x"),
+                                op("open", session_id="c", parent_session_id="p")],
+                               (code_pb2.PERMISSION_DENIED, "NOT_OWNER")),
+    "unknown close mode": ([op("open", session_id="u"), op("close", session_id="u", mode=7)],  # type: ignore[arg-type]
+                           (code_pb2.INVALID_ARGUMENT, "INVALID_ARGUMENT")),
+    "a tree closed with each mode": ([
+        op("open", session_id="p", streaming=True), op("open", session_id="c", streaming=True, parent_session_id="p"),
+        op("append", session_id="c", token_ids=list(range(10)), reserve_tokens=2),
+        op("commit", session_id="c", token_ids=[1]), op("close", session_id="c", mode=pb.CLOSE_MODE_DROP),
+        op("open", session_id="k", streaming=True, parent_session_id="p"),
+        op("append", session_id="k", token_ids=list(range(20, 30))), op("commit", session_id="k", token_ids=[1]),
+        op("close", session_id="k", mode=pb.CLOSE_MODE_KEEP_PREFIX),
+        op("close", session_id="p", mode=pb.CLOSE_MODE_CACHE)], None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TREES))
+def test_parents_and_close_modes_in_a_step_are_exactly_as_alone(start_thread_server: Callable[..., ThreadServer],
+                                                                case: str) -> None:
+    """Each op of a tree's story gets, in a Step, the status and response it gets alone; a refused one names
+    its field and changes nothing; both services end with the same sessions and the same pages by class."""
+    ops, refused = TREES[case]
+    stepped, alone = start_thread_server(num_pages=17), start_thread_server(num_pages=17)
+    before = stepped.stub.GetStats(pb.GetStatsRequest(), timeout=10)
+    results = step(stepped, ops)
+    for o, r in zip(ops, results, strict=True):
+        kind = o.WhichOneof("op")
+        response, status = unary(alone, kind, getattr(o, kind))
+        assert r.status == status, f"{kind}: stepped {r.status} != alone {status}"
+        if response is not None:
+            assert _same_response(kind, getattr(r, kind), response)
+    last = results[-1].status
+    if refused is None:
+        assert [r.status.code for r in results] == [0] * len(ops)
+    else:
+        info = error_details_pb2.ErrorInfo()
+        assert last.details[0].Unpack(info)
+        assert (last.code, info.reason) == refused
+        assert info.metadata["field"] == ("mode" if case == "unknown close mode" else "parent_session_id")
+    stats = [s.stub.GetStats(pb.GetStatsRequest(), timeout=10) for s in (stepped, alone)]
+    classes = [(st.evictable_pages, st.evicted_closed_child_pages, st.free_pages) for st in stats]
+    assert classes[0] == classes[1]
+    if refused is not None and len(ops) == 1:
+        assert stats[0].free_pages == before.free_pages and stats[0].sessions_idle == before.sessions_idle
+    if refused is None:  # c's drop left its prompt (2 pages) a leftover; k's keep-prefix kept 2 ordinary
+        assert (stats[0].evictable_pages, stats[0].sessions_idle) == (4, 0)
 
 
 def _same_response(kind: str, a: Any, b: Any) -> bool:

@@ -219,7 +219,9 @@ def test_a_parked_session_and_its_adoption_are_announced(start_thread_server: Ca
     for engine in ("a", "b"):
         stub.RegisterEngine(pb.RegisterEngineRequest(engine_id=engine, ttl_seconds=60), timeout=10)
     stub.OpenSession(pb.OpenSessionRequest(session_id="chat", streaming=True, engine_id="a"), timeout=10)
-    stream = Stream(server)
+    stub.AppendSession(pb.AppendSessionRequest(session_id="chat", token_ids=[1, 2], engine_id="a"), timeout=10)
+    stub.CommitSession(pb.CommitSessionRequest(session_id="chat", token_ids=[3], engine_id="a"), timeout=10)
+    stream = Stream(server)  # a committed turn (less than a page: nothing in the radix), so it parks
     try:
         assert kinds(stream.next()) == ["cleared", "session_opened"]
         assert list(stub.UnregisterEngine(pb.UnregisterEngineRequest(engine_id="a"), timeout=10).parked_session_ids
@@ -242,3 +244,32 @@ def test_a_parked_session_and_its_adoption_are_announced(start_thread_server: Ca
     finally:
         stream.close()
     stub.CommitSession(pb.CommitSessionRequest(session_id="chat", abort=True), timeout=10)
+
+
+def test_a_childs_opening_names_its_parent_live_and_in_the_snapshot(
+        start_thread_server: Callable[..., ThreadServer]) -> None:
+    """docs/design.md §15: a router learns the agent tree from SessionOpened; GetSession shows it too."""
+    server = start_thread_server()
+    stub = server.stub
+    stub.OpenSession(pb.OpenSessionRequest(session_id="main", streaming=True), timeout=10)
+    stream = Stream(server)
+    try:
+        assert kinds(stream.next()) == ["cleared", "session_opened"]
+        stub.OpenSession(pb.OpenSessionRequest(session_id="sub", streaming=True, parent_session_id="main"),
+                         timeout=10)
+        live = stream.next()
+        assert live.events[0].session_opened == pb.SessionOpened(session_id="sub", epoch=2, streaming=True,
+                                                                  parent_session_id="main")
+        late = Stream(server)
+        try:
+            assert late.next().events[2].session_opened == live.events[0].session_opened
+        finally:
+            late.close()
+    finally:
+        stream.close()
+    sub = stub.GetSession(pb.GetSessionRequest(session_id="sub"), timeout=10).session
+    main = stub.GetSession(pb.GetSessionRequest(session_id="main"), timeout=10).session
+    assert (sub.parent_session_id, sub.child_sessions, main.parent_session_id, main.child_sessions) == (
+        "main", 0, "", 1)
+    listed = stub.ListSessions(pb.ListSessionsRequest(), timeout=10).sessions
+    assert [(s.session_id, s.parent_session_id) for s in listed] == [("main", ""), ("sub", "main")]

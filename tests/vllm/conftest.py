@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 
 from engine_client import KVCacheClient
-from engine_client.types import SessionInfo
 from engine_client.vllm.driver import DriverError, EngineProcess, save_model
 from tests.integration.conftest import REPO, ServerProcess, verify_stats
 from tests.loopback import wait_until
@@ -95,23 +94,15 @@ def kvcache_server(log: Path, *flags: str, listen: str = "127.0.0.1:0") -> Serve
                          log_path=log)
 
 
-def dead_requests(sessions: list[SessionInfo]) -> list[SessionInfo]:
-    """The requests of an engine that died mid-turn: regular sessions parked at its lease's end with nothing
-    committed and nothing held (they wait out --parked-session-timeout)."""
-    return [s for s in sessions if not s.streaming and s.state == "PARKED" and s.context_tokens == 0
-            and s.held_pages == 0 and s.num_pages == 0]
-
-
 def drained(target: str) -> None:
-    """No turn in flight and no regular session open on `target` (streaming sessions may stay, and a dead
-    engine's requests: `dead_requests`), then the full invariant check. Finishes are sent asynchronously: wait
-    for them."""
+    """No turn in flight and no regular session open on `target` (streaming sessions may stay; a dead engine's
+    requests closed at its lease's end, having committed nothing), then the full invariant check. Finishes are
+    sent asynchronously: wait for them."""
     with KVCacheClient(target) as client:
         def settled() -> bool:
             st = client.get_stats()
             sessions = client.list_sessions()
-            dead = {s.session_id for s in dead_requests(sessions)}
-            regular = [s for s in sessions if not s.streaming and s.session_id not in dead]
+            regular = [s for s in sessions if not s.streaming]
             return st.sessions_in_turn == 0 and st.in_flight_pages == 0 and not regular
         wait_until(settled, f"kvcache at {target}: every vLLM request committed and closed", timeout=15)
     verify_stats(target)

@@ -194,6 +194,39 @@ def test_a_streaming_chat_survives_a_vllm_restart(alone: VllmEngine, engines: En
         assert client.match_prefix(done).cached_tokens == (len(done) - 1) // PAGE * PAGE
 
 
+def test_dynamos_session_fields_make_an_agent_tree_whose_final_subagent_turn_drops(
+        alone: VllmEngine, engines: Engines, kvcache: ServerProcess) -> None:
+    """docs/design.md §15: requests carrying a Dynamo frontend's X-Dynamo-Session-ID, -Parent-Session-ID and
+    -Session-Final headers, as the connector's kv_transfer_params: the subagent's session opens under the main
+    agent's, its final turn closes it (drop, a child's default), and the tokens are vLLM alone's."""
+    from engine_client.vllm.scheduler import dynamo_session_params
+
+    engine = engines.current
+    main_prompt, sub1 = prompt(60, 70), prompt(61, 50)
+    main_params = dynamo_session_params({"X-Dynamo-Session-ID": "agent-main"})
+    sub_headers = {"X-Dynamo-Session-ID": "agent-sub", "X-Dynamo-Parent-Session-ID": "agent-main"}
+    m = engine.generate([request(main_prompt, 4, kv_transfer_params=main_params)])
+    s1 = engine.generate([request(sub1, 4, kv_transfer_params=dynamo_session_params(sub_headers))])
+    with KVCacheClient(kvcache.target) as client:
+        wait_until(lambda: client.get_session("agent-sub").state == "IDLE", "the subagent's turn 1 committed")
+        assert (client.get_session("agent-sub").parent_session_id, client.get_session("agent-main").child_sessions) \
+            == ("agent-main", 1)
+    sub2 = sub1 + s1[0]["tokens"] + prompt(62, 20)
+    final = dynamo_session_params({**sub_headers, "X-Dynamo-Session-Final": "true"})
+    assert final == {"kvcache_session_id": "agent-sub", "kvcache_parent_session_id": "agent-main",
+                     "kvcache_final": True}
+    s2 = engine.generate([request(sub2, 4, kv_transfer_params=final)])
+    assert len(sub2) - s2[0]["num_cached_tokens"] == 20 + 1  # the session's history was its hit
+    assert tokens(m + s1 + s2) == reference(alone, [request(main_prompt, 4), request(sub1, 4), request(sub2, 4)])
+    drained(kvcache.target)
+    with KVCacheClient(kvcache.target) as client:
+        assert [s.session_id for s in client.list_sessions() if s.session_id.startswith("agent-")] == ["agent-main"]
+        assert client.get_session("agent-main").child_sessions == 0
+        # drop: the subagent's private pages are gone; only its first prompt's full pages stay cached
+        assert client.match_prefix(sub2).cached_tokens == (len(sub1) // PAGE) * PAGE
+        client.close_session("agent-main", mode="drop")
+
+
 def test_cache_salts_never_share(alone: VllmEngine, engines: Engines, kvcache: ServerProcess) -> None:
     engine = engines.current
     x = prompt(20, 70)

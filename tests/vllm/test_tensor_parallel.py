@@ -28,7 +28,6 @@ from tests.loopback import free_port, wait_until
 from .conftest import (
     ENGINE_ARGS,
     VllmEngine,
-    dead_requests,
     drained,
     kvcache_server,
     request,
@@ -189,9 +188,8 @@ def test_a_rank_that_dies_mid_run_commits_nothing_and_locks_nothing(
         b2.close()
         drained(kvcache.target)  # the engine's lease ended: its turns were aborted, nothing in flight
         sessions = client.list_sessions()
-        parked = dead_requests(sessions)  # the requests it had begun parked with nothing to keep
-        assert 1 <= len(parked) <= len(work), sessions
-        assert [s for s in sessions if not s.streaming and s not in parked] == []
+        # the requests it had begun held nothing committed: they closed at its lease's end, not parked
+        assert [s for s in sessions if not s.streaming] == [], sessions
         assert [client.match_prefix(r["prompt"]).cached_tokens for r in work] == [0, 0, 0]
 
 

@@ -38,6 +38,13 @@ class AttentionKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ATTENTION_KIND_MLA: _ClassVar[AttentionKind]
     ATTENTION_KIND_SLIDING_WINDOW: _ClassVar[AttentionKind]
 
+class CloseMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CLOSE_MODE_UNSPECIFIED: _ClassVar[CloseMode]
+    CLOSE_MODE_CACHE: _ClassVar[CloseMode]
+    CLOSE_MODE_DROP: _ClassVar[CloseMode]
+    CLOSE_MODE_KEEP_PREFIX: _ClassVar[CloseMode]
+
 class StepFlag(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     STEP_FLAG_UNSPECIFIED: _ClassVar[StepFlag]
@@ -83,6 +90,10 @@ ATTENTION_KIND_UNSPECIFIED: AttentionKind
 ATTENTION_KIND_FULL: AttentionKind
 ATTENTION_KIND_MLA: AttentionKind
 ATTENTION_KIND_SLIDING_WINDOW: AttentionKind
+CLOSE_MODE_UNSPECIFIED: CloseMode
+CLOSE_MODE_CACHE: CloseMode
+CLOSE_MODE_DROP: CloseMode
+CLOSE_MODE_KEEP_PREFIX: CloseMode
 STEP_FLAG_UNSPECIFIED: StepFlag
 STEP_FLAG_SET: StepFlag
 STEP_FLAG_KV_TOKENS: StepFlag
@@ -263,18 +274,20 @@ class MatchPrefixResponse(_message.Message):
     def __init__(self, cached_tokens: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., packed_page_ids: _Optional[bytes] = ..., tier_tokens: _Optional[int] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_id", "streaming", "timeout_seconds", "cache_salt", "engine_id")
+    __slots__ = ("session_id", "streaming", "timeout_seconds", "cache_salt", "engine_id", "parent_session_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STREAMING_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     streaming: bool
     timeout_seconds: float
     cache_salt: str
     engine_id: str
-    def __init__(self, session_id: _Optional[str] = ..., streaming: _Optional[bool] = ..., timeout_seconds: _Optional[float] = ..., cache_salt: _Optional[str] = ..., engine_id: _Optional[str] = ...) -> None: ...
+    parent_session_id: str
+    def __init__(self, session_id: _Optional[str] = ..., streaming: _Optional[bool] = ..., timeout_seconds: _Optional[float] = ..., cache_salt: _Optional[str] = ..., engine_id: _Optional[str] = ..., parent_session_id: _Optional[str] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("session_id", "epoch", "timeout_seconds", "instance_id")
@@ -415,16 +428,18 @@ class ExtendSessionResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., turn: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., page_offset: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., packed_page_ids: _Optional[bytes] = ..., num_pages: _Optional[int] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
-    __slots__ = ("session_id", "cache", "epoch", "engine_id")
+    __slots__ = ("session_id", "cache", "epoch", "engine_id", "mode")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     cache: bool
     epoch: int
     engine_id: str
-    def __init__(self, session_id: _Optional[str] = ..., cache: _Optional[bool] = ..., epoch: _Optional[int] = ..., engine_id: _Optional[str] = ...) -> None: ...
+    mode: CloseMode
+    def __init__(self, session_id: _Optional[str] = ..., cache: _Optional[bool] = ..., epoch: _Optional[int] = ..., engine_id: _Optional[str] = ..., mode: _Optional[_Union[CloseMode, str]] = ...) -> None: ...
 
 class CloseSessionResponse(_message.Message):
     __slots__ = ("session_id", "closed", "cached_tokens")
@@ -475,7 +490,7 @@ class StepRequest(_message.Message):
     def __init__(self, ops: _Optional[_Iterable[_Union[StepOp, _Mapping]]] = ..., engine_id: _Optional[str] = ..., columns: _Optional[_Union[StepColumns, _Mapping]] = ...) -> None: ...
 
 class StepColumns(_message.Message):
-    __slots__ = ("kinds", "session_ids", "epochs", "counts", "flags", "token_counts", "token_ids", "turns", "timeouts", "engine_ids", "cache_salts", "reuse")
+    __slots__ = ("kinds", "session_ids", "epochs", "counts", "flags", "token_counts", "token_ids", "turns", "timeouts", "engine_ids", "cache_salts", "parent_session_ids", "reuse")
     KINDS_FIELD_NUMBER: _ClassVar[int]
     SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
     EPOCHS_FIELD_NUMBER: _ClassVar[int]
@@ -487,6 +502,7 @@ class StepColumns(_message.Message):
     TIMEOUTS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALTS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
     REUSE_FIELD_NUMBER: _ClassVar[int]
     kinds: bytes
     session_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -499,8 +515,9 @@ class StepColumns(_message.Message):
     timeouts: bytes
     engine_ids: _containers.RepeatedScalarFieldContainer[str]
     cache_salts: _containers.RepeatedScalarFieldContainer[str]
+    parent_session_ids: _containers.RepeatedScalarFieldContainer[str]
     reuse: bytes
-    def __init__(self, kinds: _Optional[bytes] = ..., session_ids: _Optional[_Iterable[str]] = ..., epochs: _Optional[bytes] = ..., counts: _Optional[bytes] = ..., flags: _Optional[bytes] = ..., token_counts: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., turns: _Optional[bytes] = ..., timeouts: _Optional[bytes] = ..., engine_ids: _Optional[_Iterable[str]] = ..., cache_salts: _Optional[_Iterable[str]] = ..., reuse: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, kinds: _Optional[bytes] = ..., session_ids: _Optional[_Iterable[str]] = ..., epochs: _Optional[bytes] = ..., counts: _Optional[bytes] = ..., flags: _Optional[bytes] = ..., token_counts: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., turns: _Optional[bytes] = ..., timeouts: _Optional[bytes] = ..., engine_ids: _Optional[_Iterable[str]] = ..., cache_salts: _Optional[_Iterable[str]] = ..., parent_session_ids: _Optional[_Iterable[str]] = ..., reuse: _Optional[bytes] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("status", "open", "append", "extend", "commit", "close", "match")
@@ -569,7 +586,7 @@ class StepColumnResults(_message.Message):
     def __init__(self, codes: _Optional[bytes] = ..., errors: _Optional[_Iterable[_Union[_status_pb2.Status, _Mapping]]] = ..., epochs: _Optional[bytes] = ..., turns: _Optional[bytes] = ..., cached_tokens: _Optional[bytes] = ..., context_tokens: _Optional[bytes] = ..., capacity_tokens: _Optional[bytes] = ..., page_offsets: _Optional[bytes] = ..., num_pages: _Optional[bytes] = ..., prefix_hit_tokens: _Optional[bytes] = ..., kv_tokens: _Optional[bytes] = ..., closed: _Optional[bytes] = ..., page_counts: _Optional[bytes] = ..., page_ids: _Optional[bytes] = ..., opened_ids: _Optional[_Iterable[str]] = ..., timeouts: _Optional[bytes] = ..., instance_id: _Optional[str] = ..., tier_tokens: _Optional[bytes] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "epoch", "state", "streaming", "cache_salt", "engine_id", "context_tokens", "kv_tokens", "turns", "num_pages", "radix_pages", "held_pages", "in_flight_pages", "idle_seconds", "timeout_seconds", "demoted", "close_pending", "identity", "former_engine_id", "parked_seconds_left")
+    __slots__ = ("session_id", "epoch", "state", "streaming", "cache_salt", "engine_id", "context_tokens", "kv_tokens", "turns", "num_pages", "radix_pages", "held_pages", "in_flight_pages", "idle_seconds", "timeout_seconds", "demoted", "close_pending", "identity", "former_engine_id", "parked_seconds_left", "parent_session_id", "child_sessions")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -590,6 +607,8 @@ class SessionInfo(_message.Message):
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     FORMER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     PARKED_SECONDS_LEFT_FIELD_NUMBER: _ClassVar[int]
+    PARENT_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CHILD_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     state: SessionState
@@ -610,7 +629,9 @@ class SessionInfo(_message.Message):
     identity: str
     former_engine_id: str
     parked_seconds_left: float
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., state: _Optional[_Union[SessionState, str]] = ..., streaming: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., engine_id: _Optional[str] = ..., context_tokens: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., turns: _Optional[int] = ..., num_pages: _Optional[int] = ..., radix_pages: _Optional[int] = ..., held_pages: _Optional[int] = ..., in_flight_pages: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., timeout_seconds: _Optional[float] = ..., demoted: _Optional[bool] = ..., close_pending: _Optional[bool] = ..., identity: _Optional[str] = ..., former_engine_id: _Optional[str] = ..., parked_seconds_left: _Optional[float] = ...) -> None: ...
+    parent_session_id: str
+    child_sessions: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., state: _Optional[_Union[SessionState, str]] = ..., streaming: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., engine_id: _Optional[str] = ..., context_tokens: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., turns: _Optional[int] = ..., num_pages: _Optional[int] = ..., radix_pages: _Optional[int] = ..., held_pages: _Optional[int] = ..., in_flight_pages: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., timeout_seconds: _Optional[float] = ..., demoted: _Optional[bool] = ..., close_pending: _Optional[bool] = ..., identity: _Optional[str] = ..., former_engine_id: _Optional[str] = ..., parked_seconds_left: _Optional[float] = ..., parent_session_id: _Optional[str] = ..., child_sessions: _Optional[int] = ...) -> None: ...
 
 class GetSessionRequest(_message.Message):
     __slots__ = ("session_id", "epoch", "include_tokens")
@@ -663,7 +684,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, verify: _Optional[bool] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("num_pages", "page_size", "free_pages", "evictable_pages", "radix_locked_pages", "session_held_pages", "in_flight_pages", "session_budget_pages", "radix_tokens", "session_tokens", "session_kv_tokens", "prefix_hit_tokens", "session_hit_tokens", "miss_tokens", "evicted_pages", "duplicate_pages", "demoted_sessions", "reaped_sessions", "expired_leases", "sessions_idle", "sessions_in_turn", "sessions_closing", "sessions_demoted", "engines", "instance_id", "uptime_seconds", "physical_usage", "verified", "quarantined_pages", "tier", "loading_pages", "offloading_pages", "tier_stored_pages", "evicted_unstored_pages", "sessions_parked", "parked_sessions", "adopted_sessions", "expired_parked_sessions", "reuse", "engine_reuse")
+    __slots__ = ("num_pages", "page_size", "free_pages", "evictable_pages", "radix_locked_pages", "session_held_pages", "in_flight_pages", "session_budget_pages", "radix_tokens", "session_tokens", "session_kv_tokens", "prefix_hit_tokens", "session_hit_tokens", "miss_tokens", "evicted_pages", "duplicate_pages", "demoted_sessions", "reaped_sessions", "expired_leases", "sessions_idle", "sessions_in_turn", "sessions_closing", "sessions_demoted", "engines", "instance_id", "uptime_seconds", "physical_usage", "verified", "quarantined_pages", "tier", "loading_pages", "offloading_pages", "tier_stored_pages", "evicted_unstored_pages", "sessions_parked", "parked_sessions", "adopted_sessions", "expired_parked_sessions", "evicted_closed_child_pages", "evicted_ordinary_pages", "evicted_parent_pages", "demoted_session_pages", "demoted_parent_pages", "reuse", "engine_reuse")
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -702,6 +723,11 @@ class GetStatsResponse(_message.Message):
     PARKED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     ADOPTED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     EXPIRED_PARKED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_CLOSED_CHILD_PAGES_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_ORDINARY_PAGES_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_PARENT_PAGES_FIELD_NUMBER: _ClassVar[int]
+    DEMOTED_SESSION_PAGES_FIELD_NUMBER: _ClassVar[int]
+    DEMOTED_PARENT_PAGES_FIELD_NUMBER: _ClassVar[int]
     REUSE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_REUSE_FIELD_NUMBER: _ClassVar[int]
     num_pages: int
@@ -742,9 +768,14 @@ class GetStatsResponse(_message.Message):
     parked_sessions: int
     adopted_sessions: int
     expired_parked_sessions: int
+    evicted_closed_child_pages: int
+    evicted_ordinary_pages: int
+    evicted_parent_pages: int
+    demoted_session_pages: int
+    demoted_parent_pages: int
     reuse: ReuseStats
     engine_reuse: _containers.RepeatedCompositeFieldContainer[ReuseStats]
-    def __init__(self, num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., free_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ..., radix_locked_pages: _Optional[int] = ..., session_held_pages: _Optional[int] = ..., in_flight_pages: _Optional[int] = ..., session_budget_pages: _Optional[int] = ..., radix_tokens: _Optional[int] = ..., session_tokens: _Optional[int] = ..., session_kv_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., session_hit_tokens: _Optional[int] = ..., miss_tokens: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., duplicate_pages: _Optional[int] = ..., demoted_sessions: _Optional[int] = ..., reaped_sessions: _Optional[int] = ..., expired_leases: _Optional[int] = ..., sessions_idle: _Optional[int] = ..., sessions_in_turn: _Optional[int] = ..., sessions_closing: _Optional[int] = ..., sessions_demoted: _Optional[int] = ..., engines: _Optional[int] = ..., instance_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., physical_usage: _Optional[float] = ..., verified: _Optional[bool] = ..., quarantined_pages: _Optional[int] = ..., tier: _Optional[_Union[TierStats, _Mapping]] = ..., loading_pages: _Optional[int] = ..., offloading_pages: _Optional[int] = ..., tier_stored_pages: _Optional[int] = ..., evicted_unstored_pages: _Optional[int] = ..., sessions_parked: _Optional[int] = ..., parked_sessions: _Optional[int] = ..., adopted_sessions: _Optional[int] = ..., expired_parked_sessions: _Optional[int] = ..., reuse: _Optional[_Union[ReuseStats, _Mapping]] = ..., engine_reuse: _Optional[_Iterable[_Union[ReuseStats, _Mapping]]] = ...) -> None: ...
+    def __init__(self, num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., free_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ..., radix_locked_pages: _Optional[int] = ..., session_held_pages: _Optional[int] = ..., in_flight_pages: _Optional[int] = ..., session_budget_pages: _Optional[int] = ..., radix_tokens: _Optional[int] = ..., session_tokens: _Optional[int] = ..., session_kv_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., session_hit_tokens: _Optional[int] = ..., miss_tokens: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., duplicate_pages: _Optional[int] = ..., demoted_sessions: _Optional[int] = ..., reaped_sessions: _Optional[int] = ..., expired_leases: _Optional[int] = ..., sessions_idle: _Optional[int] = ..., sessions_in_turn: _Optional[int] = ..., sessions_closing: _Optional[int] = ..., sessions_demoted: _Optional[int] = ..., engines: _Optional[int] = ..., instance_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., physical_usage: _Optional[float] = ..., verified: _Optional[bool] = ..., quarantined_pages: _Optional[int] = ..., tier: _Optional[_Union[TierStats, _Mapping]] = ..., loading_pages: _Optional[int] = ..., offloading_pages: _Optional[int] = ..., tier_stored_pages: _Optional[int] = ..., evicted_unstored_pages: _Optional[int] = ..., sessions_parked: _Optional[int] = ..., parked_sessions: _Optional[int] = ..., adopted_sessions: _Optional[int] = ..., expired_parked_sessions: _Optional[int] = ..., evicted_closed_child_pages: _Optional[int] = ..., evicted_ordinary_pages: _Optional[int] = ..., evicted_parent_pages: _Optional[int] = ..., demoted_session_pages: _Optional[int] = ..., demoted_parent_pages: _Optional[int] = ..., reuse: _Optional[_Union[ReuseStats, _Mapping]] = ..., engine_reuse: _Optional[_Iterable[_Union[ReuseStats, _Mapping]]] = ...) -> None: ...
 
 class ReuseStats(_message.Message):
     __slots__ = ("engine_id", "turns", "matched_tokens", "engine_cached_tokens", "loaded_tokens", "computed_tokens")
@@ -917,18 +948,20 @@ class AllBlocksCleared(_message.Message):
     def __init__(self) -> None: ...
 
 class SessionOpened(_message.Message):
-    __slots__ = ("session_id", "epoch", "streaming", "cache_salt", "engine_id")
+    __slots__ = ("session_id", "epoch", "streaming", "cache_salt", "engine_id", "parent_session_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STREAMING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     streaming: bool
     cache_salt: str
     engine_id: str
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., streaming: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., engine_id: _Optional[str] = ...) -> None: ...
+    parent_session_id: str
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., streaming: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., engine_id: _Optional[str] = ..., parent_session_id: _Optional[str] = ...) -> None: ...
 
 class SessionClosed(_message.Message):
     __slots__ = ("session_id", "epoch", "reason")
