@@ -5,7 +5,7 @@
 
 One real server process; client processes (spawned, each with its own channel and session) issue
 pre-built requests through the generated stubs, so the numbers are transport + service, not client
-Python. Per call latencies are pooled across clients. Target (DESIGN.md §6): AppendSession at most 1.3x
+Python. Per call latencies are pooled across clients. Target (docs/design.md §6): AppendSession at most 1.3x
 Health/Check at p50.
 """
 

@@ -36,14 +36,14 @@ Rows, each the median over the measured steps (interleaved, so all see the same 
   service's threads from /proc's schedstat; the client's, this process's, building and reading included; a
   lane's polls count as CPU): on a loaded machine CPU moves less than wall time.
 Transports (`--transport`): TCP loopback and a unix socket carry gRPC; `lane` serves the same Steps on the
-step lane (`--step-socket`, DESIGN §10), the client taking it as `KVCacheClient.step` does by default.
+step lane (`--step-socket`, docs/design.md §10), the client taking it as `KVCacheClient.step` does by default.
 The second table is the handler in this process, without a transport (decode, interceptor + handler,
 encode), per op kind: the same steps split into one Step per kind, in the order that keeps them valid.
 
 With `--sglang` (after `make sglang-setup`), each round also runs `bench/sglang_radix.py` in .venv-sglang: SGLang's
 in-process RadixCache doing the same trace's radix work a step (match + lock at admission, insert + unlock at
 finish), and the report ends with SGLang's median a step over each transport's §9 Step client wall (the ratio, >1
-where the Step is faster; DESIGN §10's target is >= 1.5x on the lane).
+where the Step is faster; docs/design.md §10's target is >= 1.5x on the lane).
 
 With `--against REV` the server table is measured for the service and client of commit REV (exported with
 `git archive` into a temporary directory, with this harness copied in; its compiled hot path built first, as

@@ -1,4 +1,4 @@
-"""kvcache service: the process that owns an LLM deployment's KV memory (see DESIGN.md)."""
+"""kvcache service: the process that owns an LLM deployment's KV memory (see docs/design.md)."""
 
 from cache_service import native as _native
 

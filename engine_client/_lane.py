@@ -1,4 +1,4 @@
-"""The step lane from the engine's side: `Step` over the service's unix socket (DESIGN §10).
+"""The step lane from the engine's side: `Step` over the service's unix socket (docs/design.md §10).
 
 The clients' `step` takes the lane when the service announces one (`GetPoolInfo.step_socket`) and this
 process can open it, else gRPC; callers see no difference. `LaneChoice` keeps that decision for a client:

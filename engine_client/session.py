@@ -309,7 +309,7 @@ class Session(_SessionState):
     @classmethod
     def resume(cls, client: KVCacheClient, session_id: str, *, close_cache: bool = True, page_size: int | None = None,
                device: str | torch.device = "cpu", pool: MappedPool | None = None) -> Session:
-        """A session opened elsewhere, typically one parked when its engine went away (DESIGN.md §11): its next
+        """A session opened elsewhere, typically one parked when its engine went away (docs/design.md §11): its next
         `append` adopts it for this client's engine and hands over its whole page table, with `cached_tokens`
         saying how much of its history already has KV."""
         if not page_size:

@@ -222,7 +222,7 @@ class Stats:
     verified: bool
     quarantined_pages: int = 0
     sessions_parked: int = 0
-    """Sessions whose engine's lease ended, kept for another engine to adopt (DESIGN.md §11)."""
+    """Sessions whose engine's lease ended, kept for another engine to adopt (docs/design.md §11)."""
     parked_sessions: int = 0
     adopted_sessions: int = 0
     expired_parked_sessions: int = 0

@@ -62,7 +62,7 @@ the last `sliding_window` tokens (not a page format: `--attention` stays full or
 
 @dataclass(frozen=True, slots=True)
 class LayerGroup:
-    """A group of the pool's layers that share one kind of attention and one page shape (DESIGN §13)."""
+    """A group of the pool's layers that share one kind of attention and one page shape (docs/design.md §13)."""
 
     kind: str
     """A `GROUP_KINDS` name."""

@@ -1,6 +1,6 @@
 """The step lane's framing, shared by the service and the engine client (like `pool_socket.py`).
 
-The step lane (DESIGN §10) carries `Step` over a unix-domain stream socket: the same `StepRequest` /
+The step lane (docs/design.md §10) carries `Step` over a unix-domain stream socket: the same `StepRequest` /
 `StepResponse` bytes the gRPC method carries, in length-prefixed frames. Every frame is an 8-byte header,
 then `length` bytes of payload:
 

@@ -3,7 +3,7 @@
 Session calls (`open`, `append`, `extend`, `commit`, `close`) take token ids as int32 little-endian bytes
 already checked (`validate.token_bytes`) and return plain tuples, so a `Step` of many ops makes no
 record or array per op; the facade (`cache.KVCacheCore`) wraps them for callers that want records.
-Lease calls end leases and park what they held (DESIGN §11). Failed calls change no client-visible state,
+Lease calls end leases and park what they held (docs/design.md §11). Failed calls change no client-visible state,
 except pressure relief: an append that needs pages may evict radix entries and demote idle sessions before
 it finds the pool still too small, and lease expiry noticed at use (below).
 

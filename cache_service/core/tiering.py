@@ -1,4 +1,4 @@
-"""The core's side of a tier beyond the pool (DESIGN.md §8): page keys, which radix pages the tier holds,
+"""The core's side of a tier beyond the pool (docs/design.md §8): page keys, which radix pages the tier holds,
 loads in progress and offloads in progress. No I/O: the rpc layer hands what this module plans to the
 `TierService` (whose threads talk to the store) and reports back here, on the loop, when the store is done.
 

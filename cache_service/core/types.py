@@ -47,7 +47,7 @@ class SessionState(enum.Enum):
     CLOSING = "CLOSING"
     """Close requested during a turn; completes when the turn commits or aborts."""
     PARKED = "PARKED"
-    """Idle with no owner since its engine's lease ended (DESIGN §11): its KV stays session-held until the
+    """Idle with no owner since its engine's lease ended (docs/design.md §11): its KV stays session-held until the
     parked timeout; the next append (any engine of its identity) adopts it."""
 
 

@@ -1,4 +1,4 @@
-"""The step lane: `Step` over a unix-domain socket of the service (DESIGN §10, `--step-socket`).
+"""The step lane: `Step` over a unix-domain socket of the service (docs/design.md §10, `--step-socket`).
 
 Frames are `kvcache_common.step_lane`'s: a hello, then STEP frames carrying the gRPC method's own request
 bytes, each answered before the next is read. A Step that arrives here runs through the very handler the gRPC

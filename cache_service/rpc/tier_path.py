@@ -1,4 +1,4 @@
-"""The service's path through a tier beyond the pool (DESIGN.md §8): what AppendSession, MatchPrefix and their
+"""The service's path through a tier beyond the pool (docs/design.md §8): what AppendSession, MatchPrefix and their
 `Step` ops (messages and columns alike) do before and after their core call when --tier is set.
 
 An append that will match the radix (a regular session's turn, a streaming session's first turn) first

@@ -1,4 +1,4 @@
-"""Tiers beyond the pool (DESIGN.md §8): page values kept on disk or in Mooncake Store, offloaded and loaded
+"""Tiers beyond the pool (docs/design.md §8): page values kept on disk or in Mooncake Store, offloaded and loaded
 off the RPC path.
 
     backend.py   the TierBackend protocol, per-page outcomes, TierUnavailable

@@ -98,7 +98,7 @@ class Conversation:
 
     @classmethod
     def resume(cls, engine: ReferenceEngine, session_id: str, *, close_cache: bool = True) -> Conversation:
-        """Continue a chat another engine served, typically one parked when that engine died (DESIGN.md
+        """Continue a chat another engine served, typically one parked when that engine died (docs/design.md
         §11): the history comes from the service, and the next turn adopts the session, computing only
         what the service reports missing."""
         conversation = cls.__new__(cls)

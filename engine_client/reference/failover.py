@@ -1,4 +1,4 @@
-"""`make failover-demo`: a chat outlives the engine that served it (DESIGN.md §11).
+"""`make failover-demo`: a chat outlives the engine that served it (docs/design.md §11).
 
 Starts a kvcache service. Engine A, a separate process holding its lease with a HoldLease stream, serves
 --turns turns of a chat; the demo SIGKILLs it, shows the session parked (no owner, its KV kept), and

@@ -3,7 +3,7 @@
 This is the reference for engine authors: the plainest correct way to use the service's pool, and the
 oracle the engine-client tests compare against. It is not fast and is not meant to be.
 
-The pool contract (DESIGN.md §2) is one tensor
+The pool contract (docs/design.md §2) is one tensor
 
     pool[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]     (dim 1: 0 = K, 1 = V)
 

@@ -9,7 +9,7 @@
    KV comes from kvcache, so it computes only the questions. It then holds turns 1 and 2 of a chat
    (a kvcache streaming session, `kv_transfer_params={"kvcache_session_id": "demo-chat"}`), and stops.
 4. vLLM engine 3 continues the chat after the restart: engine 2's session waited parked with its KV
-   (DESIGN.md §11), turn 3 adopts it and computes only its new tokens (and the last answer token); the
+   (docs/design.md §11), turn 3 adopts it and computes only its new tokens (and the last answer token); the
    session closes when asked.
 5. vLLM engine 4, alone (no kvcache), serves the same prompts from nothing: same tokens, and what it computes.
 

@@ -663,7 +663,7 @@ class SchedulerSide:
             history = self._parked_history(chat) if isinstance(outcome.error, SessionExists) else None
             if (history is not None and not r.finished and self._up and r.prompt.size > history.size
                     and np.array_equal(r.prompt[: history.size], history)):
-                # Its engine went away (a vLLM restart) and the session waits parked with its KV (DESIGN.md
+                # Its engine went away (a vLLM restart) and the session waits parked with its KV (docs/design.md
                 # §11): this turn's append adopts it, and the whole history is the hit.
                 self._chats[chat.id] = chat
                 chat.tokens = history

@@ -1,4 +1,4 @@
-"""Parked sessions (DESIGN §11): a lease's end parks its engine's sessions, any engine adopts one with its
+"""Parked sessions (docs/design.md §11): a lease's end parks its engine's sessions, any engine adopts one with its
 next append, pressure demotes parked ones first, and a parked timeout closes them with cache=true."""
 
 from __future__ import annotations

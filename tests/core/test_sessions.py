@@ -1,4 +1,4 @@
-"""Session semantics (DESIGN.md §3), one named test per behaviour. Every call is invariant-checked."""
+"""Session semantics (docs/design.md §3), one named test per behaviour. Every call is invariant-checked."""
 
 from __future__ import annotations
 

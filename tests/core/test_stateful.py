@@ -9,7 +9,7 @@ every step the full invariant check runs (CheckedCore): accounting, single owner
 Stalled engines: a session lost mid-turn to a lease expiry or a timeout keeps a "stale writer" (its
 engine, resumed after the stall) that goes on writing poison into the turn's pages for the quarantine
 window. Each page it writes must be quarantined at that moment, and the poison must never show up in
-anyone's cached KV. A lease's end parks its sessions (DESIGN §11): the model keeps them, with no owner and
+anyone's cached KV. A lease's end parks its sessions (docs/design.md §11): the model keeps them, with no owner and
 the turn aborted (a stale writer when the lease ran out by TTL), and an append naming an engine adopts
 one; pressure demotes parked sessions before owned ones, and a parked timeout closes them. A session with
 nothing committed closes at its lease's end instead of parking.
@@ -769,7 +769,7 @@ def test_long_random_walks_reach_deep_states() -> None:
 
 @pytest.mark.parametrize("seed", [101, 202])
 def test_random_walk_then_closing_everything_leaves_free_plus_evictable(seed: int) -> None:
-    """DESIGN §6: after any sequence, closing everything leaves free + evictable == total."""
+    """docs/design.md §6: after any sequence, closing everything leaves free + evictable == total."""
     sim = random_walk(seed, 400)
     for sid in list(sim.models):
         sim.close(sid, seed % 2 == 0)

@@ -1,4 +1,4 @@
-"""Tier keys: the SHA-256 chain of DESIGN.md §8, pinned to exact digests (a change here orphans every value
+"""Tier keys: the SHA-256 chain of docs/design.md §8, pinned to exact digests (a change here orphans every value
 ever stored, so it must be deliberate)."""
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ def test_mapping_a_host_shm_pool_loads_neither_the_cuda_importer_nor_cache_servi
 
 
 def test_no_module_of_the_client_imports_the_service() -> None:
-    """The import contract of DESIGN §1: engine_client -> generated protos only, never cache_service (the
+    """The import contract of docs/design.md §1: engine_client -> generated protos only, never cache_service (the
     reference workload may still start the service as a child process)."""
     offenders: list[str] = []
     for path in sorted((ROOT / "engine_client").rglob("*.py")):

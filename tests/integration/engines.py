@@ -126,7 +126,7 @@ def _write_as_stalled(client: KVCacheClient, s: Session, t: torch.Tensor, pages:
 
 
 def chatter(args: argparse.Namespace) -> dict[str, object]:
-    """An engine serving one chat, then going away (DESIGN §11): it registers as `--engine` (`--hold`: a
+    """An engine serving one chat, then going away (docs/design.md §11): it registers as `--engine` (`--hold`: a
     HoldLease stream, else heartbeats), opens streaming session `--session`, writes `kv_pattern` KV for a
     `--tokens` prompt and commits `--gen` generated tokens; with `--in-flight` it starts a second turn (5
     tokens, 4 reserved) and writes its KV too. It prints its state and waits on stdin (the test kills or

@@ -1,4 +1,4 @@
-"""Fencing (DESIGN §3): a page is never handed to someone else while its previous holder may still write it.
+"""Fencing (docs/design.md §3): a page is never handed to someone else while its previous holder may still write it.
 
 Real processes: a service, a stalling engine (tests/integration/engines.py `staller`) that the test
 SIGSTOPs mid-turn and resumes, and a second engine (this process, mapping the same pool) that writes its

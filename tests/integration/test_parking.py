@@ -1,4 +1,4 @@
-"""Engines come and go, sessions stay (DESIGN §11), with real processes: an engine (`engines.py chatter`)
+"""Engines come and go, sessions stay (docs/design.md §11), with real processes: an engine (`engines.py chatter`)
 serves a chat and is SIGKILLed or SIGSTOPped; this process, engine B on the same pool, adopts the parked
 session with its next append and finds the whole history's KV in place (exact cached_tokens, the bytes the
 first engine wrote). A stalled engine resumed after B adopted its session writes only quarantined pages.

@@ -1,4 +1,4 @@
-"""The step lane (`--step-socket`, DESIGN §10) against real service processes.
+"""The step lane (`--step-socket`, docs/design.md §10) against real service processes.
 
 Steps over the lane answer exactly what the same Steps over gRPC answer (results, op refusals and
 request-level refusals); frames that break the protocol close only their own connection, with one logged

@@ -1,4 +1,4 @@
-"""Two separate engine processes share KV through the service (DESIGN §2-3, issue 3's headline test)."""
+"""Two separate engine processes share KV through the service (docs/design.md §2-3, issue 3's headline test)."""
 
 from __future__ import annotations
 

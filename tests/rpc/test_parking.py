@@ -1,4 +1,4 @@
-"""Parked sessions over gRPC (DESIGN §11): what ListSessions and GetSession show of them, their filters, and
+"""Parked sessions over gRPC (docs/design.md §11): what ListSessions and GetSession show of them, their filters, and
 the counters, against an in-process server."""
 
 from __future__ import annotations

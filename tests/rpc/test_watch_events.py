@@ -212,7 +212,7 @@ def test_the_hub_counts_what_it_publishes(zmq_server: ThreadServer) -> None:
 
 
 def test_a_parked_session_and_its_adoption_are_announced(start_thread_server: Callable[..., ThreadServer]) -> None:
-    """DESIGN §11: a router learns that engine a's session is parked (any engine may take it) and then which
+    """docs/design.md §11: a router learns that engine a's session is parked (any engine may take it) and then which
     engine adopted it."""
     server = start_thread_server()
     stub = server.stub

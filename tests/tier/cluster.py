@@ -1,7 +1,7 @@
 """A real Mooncake Store on loopback for tests: `mooncake_master` and a standalone `mooncake_client` holding
 the store's memory, both from the `mooncake-transfer-engine-non-cuda` wheel in this venv.
 
-Everything binds 127.0.0.1 where Mooncake lets us choose (DESIGN.md §8): the master's RPC and metrics
+Everything binds 127.0.0.1 where Mooncake lets us choose (docs/design.md §8): the master's RPC and metrics
 ports (its defaults are 50051, ours too, and 0.0.0.0:9003), the client's service port; processes get
 MC_TCP_BIND_ADDRESS=127.0.0.1 and announce 127.0.0.1. The transfer engines' handshake listeners bind all
 interfaces (Mooncake has no option), but every address announced and dialled is loopback.

@@ -175,7 +175,7 @@ def test_a_streaming_chat_survives_a_vllm_restart(alone: VllmEngine, engines: En
         info = client.get_session("chat-a")
         assert (info.streaming, info.turns, info.context_tokens, info.kv_tokens) == (True, 2, len(p2) + 6, len(p2) + 5)
 
-    engine = engines.restart()  # the lease ends with the process: the session parks with its KV (DESIGN §11)
+    engine = engines.restart()  # the lease ends with the process: the session parks with its KV (docs/design.md §11)
     with KVCacheClient(kvcache.target) as client:
         parked = client.get_session("chat-a")
         assert (parked.state, parked.context_tokens, parked.kv_tokens) == ("PARKED", len(p2) + 6, len(p2) + 5)
