@@ -144,3 +144,18 @@ def test_python_hf_example(default_layout_server: ServerProcess) -> None:
         "turn 2: 35 in context, 31 cached, 4 computed, 1 extension(s)",
         "turn 3: 77 in context, 74 cached, 3 computed, 0 extension(s)",
     ]
+
+
+def test_the_code_map_names_paths_that_exist() -> None:
+    """The README's map of the code names rooms that exist, so a move that forgets the map fails here."""
+    section = README.split("## The code", 1)[1]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    assert len(rows) >= 10
+    for row in rows:
+        room = row.split("|")[1]
+        names = re.findall(r"`([^`]+)`", room)
+        base = ""
+        for name in names:
+            path = name if "/" in name or not base else base + name
+            base = path.rsplit("/", 1)[0] + "/" if "/" in path else base
+            assert (REPO / path).exists(), f"the README's code map names {path}, which does not exist"
