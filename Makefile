@@ -42,9 +42,9 @@ $(VLLM_VENV)/.stamp: pyproject.toml scripts/setup_vllm.sh
 	@bash scripts/setup_vllm.sh "$(PYTHON)" "$(VLLM_VENV)"
 	@touch $@
 
-sglang-setup: $(SGLANG_VENV)/.stamp ## SGLang's RadixCache (sglang 0.5.23, torch 2.14.1) in .venv-sglang, for `scheduler_bench --sglang`
+sglang-setup: $(SGLANG_VENV)/.stamp ## SGLang 0.5.23's CPU engine (torch 2.14.1) with this checkout's kvcache backend in .venv-sglang
 
-$(SGLANG_VENV)/.stamp: scripts/setup_sglang.sh
+$(SGLANG_VENV)/.stamp: pyproject.toml scripts/setup_sglang.sh scripts/sglang_cpu/sgl_kernel/__init__.py
 	@bash scripts/setup_sglang.sh "$(PYTHON)" "$(SGLANG_VENV)"
 	@touch $@
 
@@ -69,7 +69,7 @@ $(BUF): ## buf from npm (@bufbuild/buf), pinned
 typecheck: setup ## mypy --strict on cache_service and engine_client
 	@$(BIN)/mypy --no-error-summary && echo "[typecheck] mypy: clean"
 
-unit: setup conformance-setup vllm-setup ## pytest, 3 worker processes (the tests mostly wait on the servers and engines they start; the vLLM tests in two of them)
+unit: setup conformance-setup vllm-setup sglang-setup ## pytest, 3 worker processes (the tests mostly wait on the servers and engines they start; the vLLM tests in two of them)
 	@$(BIN)/pytest -q -n 3 --dist loadgroup
 
 proto: setup ## regenerate the Python code of protos/kvcache/v1/*.proto
