@@ -13,7 +13,7 @@ BUF_VERSION := 1.75.0
 BUF := $(TOOLS)/node_modules/.bin/buf
 
 .DEFAULT_GOAL := help
-.PHONY: help setup native conformance-setup vllm-setup sglang-setup run test lint typecheck unit proto proto-check docs docs-check chart-render chart-check bench demo failover-demo hf-demo vllm-demo vllm-serve vllm-clean-shm gpu-test gpu-carry clean
+.PHONY: help setup native conformance-setup vllm-setup sglang-setup run test lint typecheck unit proto proto-check docs docs-check chart-render chart-check bench demo failover-demo hf-demo vllm-demo vllm-serve sglang-serve vllm-clean-shm gpu-test gpu-carry clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -108,6 +108,9 @@ vllm-demo: setup vllm-setup ## two vLLM engines one after the other on kvcache, 
 
 vllm-serve: ## vLLM's OpenAI server (CPU build) on kvcache: MODEL=dir [KVCACHE=127.0.0.1:50051 PORT=8000 ARGS="vLLM flags"]
 	@MODEL="$(MODEL)" KVCACHE="$(KVCACHE)" PORT="$(PORT)" VLLM_ARGS="$(ARGS)" bash scripts/vllm_serve.sh
+
+sglang-serve: ## SGLang's server (CPU engine) on kvcache: [MODEL=dir, else a tiny local one saved once] [KVCACHE=127.0.0.1:50051 PORT=30000 ARGS="SGLang flags"]
+	@MODEL="$(MODEL)" KVCACHE="$(KVCACHE)" PORT="$(PORT)" SGLANG_ARGS="$(ARGS)" bash scripts/sglang_serve.sh
 
 vllm-clean-shm: ## remove the /dev/shm/__KMP_REGISTERED_LIB_* files that stopped vLLM processes leave
 	@bash scripts/clean_kmp_shm.sh

@@ -84,7 +84,7 @@ class Counters:
     adopted_sessions: int = 0
 
 
-class KVCacheRadixCache(UnifiedRadixCache):
+class KVCacheRadixCache(UnifiedRadixCache):  # type: ignore[misc]
     def __init__(self, params: Any, link: Link) -> None:
         super().__init__(params)
         self.link = link
@@ -117,7 +117,7 @@ class KVCacheRadixCache(UnifiedRadixCache):
     def _lookup(self, req: Any, params: MatchPrefixParams, result: MatchResult, want: int) -> int:
         """Ask kvcache for `key[:want]`; load what it holds beyond SGLang's match into SGLang's tree.
         Returns the tokens now matched (SGLang's local match when nothing was loaded)."""
-        key, local = params.key, result.device_prefix_len
+        key, local = params.key, int(result.device_prefix_len)
         # One token past `want` (the next prompt token, which SGLang computes anyway), so that kvcache, which
         # never hands out the last token of an append, can answer all of `want`.
         tokens = np.asarray([*key.raw_token_ids()[:want], _next_token(req, want)], dtype=np.int64)
@@ -132,7 +132,7 @@ class KVCacheRadixCache(UnifiedRadixCache):
             sess = adopted.session
             append = batch.append(sess, tokens[len(adopted.tokens):])
         else:
-            sess = Session.open_in(batch, self.link.client, uuid.uuid4().hex, page_size=ps, streaming=False,
+            sess = Session.open_in(batch, self.link.live, uuid.uuid4().hex, page_size=ps, streaming=False,
                                    cache_salt=salt, pool=self.link.pool)
             append = batch.append(sess, tokens)
         self.counters.lookups += 1
@@ -172,7 +172,7 @@ class KVCacheRadixCache(UnifiedRadixCache):
         try:
             history = np.asarray(client.session_tokens(stream), dtype=np.int64)
             resumed = Session.resume(client, stream, page_size=self.link.page_size, pool=self.link.pool)
-        except Exception:  # noqa: BLE001 (no such session, or kvcache down: a plain lookup follows)
+        except Exception:
             return None
         if len(history) >= len(tokens) or not np.array_equal(history, tokens[:len(history)]):
             return None
@@ -216,7 +216,7 @@ class KVCacheRadixCache(UnifiedRadixCache):
         if kept and save is not None:
             # SGLang's session slot keeps the row until release_session, which comes after the flush.
             self._saves.append(save)
-        return kept
+        return bool(kept)
 
     def release_session(self, session_id: str) -> None:
         super().release_session(session_id)
@@ -231,36 +231,47 @@ class KVCacheRadixCache(UnifiedRadixCache):
     # ------------------------------------------------------------------ the step's Steps
 
     def kvcache_flush(self) -> None:
-        """Save the step's finished requests and send the step's closing ops (one or two Steps)."""
+        """End the step's kvcache work: the ops queued since the last flush (lookup turns rolled back and
+        closed, sessions SGLang closed) and the opens and appends of the requests that finished go in one
+        `Step`; then their KV is copied into the pages it returned; their commits and closes go in a second."""
         if not self._saves and not self._after:
             return
-        log.info("kvcache flush: %d saves, %d ops", len(self._saves), len(self._after))
         saves, self._saves = self._saves, []
         try:
-            if saves and self._ready():
-                self._save(saves)
+            connected = self._ready()
+            batch = StepBatch()
+            if connected:
+                self._queue_after(batch)
+                self._queue_saves(saves, batch)
+                self.counters.steps += 1
+                if self.link.step(batch) is not None:
+                    self._copy_saves(saves)
+            if not connected:
+                self._after.clear()
         finally:
             for s in saves:
                 self.unlock(s.lock)
-        after, self._after = self._after, []
-        if after and self.link.client is not None and self._generation == self.link.generation:
+        if self._after and self.link.client is not None:
             batch = StepBatch()
-            for sess, op, arg in after:
-                if op == "abort":
-                    batch.abort(sess)
-                elif op == "commit":
-                    batch.commit(sess, kv_tokens=int(arg))
-                else:
-                    batch.close(sess, cache=bool(arg))
+            self._queue_after(batch)
             self.counters.steps += 1
             self.link.step(batch)
 
-    def _save(self, saves: list[_Save]) -> None:
-        batch = StepBatch()
+    def _queue_after(self, batch: StepBatch) -> None:
+        for sess, op, arg in self._after:
+            if op == "abort":
+                batch.abort(sess)
+            elif op == "commit":
+                batch.commit(sess, kv_tokens=arg)
+            else:
+                batch.close(sess, cache=bool(arg))
+        self._after.clear()
+
+    def _queue_saves(self, saves: list[_Save], batch: StepBatch) -> None:
         ps = self.link.page_size
         for s in saves:
             if not s.stream:
-                s.session = Session.open_in(batch, self.link.client, uuid.uuid4().hex, page_size=ps,
+                s.session = Session.open_in(batch, self.link.live, uuid.uuid4().hex, page_size=ps,
                                             streaming=False, cache_salt=s.salt, pool=self.link.pool)
                 s.append = batch.append(s.session, s.tokens)
                 continue
@@ -271,15 +282,14 @@ class KVCacheRadixCache(UnifiedRadixCache):
                 batch.close(st.session, cache=close_cache(s.stream))
                 st = None
             if st is None:
-                st = _Stream(Session.open_in(batch, self.link.client, s.stream, page_size=ps, streaming=True,
+                st = _Stream(Session.open_in(batch, self.link.live, s.stream, page_size=ps, streaming=True,
                                              cache_salt=s.salt, pool=self.link.pool))
                 self._streams[s.stream] = st
             s.session = st.session
             if len(s.tokens) > len(st.tokens):
                 s.append = batch.append(st.session, s.tokens[len(st.tokens):])
-        self.counters.steps += 1
-        if self.link.step(batch) is None:
-            return
+
+    def _copy_saves(self, saves: list[_Save]) -> None:
         for s in saves:
             if s.append is None or not s.append.ok:
                 if s.stream:
@@ -353,6 +363,6 @@ def build(ctx: TreeCacheBuildContext) -> KVCacheRadixCache:
     def make(params: Any) -> KVCacheRadixCache:
         return KVCacheRadixCache(params, link)
 
-    cache = create_unified_radix_cache(ctx, cache_class=make)  # type: ignore[arg-type]
+    cache = create_unified_radix_cache(ctx, cache_class=make)
     assert isinstance(cache, KVCacheRadixCache)
     return cache

@@ -9,6 +9,7 @@ service) and the backend forgets them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -85,6 +86,12 @@ class Link:
         return self.config.connector.target
 
     @property
+    def live(self) -> KVCacheClient:
+        """The connected client (callers check `ready()` first)."""
+        assert self.client is not None, "kvcache asked for while disconnected"
+        return self.client
+
+    @property
     def page_size(self) -> int:
         assert self.info is not None, "page_size asked before a connection"
         return self.info.layout.page_size
@@ -128,10 +135,8 @@ class Link:
         client = self.client
         self._drop()
         if client is not None:
-            try:
+            with contextlib.suppress(KVCacheClientError):
                 client.unregister_engine()
-            except KVCacheClientError:
-                pass
 
     def _drop(self) -> None:
         if self.pool is not None:
