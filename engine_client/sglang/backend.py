@@ -88,7 +88,6 @@ class KVCacheRadixCache(UnifiedRadixCache):  # type: ignore[misc]
     def __init__(self, params: Any, link: Link) -> None:
         super().__init__(params)
         self.link = link
-        self.align = max(link.model.page_size, link.page_size if link.info is not None else 1)
         self.counters = Counters()
         self._looked: dict[str, int] = {}
         """rid -> tokens kvcache held at its lookup (so one request is looked up once unless SGLang evicts)."""
@@ -97,6 +96,11 @@ class KVCacheRadixCache(UnifiedRadixCache):  # type: ignore[misc]
         """Ops for the step's closing Step, in order: (session, "commit" | "abort" | "close", kv_tokens | cache)."""
         self._streams: dict[str, _Stream] = {}
         self._generation = link.generation
+
+    @property
+    def align(self) -> int:
+        """Tokens kvcache and SGLang both hold in whole pages: the larger page size (one divides the other)."""
+        return max(self.link.model.page_size, self.link.page_size if self.link.info is not None else 1)
 
     # ------------------------------------------------------------------ admission
 
