@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
         print("\n| second process on 4 shared 512-token documents | side | prompt tokens computed | "
               "median latency ms |\n|---|---|---:|---:|")
         for side, first, second in (("SGLang alone", "alone", "alone2"), ("SGLang on kvcache", "kv", "kv2")):
-            engines[first].generate([{"prompt": d + [7, 8, 9], "max_tokens": 4} for d in docs])
+            engines[first].generate([{"prompt": [*d, 7, 8, 9], "max_tokens": 4} for d in docs])
             outs = [engines[second].generate([{"prompt": d + [int(t) for t in rng.integers(1, 500, 16)],
                                                "max_tokens": 4}])[0] for d in docs]
             computed = sum(o["prompt_tokens"] - o["num_cached_tokens"] for o in outs)
