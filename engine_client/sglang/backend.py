@@ -131,10 +131,12 @@ class KVCacheRadixCache(UnifiedRadixCache):  # type: ignore[misc]
         stream = _stream_id(req)
         adopted: _Stream | None = None
         if stream and stream not in self._streams:
-            adopted = self._adopt(stream, tokens)
+            # The whole prompt: the session's history may reach past `want` (it is the history's prefix).
+            prompt = np.asarray([*key.raw_token_ids(), _next_token(req, len(key))], dtype=np.int64)
+            adopted = self._adopt(stream, prompt)
         if adopted is not None:
             sess = adopted.session
-            append = batch.append(sess, tokens[len(adopted.tokens):])
+            append = batch.append(sess, prompt[len(adopted.tokens):])
         else:
             sess = Session.open_in(batch, self.link.live, uuid.uuid4().hex, page_size=ps, streaming=False,
                                    cache_salt=salt, pool=self.link.pool)

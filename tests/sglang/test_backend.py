@@ -98,6 +98,21 @@ def gen(engine: SglangEngine, *prompts: list[int], session: str = "") -> list[di
                             for p in prompts])
 
 
+def committed(client: KVCacheClient, session_id: str, num_tokens: int) -> None:
+    """Wait until kvcache's session has committed `num_tokens` (the engine's save of a turn runs in the scheduler
+    step after the one that answered it); any other final count fails the wait with the count seen."""
+    seen: list[int] = []
+
+    def done() -> bool:
+        seen.append(client.get_session(session_id).context_tokens)
+        return seen[-1] == num_tokens
+
+    try:
+        wait_until(done, f"{session_id} commits {num_tokens} tokens")
+    except AssertionError as e:
+        raise AssertionError(f"{e} (it has {seen[-1]})") from None
+
+
 def test_greedy_tokens_equal_sglang_alone_computed_and_loaded(rig: Rig) -> None:
     alone = gen(rig.alone, P1, P2)
     computed = gen(rig.a, P1, P2)
@@ -134,10 +149,11 @@ def test_a_streaming_session_computes_only_each_turns_new_tokens(rig: Rig) -> No
     # generated token of the turn before (whose KV was never computed).
     assert cached == [0] + [prompts[i] - 13 for i in range(1, 4)]
     with rig.client() as c:
+        # kvcache's copy: every turn appended only its new tokens, committed up to SGLang's KV (the last turn's
+        # save follows its answer by one scheduler step).
+        committed(c, "chat-1", len(history) - 1)
         info = c.get_session("chat-1")
         assert (info.streaming, info.state, info.engine_id) == (True, "IDLE", "sglang-a")
-        # kvcache's copy: every turn appended only its new tokens, committed up to SGLang's KV.
-        assert info.context_tokens == len(history) - 1
         assert c.session_tokens("chat-1") == history[:-1]
     [ref] = gen(rig.alone, history[: -GEN] )
     assert ref["tokens"] == last
@@ -153,22 +169,24 @@ def test_a_sigkilled_processes_session_is_adopted_with_its_history(rig: Rig) -> 
         new = tokens(40 if turn == 0 else 12)
         [out] = gen(rig.a, new, session="chat-2")
         history += new + out["tokens"]
+    with rig.client() as c:
+        committed(c, "chat-2", len(history) - 1)
     rig.a.kill_all()
     with rig.client() as c:
         wait_until(lambda: c.get_session("chat-2").state == "PARKED", "chat-2 parked at a's lease end")
-        committed = c.get_session("chat-2").context_tokens
-    assert aligned(committed) == aligned(len(history) - 1)
+        held = c.get_session("chat-2").context_tokens
+    assert aligned(held) == aligned(len(history) - 1)
     # A new SGLang process knows nothing of chat-2: the client opens it there and sends the whole history.
     rig.b.open_session("chat-2")
     new = tokens(10)
     [out] = gen(rig.b, history + new, session="chat-2")
     [ref] = gen(rig.alone, history + new)
     assert out["tokens"] == ref["tokens"]
-    assert out["num_cached_tokens"] == aligned(committed)
+    assert out["num_cached_tokens"] == aligned(held)
     with rig.client() as c:
+        committed(c, "chat-2", len(history + new) + GEN - 1)
         info = c.get_session("chat-2")
         assert (info.state, info.engine_id, info.former_engine_id) == ("IDLE", "sglang-b", "sglang-a")
-        assert info.context_tokens == len(history + new) + GEN - 1
     rig.b.close_session("chat-2")
 
 
