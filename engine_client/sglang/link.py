@@ -49,6 +49,8 @@ class BackendConfig:
     def load(cls, extra: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> BackendConfig:
         env = os.environ if env is None else env
         extra = dict(extra or {})
+        if env.get("KVCACHE_TARGET") and not extra.get("kvcache_target"):
+            extra["kvcache_target"] = env["KVCACHE_TARGET"]
         engine_id = str(extra.pop("kvcache_engine_id", "") or env.get(ENGINE_ID_ENV, "")
                         or f"sglang-{socket.gethostname()}-{os.getpid()}")
         return cls(ConnectorConfig.from_extra(extra, env), engine_id)
@@ -125,18 +127,18 @@ class Link:
     def down(self, why: str) -> None:
         """kvcache is gone: drop the client and mapping, warn once per outage, try again later."""
         if self._down_since is None:
-            log.warning("kvcache at %s unreachable (%s): SGLang computes without it and reconnects every %.0f s",
+            log.warning("kvcache at %s unreachable (%s): SGLang computes without it and reconnects every %g s",
                         self.target, why, self.config.connector.retry_seconds)
             self._down_since = time.monotonic()
         self._next_try = time.monotonic() + self.config.connector.retry_seconds
         self._drop()
 
     def close(self) -> None:
-        client = self.client
-        self._drop()
-        if client is not None:
+        """End the lease cleanly (kvcache closes this engine's sessions, caching their KV) and let go."""
+        if self.client is not None:
             with contextlib.suppress(KVCacheClientError):
-                client.unregister_engine()
+                self.client.unregister_engine()
+        self._drop()
 
     def _drop(self) -> None:
         if self.pool is not None:
