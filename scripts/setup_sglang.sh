@@ -36,6 +36,8 @@ server=(
   uvloop==0.23.0 fastapi==0.165.0 uvicorn==0.54.0 partial-json-parser==0.2.1.1.post7 xgrammar==0.2.7
   openai==2.8.0 prometheus_client==0.26.0 python-multipart==0.0.34 setproctitle==1.3.8 interegular==0.3.3
   einops==0.8.2 xxhash==4.1.0 zstandard==0.25.0 watchfiles==1.3.0
+  jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
+  soundfile==0.13.1 cffi==2.1.1 pycparser==3.12
   grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 grpcio-status==1.85.1
   protobuf==7.36.2 structlog==26.1.0 msgpack==1.2.4
 )
@@ -75,6 +77,7 @@ import sgl_kernel
 from importlib.metadata import entry_points
 assert getattr(sgl_kernel, "KVCACHE_STAND_IN", False), "sgl_kernel is not the stand-in"
 from sglang.srt.entrypoints.engine import Engine
+import sglang.srt.entrypoints.http_server  # launch_server
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 (ep,) = [e for e in entry_points(group="sglang.srt.plugins") if e.name == "kvcache"]
 ep.load()()
