@@ -13,7 +13,7 @@ BUF_VERSION := 1.75.0
 BUF := $(TOOLS)/node_modules/.bin/buf
 
 .DEFAULT_GOAL := help
-.PHONY: help setup native conformance-setup vllm-setup sglang-setup run test lint typecheck unit proto proto-check docs docs-check chart-render chart-check bench demo failover-demo hf-demo vllm-demo vllm-serve vllm-clean-shm gpu-test gpu-carry clean
+.PHONY: help setup native conformance-setup vllm-setup sglang-setup run test lint typecheck unit proto proto-check docs docs-check chart-render chart-check bench demo failover-demo hf-demo vllm-demo vllm-serve sglang-serve vllm-clean-shm gpu-test gpu-carry clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -42,9 +42,9 @@ $(VLLM_VENV)/.stamp: pyproject.toml scripts/setup_vllm.sh
 	@bash scripts/setup_vllm.sh "$(PYTHON)" "$(VLLM_VENV)"
 	@touch $@
 
-sglang-setup: $(SGLANG_VENV)/.stamp ## SGLang's RadixCache (sglang 0.5.23, torch 2.14.1) in .venv-sglang, for `scheduler_bench --sglang`
+sglang-setup: $(SGLANG_VENV)/.stamp ## SGLang 0.5.23's CPU engine (torch 2.14.1) with this checkout's kvcache backend in .venv-sglang
 
-$(SGLANG_VENV)/.stamp: scripts/setup_sglang.sh
+$(SGLANG_VENV)/.stamp: pyproject.toml scripts/setup_sglang.sh scripts/sglang_cpu/sgl_kernel/__init__.py
 	@bash scripts/setup_sglang.sh "$(PYTHON)" "$(SGLANG_VENV)"
 	@touch $@
 
@@ -69,7 +69,7 @@ $(BUF): ## buf from npm (@bufbuild/buf), pinned
 typecheck: setup ## mypy --strict on cache_service and engine_client
 	@$(BIN)/mypy --no-error-summary && echo "[typecheck] mypy: clean"
 
-unit: setup conformance-setup vllm-setup ## pytest, 3 worker processes (the tests mostly wait on the servers and engines they start; the vLLM tests in two of them)
+unit: setup conformance-setup vllm-setup sglang-setup ## pytest, 3 worker processes (the tests mostly wait on the servers and engines they start; the vLLM tests in two of them)
 	@$(BIN)/pytest -q -n 3 --dist loadgroup
 
 proto: setup ## regenerate the Python code of protos/kvcache/v1/*.proto
@@ -108,6 +108,9 @@ vllm-demo: setup vllm-setup ## two vLLM engines one after the other on kvcache, 
 
 vllm-serve: ## vLLM's OpenAI server (CPU build) on kvcache; without MODEL=dir a tiny Llama made offline [KVCACHE=127.0.0.1:50051 PORT=8000 ARGS="vLLM flags"]
 	@bash scripts/vllm_serve.sh --model "$(MODEL)" --kvcache "$(KVCACHE)" --port "$(PORT)" -- $(ARGS)
+
+sglang-serve: ## SGLang's server (CPU engine) on kvcache: [MODEL=dir, else a tiny local one saved once] [KVCACHE=127.0.0.1:50051 PORT=30000 ARGS="SGLang flags"]
+	@MODEL="$(MODEL)" KVCACHE="$(KVCACHE)" PORT="$(PORT)" SGLANG_ARGS="$(ARGS)" bash scripts/sglang_serve.sh
 
 vllm-clean-shm: ## remove the /dev/shm/__KMP_REGISTERED_LIB_* files that vllm-serve's exited processes left (no one else's)
 	@bash scripts/clean_kmp_shm.sh

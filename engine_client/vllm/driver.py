@@ -137,13 +137,17 @@ class DriverError(RuntimeError):
 
 
 class EngineProcess:
-    """The other end of the pipe: starts `python -m engine_client.vllm.driver` with `python` (a vLLM venv's)
-    and waits for it to be ready. `generate`, `metrics`, `close`."""
+    """The other end of the pipe: starts `python -m <module>` (`engine_client.vllm.driver`) with `python` (a
+    vLLM venv's) and waits for it to be ready. `generate`, `metrics`, `close`. Engine-neutral: another engine's
+    driver speaking the same protocol subclasses it with its own `module` and `name` (engine_client.sglang)."""
+
+    module = "engine_client.vllm.driver"
+    name = "vLLM engine"
 
     def __init__(self, python: str | Path, model: str | Path, log: str | Path, *, kvcache: str = "",
                  extra: dict[str, Any] | None = None, args: tuple[str, ...] = (), cwd: str | Path | None = None,
                  env: dict[str, str] | None = None, start_timeout: float = 300.0) -> None:
-        cmd = [str(python), "-m", "engine_client.vllm.driver", "--model", str(model), *args]
+        cmd = [str(python), "-m", self.module, "--model", str(model), *args]
         if kvcache:
             cmd += ["--kvcache", kvcache, "--kvcache-extra", json.dumps(extra or {})]
         self.log_path = Path(log)
@@ -169,13 +173,13 @@ class EngineProcess:
         try:
             line = self._lines.get(timeout=timeout)
         except queue.Empty:
-            raise DriverError(f"vLLM engine: no answer to {what} within {timeout} s; log:\n{self.log_tail()}"
+            raise DriverError(f"{self.name}: no answer to {what} within {timeout} s; log:\n{self.log_tail()}"
                               ) from None
         if line is None:
-            raise DriverError(f"vLLM engine exited during {what}; log:\n{self.log_tail()}")
+            raise DriverError(f"{self.name} exited during {what}; log:\n{self.log_tail()}")
         answer: dict[str, Any] = json.loads(line)
         if "error" in answer:
-            raise DriverError(f"vLLM engine: {answer['error']}; log:\n{self.log_tail()}")
+            raise DriverError(f"{self.name}: {answer['error']}; log:\n{self.log_tail()}")
         return answer
 
     def command(self, cmd: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
