@@ -50,8 +50,8 @@ def test_the_readme_reads_in_minutes() -> None:
     assert len(README.splitlines()) <= 400
     sections = re.findall(r"(?m)^## (.+)$", README)
     assert sections == ["Prerequisites", "Quick start", "grpcurl", "Python engines", "Hugging Face transformers",
-                        "vLLM", "The reference engine and `make demo`", "Sessions",
-                        "Tiers: disk and Mooncake Store", "Kubernetes (Helm)", "On call"]
+                        "vLLM", "SGLang", "The reference engine and `make demo`", "Sessions",
+                        "Tiers: disk and Mooncake Store", "Kubernetes (Helm)", "On call", "The code"]
     for link in re.findall(r"\]\(((?:docs/|helm/|SECURITY)[^)#]*)", README):
         assert (REPO / link).exists(), link
 
