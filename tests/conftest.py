@@ -12,3 +12,19 @@ def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
     """A CA, a server certificate for localhost and 127.0.0.1, client certificates, an unrelated CA (see
     tests/tls_certs.py); made once per test process."""
     return make_tls_files(tmp_path_factory.mktemp("tls"))
+
+
+ENGINE_GROUPS = ("vllm-b", "vllm", "vllm-c", "sglang")
+"""The xdist groups of real engine processes (vLLM, SGLang), longest first. Each runs on one worker for several
+minutes (its engines start once per module), so `make unit` (`pytest -n 5 --dist loadgroup`) must start them
+all at once: xdist hands out work in collection order, so these groups are collected first and the other tests
+fill the remaining worker (and each engine worker once its group is done)."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        marker = item.get_closest_marker("xdist_group")
+        group = (marker.args[0] if marker.args else marker.kwargs.get("name")) if marker else None
+        return ENGINE_GROUPS.index(group) if group in ENGINE_GROUPS else len(ENGINE_GROUPS)
+
+    items.sort(key=rank)  # stable: the order within a group, and of everything else, stays

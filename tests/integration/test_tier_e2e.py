@@ -170,7 +170,7 @@ def test_a_full_store_costs_only_hits(start_server: Callable[..., ServerProcess]
         prompts = [prompt(400 + i, 129) for i in range(20)]  # 80 pages offered to a store that holds < 63
         for p in prompts:
             a.turn(p)
-            a.settle()
+            a.settle(timeout=60)  # puts into a full store are refused slowly on a loaded machine
         st = a.stats()
         assert any(e.operation == "put" and e.reason == "full" for e in st.tier.errors), st.tier
         hits = misses = 0

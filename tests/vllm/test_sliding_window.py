@@ -32,7 +32,7 @@ from tests.integration.conftest import REPO, ServerProcess
 from .conftest import PAGE, VLLM_PYTHON, VllmEngine, drained, request, started_engines, stop_cleanly, tokens
 from .test_connector import prompt
 
-pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.timeout(900)]  # real vLLM engines start in ~20-60 s
+pytestmark = [pytest.mark.xdist_group("vllm-c"), pytest.mark.timeout(900)]  # real vLLM engines start in ~20-60 s
 
 WINDOW = 32
 ARGS = ("--block-size", "32", "--num-blocks", "256", "--max-model-len", "1024")
