@@ -169,7 +169,8 @@ class TierPath:
 
     def _offloaded(self, job: Offload, result: OffloadResult) -> None:
         self._index.offload_done(job, result.stored)
-        self.offload()  # keep the pipeline full while the pool is under the watermark, between calls too
+        if any(result.stored):  # keep the pipeline full while the pool is under the watermark, between calls too;
+            self.offload()  # a batch the store refused whole (full, down) waits for the next call: no busy loop
 
     # ------------------------------------------------------------------ Step, both encodings
 
