@@ -1,6 +1,6 @@
 """SGLang 0.5.23 on kvcache (`--radix-cache-backend kvcache`, docs/design.md §14), against SGLang alone in the
-same run: greedy tokens, prefix hits across processes, streaming sessions, a SIGKILLed process's session
-adopted by another, kvcache killed and restarted under a running SGLang.
+same run: greedy tokens, prefix hits across processes and with vLLM both ways, streaming sessions, a SIGKILLed
+process's session adopted by another, kvcache killed and restarted under a running SGLang.
 
 Three engines, started once together: `alone` (SGLang without kvcache), `a` and `b` (two SGLang processes
 on one kvcache). The tests run in file order and share them; the last two kill `a`, then kvcache. Every
@@ -131,6 +131,29 @@ def test_a_second_sglang_process_hits_the_first_ones_prefix(rig: Rig) -> None:
     [out1, out2] = gen(rig.b, P1, shared)
     assert (out1["tokens"], out2["tokens"]) == (alone1["tokens"], alone2["tokens"])
     assert (out1["num_cached_tokens"], out2["num_cached_tokens"]) == (aligned(len(P1) - 1), aligned(50))
+
+
+def test_vllm_and_sglang_share_a_prefix_both_ways(rig: Rig) -> None:
+    """One pool, two engines of one model and layout (docs/design.md §14): a prompt SGLang computed is a hit for
+    vLLM, and one vLLM computed is a hit for SGLang, each with its engine's own tokens."""
+    from tests.vllm.conftest import started_engines
+
+    x, y = tokens(90), tokens(70)
+    specs = {"alone": {}, "on-kvcache": {"kvcache": rig.server.target}}
+    with started_engines(rig.logs / "llama", rig.logs, "vllm", specs) as vllm, rig.client() as c:
+        gen(rig.b, x)  # SGLang computes x and saves it (prompt and answer but the last token)
+        wait_until(lambda: c.match_prefix(x).cached_tokens == aligned(len(x)), "SGLang's save of x")
+        [want_x] = vllm["alone"].generate([{"prompt": x, "max_tokens": GEN}])
+        [got_x] = vllm["on-kvcache"].generate([{"prompt": x, "max_tokens": GEN}])
+        assert got_x["tokens"] == want_x["tokens"]
+        assert got_x["num_cached_tokens"] == aligned(len(x) - 1)  # loaded from what SGLang wrote
+
+        vllm["on-kvcache"].generate([{"prompt": y, "max_tokens": GEN}])  # vLLM computes y, saves it at its finish
+        wait_until(lambda: c.match_prefix(y).cached_tokens == aligned(len(y)), "vLLM's save of y")
+        [want_y] = gen(rig.alone, y)
+        [got_y] = gen(rig.a, y)
+        assert got_y["tokens"] == want_y["tokens"]
+        assert got_y["num_cached_tokens"] == aligned(len(y) - 1)  # loaded from what vLLM wrote
 
 
 def test_a_streaming_session_computes_only_each_turns_new_tokens(rig: Rig) -> None:
