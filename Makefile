@@ -69,8 +69,8 @@ $(BUF): ## buf from npm (@bufbuild/buf), pinned
 typecheck: setup ## mypy --strict on cache_service and engine_client
 	@$(BIN)/mypy --no-error-summary && echo "[typecheck] mypy: clean"
 
-unit: setup conformance-setup vllm-setup sglang-setup ## pytest, 5 worker processes: four run the real vLLM and SGLang engines (tests/conftest.py ENGINE_GROUPS), one the rest
-	@$(BIN)/pytest -q -n 5 --dist loadgroup
+unit: setup conformance-setup vllm-setup sglang-setup ## pytest, 4 worker processes: three run the real vLLM and SGLang engines (tests/conftest.py ENGINE_GROUPS), one the rest
+	@$(BIN)/pytest -q -n 4 --dist loadgroup
 
 proto: setup ## regenerate the Python code of protos/kvcache/v1/*.proto
 	@$(PY) scripts/gen_protos.py

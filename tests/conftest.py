@@ -14,9 +14,9 @@ def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
     return make_tls_files(tmp_path_factory.mktemp("tls"))
 
 
-ENGINE_GROUPS = ("vllm", "vllm-b", "vllm-c", "sglang")
+ENGINE_GROUPS = ("vllm", "vllm-b", "vllm-c")
 """The xdist groups of real engine processes (vLLM, SGLang), longest first. Each runs on one worker for several
-minutes (its engines start once per module), so `make unit` (`pytest -n 5 --dist loadgroup`) must start them
+minutes (its engines start once per module), so `make unit` (`pytest -n 4 --dist loadgroup`) must start them
 all at once: xdist hands out work in collection order, so these groups are collected first and the other tests
 fill the remaining worker (and each engine worker once its group is done)."""
 

@@ -9,7 +9,7 @@ import pytest
 
 from bench import agent_pressure
 
-pytestmark = [pytest.mark.xdist_group("vllm-c"), pytest.mark.timeout(900)]  # three engines start together, ~45 s
+pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.timeout(900)]  # three engines start together, ~45 s
 
 
 def test_agent_pressure_quick_prints_its_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -2,7 +2,7 @@
 `.venv-sglang`, made by `make sglang-setup`) and `kvcache-service serve` processes on free loopback ports.
 
 An engine takes 15-60 s to start here (minutes on a loaded machine), so the module starts its engines once,
-together, and its tests share them, in the `sglang` xdist group (one worker). The model is a tiny
+together, and its tests share them, in the `vllm-c` xdist group (one worker). The model is a tiny
 random-initialised Llama this module saves (float32, head_dim 64; nothing is downloaded). After every test
 the kvcache service passes the accounting invariant.
 """

@@ -24,7 +24,7 @@ from tests.integration.conftest import ServerProcess, verify_stats
 from tests.loopback import wait_until
 from tests.sglang.conftest import LAYOUT, PAGE, SglangEngine
 
-pytestmark = [pytest.mark.xdist_group("sglang"), pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.xdist_group("vllm-c"), pytest.mark.timeout(1800)]
 
 RNG = np.random.default_rng(7)
 

@@ -26,7 +26,7 @@ from tests.loopback import free_port, wait_until
 
 from .conftest import drained
 
-pytestmark = [pytest.mark.xdist_group("sglang"), pytest.mark.timeout(900)]  # a real vLLM engine starts in ~20-60 s
+pytestmark = [pytest.mark.xdist_group("vllm-b"), pytest.mark.timeout(900)]  # a real vLLM engine starts in ~20-60 s
 
 README = (REPO / "README.md").read_text()
 RECIPE = re.search(r"<!-- recipe: vllm-serve -->\n```bash\n(.*?)```", README, re.S)
