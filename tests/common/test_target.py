@@ -32,7 +32,7 @@ def test_an_address_without_a_port_means_50051(given: str, dialled: str) -> None
 def test_every_place_that_reads_an_address_uses_the_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVCACHE_TARGET", raising=False)
     assert config_from({"listen": "localhost"}, {}).listen == "localhost:50051"
-    assert config_from({}, {"KVCACHE_LISTEN": "0.0.0.0"}).listen == "0.0.0.0:50051"
+    assert config_from({}, {"KVCACHE_LISTEN": "localhost"}).listen == "localhost:50051"
     assert _parser().parse_args(["stats", "--target", "localhost"]).target == "localhost:50051"
     with KVCacheClient("localhost") as client:  # no call is made: the channel connects lazily
         assert client.target == "localhost:50051"
