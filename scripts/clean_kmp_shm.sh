@@ -9,7 +9,7 @@
 #   make vllm-clean-shm        # or: bash scripts/clean_kmp_shm.sh [RECORD...]
 set -euo pipefail
 dir=/dev/shm
-records=.venv-vllm/serve-pids
+records=${KVCACHE_SERVE_RECORDS:-.venv-vllm/serve-pids}  # where vllm_serve.sh records (another place: tests)
 if [ $# -gt 0 ]; then files=("$@"); else files=("$records"/*); fi
 removed=0
 for record in "${files[@]}"; do

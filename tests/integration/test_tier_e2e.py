@@ -163,6 +163,9 @@ BIG = ("--num-pages", "17", "--page-size", "32", "--num-layers", "2", "--num-kv-
 
 def test_a_full_store_costs_only_hits(start_server: Callable[..., ServerProcess], engines: list[Engine],
                                       tmp_path: Path) -> None:
+    """80 pages offered to a store that holds fewer than 63: puts are refused as "full", and each earlier
+    prompt is then either a whole hit with its own bytes or a miss, never a wrong page. Which of them the
+    store kept depends on when Mooncake's leases end (on a loaded machine it may keep all twelve)."""
     own = MooncakeCluster(tmp_path, segment="16MB")
     try:
         a = Engine(start_server(*BIG, *_mooncake(own)).target)
@@ -185,7 +188,7 @@ def test_a_full_store_costs_only_hits(start_server: Callable[..., ServerProcess]
                 misses += 1
             a.stub.CommitSession(pb.CommitSessionRequest(session_id=sid, abort=True), timeout=10)
             a.stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
-        assert hits and misses, (hits, misses)
+        assert hits + misses == 12 and hits, (hits, misses)
     finally:
         own.stop()
 

@@ -145,23 +145,26 @@ def test_clean_shm_removes_only_the_files_of_the_processes_vllm_serve_recorded(t
         dead.append(p.pid)
     owner, recorded, other = dead
     files = {pid: SHM / f"__KMP_REGISTERED_LIB_{pid}_{os.getuid()}" for pid in (recorded, other, os.getpid())}
-    RECORDS.mkdir(parents=True, exist_ok=True)
-    record = RECORDS / str(owner)
+    records = tmp_path / "serve-pids"  # not the real records: a vllm-serve of another test may still be exiting
+    records.mkdir()
+    env = {**os.environ, "KVCACHE_SERVE_RECORDS": str(records)}
+    record = records / str(owner)
     record.write_text(f"{recorded}\n{os.getpid()}\n")
-    live_record = RECORDS / str(os.getpid())  # a vllm-serve still running (this process plays it)
+    live_record = records / str(os.getpid())  # a vllm-serve still running (this process plays it)
     live_record.write_text(f"{recorded}\n")
     for f in files.values():
         f.write_text("kvcache test")
     try:
         done = subprocess.run(["make", "--no-print-directory", "vllm-clean-shm"], cwd=REPO, capture_output=True,
-                              text=True, timeout=60)
+                              text=True, timeout=60, env=env)
         assert (done.returncode, done.stdout) == (0, "")
         assert done.stderr == ("vllm-clean-shm: removed 1 OpenMP registration file(s) that vllm-serve's exited "
                                "processes left in /dev/shm\n")
         assert [pid for pid, f in files.items() if f.exists()] == [other, os.getpid()]
         assert (record.exists(), live_record.exists()) == (True, True)  # each names a live process
         record.write_text(f"{recorded}\n")
-        subprocess.run(["make", "--no-print-directory", "vllm-clean-shm"], cwd=REPO, capture_output=True, timeout=60)
+        subprocess.run(["make", "--no-print-directory", "vllm-clean-shm"], cwd=REPO, capture_output=True, timeout=60,
+                       env=env)
         assert (record.exists(), live_record.exists()) == (False, True)
     finally:
         for f in (*files.values(), record, live_record):
