@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.tls_certs import TlsFiles, make_tls_files
@@ -13,6 +15,13 @@ def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
     tests/tls_certs.py); made once per test process."""
     return make_tls_files(tmp_path_factory.mktemp("tls"))
 
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+"""vLLM engines the tests start (drivers, benchmarks) run their engine core in the driver's own process: a start
+costs ~12 CPU seconds here instead of ~29 (one Python with torch and vLLM imported, not two), which is most of
+what `make test` spends. The connector's scheduler and worker sides are in one process either way at TP=1 (TP>1
+spawns its workers as before); the OpenAI-server recipe (tests/vllm/test_serve_recipe.py) runs vLLM's default
+multiprocess engine core as a user's `make vllm-serve` does."""
 
 ENGINE_GROUPS = ("vllm", "vllm-b", "vllm-c")
 """The xdist groups of real engine processes (vLLM, SGLang), longest first. Each runs on one worker for several

@@ -72,8 +72,9 @@ def _serve_and_ask(server: ServerProcess, log: Path) -> dict[str, object]:
     port = free_port()
     serve = f"{lines['make vllm-serve']} KVCACHE={server.target} PORT={port}"
     with open(log, "wb") as out:
+        env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}  # a user's default
         proc = subprocess.Popen(["bash", "-c", serve], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # the terminal's process group: make and the script
+                                start_new_session=True, env=env)  # the terminal's process group: make and the script
     ours: set[int] = set()
     try:
         def healthy() -> bool:
