@@ -36,6 +36,7 @@ from cache_service.rpc.pool_socket import PoolSocketServer, parse_uids
 from cache_service.rpc.server import RpcServer, RpcSettings, ServerTls
 from cache_service.rpc.step_lane import StepLaneServer, parse_group
 from cache_service.tier import TierConfigError, TierService, create_backend, page_memory
+from cache_service.tier.journal import TierJournal, parents_first
 from cache_service.tier.memory import TierMemoryError
 
 TIER_CONNECT_WAIT_SECONDS = 3.0
@@ -176,6 +177,8 @@ class KVCacheServer:
         """The step lane (--step-socket), None without one."""
         self.tier: TierService | None = None
         """The tier beyond the pool (--tier), None with --tier none."""
+        self._journal: TierJournal | None = None
+        """The tier's announcement journal, when its events are journaled (`_resume_tier_announcements`)."""
 
     @property
     def core(self) -> KVCacheCore:
@@ -250,6 +253,7 @@ class KVCacheServer:
                 raise ConfigError(metrics_refusal(cfg.metrics_host, cfg.metrics_port, e)) from None
             self.metrics_port = int(self._metrics_server.sockets[0].getsockname()[1])
         self.events.start(asyncio.get_running_loop())
+        self._resume_tier_announcements()
         if self.events.publisher is not None:
             self.events.publisher.serve_replay(self.events)
             self._log.info("kv_events", endpoint=self.events.publisher.endpoint,
@@ -344,6 +348,31 @@ class KVCacheServer:
                         publisher=publisher, tier_medium=self.tier.backend.medium if self.tier is not None else "",
                         groups=wire_groups(self.pool.layout))
 
+    def _resume_tier_announcements(self) -> None:
+        """A tier with a directory of its own (disk) keeps a journal of what the KV events said it holds
+        (tier/journal.py): announce again, right after AllBlocksCleared, what it still holds, and journal
+        what is announced from now on. Only while the events record (a ZMQ publisher from the start)."""
+        tier, events = self.tier, self.events
+        directory = getattr(tier.backend, "directory", None) if tier is not None else None
+        if tier is None or events is None or directory is None or not self.core.recording:
+            return
+        journal = TierJournal(directory)
+        entries = journal.load()
+        try:
+            present = [n > 0 for n in tier.backend.exists([[e.key] for e in entries])] if entries else []
+        except Exception as e:  # the store cannot answer: announce nothing, keep the journal for the next start
+            self._log.warning("tier_announce_skipped", error=str(e), journal=str(journal.path))
+            return
+        kept = parents_first(entries, present)
+        announced = self.core.announce_tier(kept)
+        journal.rewrite(kept)
+        self.core.set_tier_journal(journal)
+        self._journal = journal
+        events.flush()
+        if entries or journal.torn_bytes:
+            self._log.info("tier_announced", pages=announced, journal_entries=len(entries),
+                           gone=len(entries) - len(kept), torn_bytes=journal.torn_bytes, journal=str(journal.path))
+
     async def _reap_forever(self) -> None:
         interval = self.config.reap_interval
         while True:
@@ -398,6 +427,9 @@ class KVCacheServer:
                 offloaded = self._rpc.servicer.tier_path.offload(force=True)  # what is resident and not stored yet
                 self._log.info("tier_offload_at_stop", pages=offloaded)
             await asyncio.to_thread(self.tier.close, grace)
+        if self._journal is not None:  # what the tier stored while draining goes into the journal too
+            self.core.take_events()
+            self._journal.close()
         if self.pool is not None:
             self.pool.close()
         self._log.info("stopped", released_sessions=st.sessions if st else 0, released_engines=st.engines if st else 0,

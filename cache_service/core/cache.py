@@ -22,7 +22,7 @@ operator's call, checked against nobody. Without tenants everyone is the identit
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -30,7 +30,7 @@ import numpy.typing as npt
 
 from cache_service.core.accounting import Accounting
 from cache_service.core.config import CoreConfig
-from cache_service.core.events import Cleared, PageHashes, Record, Stored
+from cache_service.core.events import Cleared, PageHashes, Record, Stored, TierEntry, TierJournalSink
 from cache_service.core.leases import LeaseTable
 from cache_service.core.ledger import Counters, PageLedger
 from cache_service.core.ops import Ops
@@ -289,6 +289,21 @@ class KVCacheCore:
         self._hashes.resolve(self._changes, out)
         self._changes.clear()
         return out
+
+    def set_tier_journal(self, journal: TierJournalSink | None) -> None:
+        """Tell `journal` of every page announced as held by the tier and of every such page removed."""
+        self._hashes.journal = journal
+
+    def announce_tier(self, entries: Sequence[TierEntry]) -> int:
+        """Announce pages a tier held before this instance started (parents first; recording must be on),
+        after every change recorded so far (the instance's AllBlocksCleared first). Returns the pages
+        announced."""
+        assert self.ops.recording, "start_events() first"
+        self._hashes.resolve(self._changes, self._ready)
+        self._changes.clear()
+        before = self._hashes.tier_announced
+        self._hashes.tier_announce(entries, self._ready)
+        return self._hashes.tier_announced - before
 
     def record_cleared(self) -> None:
         """Announce that everything announced before is gone (a new instance starts empty)."""

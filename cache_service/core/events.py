@@ -19,8 +19,8 @@ drains (`KVCacheCore.take_events`).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
-from typing import Any, NamedTuple
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -59,6 +59,26 @@ TIER_STORED = "tier_stored"
 (still in the radix at this point of the change order) that the tier now holds."""
 TIER_REMOVED = "tier_removed"
 """Change tuple `(TIER_REMOVED, tier keys)`: the tier no longer holds these (announced) pages."""
+
+
+class TierEntry(NamedTuple):
+    """One page announced as held by the tier: what a restarted service needs to announce it again (its tier
+    key names it in the store; the rest is its Stored record)."""
+
+    key: bytes
+    cache_salt: str
+    parent_hash: int | None
+    hash: int
+    token_bytes: bytes
+    """The page's token ids, int32 little-endian."""
+
+
+class TierJournalSink(Protocol):
+    """Where the tier's announcements are kept across restarts (tier/journal.py)."""
+
+    def stored(self, entries: Sequence[TierEntry]) -> None: ...
+
+    def removed(self, keys: Sequence[bytes]) -> None: ...
 
 
 class Cleared(NamedTuple):
@@ -123,7 +143,7 @@ class PageHashes:
     (a page id is reused only after its removal was resolved, so the table always matches the tree as of
     the last record resolved)."""
 
-    __slots__ = ("_hashes", "_tier", "page_bytes", "page_size")
+    __slots__ = ("_hashes", "_tier", "journal", "page_bytes", "page_size")
 
     def __init__(self, num_pages: int, page_size: int) -> None:
         self.page_size = page_size
@@ -131,6 +151,8 @@ class PageHashes:
         self._hashes: npt.NDArray[np.uint64] = np.zeros(num_pages, dtype=np.uint64)
         self._tier: dict[bytes, tuple[str, int]] = {}
         """Tier key -> (salt, hash) of every page announced as held by the tier and not removed since."""
+        self.journal: TierJournalSink | None = None
+        """Told of every page announced as held by the tier, and of every such page removed."""
 
     @property
     def tier_announced(self) -> int:
@@ -155,20 +177,43 @@ class PageHashes:
                                   np.frombuffer(key[start * pb:i * pb], dtype="<i4"), True))
                 for k, h in zip(keys[start:i], hashes[start:i], strict=True):
                     self._tier[k] = (salt, h)
+                if self.journal is not None:
+                    self.journal.stored([TierEntry(keys[j], salt, parent if j == 0 else hashes[j - 1], hashes[j],
+                                                   key[j * pb:(j + 1) * pb]) for j in range(start, i)])
                 start = -1
+
+    def tier_announce(self, entries: Sequence[TierEntry], out: list[Record]) -> None:
+        """Pages a tier held before this instance started (its journal's, parents first): Stored(tier=True)
+        records, one per chain run, registered as announced so their removal is announced too."""
+        for e in entries:
+            if e.key in self._tier:
+                continue
+            self._tier[e.key] = (e.cache_salt, e.hash)
+            tokens = np.frombuffer(e.token_bytes, dtype="<i4")
+            last = out[-1] if out else None
+            if (type(last) is Stored and last.tier and last.cache_salt == e.cache_salt and last.hashes
+                    and last.hashes[-1] == e.parent_hash):
+                out[-1] = last._replace(token_ids=np.concatenate((last.token_ids, tokens)))
+                last.hashes.append(e.hash)
+            else:
+                out.append(Stored(e.cache_salt, e.parent_hash, [e.hash], tokens, True))
 
     def tier_removed(self, keys: list[bytes], out: list[Record]) -> None:
         """Announced pages the tier dropped: Removed(tier=True) records, one per salt run."""
+        gone: list[bytes] = []
         for k in keys:
             entry = self._tier.pop(k, None)
             if entry is None:
                 continue
+            gone.append(k)
             salt, h = entry
             last = out[-1] if out else None
             if type(last) is Removed and last.tier and last.cache_salt == salt:
                 last.hashes.append(h)
             else:
                 out.append(Removed(salt, [h], True))
+        if self.journal is not None and gone:
+            self.journal.removed(gone)
 
     def _chain_start(self, salt: str, parent_page: int | None) -> tuple[int | None, bytes]:
         """(the published parent hash, the 8-byte chain start) of a run after `parent_page`."""

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from cache_service.core import CoreConfig, InvariantError
-from cache_service.core.events import Removed, Stored
+from cache_service.core.events import Removed, Stored, TierEntry
 from cache_service.core.tier_keys import Namespace, chain
 from cache_service.core.tiering import TAINTED_QUARANTINE_SECONDS, TierIndex
 from tests.fakes import FakeClock
@@ -283,3 +283,45 @@ def test_a_value_the_tier_drops_unstores_its_page(make: Callable[..., CheckedCor
     core.evict(4)
     assert staged == [[2]]  # evicting it stages it again: nothing lost
     assert (core.stats().evicted_unstored_pages, core.stats().tier_stored_pages) == (0, 0)
+
+
+def test_the_journal_hears_each_announced_tier_page_and_a_new_instance_announces_them_again(
+        make: Callable[..., CheckedCore]) -> None:
+    core = make(num_pages=5, tier_watermark=1.0, tier_pin_fraction=1.0)
+    tier = _tier(core)
+    tier.stage = lambda keys, pages: len(pages)
+    heard: list[tuple[str, Any]] = []
+
+    class Sink:
+        def stored(self, entries: Any) -> None:
+            heard.append(("stored", list(entries)))
+
+        def removed(self, keys: Any) -> None:
+            heard.append(("removed", list(keys)))
+
+    core.set_tier_journal(Sink())
+    core.start_events()
+    _turn(core, "a", toks(range(13)))  # pages 1, 2, 3
+    hashes = next(r for r in core.take_events() if isinstance(r, Stored)).hashes
+    keys = chain(NS.root(""), _key(toks(range(12))), 4)
+    job = tier.plan_offload(3)[0]
+    tier.offload_done(job, [True, True, True])
+    core.take_events()
+    assert heard == [("stored", [TierEntry(keys[0], "", None, hashes[0], _key(toks(range(4)))),
+                                 TierEntry(keys[1], "", hashes[0], hashes[1], _key(toks(range(4, 8)))),
+                                 TierEntry(keys[2], "", hashes[1], hashes[2], _key(toks(range(8, 12))))])]
+    tier.dropped([keys[2]])
+    core.take_events()
+    assert heard[1:] == [("removed", [keys[2]])]
+
+    fresh = make(num_pages=5)  # a new instance: announces what the journal kept, after everything recorded before
+    fresh.start_events()
+    fresh.record_cleared()
+    assert fresh.announce_tier(heard[0][1][:2]) == 2
+    assert fresh.announce_tier(heard[0][1][:2]) == 0  # announced already
+    events = fresh.take_events()
+    assert [type(r).__name__ for r in events] == ["Cleared", "Stored"]
+    assert (events[1].parent_hash, events[1].hashes, events[1].token_ids.tolist(), events[1].tier) == (
+        None, hashes[:2], list(range(8)), True)
+    fresh.tier.dropped([keys[1]])  # its removal is announced like any tier page's
+    assert fresh.take_events() == [Removed("", hashes[1:2], True)]

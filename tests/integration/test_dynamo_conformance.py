@@ -381,3 +381,47 @@ def test_dynamos_indexer_forgets_what_mooncakes_master_evicted(start_server: Cal
         cluster.stop()
     log = indexer.log_path.read_text()
     assert "unknown medium" not in log and "Failed to decode" not in log, log[-3000:]
+
+
+def test_a_restarted_service_announces_what_its_disk_tier_still_holds(start_server: Callable[..., ServerProcess],
+                                                                      indexer: Indexer, tmp_path: Path) -> None:
+    """The new instance's AllBlocksCleared makes the indexer forget everything; then the service announces, from
+    its tier's journal (tier/journal.py), the pages the disk tier still holds: the prefix evicted to disk before
+    the restart, and the one that was in the pool at the stop (offloaded while draining). The indexer's disk tier
+    matches both on our instance, exactly as the new instance's MatchPrefix finds them in the tier."""
+    tier = ("--tier", "disk", "--tier-dir", str(tmp_path / "tier"), "--tier-bytes", "16Mi")
+    first = start_server(*service_flags("tcp://127.0.0.1:0", "tcp://127.0.0.1:0"), *tier)
+    pub, replay = endpoints(first)
+    status, answer = indexer.post("/register", {"instance_id": INSTANCE, "endpoint": pub, "model_name": MODEL,
+                                                "block_size": PAGE, "replay_endpoint": replay})
+    assert status == 201, answer
+    evicted, resident = prompt(7, 6 * PAGE + 1), prompt(8, 3 * PAGE + 1)
+    with KVCacheClient(first.target) as c:
+        for sid, tokens in (("evicted", evicted), ("burst", prompt(9, 40 * PAGE)), ("resident", resident)):
+            c.open_session(sid, engine_id="")
+            c.append_session(sid, tokens)
+            c.commit_session(sid, [], abort=sid == "burst")
+            c.close_session(sid, cache=True)
+        wait_until(lambda: indexer.tiers(evicted) == {"gpu": 0, "cpu": 0, "disk": 6 * PAGE},
+                   "the indexer to see the evicted prefix on disk only", timeout=15)
+    first.terminate()
+    second = start_server(*service_flags(pub, replay), *tier)
+    assert endpoints(second) == (pub, replay)
+    with KVCacheClient(second.target) as c:
+        found = [(c.match_prefix(t).cached_tokens, c.match_prefix(t).tier_tokens) for t in (evicted, resident)]
+    assert found == [(6 * PAGE, 6 * PAGE), (3 * PAGE, 3 * PAGE)]
+
+    def split() -> list[dict[str, int]]:
+        return [indexer.tiers(evicted), indexer.tiers(resident)]
+
+    want = [{"gpu": 0, "cpu": 0, "disk": 6 * PAGE}, {"gpu": 0, "cpu": 0, "disk": 3 * PAGE}]
+    try:
+        wait_until(lambda: split() == want, "the indexer to see the tier's pages after the restart", timeout=15)
+    except AssertionError:
+        raise AssertionError(f"indexer tiers {split()}; log:\n{indexer.log_path.read_text()[-3000:]}") from None
+    assert second.log_path is not None
+    lines = [json.loads(line) for line in second.log_path.read_text().splitlines() if line.startswith("{")]
+    assert [(r["pages"], r["journal_entries"], r["gone"]) for r in lines if r["event"] == "tier_announced"] == [
+        (9, 9, 0)], second.log_tail()
+    log = indexer.log_path.read_text()
+    assert "unknown medium" not in log and "Failed to decode" not in log, log[-3000:]
