@@ -65,15 +65,18 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     def start(name: str) -> None:
         engines[name] = SglangEngine(model, tmp / f"{name}.log", **specs[name])  # type: ignore[arg-type]
 
+    rig: Rig | None = None
     try:
         with ThreadPoolExecutor(3) as pool:
             for future in [pool.submit(start, name) for name in specs]:
                 future.result()
-        yield Rig(server, engines["alone"], engines["a"], engines["b"], tmp)
+        rig = Rig(server, engines["alone"], engines["a"], engines["b"], tmp)
+        yield rig
     finally:
         for engine in engines.values():
             if engine.proc.poll() is None:
                 engine.close()
+        server = rig.server if rig is not None else server  # a test may have restarted it
         if server.proc.poll() is None:
             verify_stats(server.target)
             code, _ = server.terminate()
