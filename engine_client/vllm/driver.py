@@ -322,7 +322,20 @@ class Engine:
                 if out.finished and rid not in results:
                     results[rid] = self._result(out, tokens, firsts.get(rid),
                                                 out.outputs[0].finish_reason if out.outputs else None)
+        self._settle()
         return {"outputs": [results[r] for r in ids], "seconds": time.perf_counter() - start}
+
+    def _settle(self, timeout: float = 60.0) -> None:
+        """With the engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, as the tests run it), step it
+        until its scheduler holds no request, as vLLM's engine core process does on its own: finished requests
+        whose KV the connector still saves stay in the scheduler until a later step reports them done (their
+        commit and close come with it)."""
+        core = getattr(getattr(self.engine, "engine_core", None), "engine_core", None)  # InprocClient's
+        scheduler = getattr(core, "scheduler", None)
+        deadline = time.monotonic() + timeout
+        while scheduler is not None and scheduler.has_requests() and time.monotonic() < deadline:
+            self.engine.step()
+            time.sleep(0.001)
 
     @staticmethod
     def _result(out: Any, tokens: list[int], ttft: float | None, reason: str | None) -> dict[str, Any]:

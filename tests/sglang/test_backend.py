@@ -106,9 +106,10 @@ def committed(client: KVCacheClient, session_id: str, num_tokens: int) -> None:
     step after the one that answered it); any other final count fails the wait with the count seen."""
     seen: list[int] = []
 
-    def done() -> bool:
-        seen.append(client.get_session(session_id).context_tokens)
-        return seen[-1] == num_tokens
+    def done() -> bool:  # and the turn ended: its tokens may be appended before its commit arrives
+        info = client.get_session(session_id)
+        seen.append(info.context_tokens)
+        return seen[-1] == num_tokens and info.state != "IN_TURN"
 
     try:
         wait_until(done, f"{session_id} commits {num_tokens} tokens")
