@@ -1,6 +1,7 @@
 """Tiers beyond the pool (docs/design.md §8): page values kept on disk or in Mooncake Store, offloaded and loaded
 off the RPC path.
 
+    path.py      TierPath: an op's way through the tier around its core call (wants, loads, lookups, offloads)
     service.py   TierService, the facade the service loop uses: it takes work and hands it to
       load.py      the load worker (lookups and loads, verified) and
       offload.py   the offload worker (offloads and staged pages, batched), both on worker.py (their parts,
@@ -9,7 +10,7 @@ off the RPC path.
       pressure.py  falling behind and staging refusals, once an episode; staging.py eviction staging's memory
     backend.py   the TierBackend protocol, per-page outcomes, TierUnavailable
     disk.py      DiskTier: values appended to segment files under --tier-dir, LRU segments reclaimed within
-                 --tier-bytes, the index rebuilt from the segments at start
+                 --tier-bytes, the index rebuilt from the segments at start; segment.py a segment file
     mooncake.py  MooncakeTier: Mooncake Store's Python client, zero-copy from registered pool memory
     value.py     a value's header and CRC; memory.py where pages are read and written (pool or staging)
     stats.py     TierStats, what GetStats, metrics and the CLI show
