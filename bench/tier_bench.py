@@ -43,8 +43,8 @@ from cache_service.memory.base import PoolBackend, format_bytes
 from cache_service.memory.select import BACKENDS
 from cache_service.tier import DiskTier, MooncakeTier, TierService, page_memory
 from cache_service.tier.backend import TierBackend
+from cache_service.tier.jobs import OffloadResult
 from cache_service.tier.memory import CudaCopier, DevicePoolMemory, PageMemory, geometry
-from cache_service.tier.service import OffloadResult
 
 LLAMA = PoolLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16", page_size=16, num_pages=161)
 SMALL = PoolLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", page_size=4, num_pages=161)

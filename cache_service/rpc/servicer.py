@@ -30,7 +30,7 @@ from cache_service.rpc.identity import Identity, Role
 from cache_service.rpc.interceptor import CALLER
 from cache_service.rpc.kv_events import EventHub, Visible
 from cache_service.rpc.step_columns import KIND_NAMES, run_columns
-from cache_service.rpc.tier_path import TierPath
+from cache_service.rpc.tier_path import MessageTierPath
 from cache_service.tier import TierService
 from protos.kvcache.v1 import kvcache_pb2 as pb
 from protos.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
@@ -55,7 +55,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         self.core = core
         self.tier = tier
         """The tier beyond the pool (--tier), None without one; GetStats reports it."""
-        self.tier_path = TierPath(core, tier) if tier is not None and core.tier is not None else None
+        self.tier_path = MessageTierPath(core, tier) if tier is not None and core.tier is not None else None
         """Appends and matches through the tier, offloads after mutations (tier_path.py); None without a tier."""
         self.events = events
         self.instance_id = instance_id

@@ -1,12 +1,18 @@
 """Tiers beyond the pool (docs/design.md §8): page values kept on disk or in Mooncake Store, offloaded and loaded
 off the RPC path.
 
+    path.py      TierPath: an op's way through the tier around its core call (wants, loads, lookups, offloads)
+    service.py   TierService, the facade the service loop uses: it takes work and hands it to
+      load.py      the load worker (lookups and loads, verified) and
+      offload.py   the offload worker (offloads and staged pages, batched), both on worker.py (their parts,
+                   and the way back to the loop) with jobs.py (what passes between loop and worker);
+      link.py      the link thread (connects, probes and reconnects the store; faults logged once an episode);
+      pressure.py  falling behind and staging refusals, once an episode; staging.py eviction staging's memory
     backend.py   the TierBackend protocol, per-page outcomes, TierUnavailable
     disk.py      DiskTier: values appended to segment files under --tier-dir, LRU segments reclaimed within
-                 --tier-bytes, the index rebuilt from the segments at start
+                 --tier-bytes, the index rebuilt from the segments at start; segment.py a segment file
     mooncake.py  MooncakeTier: Mooncake Store's Python client, zero-copy from registered pool memory
     value.py     a value's header and CRC; memory.py where pages are read and written (pool or staging)
-    service.py   TierService: the queues, worker threads and counters the service loop uses
     stats.py     TierStats, what GetStats, metrics and the CLI show
 
 The keys (a SHA-256 chain rooted in the model/layout namespace and the cache salt) are pure code in
@@ -21,9 +27,10 @@ from collections.abc import Callable
 from cache_service.memory.base import PoolBackend
 from cache_service.tier.backend import BackendFactory, TierBackend, TierConfigError, TierSettings, TierUnavailable
 from cache_service.tier.disk import DiskTier
+from cache_service.tier.jobs import LoadResult, LoadTicket, OffloadResult
 from cache_service.tier.memory import CudaCopier, DevicePoolMemory, HostPoolMemory, PageMemory, geometry
 from cache_service.tier.mooncake import MooncakeTier
-from cache_service.tier.service import LoadResult, LoadTicket, OffloadResult, TierService
+from cache_service.tier.service import TierService
 from cache_service.tier.stats import TierStats
 
 TIER_CHOICES = ("none", "disk", "mooncake")

@@ -32,6 +32,8 @@ TAINTED = "tainted"
 until that cannot happen (quarantine it)."""
 ERROR = "error"
 """Anything else the store refused."""
+CLOSED = "closed"
+"""The service was stopping: the page was not offloaded (or loaded). The service's own, never a backend's."""
 
 
 class TierUnavailable(Exception):

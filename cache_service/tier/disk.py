@@ -1,13 +1,11 @@
 """The `disk` tier: page values appended to segment files under --tier-dir, whole segments reclaimed least
 recently used first within --tier-bytes, found again by a restarted service (docs/design.md §8).
 
-Layout: `<dir>/seg-<12-digit id>.kvs`. A segment is a 64-byte segment header (magic, version, the value
-geometry and a digest of the pool layout it was written for), then values of one fixed size back to back
-(each a whole value: its own 64-byte header naming its key, then the payload), so value `i` is at
-`SEGMENT_HEADER_BYTES + i * value_bytes`. A batch of puts is one `pwritev` a run of values (the file
-operations are per batch, not per page); a batch of gets one `preadv` per run of consecutive values.
-Segments are append-only: a value is never rewritten in place, and a segment's bytes go back to the disk
-only when the whole segment is reclaimed (unlinked).
+Layout: `<dir>/seg-<12-digit id>.kvs`, each a segment file (segment.py: a 64-byte header naming the value
+geometry and pool layout, then values of one fixed size back to back). A batch of puts is one `pwritev` a
+run of values (the file operations are per batch, not per page); a batch of gets one `preadv` per run of
+consecutive values. Segments are append-only: a value is never rewritten in place, and a segment's bytes go
+back to the disk only when the whole segment is reclaimed (unlinked).
 
 Capacity and LRU: the budget counts segment files. Segments are kept in least-recently-used order (a put
 into one, a hit on one of its values, or a put of a key it holds moves it to the end); when a new segment
@@ -32,14 +30,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hashlib
 import os
-import re
-import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,67 +51,21 @@ from cache_service.tier.backend import (
     TierUnavailable,
     Usage,
 )
-from cache_service.tier.value import HEADER, HEADER_BYTES, MAGIC, VERSION, Geometry
+from cache_service.tier.segment import (
+    IOV_MAX,
+    SEGMENT_HEADER_BYTES,
+    SEGMENT_NAME,
+    Segment,
+    layout_digest,
+    segment_name,
+)
+from cache_service.tier.value import HEADER_BYTES, Geometry
 
 LOCK_NAME = ".kvcache-tier.lock"
 STAGING_LEDGER_NAME = ".kvcache-staging"
-SEGMENT_MAGIC = b"KVS1"
-SEGMENT_VERSION = 1
-SEGMENT_HEADER = struct.Struct("<4sHHQII32s8x")
-"""magic | version u16 | header bytes u16 | value bytes u64 | chunks u32 | chunk bytes u32 | layout digest."""
-SEGMENT_HEADER_BYTES = SEGMENT_HEADER.size
-assert SEGMENT_HEADER_BYTES == 64, SEGMENT_HEADER_BYTES
-SEGMENT_NAME = re.compile(r"seg-(\d{12})\.kvs")
 SEGMENTS_PER_BUDGET = 16
 """The budget is cut into about this many segments: what one reclamation frees (1/16 of the budget)."""
 MAX_SEGMENT_BYTES = 1 << 30
-_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
-_SCAN_CHUNK_BYTES = 8 << 20
-
-
-def _move(fd: int, buffers: list[memoryview], offset: int, write: bool) -> int:
-    """pwritev (write) or preadv every byte of `buffers` at `offset`, continuing after short transfers; returns
-    the bytes moved (less than asked only when a read reaches the end of the file)."""
-    views = [b.cast("B") for b in buffers]
-    moved = 0
-    while views:
-        n = os.pwritev(fd, views[:_IOV_MAX], offset + moved) if write else os.preadv(fd, views[:_IOV_MAX],
-                                                                                       offset + moved)
-        if n <= 0:
-            if write:
-                raise OSError(errno.EIO, "pwritev wrote nothing")
-            break
-        moved += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if n:
-            views[0] = views[0][n:]
-    return moved
-
-
-def layout_digest(geometry: Geometry) -> bytes:
-    """What a segment header records of the pool it was written for (the layout's words and the geometry)."""
-    text = f"{geometry.layout}|{geometry.num_chunks}|{geometry.chunk_bytes}".encode()
-    return hashlib.sha256(text).digest()
-
-
-@dataclass(eq=False)
-class _Segment:
-    id: int
-    path: Path
-    fd: int
-    capacity: int
-    """Values it may hold (0 for a foreign segment: never written or read)."""
-    keys: list[bytes | None] = field(default_factory=list)
-    """Per slot written: the key it holds, or None (discarded, unsound, or superseded)."""
-    live: int = 0
-    size: int = SEGMENT_HEADER_BYTES
-    """File bytes counted against the budget."""
-    readers: int = 0
-    reclaimed: bool = False
-    touched: bool = False
-    """Hit since the last batch: its mtime is brought forward (the LRU order a restart rebuilds)."""
 
 
 class DiskTier:
@@ -137,11 +85,11 @@ class DiskTier:
         """Guards the index, the segments' order and their reader counts."""
         self._write_lock = threading.Lock()
         """One writer at a time appends to the active segment."""
-        self._where: dict[bytes, tuple[_Segment, int]] = {}
-        self._segments: OrderedDict[int, _Segment] = OrderedDict()
+        self._where: dict[bytes, tuple[Segment, int]] = {}
+        self._segments: OrderedDict[int, Segment] = OrderedDict()
         """Least recently used first."""
-        self._active: _Segment | None = None
-        self._unsynced: dict[int, _Segment] = {}
+        self._active: Segment | None = None
+        self._unsynced: dict[int, Segment] = {}
         """Segments written since the last `sync`."""
         self._next_id = 0
         self._bytes = 0
@@ -197,7 +145,7 @@ class DiskTier:
     # ------------------------------------------------------------------ segments
 
     def segment_path(self, segment_id: int) -> Path:
-        return self.directory / f"seg-{segment_id:012d}.kvs"
+        return self.directory / segment_name(segment_id)
 
     def _rebuild(self) -> int:
         """Index every segment (oldest mtime first), cut torn tails, then reclaim down to the budget. Returns
@@ -213,75 +161,42 @@ class DiskTier:
         for _, segment_id, path in found:
             self._next_id = max(self._next_id, segment_id + 1)
             try:
-                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+                seg = Segment.open(path, segment_id)
             except FileNotFoundError:
                 continue
-            seg = _Segment(segment_id, path, fd, 0, size=os.fstat(fd).st_size)
             self._segments[segment_id] = seg
             self._bytes += seg.size
-            raw = os.pread(fd, SEGMENT_HEADER_BYTES, 0)
-            if len(raw) < SEGMENT_HEADER_BYTES or SEGMENT_HEADER.unpack(raw) != (
-                    SEGMENT_MAGIC, SEGMENT_VERSION, SEGMENT_HEADER_BYTES, self._value, self.geometry.num_chunks,
-                    self.geometry.chunk_bytes, self._digest):
+            if not seg.written_for(self.geometry, self._digest):
                 self.foreign_segments += 1  # counted against the budget, never read
                 continue
             self._index_segment(seg)
         return len(self._reclaim(0))
 
-    def _index_segment(self, seg: _Segment) -> None:
-        value = self._value
-        whole, tail = divmod(seg.size - SEGMENT_HEADER_BYTES, value)
-        if tail:  # a value cut short by a crash mid-write: cut it off
+    def _index_segment(self, seg: Segment) -> None:
+        tail = seg.cut_torn_tail(self._value)
+        if tail:
             self.torn_values += 1
-            os.ftruncate(seg.fd, SEGMENT_HEADER_BYTES + whole * value)
             self._bytes -= tail
-            seg.size -= tail
-        per_read = max(1, _SCAN_CHUNK_BYTES // value) if value <= (64 << 10) else 1
-        slot = 0
-        while slot < whole:
-            n = min(per_read, whole - slot)
-            offset = SEGMENT_HEADER_BYTES + slot * value
-            raw = os.pread(seg.fd, n * value, offset) if n > 1 else os.pread(seg.fd, HEADER_BYTES, offset)
-            for i in range(n):
-                key = self._sound_key(raw, i * value)
-                seg.keys.append(key)
-                if key is None:
-                    self.torn_values += 1
-                    continue
-                old = self._where.get(key)
-                if old is not None:  # written twice (reclaimed and stored again): the newer copy counts
-                    old[0].keys[old[1]] = None
-                    old[0].live -= 1
-                self._where[key] = (seg, slot + i)
-                seg.live += 1
-            slot += n
+        for slot, key in enumerate(seg.scan(self.geometry)):
+            seg.keys.append(key)
+            if key is None:
+                self.torn_values += 1
+                continue
+            old = self._where.get(key)
+            if old is not None:  # written twice (reclaimed and stored again): the newer copy counts
+                old[0].keys[old[1]] = None
+                old[0].live -= 1
+            self._where[key] = (seg, slot)
+            seg.live += 1
 
-    def _sound_key(self, raw: bytes, at: int) -> bytes | None:
-        if len(raw) < at + HEADER_BYTES:
-            return None
-        magic, version, header_bytes, chunks, chunk_bytes, _crc, _flags, key = HEADER.unpack_from(raw, at)
-        if (magic, version, header_bytes, chunks, chunk_bytes) != (MAGIC, VERSION, HEADER_BYTES,
-                                                                   self.geometry.num_chunks, self.geometry.chunk_bytes):
-            return None
-        return bytes(key)
-
-    def _new_segment(self) -> _Segment:
+    def _new_segment(self) -> Segment:
         """A fresh segment at the LRU's end, after reclaiming what it needs (called with the write lock)."""
         size = SEGMENT_HEADER_BYTES + self.segment_values * self._value
         gone = self._reclaim(size)
         segment_id = self._next_id
         self._next_id += 1
-        path = self.segment_path(segment_id)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            os.pwrite(fd, SEGMENT_HEADER.pack(SEGMENT_MAGIC, SEGMENT_VERSION, SEGMENT_HEADER_BYTES, self._value,
-                                              self.geometry.num_chunks, self.geometry.chunk_bytes, self._digest), 0)
-        except OSError:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            raise
-        seg = _Segment(segment_id, path, fd, self.segment_values)
+        seg = Segment.create(self.segment_path(segment_id), segment_id, self.geometry, self._digest,
+                             self.segment_values)
         with self._lock:
             self._segments[segment_id] = seg
             self._bytes += seg.size
@@ -300,7 +215,7 @@ class DiskTier:
                 gone += self._drop_segment(victim)
         return gone
 
-    def _drop_segment(self, seg: _Segment) -> list[bytes]:
+    def _drop_segment(self, seg: Segment) -> list[bytes]:
         """Unlink a segment and forget its keys (with the lock held); its fd closes when no reader is left."""
         del self._segments[seg.id]
         self._bytes -= seg.size
@@ -326,13 +241,13 @@ class DiskTier:
             dropped, self._dropped = self._dropped, []
         return dropped
 
-    def _touch(self, seg: _Segment) -> None:
+    def _touch(self, seg: Segment) -> None:
         """Most recently used now (with the lock held)."""
         if not seg.reclaimed:
             self._segments.move_to_end(seg.id)
             seg.touched = True
 
-    def _sync_mtimes(self, segments: Sequence[_Segment]) -> None:
+    def _sync_mtimes(self, segments: Sequence[Segment]) -> None:
         for seg in segments:
             if seg.touched and not seg.reclaimed and seg is not self._active:
                 seg.touched = False
@@ -408,14 +323,9 @@ class DiskTier:
             self._sync_mtimes(touched)
         return out
 
-    def _append(self, seg: _Segment, keys: list[bytes], buffers: list[memoryview]) -> None:
+    def _append(self, seg: Segment, keys: list[bytes], buffers: list[memoryview]) -> None:
         """One pwritev of the values at the segment's end; indexed only once all of it is written."""
-        try:
-            _move(seg.fd, buffers, seg.size, write=True)
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.ftruncate(seg.fd, seg.size)  # nothing half-written stays behind the indexed values
-            raise
+        seg.append(buffers)
         with self._lock:
             for key in keys:
                 self._where[key] = (seg, len(seg.keys))
@@ -448,7 +358,7 @@ class DiskTier:
     def _load(self, keys: list[bytes], value_of: Callable[[int], list[memoryview]], views: int) -> list[str]:
         self._check_open()
         out = [MISSING] * len(keys)
-        located: list[tuple[_Segment, int, int]] = []  # (segment, slot, item)
+        located: list[tuple[Segment, int, int]] = []  # (segment, slot, item)
         with self._lock:
             for i, key in enumerate(keys):
                 held = self._where.get(key)
@@ -462,7 +372,7 @@ class DiskTier:
             while start < len(located):
                 end = start + 1
                 while (end < len(located) and located[end][0] is located[start][0]
-                       and located[end][1] == located[end - 1][1] + 1 and (end - start + 1) * views <= _IOV_MAX):
+                       and located[end][1] == located[end - 1][1] + 1 and (end - start + 1) * views <= IOV_MAX):
                     end += 1
                 self._read_run(located[start:end], value_of, out)
                 start = end
@@ -475,12 +385,12 @@ class DiskTier:
                         os.close(seg.fd)
         return out
 
-    def _read_run(self, run: list[tuple[_Segment, int, int]], value_of: Callable[[int], list[memoryview]],
+    def _read_run(self, run: list[tuple[Segment, int, int]], value_of: Callable[[int], list[memoryview]],
                   out: list[str]) -> None:
         seg, first, _ = run[0]
         buffers = [v for _, _, i in run for v in value_of(i)]
         try:
-            n = _move(seg.fd, buffers, SEGMENT_HEADER_BYTES + first * self._value, write=False)
+            n = seg.read(first, buffers, self._value)
         except OSError:
             for _, _, i in run:
                 out[i] = ERROR

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from cache_service.tier import TierService
-from cache_service.tier.service import OffloadResult
+from cache_service.tier.jobs import OffloadResult
 
 REPO = Path(__file__).resolve().parents[2]
 

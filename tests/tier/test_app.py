@@ -13,8 +13,8 @@ import numpy as np
 from cache_service.app import build_server
 from cache_service.config import ServiceConfig
 from cache_service.tier import DiskTier
-from cache_service.tier.disk import SEGMENT_HEADER_BYTES
 from cache_service.tier.memory import geometry
+from cache_service.tier.segment import SEGMENT_HEADER_BYTES
 from protos.kvcache.v1 import kvcache_pb2 as pb
 from protos.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 from tests.tier.node import keys_for

@@ -17,8 +17,9 @@ import pytest
 from cache_service.memory import PoolLayout
 from cache_service.tier import DiskTier, TierConfigError, TierService, page_memory
 from cache_service.tier.backend import MISSING, GetItem, PutItem
-from cache_service.tier.disk import LOCK_NAME, SEGMENT_HEADER_BYTES
+from cache_service.tier.disk import LOCK_NAME
 from cache_service.tier.memory import geometry
+from cache_service.tier.segment import SEGMENT_HEADER_BYTES
 from cache_service.tier.value import checksum, header
 from tests.tier.conftest import LAYOUT, Pool
 from tests.tier.node import digest, expected, keys_for

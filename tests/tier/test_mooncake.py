@@ -20,9 +20,9 @@ from cache_service.core.tier_keys import key_text
 from cache_service.memory import PoolLayout
 from cache_service.tier import MooncakeTier, TierConfigError, TierService, page_memory
 from cache_service.tier.backend import DOWN, FULL, MISSING, TAINTED, WRONG_SIZE
+from cache_service.tier.jobs import OffloadResult
 from cache_service.tier.memory import geometry
 from cache_service.tier.mooncake import import_client
-from cache_service.tier.service import OffloadResult
 from cache_service.tier.value import Geometry, checksum, header
 from tests.tier.cluster import MooncakeCluster
 from tests.tier.conftest import LAYOUT, Pool

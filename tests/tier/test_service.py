@@ -16,9 +16,9 @@ import pytest
 from structlog.testing import capture_logs
 
 from cache_service.tier import DiskTier, TierService, page_memory
-from cache_service.tier.backend import DOWN, GetItem, GetResult, PutItem
+from cache_service.tier.backend import CLOSED, DOWN, GetItem, GetResult, PutItem
+from cache_service.tier.jobs import LoadResult, OffloadResult
 from cache_service.tier.memory import geometry
-from cache_service.tier.service import CLOSED, LoadResult, OffloadResult
 from tests.tier.conftest import LAYOUT, Pool
 from tests.tier.node import keys_for
 from tests.tier.support import offload, on_disk
