@@ -90,7 +90,7 @@ def run(label: str, chats: list[list[tuple[list[int], list[int]]]], pool_bytes: 
     held_bytes = 0
     for ctx in contexts:  # what the pool holds of each conversation (a read-only probe)
         m = core.match_prefix(np.array(ctx, dtype=np.int32))
-        if m.cached_tokens < len(ctx) // PAGE * PAGE:
+        if m.cached_tokens < (len(ctx) - 1) // PAGE * PAGE:  # the last token has no KV
             continue
         held += 1
         ids = m.page_ids.tolist()
