@@ -101,7 +101,7 @@ class StaleWriter:
 class Simulator:
     """The core plus engines that follow the protocol, and a model of what each session must hold."""
 
-    def __init__(self, window: bool = False) -> None:
+    def __init__(self, window: bool = False, prompt_ends: bool = False) -> None:
         self.clock = FakeClock()
         self.core = CheckedCore(
             CoreConfig(
@@ -109,6 +109,7 @@ class Simulator:
                 session_budget_pages=30, max_session_tokens=48, quarantine_seconds=QUARANTINE,
                 parked_session_timeout_seconds=PARKED_TIMEOUT,
                 window_pages=WINDOW_PAGES if window else 0, window_tokens=WINDOW if window else 0,
+                window_prompt_ends=prompt_ends,
             ),
             self.clock, tier=None if window else NAMESPACE,
         )
@@ -717,7 +718,7 @@ def random_walk(seed: int, steps: int, window: bool = False) -> Simulator:
     rng = np.random.default_rng(seed)
     tree = np.random.default_rng(seed + 1_000_000)
     """Parents and close modes: drawn apart, so the walks' other choices are what they were before trees."""
-    sim = Simulator(window)
+    sim = Simulator(window, prompt_ends=window and seed % 2 == 1)  # window walks: half keep prompt ends too
     if seed % 2 == 1 and not window:  # half the walks without eviction staging: evictions lose what the tier lacks
         assert sim.core.tier is not None
         sim.core.tier.stage = None
