@@ -129,7 +129,8 @@ class WindowRows:
 
     def relieve(self, n: int) -> bool:
         """Make `n` window pages free: drop the window rows no hit point needs, then evict whole radix pages in
-        eviction order. False (nothing evicted) when even evicting every unpinned radix page would not do."""
+        eviction order (and the dead tail that leaves on the first leaf, `_trim`). False (nothing evicted) when even
+        evicting every unpinned radix page would not do."""
         if n <= len(self._free):
             return True
         self.sweep()
@@ -141,7 +142,21 @@ class WindowRows:
             return False
         while len(self._free) < n and radix.evict(1):
             self.evicted_pages += 1
+        self._trim(radix)
         return len(self._free) >= n
+
+    def _trim(self, radix: RadixTree) -> None:
+        """Evict the tail of the first leaf in eviction order while its last page has no window rows: no hit can
+        end past a leaf's last page with window rows, so those pages' full rows serve nobody."""
+        if not self.k:
+            return
+        win = self.win
+        while True:
+            first = radix.first_to_evict(1)
+            if not first or win[int.from_bytes(first[0].pages[-4:], "little", signed=True)]:
+                return
+            radix.evict(1)
+            self.evicted_pages += 1
 
     # ------------------------------------------------------------------ the radix's hook
 

@@ -112,15 +112,16 @@ def test_pressure_drops_unneeded_window_rows_then_evicts_whole_pages(make_core: 
     assert windows(core, [1, 2, 3, 4, 5, 6, 7]) == [1, 2, 3, 4, 5, 6, 7]
     assert core.stats().window_free_pages == 1
     core.take_events()
-    # Another chat needs 8 pages: the sweep frees the 5 window pages no hit point needs, eviction the other 2.
+    # Another chat needs 8 pages: the sweep frees the 5 window pages no hit point needs, eviction the other 2 (pages
+    # 7 and 6); pages 1-5 are then a dead tail (no window rows at the path's end: no hit can end there) and go too.
     core.open_session("t")
     r = core.append("t", toks(range(200, 224)), 8)
-    assert r.page_ids.tolist() == [6, 7, 8, 9, 10, 11, 12, 13]  # freed ones first: 8, then evicted 7 and 6
+    assert r.page_ids.tolist() == [1, 2, 3, 4, 5, 6, 7, 8]  # freed last first: 1, 2, 3, ... then 8
     st = core.stats()
-    assert (st.window_pressure_dropped_pages, st.window_evicted_pages, st.evicted_pages) == (5, 2, 2)
-    assert (st.window_free_pages, st.window_held_pages) == (0, 8)
+    assert (st.window_pressure_dropped_pages, st.window_evicted_pages, st.evicted_pages) == (5, 7, 7)
+    assert (st.window_free_pages, st.window_held_pages, st.evictable_pages) == (0, 8, 0)
     removed = [(r.window, len(r.hashes)) for r in core.take_events() if isinstance(r, Removed)]
-    assert removed == [(True, 5), (False, 2)]  # the window group's rows of 5 pages; 2 whole pages
+    assert removed == [(True, 5), (False, 7)]  # the window group's rows of 5 pages; then 7 whole pages
 
 
 def test_pool_exhausted_when_window_pages_are_held_by_sessions(make_core: Callable[..., CheckedCore]) -> None:
