@@ -414,6 +414,12 @@ def format_stats(st: pb.GetStatsResponse) -> str:
                             f"ordinary, {st.evicted_parent_pages:,} parent pages; demoted "
                             f"{st.demoted_session_pages:,} idle-session, {st.demoted_parent_pages:,} parent pages"),
     ]
+    if st.window_pages:
+        rows.append(("window pages", f"{st.window_held_pages:,} held, {st.window_free_pages:,} free of "
+                                     f"{st.window_pages:,}; freed {st.window_policy_dropped_pages:,} at commits, "
+                                     f"{st.window_pressure_dropped_pages:,} under pressure; "
+                                     f"{st.window_evicted_pages:,} pages evicted for window rows; "
+                                     f"{st.window_cut_hit_tokens:,} hit tokens cut"))
     if st.HasField("tier"):
         rows += tier_rows(st.tier)
         rows.append(("  pool pages", f"{st.loading_pages:,} loading, {st.offloading_pages:,} offloading, "

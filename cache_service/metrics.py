@@ -96,6 +96,23 @@ class _StatsCollector(Collector):
                                      ("parent_session", "demoted", st.demoted_parent_pages)):
             relief.add_metric([klass, action], value)
         yield relief
+        if st.window_pages:
+            window = GaugeMetricFamily("kvcache_window_pages", "A pool whose window-layer rows are kept apart "
+                                       "(docs/design.md §13): window pages by state.", labels=["state"])
+            window.add_metric(["free"], st.window_free_pages)
+            window.add_metric(["held"], st.window_held_pages)
+            yield window
+            freed = CounterMetricFamily("kvcache_window_freed_pages", "Window pages freed while their pages' "
+                                        "full-attention rows stay, by cause (commit: rows no hit point of the "
+                                        "session needs; pressure: radix rows no hit point needs), and whole radix "
+                                        "pages evicted because window pages were short (evicted).", labels=["cause"])
+            for cause, value in (("commit", st.window_policy_dropped_pages),
+                                 ("pressure", st.window_pressure_dropped_pages),
+                                 ("evicted", st.window_evicted_pages)):
+                freed.add_metric([cause], value)
+            yield freed
+            yield CounterMetricFamily("kvcache_window_cut_hit_tokens", "Tokens pinned matches gave up because the "
+                                      "window rows before their end were gone.", value=st.window_cut_hit_tokens)
         yield from _reuse_families(st)
         info = GaugeMetricFamily("kvcache_info", "Service identity.", labels=sorted(self._info))
         info.add_metric([self._info[k] for k in sorted(self._info)], 1)

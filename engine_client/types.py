@@ -239,6 +239,16 @@ class Stats:
     """What engines reported at their commits (`ReuseReport`), in total."""
     engine_reuse: tuple[ReuseStats, ...] = ()
     """The same per engine (the 64 that reported last), by engine id."""
+    window_pages: int = 0
+    window_free_pages: int = 0
+    window_held_pages: int = 0
+    """A pool whose window-layer rows are kept apart (docs/design.md §13; 0 without): its window pages."""
+    window_policy_dropped_pages: int = 0
+    window_pressure_dropped_pages: int = 0
+    window_evicted_pages: int = 0
+    window_cut_hit_tokens: int = 0
+    """Cumulative: window pages freed at commits and under pressure, radix pages evicted for window pages, and
+    hit tokens cut because the window before a match's end was gone."""
 
     @property
     def pages_by_state(self) -> dict[str, int]:

@@ -45,7 +45,7 @@ def flags_table() -> str:
 
 
 def metrics_table() -> str:
-    core = KVCacheCore(CoreConfig(num_pages=4, page_size=1))
+    core = KVCacheCore(CoreConfig(num_pages=4, page_size=1, window_pages=4, window_tokens=2))  # window metrics too
     metrics = Metrics(core.stats, {"instance_id": "x", "backend": "host_shm", "version": "v"})
     metrics.observe_rpc("GetStats", "OK", 0.001)
     metrics.add_events(EventHub(core, instance_id="x", medium="CPU", buffer=1))

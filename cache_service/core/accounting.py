@@ -36,6 +36,7 @@ from cache_service.core.sessions import SessionTable
 from cache_service.core.slot import CLOSING, IDLE, IN_TURN, SessionSlot, Slots
 from cache_service.core.tiering import TierIndex
 from cache_service.core.types import Stats
+from cache_service.core.window import WindowRows
 
 
 class Accounting:
@@ -43,7 +44,8 @@ class Accounting:
 
     def __init__(self, config: CoreConfig, ledger: PageLedger, pages: PageAllocator, radix: RadixTree,
                  slots: Slots, sessions: SessionTable, leases: LeaseTable, counters: Counters,
-                 tier: TierIndex | None = None, reuse: ReuseLedger | None = None) -> None:
+                 tier: TierIndex | None = None, reuse: ReuseLedger | None = None,
+                 window: WindowRows | None = None) -> None:
         self._config = config
         self._ledger = ledger
         self._pages = pages
@@ -54,9 +56,11 @@ class Accounting:
         self._c = counters
         self._tier = tier
         self._reuse = reuse or ReuseLedger()
+        self._window = window
 
     def stats(self) -> Stats:
         c, sessions, radix, pages, slots = self._c, self._sessions, self._radix, self._ledger.counts, self._slots
+        w = self._window
         return Stats(
             num_pages=self._config.num_pages,
             page_size=self._config.page_size,
@@ -98,6 +102,13 @@ class Accounting:
             demoted_parent_pages=c.demoted_parent_pages,
             reuse=self._reuse.total,
             engine_reuse=self._reuse.engines(),
+            window_pages=w.usable_pages if w else 0,
+            window_free_pages=w.free_pages if w else 0,
+            window_held_pages=w.held_pages if w else 0,
+            window_policy_dropped_pages=w.policy_dropped_pages if w else 0,
+            window_pressure_dropped_pages=w.pressure_dropped_pages if w else 0,
+            window_evicted_pages=w.evicted_pages if w else 0,
+            window_cut_hit_tokens=w.cut_hit_tokens if w else 0,
         )
 
     def check_invariants(self) -> Stats:
@@ -145,6 +156,8 @@ class Accounting:
                     f"radix node {n.id}: guard {n.guard} != {expected_guards.get(n, 0)} guards of parent sessions"
                 )
         self._check_single_owner(np.frombuffer(b"".join(owned), dtype=np.int32))
+        if self._window is not None:
+            self._window.check(self._pages.allocated_mask() | self._pages.quarantined_mask())
         c, counts = self._c, self._ledger.counts
         if (held, in_flight) != (counts[SESSION_HELD], counts[IN_FLIGHT]):
             raise InvariantError(
@@ -168,6 +181,9 @@ class Accounting:
             st.free_pages + st.evictable_pages + st.radix_locked_pages + st.session_held_pages
             + st.in_flight_pages + st.quarantined_pages + st.loading_pages
         )
+        if st.window_free_pages + st.window_held_pages != st.window_pages:
+            raise InvariantError(f"accounting: window pages free {st.window_free_pages} + held {st.window_held_pages} "
+                                 f"!= {st.window_pages}")
         if total != st.usable_pages:
             raise InvariantError(
                 f"accounting: free + evictable + radix_locked + session_held + in_flight + quarantined + loading "

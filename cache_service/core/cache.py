@@ -57,6 +57,7 @@ from cache_service.core.types import (
     TokenArray,
 )
 from cache_service.core.validate import check_count, token_bytes
+from cache_service.core.window import WindowRows
 
 Clock = Callable[[], float]
 
@@ -83,6 +84,16 @@ class KVCacheCore:
         if self.tier is not None:
             self.tier.radix = self.radix
             self.radix.evict_hook = self.tier.evicting
+        self.window: WindowRows | None = None
+        """The window group's rows kept apart (window.py); None unless `config.window_pages`."""
+        if config.window_pages:
+            if tier is not None:
+                raise ValueError("a tier beyond a pool whose window rows are kept apart is not supported: a tier "
+                                 "value holds every layer's rows of a page (docs/attention-shapes.md)")
+            self.window = WindowRows(config.num_pages, config.window_pages, config.page_size, config.window_tokens)
+            self.window.radix = self.radix
+            self.pages.window = self.window
+            self.radix.usable = self.window.usable
         self.slots = Slots(config, self.pages, self.radix, self.ledger, self.counters, victims=lambda s: iter(()))
         self.sessions = SessionTable(self.slots)
         self.slots._victims = self.sessions.demotable
@@ -94,7 +105,7 @@ class KVCacheCore:
         self.ops = Ops(config, clock, self.pages, self.radix, self.slots, self.sessions, self.leases, self.counters,
                        self._changes)
         self.accounting = Accounting(config, self.ledger, self.pages, self.radix, self.slots, self.sessions,
-                                     self.leases, self.counters, self.tier, self.ops.reuse)
+                                     self.leases, self.counters, self.tier, self.ops.reuse, self.window)
 
     # ================================================================== probes
 
@@ -278,6 +289,8 @@ class KVCacheCore:
             self._hashes.hash_tree(self.radix.runs())
             self.ops.recording = True
             self.radix.changes = self.slots.changes = self._changes
+            if self.window is not None:
+                self.window.changes = self._changes
 
     def pending_events(self) -> bool:
         """Changes are waiting for `take_events`."""

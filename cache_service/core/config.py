@@ -43,6 +43,14 @@ class CoreConfig:
     tier_policy: str = "write-back"
     """With a tier: when radix pages are offloaded, a name in `cache_service.core.tiering.TIER_POLICIES`
     (write-back: ahead of eviction, under the watermark; write-through: as soon as they are evictable)."""
+    window_pages: int = 0
+    """Pages of the window group's own page space (window page 0 included, reserved); 0: the pool has no window
+    rows kept apart (every page holds every layer's rows). docs/design.md §13, window.py."""
+    window_tokens: int = 0
+    """The sliding window W (tokens) of the window group; with `window_pages`."""
+    window_prompt_ends: bool = False
+    """Keep the window rows before each turn's prompt end too (a replay of a turn's prompt hits it whole), not
+    only before each turn's committed end (where the next turn's prompt hits)."""
 
     def __post_init__(self) -> None:
         if self.num_pages < 2:
@@ -68,6 +76,11 @@ class CoreConfig:
         for name in ("tier_watermark", "tier_pin_fraction"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        if self.window_pages and (self.window_pages < 2 or self.window_tokens < 1):
+            raise ValueError(f"window_pages ({self.window_pages}) must be >= 2 with window_tokens >= 1 "
+                             f"(got {self.window_tokens})")
+        if self.window_tokens and not self.window_pages:
+            raise ValueError(f"window_tokens {self.window_tokens} needs window_pages")
         if self.max_lease_ttl_seconds and self.lease_ttl_seconds > self.max_lease_ttl_seconds:
             raise ValueError(f"lease_ttl_seconds {self.lease_ttl_seconds} is above max_lease_ttl_seconds "
                              f"{self.max_lease_ttl_seconds}")

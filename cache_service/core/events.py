@@ -52,8 +52,12 @@ class Removed(NamedTuple):
     hashes: list[int]
     tier: bool = False
     """The pages left the tier beyond the pool (not the radix)."""
+    window: bool = False
+    """Only the pages' window-layer rows left the pool (window.py); their full-attention rows stay."""
 
 
+WINDOW_REMOVED = "window_removed"
+"""Change tuple `(WINDOW_REMOVED, salt, page ids bytes)`: radix pages whose window rows were dropped (window.py)."""
 TIER_STORED = "tier_stored"
 """Change tuple `(TIER_STORED, salt, parent page id | None, token bytes, page ids bytes, tier keys)`: radix pages
 (still in the radix at this point of the change order) that the tier now holds."""
@@ -257,9 +261,11 @@ class PageHashes:
                 self.tier_stored(change[1], change[2], change[3], change[4], change[5], out)
             elif kind == TIER_REMOVED:
                 self.tier_removed(change[1], out)
+            elif kind == WINDOW_REMOVED:
+                out.append(Removed(change[1], self.removed(change[2]), False, True))
             elif kind == "removed":
                 last = out[-1] if out else None
-                if type(last) is Removed and not last.tier and last.cache_salt == change[1]:
+                if type(last) is Removed and not last.tier and not last.window and last.cache_salt == change[1]:
                     last.hashes.extend(self.removed(change[2]))
                 else:
                     out.append(Removed(change[1], self.removed(change[2])))

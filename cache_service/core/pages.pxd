@@ -6,7 +6,7 @@ from cache_service.core.ledger cimport PageLedger
 
 @cython.final
 cdef class PageAllocator:
-    cdef public object _ids, _stack, _view, quarantine, _quarantine_until
+    cdef public object _ids, _stack, _view, quarantine, _quarantine_until, window
     cdef public bytearray _state
     cdef public PageLedger _ledger, ledger
     cdef public Py_ssize_t _num_pages

@@ -24,6 +24,7 @@ import contextlib
 from array import array
 from collections import deque
 from collections.abc import Iterator
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -40,12 +41,35 @@ OWNED = OWNED_BYTE
 _SMALL = 32
 """Up to this many pages, the state bytes are updated per element rather than through numpy."""
 
-__all__ = ["NULL_PAGE", "OWNED", "QUARANTINED_BYTE", "PageAllocator"]
+__all__ = ["NULL_PAGE", "OWNED", "QUARANTINED_BYTE", "PageAllocator", "WindowHooks"]
+
+
+class WindowHooks(Protocol):
+    """A window pool's window rows (`window.WindowRows`, docs/design.md §13) as the allocator calls them (the first
+    four) and the session slots reach them through it (the rest)."""
+
+    def relieve(self, n: int) -> bool: ...
+
+    def attach(self, pages: bytes) -> None: ...
+
+    def detach(self, pages: bytes) -> None: ...
+
+    def unmark(self, pages: bytes) -> None: ...
+
+    def settle(self, pages: bytes | bytearray, since: int, hits: tuple[int, ...]) -> None: ...
+
+    def adopt(self, tree: bytes, ours: bytes) -> None: ...
+
+    @property
+    def free_pages(self) -> int: ...
+
+    @property
+    def usable_pages(self) -> int: ...
 
 
 class PageAllocator:
     __slots__ = ("_ids", "_ledger", "_num_pages", "_quarantine_until", "_stack", "_state", "_view", "ledger",
-                 "quarantine")
+                 "quarantine", "window")
 
     def __init__(self, num_pages: int, ledger: PageLedger | None = None) -> None:
         if num_pages < 2:
@@ -60,6 +84,9 @@ class PageAllocator:
         self._view: npt.NDArray[np.uint8] = np.frombuffer(self._state, dtype=np.uint8)  # a view, not a copy
         self.quarantine: deque[tuple[float, bytes]] = deque()
         self._quarantine_until: float | None = None
+        self.window: WindowHooks | None = None
+        """A window pool's window rows (window.py): every page taken gets its window page, every page freed
+        gives it back; None without a window group."""
 
     @property
     def num_pages(self) -> int:
@@ -84,27 +111,37 @@ class PageAllocator:
         """Take `n` free pages for an owner in ledger state `to`, as int32 LE bytes; None when fewer than
         `n` are free. Never partial."""
         counts = self._ledger.counts
-        top = counts[FREE]
-        if n > top:
+        if n > counts[FREE]:
             return None
         if n < 0:
             raise ValueError(f"alloc of a negative page count: {n}")
+        window = self.window
+        if window is not None:
+            if not window.relieve(n):  # may evict radix pages: the free count is read after it
+                return None
+            if n > counts[FREE]:
+                return None
+        top = counts[FREE]
         counts[FREE] = top - n
         counts[to] += n
         if n == 1:  # a decode extension: the common case
             p = self._ids[top - 1]
             self._state[p] = OWNED_BYTE
-            return p.to_bytes(4, "little")
-        if n <= _SMALL:
+            out = p.to_bytes(4, "little")
+        elif n <= _SMALL:
             run = self._ids[top - n : top]
             run.reverse()
             state = self._state
             for p in run:
                 state[p] = OWNED_BYTE
-            return run.tobytes()
-        chunk = self._stack[top - n : top][::-1]
-        self._view[chunk] = OWNED_BYTE
-        return chunk.tobytes()
+            out = run.tobytes()
+        else:
+            chunk = self._stack[top - n : top][::-1]
+            self._view[chunk] = OWNED_BYTE
+            out = chunk.tobytes()
+        if window is not None:
+            window.attach(out)
+        return out
 
     def give(self, pages: bytes, src: int) -> None:
         """Give back `pages` (int32 LE bytes of distinct owned ids) that an owner in ledger state `src`
@@ -132,6 +169,11 @@ class PageAllocator:
             self._view[arr] = to
         counts = self._ledger.counts
         counts[src] -= n
+        if self.window is not None:  # a quarantined page keeps its window page until it is released
+            if quarantine:
+                self.window.unmark(pages)
+            else:
+                self.window.detach(pages)
         if quarantine:
             assert self._quarantine_until is not None
             self.quarantine.append((self._quarantine_until, bytes(pages)))
@@ -174,6 +216,8 @@ class PageAllocator:
         while q and q[0][0] <= now:
             _, pages = q.popleft()
             arr = np.frombuffer(pages, dtype=np.int32)
+            if self.window is not None:
+                self.window.detach(pages)
             self._view[arr] = FREE_BYTE
             top = counts[FREE]
             self._stack[top : top + arr.size] = arr
@@ -197,6 +241,11 @@ class PageAllocator:
     def allocated_mask(self) -> npt.NDArray[np.bool_]:
         """Boolean mask over page ids: True where owned (O(num_pages); for invariant checks)."""
         mask: npt.NDArray[np.bool_] = self._view == OWNED_BYTE
+        return mask
+
+    def quarantined_mask(self) -> npt.NDArray[np.bool_]:
+        """Boolean mask over page ids: True where quarantined."""
+        mask: npt.NDArray[np.bool_] = self._view == QUARANTINED_BYTE
         return mask
 
     def check(self) -> None:

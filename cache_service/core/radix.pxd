@@ -14,17 +14,17 @@ cdef class RadixNode:
 
 @cython.final
 cdef class RadixTree:
-    cdef public object _leaves, _free_pages, changes, evict_hook
+    cdef public object _leaves, _free_pages, changes, evict_hook, usable
     cdef public Py_ssize_t page_size, page_bytes, _next_id, _tick, evicted_pages_total
     cdef public PageLedger _ledger
     cdef public list _counts
     cdef public dict _roots
     cdef public list evicted_by_class
 
-    @cython.locals(root=RadixNode, node=RadixNode, matched=Py_ssize_t, into=Py_ssize_t)
+    @cython.locals(root=RadixNode, node=RadixNode, matched=Py_ssize_t, into=Py_ssize_t, cut=Py_ssize_t)
     cpdef match(self, object salt, object key, bint lock=*, bint touch=*, Py_ssize_t end=*)
 
-    @cython.locals(root=RadixNode)
+    @cython.locals(root=RadixNode, node=RadixNode, matched=Py_ssize_t, into=Py_ssize_t)
     cpdef Py_ssize_t matched_pages(self, object salt, object key, Py_ssize_t end=*) except -1
 
     @cython.locals(num_pages=Py_ssize_t, root=RadixNode, node=RadixNode, matched=Py_ssize_t, into=Py_ssize_t,

@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 from cache_service.core.errors import InvariantError
 from cache_service.core.eviction import CLOSED_CHILD, EVICTION_POLICIES, ORDINARY, PARENT, LeafHeap
 from cache_service.core.ledger import EVICTABLE, RADIX_LOCKED, PageLedger
+from cache_service.core.radix_check import check_tree
 from cache_service.core.types import TokenArray
 
 __all__ = ["EVICTION_POLICIES", "REMOVED", "STORED", "RadixInsert", "RadixMatch", "RadixNode", "RadixTree",
@@ -155,6 +156,9 @@ class RadixTree:
         """Pages evicted, by eviction class (they sum to `evicted_pages_total`)."""
         self.changes: list[Any] | None = None
         """Where change records go while someone listens (the facade's queue); None: nobody does."""
+        self.usable: Callable[[bytes, bool], int] | None = None
+        """A window pool's `WindowRows.usable(pages, pin)`: how many leading pages of a match a reader may use
+        (window.py); None: every matched page."""
 
     # ------------------------------------------------------------------ queries
 
@@ -212,6 +216,13 @@ class RadixTree:
         if matched == 0:
             return _new(RadixMatch, (0, b"", None))
         pages = self._matched_pages(node, into, matched)
+        if self.usable is not None:
+            cut = self.usable(pages, lock)
+            if cut < matched:  # the window before the match's end is gone: it ends where the window is whole
+                if cut == 0:
+                    return _new(RadixMatch, (0, b"", None))
+                node, matched, into = self._walk(root, key, touch=False, end=cut * self.page_bytes)
+                pages = pages[: cut * PAGE_ID_BYTES]
         if not lock:
             return _new(RadixMatch, (matched, pages, None))
         if into < node.num_pages:
@@ -225,7 +236,10 @@ class RadixTree:
         root = self._roots.get(salt)
         if root is None or not (len(key) if end < 0 else end):
             return 0
-        return self._walk(root, key, touch=False, end=end)[1]
+        node, matched, into = self._walk(root, key, touch=False, end=end)
+        if self.usable is None or not matched:
+            return matched
+        return self.usable(self._matched_pages(node, into, matched), False)
 
     def find(self, salt: str, key: bytes | bytearray, end: int = -1) -> RadixNode | None:
         """The deepest node a read-only walk of `key` (`key[:end]` for `end` >= 0) reaches under `salt` (the
@@ -557,44 +571,7 @@ class RadixTree:
 
     def check(self) -> bytes:
         """Recount everything from the nodes; return every page the tree owns (int32 LE). O(tree size)."""
-        evictable = locked = 0
-        owned: list[bytes] = []
-        leaves: set[RadixNode] = set()
-        for n in self.iter_nodes():
-            if n.parent is None:
-                if n.lock_ref != 1 or n.pages or not n.children:
-                    raise InvariantError(f"salt root {n.salt!r} must be locked, pageless and non-empty")
-                continue
-            if n.lock_ref < 0:
-                raise InvariantError(f"node {n.id} has a negative lock_ref {n.lock_ref}")
-            if n.guard < 0 or (n.guard > 0) != (n.klass == PARENT):
-                raise InvariantError(f"node {n.id}: eviction class {n.klass} does not match its {n.guard} guards")
-            if n.num_pages == 0 or len(n.key) != n.num_pages * self.page_bytes:
-                raise InvariantError(f"node {n.id}: key bytes and page count disagree")
-            if n.parent.children.get(n.key[: self.page_bytes]) is not n:
-                raise InvariantError(f"node {n.id} is not reachable under its first page key")
-            if n.parent.parent is not None and n.lock_ref > n.parent.lock_ref:
-                raise InvariantError(f"node {n.id} is locked more often than its parent")
-            if n.lock_ref:
-                locked += n.num_pages
-            else:
-                evictable += n.num_pages
-            if self._is_evictable_leaf(n):
-                leaves.add(n)
-            owned.append(n.pages)
-        if (evictable, locked) != (self.evictable_pages, self.locked_pages):
-            raise InvariantError(
-                f"radix page counters (evictable={self.evictable_pages}, locked={self.locked_pages}) "
-                f"!= recount ({evictable}, {locked})"
-            )
-        if sum(self.evicted_by_class) != self.evicted_pages_total:
-            raise InvariantError(f"pages evicted by class {self.evicted_by_class} do not sum to "
-                                 f"{self.evicted_pages_total}")
-        if leaves != self._leaves.leaves():
-            raise InvariantError("evictable leaf set differs from the unlocked leaves of the tree")
-        if not leaves <= self._leaves.live_entries():
-            raise InvariantError("an evictable leaf has no live heap entry")
-        return b"".join(owned)
+        return check_tree(self, self._leaves)
 
 
 def _last_page(node: RadixNode | None) -> int | None:

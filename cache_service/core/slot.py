@@ -35,7 +35,7 @@ from typing import Any
 
 from cache_service.core.capacity import plan_relief
 from cache_service.core.config import CoreConfig
-from cache_service.core.errors import InvariantError, KVCacheError
+from cache_service.core.errors import InvariantError, KVCacheError, Reason
 from cache_service.core.events import SessionChange
 from cache_service.core.eviction import ORDINARY, PARENT
 from cache_service.core.ledger import IN_FLIGHT, SESSION_HELD, Counters, PageLedger
@@ -395,7 +395,10 @@ class Slots:
         s.committed_tokens = total
         c.session_kv_tokens += kv - s.kv_tokens
         s.kv_tokens = kv
+        window = self._pages.window
         if s.radix_turn and not s.streaming:
+            if window is not None:  # the turn's pages are its own until the insert
+                window.settle(s.pages, s.radix_pages, _hit_points(s, kv, ps, self._config.window_prompt_ends))
             node = self.drop_kv(s, cache=True)
             if s.children and node is not None:
                 self.set_guard(s, node)  # the parent's conversation now ends deeper
@@ -410,6 +413,9 @@ class Slots:
                 self._pages.give(bytes(s.pages[keep * 4 :]), IN_FLIGHT)
                 del s.pages[keep * 4 :]
             self._ledger.move(keep - s.committed_pages, IN_FLIGHT, SESSION_HELD)
+            if window is not None:  # the session moved past its pages: keep window rows only before hit points
+                window.settle(s.pages, max(s.radix_pages, s.committed_pages - 1),
+                              _hit_points(s, kv, ps, self._config.window_prompt_ends))
             s.committed_pages = keep
             if s.synced_pages > keep:
                 s.synced_pages = keep
@@ -530,6 +536,12 @@ class Slots:
             if n > pages.num_free and upto == ORDINARY:
                 self._radix.evict(n - pages.num_free)
         taken = pages.take(n, IN_FLIGHT)
+        if taken is None and pages.window is not None:
+            w = pages.window
+            raise KVCacheError(
+                Reason.POOL_EXHAUSTED, f"session {s.id!r} needs {n} window pages; {w.free_pages} free, the rest held "
+                f"by sessions, pinned or in flight (of {w.usable_pages})", session_id=s.id, requested_pages=n,
+                free_pages=w.free_pages)
         if taken is None:
             raise InvariantError(f"allocator refused {n} pages after relief that was planned to suffice")
         return taken
@@ -557,6 +569,8 @@ class Slots:
             end = pinned + existing
             duplicates = bytes(pages[pinned * 4 : end * 4])
             pages[pinned * 4 : end * 4] = ins.pages[: existing * 4]
+            if self._pages.window is not None:
+                self._pages.window.adopt(ins.pages[: existing * 4], duplicates)
             self._pages.give(duplicates, src)
             self._c.duplicate_pages += existing
             if s.synced_pages > pinned:
@@ -575,6 +589,15 @@ class Slots:
         if old is not None:
             self._radix.unlock(old)
         return ins.node
+
+
+def _hit_points(s: SessionSlot, kv: int, ps: int, prompts: bool) -> tuple[int, ...]:
+    """Where later requests' matches can end in `s`'s committed turn (pages): the committed KV (the next turn's
+    prompt matches up to it), and with `prompts` a replay of the turn's prompt (an append matches up to its last
+    token)."""
+    if prompts:
+        return min((s.turn_context_tokens - 1) // ps, kv // ps), kv // ps
+    return (kv // ps,)
 
 
 def _span(buf: bytearray, start: int, end: int) -> bytes:

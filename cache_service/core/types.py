@@ -244,6 +244,20 @@ class Stats:
     """What engines reported at their commits, in total (reuse.py)."""
     engine_reuse: tuple[Reuse, ...] = ()
     """The same per engine (the engines that reported last), by engine id."""
+    window_pages: int = 0
+    """A pool whose window rows are kept apart (docs/design.md §13): its usable window pages (0: none kept apart).
+    window_free_pages + window_held_pages == window_pages."""
+    window_free_pages: int = 0
+    window_held_pages: int = 0
+    """Window pages holding a page's window-layer rows (a page with full rows and no window rows holds none)."""
+    window_policy_dropped_pages: int = 0
+    """Cumulative window pages dropped at commits: rows no hit point of the session needs."""
+    window_pressure_dropped_pages: int = 0
+    """Cumulative window pages dropped under pressure: radix rows no hit point needs."""
+    window_evicted_pages: int = 0
+    """Cumulative whole radix pages evicted because window pages were short (counted in evicted_pages too)."""
+    window_cut_hit_tokens: int = 0
+    """Cumulative tokens pinned matches gave up because the window rows before their end were gone."""
 
     @property
     def usable_pages(self) -> int:

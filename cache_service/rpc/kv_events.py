@@ -29,8 +29,10 @@ when it asks with that name, never for a request of another salt or of none. Uns
 Layer groups in the ZMQ format: a pool of several groups (full attention and a sliding window on some layers)
 announces each stored page once per group, as vLLM's hybrid KV cache manager does: `group_idx` (the group's
 place in GetPoolInfo's `groups`), `kv_cache_spec_kind` ("full_attention", "sliding_window") and, for a window
-group, `kv_cache_spec_sliding_window`; a removed page once per group with its `group_idx`. A page is whole
-across groups (it holds every layer's rows), so the groups' events always go together. A one-group pool's
+group, `kv_cache_spec_sliding_window`; a removed page once per group with its `group_idx`. Where a pool keeps
+its window rows apart (docs/design.md §13), a page whose window rows alone were freed is removed from the window
+group only (its full-attention rows stay): one `BlockRemoved` with the window group's `group_idx` (WatchEvents:
+`window_rows_only`). A one-group pool's
 events have no group fields, as before groups. WatchEvents announces each page once: its groups are the
 pool's (GetPoolInfo).
 """
@@ -131,8 +133,9 @@ def wire_events(record: Record, medium: str, page_size: int, tier_medium: str = 
         return []
     if not groups or isinstance(record, Cleared):
         return [event]
-    if isinstance(record, Removed):
-        return [{**event, "group_idx": i} for i in range(len(groups))]
+    if isinstance(record, Removed):  # only the window rows left: the window groups' events only
+        return [{**event, "group_idx": i} for i, g in enumerate(groups)
+                if not record.window or g.kind == "sliding_window"]
     return [{**event, "group_idx": i, "kv_cache_spec_kind": g.kind,
              **({"kv_cache_spec_sliding_window": g.sliding_window} if g.sliding_window else {})}
             for i, g in enumerate(groups)]
@@ -161,7 +164,7 @@ def proto_event(record: Record, medium: str, page_size: int, tier_medium: str = 
         return pb.KvEvent(stored=stored)
     if isinstance(record, Removed):
         return pb.KvEvent(removed=pb.BlockRemoved(block_hashes=record.hashes, medium=medium,
-                                                  cache_salt=record.cache_salt))
+                                                  cache_salt=record.cache_salt, window_rows_only=record.window))
     if isinstance(record, Cleared):
         return pb.KvEvent(cleared=pb.AllBlocksCleared())
     if record.kind == "opened":

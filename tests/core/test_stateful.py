@@ -24,6 +24,13 @@ by the verification the finish is told about), or leaves them tainted (quarantin
 stale writer). No LOADING page may be readable: in no page table, no match and no radix node, and every
 cached position of every append and match must still hold its exact fingerprint.
 
+A window pool (docs/design.md §13; window.py), run by its own machine and walks without the tier: every page has
+window rows in a window page of their own, which the engine writes beside the page's full rows (`wkv`); the core
+drops them at commits and under pressure. Every cached position's full rows must hold their fingerprint, and
+the window rows before every hit point (the last WINDOW - 1 positions before an append's `cached_tokens` and a
+match's end) too, in a window page that is the page's own at that moment; a stalled engine poisons its turn's
+window pages too, which must stay quarantined with their pages.
+
 Two drivers share the simulator: a Hypothesis state machine (shrinks a failure to a short story) and
 long seeded random walks (reach deep states: many turns, demotion, racing duplicate prefixes).
 """
@@ -61,6 +68,9 @@ gone, an unknown adopter."""
 PARKED_TIMEOUT = 10.0
 NAMESPACE = Namespace("sim", 1, 1, 1, "float16", PAGE_SIZE)
 LOADING_GARBAGE = "loading"
+WINDOW = 5
+"""The window pool's sliding window: a hit needs the window rows of the 2 pages before it."""
+WINDOW_PAGES = 24
 
 
 def fingerprint(salt: str, prefix: list[int]) -> int:
@@ -91,17 +101,21 @@ class StaleWriter:
 class Simulator:
     """The core plus engines that follow the protocol, and a model of what each session must hold."""
 
-    def __init__(self) -> None:
+    def __init__(self, window: bool = False, prompt_ends: bool = False) -> None:
         self.clock = FakeClock()
         self.core = CheckedCore(
             CoreConfig(
                 num_pages=NUM_PAGES, page_size=PAGE_SIZE, session_timeout_seconds=20, lease_ttl_seconds=15,
                 session_budget_pages=30, max_session_tokens=48, quarantine_seconds=QUARANTINE,
                 parked_session_timeout_seconds=PARKED_TIMEOUT,
+                window_pages=WINDOW_PAGES if window else 0, window_tokens=WINDOW if window else 0,
+                window_prompt_ends=prompt_ends,
             ),
-            self.clock, tier=NAMESPACE,
+            self.clock, tier=None if window else NAMESPACE,
         )
         self.kv = np.zeros((NUM_PAGES, PAGE_SIZE), dtype=object)
+        self.wkv = np.zeros((WINDOW_PAGES, PAGE_SIZE), dtype=object)
+        """The window pages' rows (a window pool only)."""
         self.store: dict[bytes, tuple[tuple[object, ...], bool]] = {}
         """The tier: key -> (the page's KV, sound). A value made unsound fails verification at a load."""
         self.loads: list[Load] = []
@@ -111,8 +125,8 @@ class Simulator:
         """Offloads in progress, with the KV their pages held when they were planned (pinned: unchanged)."""
         self.models: dict[str, Model] = {}
         self.seen: Counter[str] = Counter()
-        assert self.core.tier is not None
-        self.core.tier.stage = self.stage
+        if self.core.tier is not None:
+            self.core.tier.stage = self.stage
         self.stale: list[StaleWriter] = []
         self.core.start_events()
         self.mirror: dict[int, tuple[str, int | None, tuple[int, ...]]] = {}
@@ -159,6 +173,8 @@ class Simulator:
                     f"a stalled engine writes page {page}, which is no longer quarantined"
                 )
                 self.kv[page, :] = POISON
+                if self.core.window is not None and self.core.window.win[page]:
+                    self.wkv[self.core.window.win[page], :] = POISON
             self.seen["stale_write"] += 1
 
     def _write(self, m: Model, tokens: list[int], start: int, stop: int) -> None:
@@ -166,6 +182,21 @@ class Simulator:
             page = m.table[pos // PAGE_SIZE]
             assert page != 0, "the engine was told to write into the null page"
             self.kv[page, pos % PAGE_SIZE] = fingerprint(m.salt, tokens[: pos + 1])
+            if self.core.window is not None:
+                w = self.core.window.win[page]
+                assert w, f"the engine writes page {page}, which has no window page"
+                self.wkv[w, pos % PAGE_SIZE] = fingerprint(m.salt, tokens[: pos + 1])
+
+    def check_window(self, salt: str, tokens: list[int], table: list[int], cached: int, what: str) -> None:
+        """A window pool: the window rows a reader at `cached` needs (its last WINDOW - 1 positions) are there."""
+        if self.core.window is None:
+            return
+        for pos in range(max(0, cached - WINDOW + 1), cached):
+            w = self.core.window.win[table[pos // PAGE_SIZE]]
+            assert w, f"{what}: position {pos} is in the window before {cached}, its window rows were dropped"
+            assert self.wkv[w, pos % PAGE_SIZE] == fingerprint(salt, tokens[: pos + 1]), (
+                f"{what}: window rows of position {pos} hold someone else's KV")
+        self.seen["window:checked"] += cached > 0
 
     def open(self, sid: str, streaming: bool, salt: str, owner: str, parent: str = "") -> None:
         p = self.models.get(parent)
@@ -232,6 +263,7 @@ class Simulator:
             assert self.kv[page, pos % PAGE_SIZE] == fingerprint(m.salt, context[: pos + 1]), (
                 f"session {sid}: cached position {pos} in page {page} holds someone else's KV"
             )
+        self.check_window(m.salt, context, m.table, r.cached_tokens, f"session {sid}")
         self._write(m, context, r.cached_tokens, len(context))
         m.turn = (context, r.cached_tokens, r.capacity_tokens)
         self.seen[f"append:turn{min(r.turn, 4)}"] += 1
@@ -377,6 +409,7 @@ class Simulator:
         for pos in range(res.cached_tokens):
             page = int(res.page_ids[pos // PAGE_SIZE])
             assert self.kv[page, pos % PAGE_SIZE] == fingerprint(salt, probe[: pos + 1])
+        self.check_window(salt, probe, res.page_ids.tolist(), res.cached_tokens, "match")
 
     # ------------------------------------------------------------------ the tier
 
@@ -396,7 +429,8 @@ class Simulator:
 
     def offload(self, room: int, force: bool) -> None:
         tier = self.core.tier
-        assert tier is not None
+        if tier is None:
+            return
         for job in tier.plan_offload(room, force=force):
             self.offloads.append((job, [tuple(self.kv[p]) for p in job.pages]))
             parts, n = [], job.node
@@ -408,7 +442,7 @@ class Simulator:
 
     def offload_done(self, index: int, outcome: str) -> None:
         """The store finishes an offload: "ok" (all stored), "fail" (none), "partial" (the queue took some)."""
-        if not self.offloads:
+        if not self.offloads or self.core.tier is None:
             return
         job, values = self.offloads.pop(index % len(self.offloads))
         tier = self.core.tier
@@ -437,7 +471,8 @@ class Simulator:
     def load_begin(self, probe: list[int], salt: str) -> None:
         """A lookup and the start of a load of what the tier holds beyond the radix's match of `probe`."""
         tier = self.core.tier
-        assert tier is not None
+        if tier is None:
+            return
         plan = tier.plan(salt, np.array(probe[: len(probe) // PAGE_SIZE * PAGE_SIZE], "<i4").tobytes())
         if plan is None:
             return
@@ -483,7 +518,8 @@ class Simulator:
     def check_loading(self) -> None:
         """No LOADING page is readable: in no page table, no radix node."""
         tier = self.core.tier
-        assert tier is not None
+        if tier is None:
+            return
         loading = set(np.frombuffer(tier.loading(), dtype=np.int32).tolist())
         assert loading == {p for load in self.loads for p in load.page_list}
         for _, slot in self.core.sessions.items():
@@ -539,6 +575,9 @@ class Simulator:
                     self.mirror[h] = (r.cache_salt, parent, tuple(r.token_ids[i * PAGE_SIZE : (i + 1) * PAGE_SIZE]))
                     parent = h
                 self.seen["events:stored"] += len(r.hashes)
+            elif isinstance(r, Removed) and r.window:  # only the window rows: the pages stay
+                assert all(h in self.mirror for h in r.hashes), "window rows removed of a page never announced"
+                self.seen["events:window_removed"] += len(r.hashes)
             elif isinstance(r, Removed):
                 for h in r.hashes:
                     assert h in self.mirror, "removal of a page never announced"
@@ -560,9 +599,11 @@ tokens_st = st.lists(st.integers(1, 2), min_size=0, max_size=7)  # a tiny vocabu
 
 
 class CoreMachine(RuleBasedStateMachine):
+    window = False
+
     def __init__(self) -> None:
         super().__init__()
-        self.sim = Simulator()
+        self.sim = Simulator(self.window)
 
     def _pick(self, data: st.DataObject) -> str:
         """Mostly an open session; sometimes any id (unknown ones exercise SESSION_NOT_FOUND)."""
@@ -654,6 +695,17 @@ CoreMachine.TestCase.settings = settings(
 TestCoreStateMachine = CoreMachine.TestCase
 
 
+class WindowMachine(CoreMachine):
+    """The same machine on a window pool (no tier): window rows dropped at commits and under pressure."""
+
+    window = True
+
+
+WindowMachine.TestCase.settings = settings(CoreMachine.TestCase.settings, max_examples=80)
+"""Fewer examples than the core machine's 150: each step also checks window rows, and the suite is near its cap."""
+TestWindowStateMachine = WindowMachine.TestCase
+
+
 # ---------------------------------------------------------------------------- long random walks
 
 _MODES: list[CloseMode | None] = [None, *CloseMode]
@@ -663,12 +715,12 @@ _ACTIONS = ["open", "open", "append", "append", "append", "append", "commit", "c
             "load_begin", "load_done", "load_begin", "load_done", "corrupt"]
 
 
-def random_walk(seed: int, steps: int) -> Simulator:
+def random_walk(seed: int, steps: int, window: bool = False) -> Simulator:
     rng = np.random.default_rng(seed)
     tree = np.random.default_rng(seed + 1_000_000)
     """Parents and close modes: drawn apart, so the walks' other choices are what they were before trees."""
-    sim = Simulator()
-    if seed % 2 == 1:  # half the walks without eviction staging: evictions lose what the tier lacks
+    sim = Simulator(window, prompt_ends=window and seed % 2 == 1)  # window walks: half keep prompt ends too
+    if seed % 2 == 1 and not window:  # half the walks without eviction staging: evictions lose what the tier lacks
         assert sim.core.tier is not None
         sim.core.tier.stage = None
 
@@ -741,6 +793,10 @@ def random_walk(seed: int, steps: int) -> Simulator:
     sim.seen["duplicate_pages"] += st_.duplicate_pages
     sim.seen["evicted_pages"] += st_.evicted_pages
     sim.seen["expired_leases"] += st_.expired_leases
+    sim.seen["window:policy_dropped"] += st_.window_policy_dropped_pages
+    sim.seen["window:pressure_dropped"] += st_.window_pressure_dropped_pages
+    sim.seen["window:evicted"] += st_.window_evicted_pages
+    sim.seen["window:cut_hit_tokens"] += st_.window_cut_hit_tokens
     return sim
 
 
@@ -784,3 +840,16 @@ def test_random_walk_then_closing_everything_leaves_free_plus_evictable(seed: in
     st_ = sim.core.check_invariants()
     assert st_.sessions == 0 and st_.quarantined_pages == 0
     assert st_.free_pages + st_.evictable_pages == NUM_PAGES - 1
+
+
+def test_window_random_walks_free_window_rows() -> None:
+    """A window pool's walks drop window rows at commits and under pressure, evict for them, cut hits short, and
+    every reader still finds the window rows it needs (checked at every append and match)."""
+    seen: Counter[str] = Counter()
+    for seed in range(6):
+        seen += random_walk(seed, 600, window=True).seen
+    floors = {"append:radix_hit": 20, "append:session_hit": 20, "window:checked": 60, "window:policy_dropped": 20,
+              "window:pressure_dropped": 5, "window:evicted": 5, "window:cut_hit_tokens": 2,
+              "events:window_removed": 5, "append:POOL_EXHAUSTED": 1, "stale_write": 2}
+    low = {what: seen[what] for what, floor in floors.items() if seen[what] < floor}
+    assert not low, f"under-exercised: {low}; all: {dict(seen)}"

@@ -196,6 +196,18 @@ def test_stats_and_session_info_convert_every_field_by_name(make_core_for_conver
     assert not converted.HasField("parked_seconds_left")  # None: not parked
 
 
+def test_a_window_pools_stats_say_what_was_freed_per_kind() -> None:
+    """docs/design.md §13: the window pages and what was freed of them reach GetStats by name."""
+    core = KVCacheCore(CoreConfig(num_pages=16, page_size=4, window_pages=16, window_tokens=5))
+    core.open_session("a")
+    core.append("a", np.arange(1, 17, dtype=np.int32), 4)
+    core.commit("a", np.arange(20, 24, dtype=np.int32))
+    msg = stats(core.stats(), instance_id="i", uptime_seconds=1.0, verified=False)
+    assert (msg.window_pages, msg.window_held_pages, msg.window_free_pages, msg.window_policy_dropped_pages,
+            msg.window_pressure_dropped_pages, msg.window_evicted_pages, msg.window_cut_hit_tokens) == (15, 1, 14, 3,
+                                                                                                       0, 0, 0)
+
+
 def test_a_parked_session_converts_with_its_former_owner_and_time_left(make_core_for_convert: KVCacheCore) -> None:
     core = make_core_for_convert
     owner = core.get_session("s").engine_id

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from cache_service.core.events import Cleared, Removed, SessionChange, Stored
-from cache_service.rpc.kv_events import END_SEQ, WireGroup, wire_batch, wire_groups
+from cache_service.rpc.kv_events import END_SEQ, WireGroup, proto_event, wire_batch, wire_groups
 from kvcache_common.layout import PoolLayout
 
 REPO = Path(__file__).resolve().parents[2]
@@ -116,6 +116,15 @@ def test_each_group_gets_its_own_stored_and_removed_event_as_vllms_hybrid_manage
     removed = [REMOVED[:1].replace(b"\x83", b"\x84") + REMOVED[1:] + s("group_idx") + bytes([i]) for i in (0, 1)]
     assert wire_batch(2.0, records, "GPU", 4, groups=GROUPS) == batch(2.0, CLEARED, window, full, *removed)
     assert wire_batch(2.0, records, "GPU", 4) == batch(2.0, CLEARED, STORED, REMOVED)  # one group: unchanged
+
+
+def test_window_rows_removed_alone_are_a_removal_from_the_window_group_only() -> None:
+    """docs/design.md §13: a page that lost only its window rows keeps its full-attention rows (group 1)."""
+    window_only = REMOVED[:1].replace(b"\x83", b"\x84") + REMOVED[1:] + s("group_idx") + b"\x00"
+    assert wire_batch(2.0, [Removed("", [H2], False, True)], "GPU", 4, groups=GROUPS) == batch(2.0, window_only)
+    watched = proto_event(Removed("t", [H2], False, True), "GPU", 4).removed
+    assert (list(watched.block_hashes), watched.cache_salt, watched.window_rows_only) == ([H2], "t", True)
+    assert not proto_event(Removed("t", [H2]), "GPU", 4).removed.window_rows_only
 
 
 DECODE = """

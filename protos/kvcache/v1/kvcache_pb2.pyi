@@ -684,7 +684,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, verify: _Optional[bool] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("num_pages", "page_size", "free_pages", "evictable_pages", "radix_locked_pages", "session_held_pages", "in_flight_pages", "session_budget_pages", "radix_tokens", "session_tokens", "session_kv_tokens", "prefix_hit_tokens", "session_hit_tokens", "miss_tokens", "evicted_pages", "duplicate_pages", "demoted_sessions", "reaped_sessions", "expired_leases", "sessions_idle", "sessions_in_turn", "sessions_closing", "sessions_demoted", "engines", "instance_id", "uptime_seconds", "physical_usage", "verified", "quarantined_pages", "tier", "loading_pages", "offloading_pages", "tier_stored_pages", "evicted_unstored_pages", "sessions_parked", "parked_sessions", "adopted_sessions", "expired_parked_sessions", "evicted_closed_child_pages", "evicted_ordinary_pages", "evicted_parent_pages", "demoted_session_pages", "demoted_parent_pages", "reuse", "engine_reuse")
+    __slots__ = ("num_pages", "page_size", "free_pages", "evictable_pages", "radix_locked_pages", "session_held_pages", "in_flight_pages", "session_budget_pages", "radix_tokens", "session_tokens", "session_kv_tokens", "prefix_hit_tokens", "session_hit_tokens", "miss_tokens", "evicted_pages", "duplicate_pages", "demoted_sessions", "reaped_sessions", "expired_leases", "sessions_idle", "sessions_in_turn", "sessions_closing", "sessions_demoted", "engines", "instance_id", "uptime_seconds", "physical_usage", "verified", "quarantined_pages", "tier", "loading_pages", "offloading_pages", "tier_stored_pages", "evicted_unstored_pages", "sessions_parked", "parked_sessions", "adopted_sessions", "expired_parked_sessions", "evicted_closed_child_pages", "evicted_ordinary_pages", "evicted_parent_pages", "demoted_session_pages", "demoted_parent_pages", "reuse", "engine_reuse", "window_pages", "window_free_pages", "window_held_pages", "window_policy_dropped_pages", "window_pressure_dropped_pages", "window_evicted_pages", "window_cut_hit_tokens")
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -730,6 +730,13 @@ class GetStatsResponse(_message.Message):
     DEMOTED_PARENT_PAGES_FIELD_NUMBER: _ClassVar[int]
     REUSE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_REUSE_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_PAGES_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_HELD_PAGES_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_POLICY_DROPPED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_PRESSURE_DROPPED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_EVICTED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_CUT_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_pages: int
     page_size: int
     free_pages: int
@@ -775,7 +782,14 @@ class GetStatsResponse(_message.Message):
     demoted_parent_pages: int
     reuse: ReuseStats
     engine_reuse: _containers.RepeatedCompositeFieldContainer[ReuseStats]
-    def __init__(self, num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., free_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ..., radix_locked_pages: _Optional[int] = ..., session_held_pages: _Optional[int] = ..., in_flight_pages: _Optional[int] = ..., session_budget_pages: _Optional[int] = ..., radix_tokens: _Optional[int] = ..., session_tokens: _Optional[int] = ..., session_kv_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., session_hit_tokens: _Optional[int] = ..., miss_tokens: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., duplicate_pages: _Optional[int] = ..., demoted_sessions: _Optional[int] = ..., reaped_sessions: _Optional[int] = ..., expired_leases: _Optional[int] = ..., sessions_idle: _Optional[int] = ..., sessions_in_turn: _Optional[int] = ..., sessions_closing: _Optional[int] = ..., sessions_demoted: _Optional[int] = ..., engines: _Optional[int] = ..., instance_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., physical_usage: _Optional[float] = ..., verified: _Optional[bool] = ..., quarantined_pages: _Optional[int] = ..., tier: _Optional[_Union[TierStats, _Mapping]] = ..., loading_pages: _Optional[int] = ..., offloading_pages: _Optional[int] = ..., tier_stored_pages: _Optional[int] = ..., evicted_unstored_pages: _Optional[int] = ..., sessions_parked: _Optional[int] = ..., parked_sessions: _Optional[int] = ..., adopted_sessions: _Optional[int] = ..., expired_parked_sessions: _Optional[int] = ..., evicted_closed_child_pages: _Optional[int] = ..., evicted_ordinary_pages: _Optional[int] = ..., evicted_parent_pages: _Optional[int] = ..., demoted_session_pages: _Optional[int] = ..., demoted_parent_pages: _Optional[int] = ..., reuse: _Optional[_Union[ReuseStats, _Mapping]] = ..., engine_reuse: _Optional[_Iterable[_Union[ReuseStats, _Mapping]]] = ...) -> None: ...
+    window_pages: int
+    window_free_pages: int
+    window_held_pages: int
+    window_policy_dropped_pages: int
+    window_pressure_dropped_pages: int
+    window_evicted_pages: int
+    window_cut_hit_tokens: int
+    def __init__(self, num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., free_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ..., radix_locked_pages: _Optional[int] = ..., session_held_pages: _Optional[int] = ..., in_flight_pages: _Optional[int] = ..., session_budget_pages: _Optional[int] = ..., radix_tokens: _Optional[int] = ..., session_tokens: _Optional[int] = ..., session_kv_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., session_hit_tokens: _Optional[int] = ..., miss_tokens: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., duplicate_pages: _Optional[int] = ..., demoted_sessions: _Optional[int] = ..., reaped_sessions: _Optional[int] = ..., expired_leases: _Optional[int] = ..., sessions_idle: _Optional[int] = ..., sessions_in_turn: _Optional[int] = ..., sessions_closing: _Optional[int] = ..., sessions_demoted: _Optional[int] = ..., engines: _Optional[int] = ..., instance_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., physical_usage: _Optional[float] = ..., verified: _Optional[bool] = ..., quarantined_pages: _Optional[int] = ..., tier: _Optional[_Union[TierStats, _Mapping]] = ..., loading_pages: _Optional[int] = ..., offloading_pages: _Optional[int] = ..., tier_stored_pages: _Optional[int] = ..., evicted_unstored_pages: _Optional[int] = ..., sessions_parked: _Optional[int] = ..., parked_sessions: _Optional[int] = ..., adopted_sessions: _Optional[int] = ..., expired_parked_sessions: _Optional[int] = ..., evicted_closed_child_pages: _Optional[int] = ..., evicted_ordinary_pages: _Optional[int] = ..., evicted_parent_pages: _Optional[int] = ..., demoted_session_pages: _Optional[int] = ..., demoted_parent_pages: _Optional[int] = ..., reuse: _Optional[_Union[ReuseStats, _Mapping]] = ..., engine_reuse: _Optional[_Iterable[_Union[ReuseStats, _Mapping]]] = ..., window_pages: _Optional[int] = ..., window_free_pages: _Optional[int] = ..., window_held_pages: _Optional[int] = ..., window_policy_dropped_pages: _Optional[int] = ..., window_pressure_dropped_pages: _Optional[int] = ..., window_evicted_pages: _Optional[int] = ..., window_cut_hit_tokens: _Optional[int] = ...) -> None: ...
 
 class ReuseStats(_message.Message):
     __slots__ = ("engine_id", "turns", "matched_tokens", "engine_cached_tokens", "loaded_tokens", "computed_tokens")
@@ -934,14 +948,16 @@ class BlockStored(_message.Message):
     def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., medium: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class BlockRemoved(_message.Message):
-    __slots__ = ("block_hashes", "medium", "cache_salt")
+    __slots__ = ("block_hashes", "medium", "cache_salt", "window_rows_only")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     MEDIUM_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_ROWS_ONLY_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
     medium: str
     cache_salt: str
-    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., medium: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    window_rows_only: bool
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., medium: _Optional[str] = ..., cache_salt: _Optional[str] = ..., window_rows_only: _Optional[bool] = ...) -> None: ...
 
 class AllBlocksCleared(_message.Message):
     __slots__ = ()

@@ -1,0 +1,178 @@
+"""Window rows kept apart (docs/design.md §13, cache_service/core/window.py): pages keep their full-attention
+rows while their window rows are dropped at commits and under pressure; a match ends where the window before it
+is whole. Page ids are exact: a fresh pool hands out pages 1, 2, 3, ... and window pages 1, 2, 3, ..."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from cache_service.core import CoreConfig, KVCacheCore, Reason
+from cache_service.core.errors import InvariantError
+from cache_service.core.events import Removed
+from cache_service.core.tier_keys import Namespace
+from cache_service.core.window import window_span
+
+from .conftest import CheckedCore, raises_reason, toks
+
+PS = 4
+W = 9
+"""A hit needs the window rows of the 2 pages before it (positions P - 8 .. P - 1)."""
+
+
+def windows(core: KVCacheCore, pages: list[int]) -> list[int]:
+    assert core.window is not None
+    return np.frombuffer(core.window.window_of(np.array(pages, dtype="<i4").tobytes()), dtype="<i4").tolist()
+
+
+def chat_turn(core: KVCacheCore, sid: str, prompt: np.ndarray, answer: np.ndarray) -> None:
+    """A regular request: its prompt matched, its KV cached at its commit, the session closed."""
+    core.open_session(sid)
+    core.append(sid, prompt, len(answer))
+    core.commit(sid, answer)
+    core.close(sid, cache=True)
+
+
+def test_window_span() -> None:
+    assert [window_span(w, 4) for w in (1, 2, 5, 6, 9, 10)] == [0, 1, 1, 2, 2, 3]
+
+
+def test_commit_drops_window_rows_no_turn_end_needs_and_matches_end_where_the_window_is_whole(
+        make_core: Callable[..., CheckedCore]) -> None:
+    core = make_core(32, PS, window_pages=32, window_tokens=W)
+    prompt, answer = toks(range(1, 25)), toks(range(100, 108))
+    core.open_session("a")
+    r = core.append("a", prompt, 8)
+    assert r.page_ids.tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert windows(core, r.page_ids.tolist()) == [1, 2, 3, 4, 5, 6, 7, 8]
+    core.commit("a", answer)  # KV for 31 tokens: 7 whole pages go to the radix at the turn's end
+    core.close("a", cache=True)
+    # The turn's end (7 pages) is the hit point: its window (pages 5 and 6 of the path) stays, the rest goes.
+    assert windows(core, [1, 2, 3, 4, 5, 6, 7, 8]) == [0, 0, 0, 0, 0, 6, 7, 0]
+    st = core.stats()
+    assert (st.window_pages, st.window_held_pages, st.window_free_pages) == (31, 2, 29)
+    assert (st.window_policy_dropped_pages, st.evictable_pages) == (5, 7)
+    context = np.concatenate([prompt, answer])
+    assert core.match_prefix(context).cached_tokens == 28  # the turn's end: its window is whole
+    assert core.match_prefix(context[:24]).cached_tokens == 0  # every window before 24 is gone
+    # The next turn's prompt hits the turn's end and computes the rest.
+    core.open_session("b")
+    r = core.append("b", np.concatenate([context, toks(7, 7, 7)]), 0)
+    assert (r.cached_tokens, r.prefix_hit_tokens) == (28, 28)
+    core.commit("b", toks(9))
+    assert core.stats().window_cut_hit_tokens == 0
+
+
+def test_prompt_ends_keep_their_window_too(make_core: Callable[..., CheckedCore]) -> None:
+    core = make_core(32, PS, window_pages=32, window_tokens=W, window_prompt_ends=True)
+    prompt, answer = toks(range(1, 25)), toks(range(100, 108))
+    chat_turn(core, "a", prompt, answer)
+    # Hit points: the prompt's (an append of it matches 5 pages) and the turn's end (7 pages).
+    assert windows(core, [1, 2, 3, 4, 5, 6, 7]) == [0, 0, 0, 4, 5, 6, 7]
+    core.open_session("b")
+    r = core.append("b", prompt, 0)  # a replay of the prompt hits all it can
+    assert r.cached_tokens == 20
+
+
+def test_a_match_whose_window_is_gone_is_cut_and_the_recompute_brings_the_rows_back(
+        make_core: Callable[..., CheckedCore]) -> None:
+    core = make_core(32, PS, window_pages=32, window_tokens=W)
+    prompt, answer = toks(range(1, 25)), toks(range(100, 108))
+    chat_turn(core, "a", prompt, answer)
+    # A prompt that diverges at 20: its match of 5 pages has no window before it, nor before any shorter point.
+    other = np.concatenate([prompt[:20], toks(5, 5, 5, 5, 5)])
+    core.open_session("b")
+    r = core.append("b", other, 0)
+    assert (r.cached_tokens, r.page_ids.tolist()) == (0, [8, 9, 10, 11, 12, 13, 14])
+    assert windows(core, r.page_ids.tolist()) == [8, 1, 2, 3, 4, 5, 9]
+    assert core.stats().window_cut_hit_tokens == 20
+    core.commit("b", toks(6))  # KV for 25 tokens: the turn's end at 6 pages keeps the rows of pages 12 and 13
+    core.close("b", cache=True)
+    # Its pages 8-12 were duplicates of the tree's 1-5: the tree's page 5 (no window rows since "a") took over
+    # b's window rows of the same tokens (window page 4), so b's turn end has its whole window.
+    assert windows(core, [1, 2, 3, 4, 5, 13]) == [0, 0, 0, 0, 4, 5]
+    assert core.stats().duplicate_pages == 5
+    assert core.match_prefix(other[:24]).cached_tokens == 24
+    assert core.match_prefix(np.concatenate([prompt, answer])).cached_tokens == 28
+
+
+def test_pressure_drops_unneeded_window_rows_then_evicts_whole_pages(make_core: Callable[..., CheckedCore]) -> None:
+    core = make_core(32, PS, window_pages=9, window_tokens=W, window_prompt_ends=False)
+    core.start_events()
+    core.take_events()
+    # A streaming session's first turn: its prompt's pages stay pinned in the radix with all their window rows
+    # until pressure comes (a commit drops only the session's own pages' rows).
+    core.open_session("s", streaming=True)
+    core.append("s", toks(range(1, 25)), 8)
+    core.commit("s", toks(range(100, 108)))
+    core.close("s", cache=True)
+    # Pages 1-7 cached (turn end at 7 pages); pages 1-6 were the pinned prompt, page 7 the session's own.
+    assert windows(core, [1, 2, 3, 4, 5, 6, 7]) == [1, 2, 3, 4, 5, 6, 7]
+    assert core.stats().window_free_pages == 1
+    core.take_events()
+    # Another chat needs 8 pages: the sweep frees the 5 window pages no hit point needs, eviction the other 2 (pages
+    # 7 and 6); pages 1-5 are then a dead tail (no window rows at the path's end: no hit can end there) and go too.
+    core.open_session("t")
+    r = core.append("t", toks(range(200, 224)), 8)
+    assert r.page_ids.tolist() == [1, 2, 3, 4, 5, 6, 7, 8]  # freed last first: 1, 2, 3, ... then 8
+    st = core.stats()
+    assert (st.window_pressure_dropped_pages, st.window_evicted_pages, st.evicted_pages) == (5, 7, 7)
+    assert (st.window_free_pages, st.window_held_pages, st.evictable_pages) == (0, 8, 0)
+    removed = [(r.window, len(r.hashes)) for r in core.take_events() if isinstance(r, Removed)]
+    assert removed == [(True, 5), (False, 7)]  # the window group's rows of 5 pages; then 7 whole pages
+
+
+def test_pool_exhausted_when_window_pages_are_held_by_sessions(make_core: Callable[..., CheckedCore]) -> None:
+    core = make_core(32, PS, window_pages=5, window_tokens=W)
+    core.open_session("a")
+    core.append("a", toks(range(1, 13)), 4)  # 4 pages, every window page
+    core.open_session("b")
+    e = raises_reason(Reason.POOL_EXHAUSTED, core.append, "b", toks(1, 2, 3), 0)
+    assert str(e).startswith("session 'b' needs 1 window pages; 0 free")
+    assert core.get_session("b").context_tokens == 0
+
+
+def test_streaming_turns_drop_what_they_moved_past(make_core: Callable[..., CheckedCore]) -> None:
+    core = make_core(40, PS, window_pages=40, window_tokens=W)
+    core.open_session("s", streaming=True)
+    r = core.append("s", toks(range(1, 9)), 4)  # pages 1-3
+    core.commit("s", toks(50, 51, 52, 53))  # KV 11: prompt 2 pages pinned, turn end at 2 pages
+    r = core.append("s", toks(range(60, 80)), 4)  # context 32: pages 4-9
+    assert r.cached_tokens == 11
+    core.commit("s", toks(90, 91, 92, 93))  # KV 35: turn end 8 pages; 9 (35 % 4) the continuation
+    pages = bytes(core.sessions.get("s").pages)
+    ids = np.frombuffer(pages, dtype=np.int32).tolist()
+    assert ids == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    # Own pages from 3 on (index 2): the window before 8 pages (indexes 6, 7) and the continuation stay.
+    assert windows(core, ids) == [1, 2, 0, 0, 0, 0, 7, 8, 9]
+    r = core.append("s", toks(7), 0)
+    assert r.cached_tokens == 35
+
+
+def test_invariant_check_catches_a_window_page_held_twice(make_core: Callable[..., CheckedCore]) -> None:
+    core = make_core(16, PS, window_pages=16, window_tokens=W)
+    core.open_session("a")
+    core.append("a", toks(range(1, 9)), 0)
+    assert core.window is not None
+    core.window.win[2] = core.window.win[1]
+    with pytest.raises(InvariantError, match="a window page is attached to two pages"):
+        core.accounting.check_invariants()
+    core.window.win[2] = 2
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"window_pages": 8}, "window_pages (8) must be >= 2 with window_tokens >= 1 (got 0)"),
+    ({"window_pages": 1, "window_tokens": 8}, "window_pages (1) must be >= 2 with window_tokens >= 1 (got 8)"),
+    ({"window_tokens": 8}, "window_tokens 8 needs window_pages"),
+])
+def test_config_refusals(kwargs: dict[str, int], message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        CoreConfig(num_pages=16, page_size=PS, **kwargs)
+
+
+def test_a_tier_beside_window_rows_kept_apart_is_refused() -> None:
+    with pytest.raises(ValueError, match="a tier beyond a pool whose window rows are kept apart is not supported"):
+        KVCacheCore(CoreConfig(num_pages=16, page_size=PS, window_pages=8, window_tokens=W),
+                    tier=Namespace("t", 1, 1, 1, "float16", PS))
