@@ -21,6 +21,7 @@ from cache_service import __version__
 from cache_service.core import KVCacheCore, KVCacheError, Reason
 from cache_service.core.errors import InvariantError, invalid_argument
 from cache_service.core.events import Record, SessionChange
+from cache_service.events.hub import EventHub, Visible
 from cache_service.log import get_logger
 from cache_service.memory import PoolHandle, PoolLayout
 from cache_service.metrics import Metrics
@@ -28,7 +29,6 @@ from cache_service.rpc import convert
 from cache_service.rpc.errors import status_proto
 from cache_service.rpc.identity import Identity, Role
 from cache_service.rpc.interceptor import CALLER
-from cache_service.rpc.kv_events import EventHub, Visible
 from cache_service.rpc.step_columns import KIND_NAMES, run_columns
 from cache_service.rpc.tier_path import TierPath
 from cache_service.tier import TierService
