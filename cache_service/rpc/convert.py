@@ -96,9 +96,11 @@ class SchemaMismatch(TypeError):
 def field_names(record: type, message: Any, *, service: Iterable[str] = ()) -> tuple[str, ...]:
     """The fields of `record` (a dataclass or NamedTuple), checked against `message`'s: each must be a message field
     of the same name, and each message field must be one of them or of `service` (what the service fills)."""
-    names = tuple(f.name for f in dataclasses.fields(record)) if dataclasses.is_dataclass(record) else \
-        tuple(record._fields)  # type: ignore[attr-defined]
-    proto = message.DESCRIPTOR
+    if dataclasses.is_dataclass(record):
+        names = tuple(f.name for f in dataclasses.fields(record))
+    else:
+        names = tuple(record._fields)  # type: ignore[attr-defined]  # a NamedTuple
+    proto, service = message.DESCRIPTOR, frozenset(service)
     for name in names:
         if name not in proto.fields_by_name:
             raise SchemaMismatch(f"{record.__name__}.{name} has no field in {proto.full_name}: add it to "
