@@ -39,7 +39,7 @@ PAGE = 16
 
 def core_lifecycle_us(record: bool, requests: int) -> float:
     from cache_service.core import CoreConfig, KVCacheCore
-    from cache_service.rpc.kv_events import wire_batch
+    from cache_service.events.wire import wire_batch
 
     core = KVCacheCore(CoreConfig(num_pages=8192, page_size=PAGE, session_budget_pages=0))
     if record:

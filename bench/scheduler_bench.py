@@ -412,10 +412,10 @@ def in_process_handler() -> tuple[Callable[[bytes], Any], Callable[[Any], Any], 
     """(decode, handle, encode, engine id) of the Step method of a servicer in this process, behind the
     service's interceptor, on a core like the server's."""
     from cache_service.core import CoreConfig, KVCacheCore
+    from cache_service.events.hub import EventHub
     from cache_service.memory import PoolHandle, PoolLayout
     from cache_service.metrics import Metrics
     from cache_service.rpc.interceptor import ServiceInterceptor
-    from cache_service.rpc.kv_events import EventHub
     from cache_service.rpc.servicer import KVCacheServicer
 
     class Details:

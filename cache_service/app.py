@@ -25,13 +25,15 @@ from cache_service import __version__
 from cache_service.config import ConfigError, ServiceConfig
 from cache_service.core import CoreConfig, KVCacheCore, SessionState
 from cache_service.core.tier_keys import Namespace
+from cache_service.events.hub import EventHub, default_topic
+from cache_service.events.publisher import ZmqPublisher
+from cache_service.events.wire import wire_groups
 from cache_service.log import get_logger
 from cache_service.memory import PoolBackend, PoolHandle, PoolLayout
 from cache_service.memory.base import FdPool, exports_fd
 from cache_service.memory.select import PoolChoice, create_pool
 from cache_service.metrics import Metrics, serve_metrics
 from cache_service.rpc.identity import Identities, load_tenants
-from cache_service.rpc.kv_events import EventHub, ZmqPublisher, default_topic, wire_groups
 from cache_service.rpc.pool_socket import PoolSocketServer, parse_uids
 from cache_service.rpc.server import RpcServer, RpcSettings, ServerTls
 from cache_service.rpc.step_lane import StepLaneServer, parse_group
@@ -255,7 +257,7 @@ class KVCacheServer:
         self.events.start(asyncio.get_running_loop())
         self._resume_tier_announcements()
         if self.events.publisher is not None:
-            self.events.publisher.serve_replay(self.events)
+            self.events.publisher.serve_replay(self.events.replay)
             self._log.info("kv_events", endpoint=self.events.publisher.endpoint,
                            replay_endpoint=self.events.publisher.replay_endpoint,
                            topic=self.events.publisher.topic.decode(), first_seq=self.events.last_seq)

@@ -23,6 +23,7 @@ from cache_service.config import ConfigError, ServiceConfig, add_serve_arguments
 from cache_service.log import configure_logging
 from cache_service.memory import PoolError
 from cache_service.memory.base import format_bytes
+from kvcache_common.channel import ChannelSettings, TlsFileError, open_channel
 from kvcache_common.heap import keep_heap
 from kvcache_common.layout import GROUP_KINDS, PoolLayout, layer_words
 from kvcache_common.target import DEFAULT_TARGET, no_service, refused, with_default_port
@@ -30,8 +31,6 @@ from protos.kvcache.v1 import kvcache_pb2 as pb
 
 if TYPE_CHECKING:  # the on-call tools import grpc when they run (see main)
     import grpc
-
-    from engine_client.options import ClientOptions
 
 PROG = "kvcache-service"
 
@@ -317,10 +316,8 @@ def _host_for_url(host: str) -> str:
 _TLS_FLAGS = {"tls_ca_file": "--tls-ca", "tls_cert_file": "--tls-cert", "tls_key_file": "--tls-key"}
 
 
-def _client_options(args: argparse.Namespace) -> ClientOptions:
-    """The on-call command's TLS options; a bad combination is a ConfigError naming the flag (exit 2)."""
-    from engine_client.options import ClientOptions
-
+def _channel_settings(args: argparse.Namespace) -> ChannelSettings:
+    """The on-call command's TLS settings; a bad combination is a ConfigError naming the flag (exit 2)."""
     if bool(args.tls_cert) != bool(args.tls_key):
         flag, other = ("--tls-cert", "--tls-key") if args.tls_cert else ("--tls-key", "--tls-cert")
         raise ConfigError(f"{flag}: needs {other} (a client certificate and its key go together)")
@@ -328,18 +325,17 @@ def _client_options(args: argparse.Namespace) -> ClientOptions:
         if given and not args.tls_ca:
             raise ConfigError(f"{flag}: needs --tls-ca, the CA bundle that signed the service's certificate (TLS "
                               "is on when --tls-ca is given)")
-    return ClientOptions(timeout_seconds=args.timeout, tls_ca_file=args.tls_ca, tls_cert_file=args.tls_cert,
-                         tls_key_file=args.tls_key, tls_server_name=args.tls_server_name)
+    return ChannelSettings(tls_ca_file=args.tls_ca, tls_cert_file=args.tls_cert, tls_key_file=args.tls_key,
+                           tls_server_name=args.tls_server_name)
 
 
 def _channel(args: argparse.Namespace) -> grpc.Channel:
     """A channel to --target, over TLS when --tls-ca is given; a bad TLS file is a ConfigError naming it."""
     import grpc
 
-    from engine_client.options import TlsFileError, open_channel
-
     try:
-        return open_channel(args.target, _client_options(args), grpc.insecure_channel, grpc.secure_channel)
+        return open_channel(args.target, _channel_settings(args), grpc.insecure_channel, grpc.secure_channel,
+                            grpc.ssl_channel_credentials)
     except TlsFileError as e:
         raise ConfigError(f"{_TLS_FLAGS[e.option]}: {e.detail}") from None
 

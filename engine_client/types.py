@@ -1,7 +1,8 @@
 """Typed results of the kvcache RPCs. Page ids are numpy int32 arrays owned by the record.
 
 `PoolLayout`, `DTYPE_BYTES` and `DTYPE_NAMES` are the service's own definitions (`kvcache_common.layout`),
-re-exported here: client and service cannot disagree about the pool's arithmetic.
+re-exported here: client and service cannot disagree about the pool's arithmetic. `Stats` and `ReuseStats` are
+generated from the proto (kvcache_common/stats.py), as the service's are.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import numpy.typing as npt
 from kvcache_common.layout import DTYPE_BYTES as DTYPE_BYTES
 from kvcache_common.layout import DTYPE_NAMES as DTYPE_NAMES
 from kvcache_common.layout import PoolLayout as PoolLayout
+from kvcache_common.stats import ReuseStats as ReuseStats
+from kvcache_common.stats import ServiceStats
 
 PageIds = npt.NDArray[np.int32]
 
@@ -177,78 +180,10 @@ class ReuseReport:
     computed_tokens: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class ReuseStats:
-    """Reported turns of one engine (`engine_id` "" in the total): kvcache's `matched_tokens` (what it held at
-    their appends) beside the engine's own figures, which sum to those turns' context tokens."""
-
-    engine_id: str
-    turns: int
-    matched_tokens: int
-    engine_cached_tokens: int
-    loaded_tokens: int
-    computed_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class Stats:
-    num_pages: int
-    page_size: int
-    free_pages: int
-    evictable_pages: int
-    radix_locked_pages: int
-    session_held_pages: int
-    in_flight_pages: int
-    session_budget_pages: int
-    radix_tokens: int
-    session_tokens: int
-    session_kv_tokens: int
-    prefix_hit_tokens: int
-    session_hit_tokens: int
-    miss_tokens: int
-    evicted_pages: int
-    duplicate_pages: int
-    demoted_sessions: int
-    reaped_sessions: int
-    expired_leases: int
-    sessions_idle: int
-    sessions_in_turn: int
-    sessions_closing: int
-    sessions_demoted: int
-    engines: int
-    instance_id: str
-    uptime_seconds: float
-    physical_usage: float
-    verified: bool
-    quarantined_pages: int = 0
-    sessions_parked: int = 0
-    """Sessions whose engine's lease ended, kept for another engine to adopt (docs/design.md §11)."""
-    parked_sessions: int = 0
-    adopted_sessions: int = 0
-    expired_parked_sessions: int = 0
-    """Cumulative: parks, adoptions, and parked sessions closed at their parked timeout."""
-    evicted_closed_child_pages: int = 0
-    evicted_ordinary_pages: int = 0
-    evicted_parent_pages: int = 0
-    demoted_session_pages: int = 0
-    demoted_parent_pages: int = 0
-    """Cumulative relief by class, first taken first (docs/design.md §15): radix pages evicted of closed sessions'
-    leftovers, ordinary entries and parents' guarded paths; session pages demoted of idle sessions without
-    live children and of parents."""
-    reuse: ReuseStats = ReuseStats("", 0, 0, 0, 0, 0)
-    """What engines reported at their commits (`ReuseReport`), in total."""
-    engine_reuse: tuple[ReuseStats, ...] = ()
-    """The same per engine (the 64 that reported last), by engine id."""
-    window_pages: int = 0
-    window_free_pages: int = 0
-    window_held_pages: int = 0
-    """A pool whose window-layer rows are kept apart (docs/design.md §13; 0 without): its window pages."""
-    window_policy_dropped_pages: int = 0
-    window_pressure_dropped_pages: int = 0
-    window_evicted_pages: int = 0
-    window_cut_hit_tokens: int = 0
-    """Cumulative: window pages freed at commits and under pressure, radix pages evicted for window pages, and
-    hit tokens cut because the window before a match's end was gone."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Stats(ServiceStats):
+    """GetStats' answer: every field of the proto's GetStatsResponse but `tier`, by name (`ServiceStats`, generated
+    from the proto in kvcache_common/stats.py), and `reuse`/`engine_reuse` as `ReuseStats`."""
 
     @property
     def pages_by_state(self) -> dict[str, int]:

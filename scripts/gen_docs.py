@@ -18,8 +18,8 @@ sys.path.insert(0, str(ROOT))
 from cache_service.config import FLAGS  # noqa: E402
 from cache_service.core import CoreConfig, KVCacheCore  # noqa: E402
 from cache_service.core.reasons import Reason  # noqa: E402
+from cache_service.events.hub import EventHub  # noqa: E402
 from cache_service.metrics import Metrics  # noqa: E402
-from cache_service.rpc.kv_events import EventHub  # noqa: E402
 from cache_service.tier.stats import TierStats  # noqa: E402
 
 

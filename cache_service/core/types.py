@@ -1,9 +1,9 @@
 """Ids, enums and the immutable result records the core hands to the rpc layer.
 
 Per-operation results are NamedTuples (built on every call, they must be cheap); the inspection records
-(`SessionInfo`, `Stats`) are frozen dataclasses, converted to protobuf field by field. Arrays in results
-are numpy int32 and owned by the record (copies or fresh arrays, never views into core buffers), so a
-caller may keep them after the core has moved on.
+(`SessionInfo`, `Stats`) are frozen dataclasses; rpc/convert.py converts them to protobuf by field name. Arrays
+in results are numpy int32 and owned by the record (copies or fresh arrays, never views into core buffers), so
+a caller may keep them after the core has moved on.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
+
+from kvcache_common.stats import CoreStats, ReuseStats
 
 PageArray = npt.NDArray[np.int32]
 """A 1-D int32 array of page ids."""
@@ -167,97 +169,17 @@ class ReapResult:
     """Engines whose lease expired in this pass."""
 
 
-@dataclass(frozen=True, slots=True)
-class Reuse:
-    """Reuse as engines report it at their commits (core/reuse.py): the reported turns of one engine
-    (`engine_id` "" in the total)."""
-
-    engine_id: str = ""
-    turns: int = 0
-    matched_tokens: int = 0
-    """kvcache's cached_tokens at those turns' appends."""
-    engine_cached_tokens: int = 0
-    """Context tokens the engine already held in its own prefix cache."""
-    loaded_tokens: int = 0
-    """Context tokens the engine took from kvcache's pages."""
-    computed_tokens: int = 0
-    """Context tokens the engine computed."""
+Reuse = ReuseStats
+"""Reuse as engines report it at their commits (core/reuse.py): the reported turns of one engine (`engine_id` ""
+in the total). Generated from the proto's ReuseStats (kvcache_common/stats.py)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Stats:
-    """A snapshot of the pool and cache. Pages by state (free, evictable, radix_locked, session_held,
-    in_flight, quarantined, loading) always sum to `num_pages - 1`."""
-
-    num_pages: int
-    page_size: int
-    free_pages: int
-    evictable_pages: int
-    radix_locked_pages: int
-    session_held_pages: int
-    in_flight_pages: int
-    quarantined_pages: int
-    session_budget_pages: int
-    radix_tokens: int
-    session_tokens: int
-    session_kv_tokens: int
-    prefix_hit_tokens: int
-    session_hit_tokens: int
-    miss_tokens: int
-    evicted_pages: int
-    duplicate_pages: int
-    """Pages freed because the radix already held the same tokens (KV computed twice by racing turns)."""
-    demoted_sessions: int
-    reaped_sessions: int
-    expired_leases: int
-    sessions_idle: int
-    sessions_in_turn: int
-    sessions_closing: int
-    sessions_demoted: int
-    engines: int
-    loading_pages: int = 0
-    """Pages a tier load is writing into (ledger state LOADING; part of the invariant's sum)."""
-    offloading_pages: int = 0
-    """Radix pages a tier offload is reading (pinned in the radix, so counted as radix_locked too)."""
-    tier_stored_pages: int = 0
-    """Radix pages the tier is known to hold (eviction of these loses nothing)."""
-    evicted_unstored_pages: int = 0
-    """Radix pages evicted before the tier held them (with a tier: lost for good)."""
-    sessions_parked: int = 0
-    """Idle sessions with no owner since their engine's lease ended (counted in sessions_idle too)."""
-    parked_sessions: int = 0
-    """Cumulative: sessions parked at a lease's end."""
-    adopted_sessions: int = 0
-    """Cumulative: parked sessions an append continued (adopted)."""
-    expired_parked_sessions: int = 0
-    """Cumulative: parked sessions closed (cache=true) at their parked timeout (counted in reaped_sessions too)."""
-    evicted_closed_child_pages: int = 0
-    """Cumulative radix pages evicted by class (docs/design.md §15; the three sum to evicted_pages): what closed
-    sessions left (a child's close, a drop), ordinary entries, and prefixes of parents whose children are live."""
-    evicted_ordinary_pages: int = 0
-    evicted_parent_pages: int = 0
-    demoted_session_pages: int = 0
-    """Cumulative pages relief demoted from idle sessions without live children (they became radix entries)."""
-    demoted_parent_pages: int = 0
-    """Cumulative pages relief demoted from parents whose children are live (the last resort)."""
-    reuse: Reuse = Reuse()
-    """What engines reported at their commits, in total (reuse.py)."""
-    engine_reuse: tuple[Reuse, ...] = ()
-    """The same per engine (the engines that reported last), by engine id."""
-    window_pages: int = 0
-    """A pool whose window rows are kept apart (docs/design.md §13): its usable window pages (0: none kept apart).
-    window_free_pages + window_held_pages == window_pages."""
-    window_free_pages: int = 0
-    window_held_pages: int = 0
-    """Window pages holding a page's window-layer rows (a page with full rows and no window rows holds none)."""
-    window_policy_dropped_pages: int = 0
-    """Cumulative window pages dropped at commits: rows no hit point of the session needs."""
-    window_pressure_dropped_pages: int = 0
-    """Cumulative window pages dropped under pressure: radix rows no hit point needs."""
-    window_evicted_pages: int = 0
-    """Cumulative whole radix pages evicted because window pages were short (counted in evicted_pages too)."""
-    window_cut_hit_tokens: int = 0
-    """Cumulative tokens pinned matches gave up because the window rows before their end were gone."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Stats(CoreStats):
+    """A snapshot of the pool and cache: `CoreStats`, the fields GetStats sends (declared once, in the proto's
+    GetStatsResponse, and generated). Pages by state (free, evictable, radix_locked, session_held, in_flight,
+    quarantined, loading) always sum to `num_pages - 1`. A new counter is a proto field, then `make proto`,
+    then its value in accounting.py's `stats()` (which must name every field)."""
 
     @property
     def usable_pages(self) -> int:

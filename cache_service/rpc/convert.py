@@ -1,17 +1,26 @@
-"""Protobuf <-> core values. Nothing here holds state; the core never sees a protobuf message."""
+"""Protobuf <-> core values. Nothing here holds state; the core never sees a protobuf message.
+
+Core records and proto messages meet by field name: each conversion is a table built once, at import, from the
+record's fields and the message's descriptor (`field_names`), which refuses a field on one side only with a
+message naming it. A new result or stats field is therefore a proto field and the core's value of it; nothing
+here changes."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from cache_service.core import CloseMode, KVCacheError, Reason, SessionInfo, SessionState, Stats
+from cache_service.core import types as core
 from cache_service.core.errors import invalid_argument
 from cache_service.core.types import PageArray, TokenArray
 from cache_service.tier.stats import TierStats
 from kvcache_common.layout import PoolLayout
+from kvcache_common.stats import SERVICE_STATS_FIELDS as SERVICE_STATS_FIELDS
+from kvcache_common.stats import ReuseStats
 from protos.kvcache.v1 import kvcache_pb2 as pb
 
 _STATES = {
@@ -80,21 +89,71 @@ def set_pages(response: Any, pages: PageArray, packed: bool) -> None:
         response.page_ids.extend(pages.tolist())
 
 
-def _fields(record: Any) -> dict[str, Any]:
-    """A core record's fields by name (the proto message has a field of each name; tests check it)."""
-    return {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
+class SchemaMismatch(TypeError):
+    """A core record and the proto message it is sent as do not have the same fields."""
+
+
+def field_names(record: type, message: Any, *, service: Iterable[str] = ()) -> tuple[str, ...]:
+    """The fields of `record` (a dataclass or NamedTuple), checked against `message`'s: each must be a message field
+    of the same name, and each message field must be one of them or of `service` (what the service fills)."""
+    if dataclasses.is_dataclass(record):
+        names = tuple(f.name for f in dataclasses.fields(record))
+    else:
+        names = tuple(record._fields)  # type: ignore[attr-defined]  # a NamedTuple
+    proto, service = message.DESCRIPTOR, frozenset(service)
+    for name in names:
+        if name not in proto.fields_by_name:
+            raise SchemaMismatch(f"{record.__name__}.{name} has no field in {proto.full_name}: add it to "
+                                 "protos/kvcache/v1/kvcache.proto (record fields are sent by name)")
+    for name in proto.fields_by_name:
+        if name not in names and name not in service:
+            raise SchemaMismatch(f"{proto.full_name}.{name} is filled from no field of {record.__name__}: add it to "
+                                 f"{record.__name__} (or name it among the fields the service fills)")
+    return names
+
+
+class Fill:
+    """Copies a core result (a NamedTuple) into its response message, field by name; `page_ids` goes as the
+    message's `page_ids` or `packed_page_ids` (int32 LE). The fields only the service knows (`service`) it sets
+    itself."""
+
+    __slots__ = ("_names", "_pages")
+
+    def __init__(self, result: type[NamedTuple], message: Any, *, service: Iterable[str] = ()) -> None:
+        names = field_names(result, message, service=(*service, "packed_page_ids"))
+        self._pages = names.index("page_ids") if "page_ids" in names else -1
+        self._names = tuple(name for name in names if name != "page_ids")
+
+    def __call__(self, out: Any, res: Any, packed: bool = False) -> None:
+        for name in self._names:
+            setattr(out, name, getattr(res, name))
+        if self._pages >= 0:
+            set_pages(out, res[self._pages], packed)
+
+
+MATCHED = Fill(core.MatchResult, pb.MatchPrefixResponse, service=("tier_tokens",))
+OPENED = Fill(core.OpenResult, pb.OpenSessionResponse, service=("instance_id",))
+APPENDED = Fill(core.AppendResult, pb.AppendSessionResponse, service=("tier_tokens",))
+EXTENDED = Fill(core.ExtendResult, pb.ExtendSessionResponse)
+COMMITTED = Fill(core.CommitResult, pb.CommitSessionResponse)
+CLOSED = Fill(core.CloseResult, pb.CloseSessionResponse)
+
+_SESSION_INFO = field_names(SessionInfo, pb.SessionInfo)
+_STATS = field_names(Stats, pb.GetStatsResponse, service=SERVICE_STATS_FIELDS)
+_REUSE = field_names(ReuseStats, pb.ReuseStats)
+_TIER_STATS = field_names(TierStats, pb.TierStats)
+
+
+def _values(record: Any, names: tuple[str, ...]) -> dict[str, Any]:
+    return {name: getattr(record, name) for name in names}
 
 
 def session_info(info: SessionInfo) -> pb.SessionInfo:
-    values = _fields(info)
+    values = _values(info, _SESSION_INFO)
     values["state"] = _STATES[info.state]
     if info.parked_seconds_left is None:
         del values["parked_seconds_left"]  # unset: not parked, or parked with no deadline
     return pb.SessionInfo(**values)
-
-
-SERVICE_STATS_FIELDS = ("instance_id", "uptime_seconds", "physical_usage", "verified", "tier")
-"""GetStatsResponse fields the service adds to the core's `Stats`."""
 
 
 def reuse_report(req: pb.CommitSessionRequest) -> tuple[int, int, int] | None:
@@ -105,11 +164,15 @@ def reuse_report(req: pb.CommitSessionRequest) -> tuple[int, int, int] | None:
     return r.engine_cached_tokens, r.loaded_tokens, r.computed_tokens
 
 
+def _reuse(r: ReuseStats) -> pb.ReuseStats:
+    return pb.ReuseStats(**_values(r, _REUSE))
+
+
 def stats(st: Stats, *, instance_id: str, uptime_seconds: float, verified: bool,
           tier: TierStats | None = None) -> pb.GetStatsResponse:
-    values = _fields(st)
-    values["reuse"] = pb.ReuseStats(**_fields(st.reuse))
-    values["engine_reuse"] = [pb.ReuseStats(**_fields(r)) for r in st.engine_reuse]
+    values = _values(st, _STATS)
+    values["reuse"] = _reuse(st.reuse)
+    values["engine_reuse"] = [_reuse(r) for r in st.engine_reuse]
     res = pb.GetStatsResponse(**values, instance_id=instance_id, uptime_seconds=uptime_seconds,
                               physical_usage=1 - st.free_pages / st.usable_pages, verified=verified)
     if tier is not None:
@@ -119,7 +182,7 @@ def stats(st: Stats, *, instance_id: str, uptime_seconds: float, verified: bool,
 
 def tier_stats(t: TierStats) -> pb.TierStats:
     """The tier's counters as the proto's TierStats (errors sorted by operation and reason)."""
-    values = _fields(t)
+    values = _values(t, _TIER_STATS)
     errors = values.pop("errors")
     for name in ("stored_values", "stored_bytes", "capacity_bytes"):
         if values[name] is None:

@@ -22,11 +22,11 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from cache_service.core import KVCacheCore
+from cache_service.events.hub import EventHub
 from cache_service.memory import PoolHandle, PoolLayout
 from cache_service.metrics import Metrics
 from cache_service.rpc.identity import Identities
 from cache_service.rpc.interceptor import ServiceInterceptor
-from cache_service.rpc.kv_events import EventHub
 from cache_service.rpc.servicer import KVCacheServicer
 from cache_service.tier import TierService
 from protos.kvcache.v1 import kvcache_pb2 as pb

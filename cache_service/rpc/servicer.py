@@ -1,8 +1,9 @@
 """KVCacheService handlers: decode, call the core, encode. Errors propagate to the interceptor.
 
-Each session operation is written once, as a function that fills a given response message; its unary RPC
-and `Step` both call it, so an op inside a Step behaves exactly as the same request sent alone (the same
-core call, the same response, the same google.rpc.Status on failure).
+Each session operation is written once, as a function that decodes its request, calls the core and fills a
+given response message with convert.py's table for that result (fields by name); its unary RPC and `Step` both
+call it, so an op inside a Step behaves exactly as the same request sent alone (the same core call, the same
+response, the same google.rpc.Status on failure).
 
 Who may do what (identity.py): the caller (`CALLER`, set by the interceptor) must have the role an RPC
 needs, may only name its own cache salts, and acts on its own sessions and engines (an admin on all).
@@ -21,6 +22,7 @@ from cache_service import __version__
 from cache_service.core import KVCacheCore, KVCacheError, Reason
 from cache_service.core.errors import InvariantError, invalid_argument
 from cache_service.core.events import Record, SessionChange
+from cache_service.events.hub import EventHub, Visible
 from cache_service.log import get_logger
 from cache_service.memory import PoolHandle, PoolLayout
 from cache_service.metrics import Metrics
@@ -28,7 +30,6 @@ from cache_service.rpc import convert
 from cache_service.rpc.errors import status_proto
 from cache_service.rpc.identity import Identity, Role
 from cache_service.rpc.interceptor import CALLER
-from cache_service.rpc.kv_events import EventHub, Visible
 from cache_service.rpc.step_columns import KIND_NAMES, run_columns
 from cache_service.rpc.tier_path import MessageTierPath
 from cache_service.tier import TierService
@@ -80,45 +81,27 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
 
     def _match(self, req: pb.MatchPrefixRequest, out: pb.MatchPrefixResponse, engine_id: str, who: Identity) -> None:
         res = self.core.match_prefix(convert.request_tokens(req, self._max_tokens), who.salt(req.cache_salt))
-        out.cached_tokens = res.cached_tokens
-        convert.set_pages(out, res.page_ids, req.packed_response)
+        convert.MATCHED(out, res, req.packed_response)
 
     def _open(self, req: pb.OpenSessionRequest, out: pb.OpenSessionResponse, engine_id: str, who: Identity) -> None:
         timeout = req.timeout_seconds if req.HasField("timeout_seconds") else None
         res = self.core.open_session(req.session_id, streaming=req.streaming, timeout_seconds=timeout,
                                      cache_salt=who.salt(req.cache_salt), engine_id=engine_id, identity=who.name,
                                      quota=who.max_sessions, parent_session_id=req.parent_session_id)
-        out.session_id = res.session_id
-        out.epoch = res.epoch
-        out.timeout_seconds = res.timeout_seconds
+        convert.OPENED(out, res)
         out.instance_id = self.instance_id
 
     def _append(self, req: pb.AppendSessionRequest, out: pb.AppendSessionResponse, engine_id: str,
                 who: Identity) -> None:
         res = self.core.append(req.session_id, convert.request_tokens(req, self._max_tokens), req.reserve_tokens,
                                epoch=req.epoch, engine_id=engine_id, identity=who.owner)
-        out.session_id = res.session_id
-        out.epoch = res.epoch
-        out.turn = res.turn
-        out.cached_tokens = res.cached_tokens
-        out.context_tokens = res.context_tokens
-        out.capacity_tokens = res.capacity_tokens
-        out.page_offset = res.page_offset
-        out.num_pages = res.num_pages
-        out.prefix_hit_tokens = res.prefix_hit_tokens
-        convert.set_pages(out, res.page_ids, req.packed_response)
+        convert.APPENDED(out, res, req.packed_response)
 
     def _extend(self, req: pb.ExtendSessionRequest, out: pb.ExtendSessionResponse, engine_id: str,
                 who: Identity) -> None:
         res = self.core.extend(req.session_id, req.reserve_tokens, epoch=req.epoch, engine_id=engine_id,
                                identity=who.owner)
-        out.session_id = res.session_id
-        out.epoch = res.epoch
-        out.turn = res.turn
-        out.capacity_tokens = res.capacity_tokens
-        out.page_offset = res.page_offset
-        out.num_pages = res.num_pages
-        convert.set_pages(out, res.page_ids, req.packed_response)
+        convert.EXTENDED(out, res, req.packed_response)
 
     def _commit(self, req: pb.CommitSessionRequest, out: pb.CommitSessionResponse, engine_id: str,
                 who: Identity) -> None:
@@ -126,18 +109,12 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         res = self.core.commit(req.session_id, convert.request_tokens(req, self._max_tokens), kv_tokens=kv_tokens,
                                abort=req.abort, turn=req.turn, epoch=req.epoch, engine_id=engine_id,
                                identity=who.owner, reuse=convert.reuse_report(req))
-        out.session_id = res.session_id
-        out.context_tokens = res.context_tokens
-        out.kv_tokens = res.kv_tokens
-        out.num_pages = res.num_pages
-        out.closed = res.closed
+        convert.COMMITTED(out, res)
 
     def _close(self, req: pb.CloseSessionRequest, out: pb.CloseSessionResponse, engine_id: str, who: Identity) -> None:
         res = self.core.close(req.session_id, cache=req.cache, mode=convert.close_mode(req.mode), epoch=req.epoch,
                               engine_id=engine_id, identity=who.owner)
-        out.session_id = res.session_id
-        out.closed = res.closed
-        out.cached_tokens = res.cached_tokens
+        convert.CLOSED(out, res)
 
     # ------------------------------------------------------------------ unary RPCs
 

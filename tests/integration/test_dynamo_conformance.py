@@ -79,7 +79,7 @@ class Indexer:
         /query reports per instance as longest_matched)."""
         query: dict[str, Any] = {"token_ids": tokens, "model_name": MODEL}
         if salt:
-            query["lora_name"] = f"cache_salt:{salt}"  # how we announce salted pages (see kv_events.py)
+            query["lora_name"] = f"cache_salt:{salt}"  # how we announce salted pages (see cache_service/events/wire.py)
         status, answer = self.post("/query", query)
         assert status == 200, answer
         return int(answer["instances"].get(str(INSTANCE), {}).get("longest_matched", 0))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import grpc
 import numpy as np
@@ -11,8 +12,13 @@ from google.rpc import error_details_pb2, status_pb2
 
 from cache_service.core import CoreConfig, KVCacheCore, KVCacheError, Reason, SessionInfo, Stats
 from cache_service.core.errors import invalid_argument
+from cache_service.core.types import AppendResult, OpenResult
 from cache_service.rpc.convert import (
+    APPENDED,
     SERVICE_STATS_FIELDS,
+    Fill,
+    SchemaMismatch,
+    field_names,
     pool_layout,
     request_tokens,
     session_info,
@@ -22,7 +28,9 @@ from cache_service.rpc.convert import (
 from cache_service.rpc.errors import add_status, add_status_proto, status_for, status_proto
 from cache_service.tier.stats import TierStats
 from engine_client._codec import pool_info
+from engine_client.types import Stats as ClientStats
 from kvcache_common.layout import PoolLayout
+from kvcache_common.stats import UNRECORDED_STATS_FIELDS, ReuseStats, ServiceStats
 from protos.kvcache.v1 import kvcache_pb2 as pb
 from tests.fakes import FakeClock
 
@@ -225,3 +233,57 @@ def make_core_for_convert() -> KVCacheCore:
     core.open_session("s", streaming=True, cache_salt="t", engine_id="e")
     core.append("s", np.arange(10, dtype=np.int32), 2)
     return core
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class _StatsWithANewCounter(Stats):
+    new_counter: int = 0
+
+
+_StatsWithoutOne = dataclasses.make_dataclass(
+    "_StatsWithoutOne", [f.name for f in dataclasses.fields(Stats) if f.name != "expired_parked_sessions"])
+
+
+@pytest.mark.parametrize(("record", "message"), [
+    (_StatsWithANewCounter, "_StatsWithANewCounter.new_counter has no field in kvcache.v1.GetStatsResponse: add it "
+                            "to protos/kvcache/v1/kvcache.proto (record fields are sent by name)"),
+    (_StatsWithoutOne, "kvcache.v1.GetStatsResponse.expired_parked_sessions is filled from no field of "
+                       "_StatsWithoutOne: add it to _StatsWithoutOne (or name it among the fields the service fills)"),
+])
+def test_a_stats_field_on_one_side_only_is_refused_naming_it(record: type, message: str) -> None:
+    with pytest.raises(SchemaMismatch) as err:
+        field_names(record, pb.GetStatsResponse, service=SERVICE_STATS_FIELDS)
+    assert str(err.value) == message
+
+
+def test_a_result_field_without_a_response_field_is_refused_naming_it() -> None:
+    class Closed(NamedTuple):
+        session_id: str
+        closed: bool
+        cached_tokens: int
+        freed_pages: int
+
+    with pytest.raises(SchemaMismatch, match=r"^Closed.freed_pages has no field in kvcache.v1.CloseSessionResponse"):
+        Fill(Closed, pb.CloseSessionResponse)
+    with pytest.raises(SchemaMismatch, match=r"^kvcache.v1.OpenSessionResponse.instance_id is filled from no field"):
+        Fill(OpenResult, pb.OpenSessionResponse)
+
+
+def test_a_result_fills_its_response_by_name_with_listed_or_packed_pages() -> None:
+    res = AppendResult("s", 3, 2, 4, 9, 12, 1, np.array([5, 6], dtype=np.int32), 3, 4)
+    listed, packed = pb.AppendSessionResponse(), pb.AppendSessionResponse()
+    APPENDED(listed, res)
+    APPENDED(packed, res, True)
+    assert listed == pb.AppendSessionResponse(session_id="s", epoch=3, turn=2, cached_tokens=4, context_tokens=9,
+                                              capacity_tokens=12, page_offset=1, page_ids=[5, 6], num_pages=3,
+                                              prefix_hit_tokens=4)
+    assert packed.packed_page_ids == np.array([5, 6], "<i4").tobytes() and not packed.page_ids
+
+
+@pytest.mark.parametrize(("record", "unrecorded"), [
+    (ServiceStats, set(UNRECORDED_STATS_FIELDS)), (ClientStats, set(UNRECORDED_STATS_FIELDS)), (ReuseStats, set())])
+def test_the_generated_stats_records_are_the_protos_messages(record: type, unrecorded: set[str]) -> None:
+    message = pb.ReuseStats if record is ReuseStats else pb.GetStatsResponse
+    fields = {f.name for f in dataclasses.fields(record)}
+    proto = {f.name for f in message.DESCRIPTOR.fields} - unrecorded
+    assert (fields - proto, proto - fields) == (set(), set()), "run `make proto`"

@@ -14,7 +14,8 @@ import pytest
 import zmq
 
 from cache_service.core.events import Cleared
-from cache_service.rpc.kv_events import HEARTBEAT_SECONDS, Batch, Watcher
+from cache_service.events.hub import HEARTBEAT_SECONDS, Watcher
+from cache_service.events.wire import Batch
 from protos.kvcache.v1 import kvcache_pb2 as pb
 
 from .conftest import ThreadServer

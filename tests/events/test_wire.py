@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from cache_service.core.events import Cleared, Removed, SessionChange, Stored
-from cache_service.rpc.kv_events import END_SEQ, WireGroup, proto_event, wire_batch, wire_groups
+from cache_service.events.publisher import END_SEQ
+from cache_service.events.wire import WireGroup, proto_event, wire_batch, wire_groups
 from kvcache_common.layout import PoolLayout
 
 REPO = Path(__file__).resolve().parents[2]
