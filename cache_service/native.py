@@ -33,6 +33,7 @@ COMPILED = (
     "cache_service.core.radix",
     "cache_service.core.capacity",
     "cache_service.core.slot",
+    "cache_service.core.turns",
     "cache_service.core.sessions",
     "cache_service.core.ops",
     "cache_service.rpc.errors",

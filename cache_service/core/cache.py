@@ -3,11 +3,12 @@
     ledger.py      pages by state, the one source of the page counters (and the running totals)
     pages.py       the page allocator (free stack, quarantine)
     radix.py       the radix prefix cache (eviction order in eviction.py); knows nothing of sessions
-    slot.py        session slots: the only code that changes a session's page table and state
+    slot.py        session slots: the only code that changes a session's state (parking, agent-tree links)
+    turns.py       the only code that changes a session's page table: turns, KV outside turns, relief
     sessions.py    the session table: lookup, least-recently-active order, the info view
     capacity.py    the token cap and the relief plan (evict, demote) computed before anything changes
     leases.py      engine leases
-    tiering.py     a tier beyond the pool: page keys, loads (ledger LOADING) and offloads (radix pins)
+    tiering.py     a tier beyond the pool: loads, offloads, and (tier_pages.py) page keys and stored marks
     ops.py         each call's checks, lookups and lease expiry, handing the work to the owners above
     accounting.py  stats() and check_invariants(), read off the ledger
     events.py      change records and page hashing; the radix and the session calls append plain
@@ -40,6 +41,7 @@ from cache_service.core.sessions import SessionTable, session_filter
 from cache_service.core.slot import Slots
 from cache_service.core.tier_keys import Namespace
 from cache_service.core.tiering import TierIndex
+from cache_service.core.turns import Turns
 from cache_service.core.types import (
     EMPTY_PAGES,
     AppendResult,
@@ -65,7 +67,6 @@ def _pages(ids: bytes) -> npt.NDArray[np.int32]:
     return np.frombuffer(ids, dtype=np.int32)
 
 
-
 class KVCacheCore:
     """The cache core. Single-threaded: one caller at a time, no awaits inside a call."""
 
@@ -83,16 +84,17 @@ class KVCacheCore:
         if self.tier is not None:
             self.tier.radix = self.radix
             self.radix.evict_hook = self.tier.evicting
-        self.slots = Slots(config, self.pages, self.radix, self.ledger, self.counters, victims=lambda s: iter(()))
+        self.slots = Slots(config.page_size, self.radix, self.counters)
         self.sessions = SessionTable(self.slots)
-        self.slots._victims = self.sessions.demotable
+        self.turns = Turns(config, self.pages, self.radix, self.ledger, self.counters, self.slots,
+                           victims=self.sessions.demotable)
         self.leases = LeaseTable(config.expired_lease_memory)
         self._changes: list[Any] = []
         """Change records (radix tuples, session records) since the last `take_events`, while recording."""
         self._hashes = PageHashes(config.num_pages, config.page_size)
         self._ready: list[Record] = []
-        self.ops = Ops(config, clock, self.pages, self.radix, self.slots, self.sessions, self.leases, self.counters,
-                       self._changes)
+        self.ops = Ops(config, clock, self.pages, self.radix, self.slots, self.turns, self.sessions, self.leases,
+                       self.counters, self._changes)
         self.accounting = Accounting(config, self.ledger, self.pages, self.radix, self.slots, self.sessions,
                                      self.leases, self.counters, self.tier, self.ops.reuse)
 

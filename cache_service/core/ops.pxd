@@ -7,6 +7,7 @@ from cache_service.core.pages cimport PageAllocator
 from cache_service.core.radix cimport RadixNode, RadixTree
 from cache_service.core.sessions cimport SessionTable
 from cache_service.core.slot cimport SessionSlot, Slots
+from cache_service.core.turns cimport Turns
 
 
 @cython.final
@@ -16,6 +17,7 @@ cdef class Ops:
     cdef public PageAllocator _pages
     cdef public RadixTree _radix
     cdef public Slots _slots
+    cdef public Turns _turns
     cdef public SessionTable _sessions
     cdef public Counters _c
     cdef public list _changes

@@ -15,7 +15,7 @@ or a lease changes nothing.
 Parking: a lease's end aborts its sessions' turns in flight and parks each session (owner none, KV kept,
 closed with cache=true after --parked-session-timeout). When the lease ended by TTL the engine may be
 stalled rather than gone: what its aborted turns release, and the last partial page of such a session,
-go to quarantine (`Slots.park(fence=True)`). An engine whose lease expired hears LEASE_EXPIRED from every
+go to quarantine (`Turns.fence`). An engine whose lease expired hears LEASE_EXPIRED from every
 session call, also for the sessions it owned that were parked or adopted since.
 """
 
@@ -36,19 +36,21 @@ from cache_service.core.radix import RadixTree
 from cache_service.core.reuse import ReuseLedger, check_report
 from cache_service.core.sessions import SessionTable
 from cache_service.core.slot import CLOSING, IDLE, IN_TURN, SessionSlot, Slots, change
+from cache_service.core.turns import Turns
 from cache_service.core.types import CloseMode, EngineInfo, TokenBytes
 from cache_service.core.validate import check_count, check_id, check_salt, check_seconds
 
 
 class Ops:
     def __init__(self, config: CoreConfig, clock: Callable[[], float], pages: PageAllocator, radix: RadixTree,
-                 slots: Slots, sessions: SessionTable, leases: LeaseTable, counters: Counters,
+                 slots: Slots, turns: Turns, sessions: SessionTable, leases: LeaseTable, counters: Counters,
                  changes: list[Any]) -> None:
         self.config = config
         self._clock = clock
         self._pages = pages
         self._radix = radix
         self._slots = slots
+        self._turns = turns
         self._sessions = sessions
         self._by_id = sessions._by_id
         self._leases = leases
@@ -123,7 +125,7 @@ class Ops:
 
     def append(self, session_id: str, tokens: TokenBytes, reserve_tokens: int, epoch: int, engine_id: str,
                identity: str | None) -> tuple[SessionSlot, tuple[int, int, int, int, bytes, int, int]]:
-        """Start a turn (see `KVCacheCore.append`); returns the slot and `Slots.begin`'s outcome."""
+        """Start a turn (see `KVCacheCore.append`); returns the slot and `Turns.begin`'s outcome."""
         now = self._clock()
         if reserve_tokens < 0:
             check_count(reserve_tokens, "reserve_tokens")
@@ -149,7 +151,7 @@ class Ops:
         if self._cap:
             check_token_cap(self._cap, session_id, context + reserve_tokens,
                             f"context {context} + reserve {reserve_tokens}")
-        outcome = self._slots.begin(s, tokens, reserve_tokens)
+        outcome = self._turns.begin(s, tokens, reserve_tokens)
         if s.parked:
             self._slots.adopt(s, engine_id if adopter is not None else "")
             self._sessions.adopted(s)
@@ -173,7 +175,7 @@ class Ops:
             capacity = (len(s.pages) >> 2) * self.config.page_size
             check_token_cap(self._cap, session_id, capacity + reserve_tokens,
                             f"capacity {capacity} + reserve {reserve_tokens} slots")
-        outcome = self._slots.extend(s, reserve_tokens)
+        outcome = self._turns.extend(s, reserve_tokens)
         s.last_active = now
         self._by_id.move_to_end(session_id)
         return s, outcome
@@ -195,9 +197,9 @@ class Ops:
         if reuse is not None:
             check_report(reuse, s.turn_context_tokens)
         if abort:
-            self._slots.abort(s)
+            self._turns.abort(s)
         else:
-            self._slots.commit(s, generated, self._kv_after_commit(s, len(generated) >> 2, kv_tokens))
+            self._turns.commit(s, generated, self._kv_after_commit(s, len(generated) >> 2, kv_tokens))
         if reuse is not None:
             self.reuse.record(s.owner or engine_id, s.turn_cached_tokens, reuse)
         s.last_active = now
@@ -291,10 +293,10 @@ class Ops:
         leaves, is a closed session's leftover: evicted before anything else until a match hits it again."""
         cache = mode == _CACHE
         self._slots.orphan(s)  # its children lose its guard before its KV moves
-        node = self._slots.drop_kv(s, cache=cache)
+        node = self._turns.drop_kv(s, cache=cache)
         if node is not None and (mode == _DROP or (cache and s.parent_id)):
             self._radix.mark_leftover(node)
-        cached = self._slots.cached_tokens(s) if cache else 0
+        cached = self._turns.cached_tokens(s) if cache else 0
         self._c.session_tokens -= s.committed_tokens
         self._sessions.remove(s)
         if self.recording:
@@ -310,7 +312,7 @@ class Ops:
         (unless a deferred close asked otherwise). `reason`: why (events.CLOSE_REASONS)."""
         mode = s.close_mode if s.state is CLOSING else _CACHE
         if s.state is not IDLE:
-            self._slots.abort(s)
+            self._turns.abort(s)
         if count and s.parked:
             self._c.expired_parked_sessions += 1
         if s.parked and reason == "timeout":
@@ -322,7 +324,7 @@ class Ops:
         """Their engine's lease has ended: abort each session's turn in flight and park it (a session whose
         close was deferred closes now, as it asked; one with nothing committed closes too: there is nothing
         to continue). `fence`: the engine may still be running (call inside `quarantining`), see
-        `Slots.park`. Parks least recently active first (relief demotes parked sessions in that order).
+        `Turns.fence`. Parks least recently active first (relief demotes parked sessions in that order).
         Returns the ids parked."""
         sessions = [self._sessions.get(sid) for sid in session_ids]
         sessions.sort(key=_last_active)
@@ -334,11 +336,13 @@ class Ops:
                 continue
             in_turn = s.state is IN_TURN
             if in_turn:
-                self._slots.abort(s)
+                self._turns.abort(s)
                 self._slots.transition(s, IDLE)
             own = s.last_active + s.timeout_seconds if s.timeout_seconds else math.inf
             until = now + timeout if timeout else own
-            self._slots.park(s, until, fence=fence and in_turn)
+            if fence and in_turn:
+                self._turns.fence(s)
+            self._slots.park(s, until)
             self._sessions.parked(s)
             parked.append(s.id)
         return tuple(parked)
