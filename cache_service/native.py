@@ -35,6 +35,7 @@ COMPILED = (
     "cache_service.core.slot",
     "cache_service.core.turns",
     "cache_service.core.sessions",
+    "cache_service.core.lifecycle",
     "cache_service.core.ops",
     "cache_service.rpc.errors",
     "cache_service.rpc.step_columns",
