@@ -1,4 +1,4 @@
-"""How sessions and leases end: a close's release, the reaper, lease registration and expiry, and parking.
+"""Leases from registration to their end, and how sessions end: a close's release, the reaper, and parking.
 
 `Lifecycle` is what `ops.Ops` (the session calls) and the facade's lease calls hand an ending to. Lease calls
 end leases and park what they held (docs/design.md §11). Lease expiry happens in `reap` and at one explicit
