@@ -3,15 +3,14 @@
     ledger.py      pages by state, the one source of the page counters (and the running totals)
     pages.py       the page allocator (free stack, quarantine)
     radix.py       the radix prefix cache (eviction order in eviction.py); knows nothing of sessions
-    slot.py        session slots: the only code that changes a session's page table and state
+    slot.py        session slots and their states; turns.py their page tables (each changed nowhere else)
     sessions.py    the session table: lookup, least-recently-active order, the info view
     capacity.py    the token cap and the relief plan (evict, demote) computed before anything changes
-    leases.py      engine leases
-    tiering.py     a tier beyond the pool: page keys, loads (ledger LOADING) and offloads (radix pins)
-    ops.py         each call's checks, lookups and lease expiry, handing the work to the owners above
+    tiering.py     a tier beyond the pool: loads, offloads, and (tier_pages.py) page keys and stored marks
+    leases.py      engine leases; lifecycle.py how sessions and leases end (closes, reaper, parking)
+    ops.py         each session call's checks, lookups and lease expiry, handing the work to the owners above
     accounting.py  stats() and check_invariants(), read off the ledger
-    events.py      change records and page hashing; the radix and the session calls append plain
-                   records to this facade's queue, which `take_events` drains and hashes
+    events.py      change records and page hashing (the facade's queue, which `take_events` drains)
     validate.py    input checks
 
 Identities: every session and lease belongs to the identity (an opaque name) that created it. Calls pass
@@ -33,6 +32,7 @@ from cache_service.core.config import CoreConfig
 from cache_service.core.events import Cleared, PageHashes, Record, Stored, TierEntry, TierJournalSink
 from cache_service.core.leases import LeaseTable
 from cache_service.core.ledger import Counters, PageLedger
+from cache_service.core.lifecycle import Lifecycle
 from cache_service.core.ops import Ops
 from cache_service.core.pages import PageAllocator
 from cache_service.core.radix import RadixTree
@@ -40,6 +40,7 @@ from cache_service.core.sessions import SessionTable, session_filter
 from cache_service.core.slot import Slots
 from cache_service.core.tier_keys import Namespace
 from cache_service.core.tiering import TierIndex
+from cache_service.core.turns import Turns
 from cache_service.core.types import (
     EMPTY_PAGES,
     AppendResult,
@@ -64,7 +65,6 @@ Clock = Callable[[], float]
 
 def _pages(ids: bytes) -> npt.NDArray[np.int32]:
     return np.frombuffer(ids, dtype=np.int32)
-
 
 
 class KVCacheCore:
@@ -94,16 +94,19 @@ class KVCacheCore:
             self.window.radix = self.radix
             self.pages.window = self.window
             self.radix.usable = self.window.usable
-        self.slots = Slots(config, self.pages, self.radix, self.ledger, self.counters, victims=lambda s: iter(()))
+        self.slots = Slots(config.page_size, self.radix, self.counters)
         self.sessions = SessionTable(self.slots)
-        self.slots._victims = self.sessions.demotable
+        self.turns = Turns(config, self.pages, self.radix, self.ledger, self.counters, self.slots,
+                           victims=self.sessions.demotable)
         self.leases = LeaseTable(config.expired_lease_memory)
         self._changes: list[Any] = []
         """Change records (radix tuples, session records) since the last `take_events`, while recording."""
         self._hashes = PageHashes(config.num_pages, config.page_size)
         self._ready: list[Record] = []
-        self.ops = Ops(config, clock, self.pages, self.radix, self.slots, self.sessions, self.leases, self.counters,
-                       self._changes)
+        self.lifecycle = Lifecycle(config, clock, self.sessions, self.leases, self.slots, self.turns, self.radix,
+                                   self.pages, self.counters)
+        self.ops = Ops(config, clock, self.pages, self.radix, self.slots, self.turns, self.sessions, self.leases,
+                       self.lifecycle)
         self.accounting = Accounting(config, self.ledger, self.pages, self.radix, self.slots, self.sessions,
                                      self.leases, self.counters, self.tier, self.ops.reuse, self.window)
 
@@ -219,7 +222,7 @@ class KVCacheCore:
         on timeout even mid-turn (the turn is aborted, and what it released is quarantined like an expired
         lease's pages). Quarantined pages whose time has come are freed first.
         """
-        return ReapResult(*self.ops.reap())
+        return ReapResult(*self.lifecycle.reap())
 
     # ================================================================== leases
 
@@ -229,18 +232,18 @@ class KVCacheCore:
         live id of the same identity ends the previous incarnation's lease first (its sessions parked, for the
         new one to adopt): the usual cause is an engine restarted under the same name; another identity's live
         id is NOT_OWNER. A `held` lease lasts until `end_held_lease`, never expiring by TTL (HoldLease)."""
-        return self.ops.register(engine_id, ttl_seconds, identity, held)
+        return self.lifecycle.register(engine_id, ttl_seconds, identity, held)
 
     def heartbeat(self, engine_id: str, *, identity: str | None = "") -> EngineInfo:
         now = self._clock()
-        lease = self.ops.live_lease(engine_id, now, identity)
+        lease = self.lifecycle.live_lease(engine_id, now, identity)
         lease.renew(now)
         return lease.info(now)
 
     def unregister_engine(self, engine_id: str, *, identity: str | None = "") -> tuple[str, ...]:
         """End a lease cleanly: its sessions are parked (another engine may continue them). Returns their ids."""
         now = self._clock()
-        return self.ops.end_lease(self.ops.live_lease(engine_id, now, identity), expired=False, now=now)
+        return self.lifecycle.end_lease(self.lifecycle.live_lease(engine_id, now, identity), expired=False, now=now)
 
     def end_held_lease(self, engine_id: str, serial: int) -> tuple[str, ...]:
         """The stream holding lease `serial` of `engine_id` ended (its engine went away, so nothing is
@@ -250,7 +253,7 @@ class KVCacheCore:
         lease = self.leases.find(engine_id)
         if lease is None or lease.serial != serial:
             return ()
-        return self.ops.park_sessions(self.leases.end(lease, expired=True), self._clock(), fence=False)
+        return self.lifecycle.park_sessions(self.leases.end(lease, expired=True), self._clock(), fence=False)
 
     def held_lease(self, engine_id: str, serial: int) -> EngineInfo | None:
         """The lease `serial` of `engine_id` if it is still the live one, else None."""
@@ -281,13 +284,12 @@ class KVCacheCore:
 
     @property
     def recording(self) -> bool:
-        return self.ops.recording
+        return self.slots.changes is not None
 
     def start_events(self) -> None:
         """Record changes from now on, hashing what the tree holds already (idempotent)."""
-        if not self.ops.recording:
+        if self.slots.changes is None:
             self._hashes.hash_tree(self.radix.runs())
-            self.ops.recording = True
             self.radix.changes = self.slots.changes = self._changes
             if self.window is not None:
                 self.window.changes = self._changes
@@ -311,7 +313,7 @@ class KVCacheCore:
         """Announce pages a tier held before this instance started (parents first; recording must be on),
         after every change recorded so far (the instance's AllBlocksCleared first). Returns the pages
         announced."""
-        assert self.ops.recording, "start_events() first"
+        assert self.recording, "start_events() first"
         self._hashes.resolve(self._changes, self._ready)
         self._changes.clear()
         before = self._hashes.tier_announced
@@ -325,7 +327,7 @@ class KVCacheCore:
     def event_snapshot(self) -> list[Stored]:
         """The whole tree as Stored records, parents before children (recording must be on). Changes not
         taken yet are resolved first and kept for the next `take_events`."""
-        assert self.ops.recording, "start_events() first"
+        assert self.recording, "start_events() first"
         self._hashes.resolve(self._changes, self._ready)
         self._changes.clear()
         return self._hashes.snapshot(self.radix.runs())

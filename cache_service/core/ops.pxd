@@ -2,11 +2,12 @@
 cimport cython
 
 from cache_service.core.leases cimport Lease, LeaseTable
-from cache_service.core.ledger cimport Counters
+from cache_service.core.lifecycle cimport Lifecycle
 from cache_service.core.pages cimport PageAllocator
-from cache_service.core.radix cimport RadixNode, RadixTree
+from cache_service.core.radix cimport RadixTree
 from cache_service.core.sessions cimport SessionTable
 from cache_service.core.slot cimport SessionSlot, Slots
+from cache_service.core.turns cimport Turns
 
 
 @cython.final
@@ -16,10 +17,9 @@ cdef class Ops:
     cdef public PageAllocator _pages
     cdef public RadixTree _radix
     cdef public Slots _slots
+    cdef public Turns _turns
     cdef public SessionTable _sessions
-    cdef public Counters _c
-    cdef public list _changes
-    cdef public bint recording
+    cdef public Lifecycle _life
 
     @cython.locals(s=SessionSlot, lease=Lease)
     cpdef tuple open(self, object session_id, bint streaming, object timeout_seconds, object cache_salt,
@@ -52,6 +52,3 @@ cdef class Ops:
 
     @cython.locals(new_total=Py_ssize_t, capacity=Py_ssize_t, generated=Py_ssize_t)
     cpdef Py_ssize_t _kv_after_commit(self, SessionSlot s, Py_ssize_t generated, object kv_tokens) except -1
-
-    @cython.locals(cached=Py_ssize_t, cache=bint, node=RadixNode)
-    cpdef Py_ssize_t finish_close(self, SessionSlot s, Py_ssize_t mode, str reason=*) except -1

@@ -1,61 +1,52 @@
-"""The core's operations: request checks, finding what a call names, and handing the work to its owner.
+"""The core's session calls: request checks, finding what a call names, and handing the work to its owner.
 
 Session calls (`open`, `append`, `extend`, `commit`, `close`) take token ids as int32 little-endian bytes
 already checked (`validate.token_bytes`) and return plain tuples, so a `Step` of many ops makes no
 record or array per op; the facade (`cache.KVCacheCore`) wraps them for callers that want records.
-Lease calls end leases and park what they held (docs/design.md §11). Failed calls change no client-visible state,
-except pressure relief: an append that needs pages may evict radix entries and demote idle sessions before
-it finds the pool still too small, and lease expiry noticed at use (below).
+Failed calls change no client-visible state, except pressure relief: an append that needs pages may evict
+radix entries and demote idle sessions before it finds the pool still too small, and lease expiry noticed
+at use (below). How sessions and leases end (closes, reaping, parking, lease expiry) is lifecycle.py's.
 
-Lease expiry happens in `reap` and at one explicit point of each session call: after the session is
-found, an owner whose lease is overdue is ended first (its sessions parked); that owner's call then fails
-with LEASE_EXPIRED, anyone else's goes on with the parked session (an append adopts it). Finding a session
-or a lease changes nothing.
-
-Parking: a lease's end aborts its sessions' turns in flight and parks each session (owner none, KV kept,
-closed with cache=true after --parked-session-timeout). When the lease ended by TTL the engine may be
-stalled rather than gone: what its aborted turns release, and the last partial page of such a session,
-go to quarantine (`Slots.park(fence=True)`). An engine whose lease expired hears LEASE_EXPIRED from every
-session call, also for the sessions it owned that were parked or adopted since.
+Lease expiry at use: after the session is found, an owner whose lease is overdue is ended first (its
+sessions parked); that owner's call then fails with LEASE_EXPIRED, anyone else's goes on with the parked
+session (an append adopts it). Finding a session or a lease changes nothing.
 """
 
 from __future__ import annotations
 
-import math
-import uuid
 from collections.abc import Callable
-from typing import Any
 
 from cache_service.core.capacity import check_token_cap
 from cache_service.core.config import CoreConfig
 from cache_service.core.errors import KVCacheError, Reason, invalid_argument
 from cache_service.core.leases import Lease, LeaseTable, lease_expired
-from cache_service.core.ledger import Counters
+from cache_service.core.lifecycle import CACHE, DROP, KEEP_PREFIX, Lifecycle
 from cache_service.core.pages import PageAllocator
 from cache_service.core.radix import RadixTree
 from cache_service.core.reuse import ReuseLedger, check_report
 from cache_service.core.sessions import SessionTable
-from cache_service.core.slot import CLOSING, IDLE, IN_TURN, SessionSlot, Slots, change
-from cache_service.core.types import CloseMode, EngineInfo, TokenBytes
+from cache_service.core.slot import CLOSING, IDLE, SessionSlot, Slots, change
+from cache_service.core.turns import Turns
+from cache_service.core.types import TokenBytes
 from cache_service.core.validate import check_count, check_id, check_salt, check_seconds
+
+_CLOSE_MODES = frozenset((CACHE, DROP, KEEP_PREFIX))
 
 
 class Ops:
     def __init__(self, config: CoreConfig, clock: Callable[[], float], pages: PageAllocator, radix: RadixTree,
-                 slots: Slots, sessions: SessionTable, leases: LeaseTable, counters: Counters,
-                 changes: list[Any]) -> None:
+                 slots: Slots, turns: Turns, sessions: SessionTable, leases: LeaseTable, lifecycle: Lifecycle
+                 ) -> None:
         self.config = config
         self._clock = clock
         self._pages = pages
         self._radix = radix
         self._slots = slots
+        self._turns = turns
         self._sessions = sessions
         self._by_id = sessions._by_id
         self._leases = leases
-        self._c = counters
-        self._changes = changes
-        """The facade's event queue (session records go there while `recording`)."""
-        self.recording = False
+        self._life = lifecycle
         self._cap = config.max_session_tokens
         self.reuse = ReuseLedger()
         """What engines report at their commits (reuse.py)."""
@@ -85,7 +76,7 @@ class Ops:
             timeout_seconds = self.config.session_timeout_seconds
         else:
             check_seconds(timeout_seconds, "timeout_seconds")
-        lease = self.live_lease(engine_id, now, identity) if engine_id else None
+        lease = self._life.live_lease(engine_id, now, identity) if engine_id else None
         if session_id:
             self._sessions.check_new(session_id)
         parent = self._parent(parent_session_id, session_id, cache_salt, identity) if parent_session_id else None
@@ -96,8 +87,9 @@ class Ops:
             self._slots.link(s, parent)
         if lease is not None:
             lease.sessions.add(s.id)
-        if self.recording:
-            self._changes.append(change("opened", s))
+        changes = self._slots.changes
+        if changes is not None:
+            changes.append(change("opened", s))
         return s.id, s.epoch, timeout_seconds
 
     def _parent(self, parent_id: str, session_id: str, cache_salt: str, identity: str) -> SessionSlot:
@@ -123,13 +115,13 @@ class Ops:
 
     def append(self, session_id: str, tokens: TokenBytes, reserve_tokens: int, epoch: int, engine_id: str,
                identity: str | None) -> tuple[SessionSlot, tuple[int, int, int, int, bytes, int, int]]:
-        """Start a turn (see `KVCacheCore.append`); returns the slot and `Slots.begin`'s outcome."""
+        """Start a turn (see `KVCacheCore.append`); returns the slot and `Turns.begin`'s outcome."""
         now = self._clock()
         if reserve_tokens < 0:
             check_count(reserve_tokens, "reserve_tokens")
         s = self.session(session_id, epoch, engine_id, identity, now, True)
         if self._pages.quarantine:
-            self.release_quarantine(now)
+            self._life.release_quarantine(now)
         if s.state is not IDLE:
             if s.state is CLOSING:
                 raise KVCacheError(Reason.SESSION_CLOSING, f"session {session_id!r} is closing",
@@ -138,7 +130,7 @@ class Ops:
                                session_id=session_id)
         adopter: Lease | None = None
         if s.parked and engine_id:
-            adopter = self.live_lease(engine_id, now, identity)
+            adopter = self._life.live_lease(engine_id, now, identity)
             if adopter.identity != s.identity:
                 raise KVCacheError(Reason.NOT_OWNER, f"engine {engine_id!r} belongs to another identity than "
                                    f"session {session_id!r}", session_id=session_id, engine_id=engine_id)
@@ -149,7 +141,7 @@ class Ops:
         if self._cap:
             check_token_cap(self._cap, session_id, context + reserve_tokens,
                             f"context {context} + reserve {reserve_tokens}")
-        outcome = self._slots.begin(s, tokens, reserve_tokens)
+        outcome = self._turns.begin(s, tokens, reserve_tokens)
         if s.parked:
             self._slots.adopt(s, engine_id if adopter is not None else "")
             self._sessions.adopted(s)
@@ -168,12 +160,12 @@ class Ops:
         if s.state is IDLE:
             self.check_turn(s, 0)
         if self._pages.quarantine:
-            self.release_quarantine(now)
+            self._life.release_quarantine(now)
         if self._cap and reserve_tokens:
             capacity = (len(s.pages) >> 2) * self.config.page_size
             check_token_cap(self._cap, session_id, capacity + reserve_tokens,
                             f"capacity {capacity} + reserve {reserve_tokens} slots")
-        outcome = self._slots.extend(s, reserve_tokens)
+        outcome = self._turns.extend(s, reserve_tokens)
         s.last_active = now
         self._by_id.move_to_end(session_id)
         return s, outcome
@@ -195,16 +187,16 @@ class Ops:
         if reuse is not None:
             check_report(reuse, s.turn_context_tokens)
         if abort:
-            self._slots.abort(s)
+            self._turns.abort(s)
         else:
-            self._slots.commit(s, generated, self._kv_after_commit(s, len(generated) >> 2, kv_tokens))
+            self._turns.commit(s, generated, self._kv_after_commit(s, len(generated) >> 2, kv_tokens))
         if reuse is not None:
             self.reuse.record(s.owner or engine_id, s.turn_cached_tokens, reuse)
         s.last_active = now
         self._by_id.move_to_end(session_id)
         closed = s.state is CLOSING
         if closed:
-            self.finish_close(s, s.close_mode)  # the counts below are then what the close left: none
+            self._life.finish_close(s, s.close_mode)  # the counts below are then what the close left: none
         else:
             self._slots.transition(s, IDLE)
         return s.id, s.committed_tokens, s.kv_tokens, s.committed_pages, closed
@@ -218,12 +210,12 @@ class Ops:
             raise invalid_argument("mode", f"{mode} is not a CloseMode (1 cache, 2 drop, 3 keep-prefix)")
         s = self.session(session_id, epoch, engine_id, identity, self._clock(), False)
         if not mode:
-            mode = _CACHE if cache else _DROP if s.parent_id else _KEEP_PREFIX
+            mode = CACHE if cache else DROP if s.parent_id else KEEP_PREFIX
         if s.state is not IDLE:
             s.close_mode = mode
             self._slots.transition(s, CLOSING)
             return s.id, False, 0
-        return s.id, True, self.finish_close(s, mode)
+        return s.id, True, self._life.finish_close(s, mode)
 
     def session(self, session_id: str, epoch: int, engine_id: str, identity: str | None, now: float,
                 appending: bool) -> SessionSlot:
@@ -241,7 +233,7 @@ class Ops:
         if owner:
             lease = self._leases.owner_of(owner)
             if not lease.held and now >= lease.expires_at:
-                self.end_lease(lease, expired=True, now=now)
+                self._life.end_lease(lease, expired=True, now=now)
                 if engine_id == owner:
                     raise lease_expired(engine_id)
                 owner = ""
@@ -282,155 +274,3 @@ class Ops:
             raise invalid_argument("kv_tokens", f"{kv_tokens} is outside [{s.turn_cached_tokens}, {hi}] "
                                    "(the turn's cached tokens .. context with its reserved capacity)")
         return kv_tokens
-
-    def finish_close(self, s: SessionSlot, mode: int, reason: str = "client") -> int:
-        """Release the session's KV as `mode` (a CloseMode) says and forget it; `reason` (events.CLOSE_REASONS)
-        is why, for its event. Returns the context tokens now cached (mode cache).
-
-        What a drop leaves in the radix (a streaming session's first-turn prompt), and what a child's cache
-        leaves, is a closed session's leftover: evicted before anything else until a match hits it again."""
-        cache = mode == _CACHE
-        self._slots.orphan(s)  # its children lose its guard before its KV moves
-        node = self._slots.drop_kv(s, cache=cache)
-        if node is not None and (mode == _DROP or (cache and s.parent_id)):
-            self._radix.mark_leftover(node)
-        cached = self._slots.cached_tokens(s) if cache else 0
-        self._c.session_tokens -= s.committed_tokens
-        self._sessions.remove(s)
-        if self.recording:
-            self._changes.append(change("closed", s, reason))
-        if s.owner:
-            lease = self._leases.find(s.owner)
-            if lease is not None:
-                lease.sessions.discard(s.id)
-        return cached
-
-    def reap_session(self, s: SessionSlot, *, count: bool = True, reason: str = "timeout") -> None:
-        """Close `s` now, aborting its turn if one is in flight; its committed KV goes to the radix
-        (unless a deferred close asked otherwise). `reason`: why (events.CLOSE_REASONS)."""
-        mode = s.close_mode if s.state is CLOSING else _CACHE
-        if s.state is not IDLE:
-            self._slots.abort(s)
-        if count and s.parked:
-            self._c.expired_parked_sessions += 1
-        if s.parked and reason == "timeout":
-            reason = "parked_timeout"
-        self.finish_close(s, mode, reason)
-        self._c.reaped_sessions += count
-
-    def park_sessions(self, session_ids: tuple[str, ...], now: float, *, fence: bool) -> tuple[str, ...]:
-        """Their engine's lease has ended: abort each session's turn in flight and park it (a session whose
-        close was deferred closes now, as it asked; one with nothing committed closes too: there is nothing
-        to continue). `fence`: the engine may still be running (call inside `quarantining`), see
-        `Slots.park`. Parks least recently active first (relief demotes parked sessions in that order).
-        Returns the ids parked."""
-        sessions = [self._sessions.get(sid) for sid in session_ids]
-        sessions.sort(key=_last_active)
-        timeout = self.config.parked_session_timeout_seconds
-        parked: list[str] = []
-        for s in sessions:
-            if s.state is CLOSING or s.committed_tokens == 0:
-                self.reap_session(s, count=False, reason="lease_ended")
-                continue
-            in_turn = s.state is IN_TURN
-            if in_turn:
-                self._slots.abort(s)
-                self._slots.transition(s, IDLE)
-            own = s.last_active + s.timeout_seconds if s.timeout_seconds else math.inf
-            until = now + timeout if timeout else own
-            self._slots.park(s, until, fence=fence and in_turn)
-            self._sessions.parked(s)
-            parked.append(s.id)
-        return tuple(parked)
-
-    def release_quarantine(self, now: float) -> None:
-        due = self._pages.next_release()
-        if due is not None and due <= now:
-            self._pages.release_due(now)
-
-    # ------------------------------------------------------------------ leases
-
-    def reap(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        now = self._clock()
-        self._pages.release_due(now)
-        reaped: list[str] = []
-        engines: list[str] = []
-        for lease in self._leases.due(now):
-            engines.append(lease.engine_id)
-            self.end_lease(lease, expired=True, now=now)
-        for s in self._sessions.timed_out(now):
-            if s.state is not IDLE and s.owner:
-                continue  # its owner's lease is live (expired ones were handled above)
-            sid = s.id
-            if s.state is not IDLE and self.config.quarantine_seconds:
-                with self._pages.quarantining(now + self.config.quarantine_seconds):
-                    self.reap_session(s)  # whoever started the turn may still be writing it
-            else:
-                self.reap_session(s)
-            reaped.append(sid)
-        return tuple(reaped), tuple(engines)
-
-    def register(self, engine_id: str, ttl_seconds: float, identity: str | None, held: bool) -> EngineInfo:
-        now = self._clock()
-        if engine_id:
-            check_id(engine_id, "engine_id")
-        check_seconds(ttl_seconds, "ttl_seconds")
-        ceiling = self.config.max_lease_ttl_seconds
-        if ceiling and ttl_seconds > ceiling:
-            raise invalid_argument("ttl_seconds", f"{ttl_seconds} is above --max-lease-ttl={ceiling}")
-        engine_id = engine_id or f"engine-{uuid.uuid4().hex[:12]}"
-        owner = identity if identity is not None else ""
-        old = self._leases.find(engine_id)
-        if old is not None:
-            check_lease_owner(old, identity)
-            owner = old.identity if identity is None else owner
-            if old.expired(now):
-                self.end_lease(old, expired=True, now=now)  # a stalled incarnation may still write
-            else:
-                self.park_sessions(self._leases.end(old, expired=False), now, fence=False)
-        lease = self._leases.add(engine_id, ttl_seconds or self.config.lease_ttl_seconds, now, identity=owner,
-                                 held=held)
-        return lease.info(now)
-
-    def live_lease(self, engine_id: str, now: float, identity: str | None) -> Lease:
-        lease = self._leases.get(engine_id)
-        check_lease_owner(lease, identity)
-        if lease.expired(now):
-            self.end_lease(lease, expired=True, now=now)
-            raise lease_expired(engine_id)
-        return lease
-
-    def end_lease(self, lease: Lease, *, expired: bool, now: float) -> tuple[str, ...]:
-        """End `lease` and park its sessions (turns in flight aborted). Returns the ids parked (a session with
-        nothing committed, or whose close was deferred, closes instead).
-
-        An expired lease's engine may be stalled rather than gone, and still write its pages: what its
-        sessions' aborted turns release (and the last partial page each was writing) is quarantined for
-        --quarantine-seconds instead of going straight to the free list.
-        """
-        held = self._leases.end(lease, expired=expired)
-        if expired and self.config.quarantine_seconds:
-            with self._pages.quarantining(now + self.config.quarantine_seconds):
-                parked = self.park_sessions(held, now, fence=True)
-        else:
-            parked = self.park_sessions(held, now, fence=False)
-        if expired:
-            self._c.expired_leases += 1
-        return parked
-
-
-def check_lease_owner(lease: Lease, identity: str | None) -> None:
-    if identity is not None and identity != lease.identity:
-        raise KVCacheError(Reason.NOT_OWNER, f"engine {lease.engine_id!r} belongs to another identity",
-                           engine_id=lease.engine_id)
-
-
-_CACHE, _DROP, _KEEP_PREFIX = int(CloseMode.CACHE), int(CloseMode.DROP), int(CloseMode.KEEP_PREFIX)
-_CLOSE_MODES = frozenset((_CACHE, _DROP, _KEEP_PREFIX))
-
-
-def _last_active(s: SessionSlot) -> float:
-    return s.last_active
-
-
-__all__ = ["IN_TURN", "Ops", "check_lease_owner"]

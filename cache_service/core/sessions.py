@@ -3,8 +3,8 @@
 `SessionTable` finds sessions (by id, checking the epoch and the owner; finding changes nothing), creates
 and removes them, keeps them in least-recently-active order and renders the client's view
 (`SessionInfo`). Slots of closed sessions are kept for reuse (their buffers keep their memory). It never
-moves pages nor changes a state: that is `slot.Slots`' business. Parked sessions are also kept in the
-order they were parked, so that relief demotes them before any owned session.
+moves pages nor changes a state: that is `turns.Turns`' and `slot.Slots`' business. Parked sessions are also
+kept in the order they were parked, so that relief demotes them before any owned session.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""The core's side of a tier beyond the pool (docs/design.md §8): page keys, which radix pages the tier holds,
-loads in progress and offloads in progress. No I/O: the rpc layer hands what this module plans to the
-`TierService` (whose threads talk to the store) and reports back here, on the loop, when the store is done.
-
-Keys. A radix page's tier key is the SHA-256 chain of `tier_keys` over its path's tokens, rooted in the
-namespace and the salt. Keys are computed per node when first needed and kept per page id (`_keys`,
-`_keyed`) while the page stays in the radix; a page's key bit is cleared when eviction frees it.
+"""The core's side of a tier beyond the pool (docs/design.md §8): what the tier holds of the radix, page by
+page (`tier_pages.TierPages`: keys, stored and staged marks, eviction staging, events), and the loads and
+offloads in progress. No I/O: the rpc layer hands what this module plans to the `TierService` (whose threads
+talk to the store) and reports back here, on the loop, when the store is done.
 
 Loads (`plan` -> the store's lookup -> `begin` -> the store's get -> `finish` -> `release`). `plan` reads the
 radix (no change) and names the keys of the full pages beyond its match. `begin` pins the match in the radix
@@ -23,18 +20,6 @@ limit of a quarter of the pool (`--tier-pin-fraction`); the pin ends when the st
 marks the stored pages. Eviction then takes the same LRU leaves, already stored. That is the write-back
 policy (HiCache's name); write-through (`--tier-policy`) offloads the same way with no watermark, so pages go
 to the tier as soon as they are evictable, where the store's bandwidth allows.
-
-Staging at eviction. A burst evicts in the same call that crosses the watermark, before any offload could run.
-So eviction hands the pages the tier lacks to `stage` (set by the rpc layer; pure code here calls it as it
-calls any injected callable), which copies their bytes out into bounded host memory before the page ids go
-back to the allocator, i.e. before this call's allocation can hand them to a writer; the tier writes them from
-there. Pages `stage` refuses (staging full, the tier down) are lost, counted in `evicted_unstored_pages`, and so
-are staged pages the tier then failed to write (`lost`).
-
-Events. While the facade records changes (KV events), pages the tier holds are announced as such: the pages an
-offload stored, the pages staged at eviction (announced before their removal from the radix) and the pages a
-load brought in, as `TIER_STORED` change tuples; pages it lost or dropped (`lost`, `dropped`) as `TIER_REMOVED`.
-Publishers give them the tier's medium (events.py).
 """
 
 from __future__ import annotations
@@ -46,11 +31,11 @@ import numpy.typing as npt
 
 from cache_service.core.config import CoreConfig
 from cache_service.core.errors import InvariantError
-from cache_service.core.events import TIER_REMOVED, TIER_STORED
 from cache_service.core.ledger import EVICTABLE, FREE, LOADING, Counters, PageLedger
 from cache_service.core.pages import PageAllocator
-from cache_service.core.radix import RadixNode, RadixTree
-from cache_service.core.tier_keys import KEY_BYTES, Namespace, chain
+from cache_service.core.radix import RadixNode
+from cache_service.core.tier_keys import Namespace, chain
+from cache_service.core.tier_pages import TierPages
 
 TAINTED_QUARANTINE_SECONDS = 60.0
 """How long a page a failed transfer may still write waits before it is free again, by default
@@ -58,10 +43,6 @@ TAINTED_QUARANTINE_SECONDS = 60.0
 nobody owns."""
 SCAN_LEAVES = 64
 """Most LRU leaves one offload planning looks at."""
-
-Stage = Callable[[list[bytes], npt.NDArray[np.int32]], int]
-"""`stage(keys, pages) -> n`: copy the first n pages' bytes out of the pool now (before they can be reused) for
-the tier to write under their keys; n < len(pages) where there is no room for the rest."""
 
 
 def _write_back(config: CoreConfig) -> int:
@@ -143,43 +124,21 @@ class Offload:
         return list(zip(self.keys, self.pages, strict=True))
 
 
-class TierIndex:
-    """Keys, stored bits, loads and offloads of one core. Single-threaded like the core."""
+class TierIndex(TierPages):
+    """What the tier holds of one core's radix pages (`TierPages`), and its loads and offloads in progress.
+    Single-threaded like the core."""
 
     def __init__(self, config: CoreConfig, namespace: Namespace, ledger: PageLedger, pages: PageAllocator,
                  counters: Counters, clock: Callable[[], float]) -> None:
-        if namespace.page_size != config.page_size:
-            raise ValueError(f"tier namespace page size {namespace.page_size} != pool page size {config.page_size}")
-        self.namespace = namespace
-        self._ps = config.page_size
-        self._pb = 4 * config.page_size
+        super().__init__(config, namespace, pages)
         self._ledger = ledger
-        self._alloc = pages
         self._c = counters
         self._clock = clock
         self._tainted_seconds = config.tier_tainted_quarantine_seconds
-        self.radix: RadixTree | None = None
-        """Set by the facade once the tree exists (the tree's free callback is `free_evicted`)."""
-        n = config.num_pages
-        self._keys: npt.NDArray[np.uint8] = np.zeros((n, KEY_BYTES), dtype=np.uint8)
-        self._keyed: npt.NDArray[np.bool_] = np.zeros(n, dtype=np.bool_)
-        self._stored: npt.NDArray[np.bool_] = np.zeros(n, dtype=np.bool_)
-        self._offloading: npt.NDArray[np.bool_] = np.zeros(n, dtype=np.bool_)
-        self._stored_at: dict[bytes, int] = {}
-        """Key -> page of every stored page, so a value the tier drops clears its page's stored mark."""
-        self._staged: npt.NDArray[np.bool_] = np.zeros(n, dtype=np.bool_)
-        """Pages being evicted that `stage` copied out (set by `evicting`, cleared by `free_evicted`)."""
-        self.stage: Stage | None = None
-        """Copies pages the tier lacks out of the pool at eviction (the rpc layer's); None: they are lost."""
-        self.staged_pages = 0
-        """Pages copied out at eviction, in all."""
-        self._roots: dict[str, bytes] = {}
-        self.stored_pages = 0
+        self._offloading: npt.NDArray[np.bool_] = np.zeros(config.num_pages, dtype=np.bool_)
         self.offloading_pages = 0
         self.pinned_pages = 0
         """Radix pages held by offload pins (paths overlapping between offloads count once per offload)."""
-        self.evicted_unstored_pages = 0
-        """Radix pages evicted that the tier never got: neither stored nor staged, or staged and then `lost`."""
         try:
             watermark = TIER_POLICIES[config.tier_policy]
         except KeyError:
@@ -196,128 +155,6 @@ class TierIndex:
         """Finished loads whose pages stay pinned until `release`."""
         self.offloads: set[Offload] = set()
         self._scanned: tuple[int, ...] | None = None
-
-    # ------------------------------------------------------------------ keys
-
-    def root(self, salt: str) -> bytes:
-        r = self._roots.get(salt)
-        if r is None:
-            r = self._roots[salt] = self.namespace.root(salt)
-        return r
-
-    def _set_keys(self, pages: bytes | npt.NDArray[np.int32], keys: Sequence[bytes]) -> None:
-        arr = np.frombuffer(pages, dtype=np.int32) if isinstance(pages, bytes) else pages
-        if len(keys):
-            self._keys[arr] = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(-1, KEY_BYTES)
-        self._keyed[arr] = True
-
-    def key_of(self, page: int) -> bytes:
-        if not self._keyed[page]:
-            raise InvariantError(f"tier: page {page} has no key")
-        return bytes(self._keys[page])
-
-    def _key_path(self, node: RadixNode) -> list[RadixNode]:
-        """Key every page on the path to `node`; returns the path's nodes, root side first."""
-        path: list[RadixNode] = []
-        n: RadixNode | None = node
-        while n is not None and n.parent is not None:
-            path.append(n)
-            n = n.parent
-        path.reverse()
-        first = 0  # the leading nodes whose pages have keys (a node's pages are keyed all or none, or a prefix)
-        while first < len(path) and self._keyed[_last(path[first])]:
-            first += 1
-        parent = self.key_of(_last(path[first - 1])) if first else self.root(path[0].salt or "")
-        for n in path[first:]:
-            keys = chain(parent, n.key, self._ps)
-            self._set_keys(n.pages, keys)
-            parent = keys[-1]
-        return path
-
-    # ------------------------------------------------------------------ the radix's free callback
-
-    def evicting(self, node: RadixNode, keep: int) -> None:
-        """The radix's eviction hook: `node`'s pages past its first `keep` are about to be freed. Those the tier
-        neither holds nor is reading are keyed and handed to `stage`, root side first, while their bytes are
-        still the evicted KV."""
-        stage = self.stage
-        if stage is None:
-            return
-        arr = np.frombuffer(node.pages, dtype=np.int32)[keep:]
-        lacking = arr[~self._stored[arr]]
-        if not lacking.size:
-            return
-        self._key_path(node)
-        keys = [bytes(k) for k in self._keys[lacking]]
-        taken = stage(keys, lacking)
-        if taken:
-            self._staged[lacking[:taken]] = True
-            self.staged_pages += taken
-            self._announce(node, lacking[:taken].tolist())
-
-    def free_evicted(self, pages: bytes, src: int) -> None:
-        """Eviction frees radix pages: their keys, stored and staged bits go with them; a page that was neither
-        stored nor staged is lost."""
-        arr = np.frombuffer(pages, dtype=np.int32)
-        stored = int(np.count_nonzero(self._stored[arr]))
-        if stored:
-            for k in self._keys[arr[self._stored[arr]]]:
-                self._stored_at.pop(bytes(k), None)
-        staged = int(np.count_nonzero(self._staged[arr] & ~self._stored[arr]))
-        self.stored_pages -= stored
-        self.evicted_unstored_pages += arr.size - stored - staged
-        self._stored[arr] = False
-        self._staged[arr] = False
-        self._keyed[arr] = False
-        self._alloc.give(pages, src)
-
-    def lost(self, keys: list[bytes]) -> None:
-        """Pages staged at eviction (by key) that the tier did not write after all (it failed, or the service
-        stopped first): lost, counted with the pages evicted unstored, and no longer announced as the tier's."""
-        self.evicted_unstored_pages += len(keys)
-        self.dropped(keys)
-
-    def dropped(self, keys: list[bytes]) -> None:
-        """The tier no longer holds these keys' values (its own eviction, unsound values discarded): radix pages
-        of those keys are unstored again (evicting them stages them), and the drop is announced."""
-        for k in keys:
-            page = self._stored_at.pop(k, None)
-            if page is not None:
-                self._stored[page] = False
-                self.stored_pages -= 1
-        changes = self._tree().changes
-        if changes is not None and keys:
-            changes.append((TIER_REMOVED, list(keys)))
-
-    def _announce(self, node: RadixNode, pages: list[int]) -> None:
-        """Record that the tier holds `pages` (on the keyed path to `node`), while events are recorded: one
-        TIER_STORED change per run of consecutive path pages."""
-        changes = self._tree().changes
-        if changes is None or not pages:
-            return
-        path: list[RadixNode] = []
-        n: RadixNode | None = node
-        while n is not None and n.parent is not None:
-            path.append(n)
-            n = n.parent
-        path.reverse()
-        ids = np.frombuffer(b"".join(p.pages for p in path), dtype=np.int32)
-        key = b"".join(p.key for p in path)
-        want = np.isin(ids, np.asarray(pages, dtype=np.int32))
-        pb = self._pb
-        i, total = 0, ids.size
-        salt = node.salt or ""
-        while i < total:
-            if not want[i]:
-                i += 1
-                continue
-            j = i
-            while j < total and want[j]:
-                j += 1
-            run = ids[i:j]
-            changes.append((TIER_STORED, salt, int(ids[i - 1]) if i else None, key[i * pb:j * pb], run.tobytes(),
-                            [bytes(k) for k in self._keys[run]]))
-            i = j
 
     # ------------------------------------------------------------------ loads
 
@@ -521,16 +358,10 @@ class TierIndex:
             yield job.node
 
     def check(self, radix_pages: bytes) -> None:
-        """Stored and offloading pages are radix pages; the counts agree with the bits."""
+        """Stored and offloading pages are radix pages; the counts agree with the bits and the transfers."""
         owned = np.zeros(self._keyed.size, dtype=np.bool_)
         owned[np.frombuffer(radix_pages, dtype=np.int32)] = True
-        if (self._stored & ~owned).any() or (self._keyed & ~owned).any():
-            raise InvariantError("tier: a page that is not in the radix is marked keyed or stored")
-        if int(np.count_nonzero(self._stored)) != self.stored_pages:
-            raise InvariantError("tier: stored page count != stored bits")
-        if len(self._stored_at) != self.stored_pages or any(
-                not self._stored[p] or bytes(self._keys[p]) != k for k, p in self._stored_at.items()):
-            raise InvariantError("tier: the key -> page map of stored pages != the stored bits and keys")
+        self.check_pages(owned)
         if int(np.count_nonzero(self._offloading)) != self.offloading_pages:
             raise InvariantError("tier: offloading page count != offloading bits")
         if sum(j.pinned for j in self.offloads) != self.pinned_pages:
@@ -539,16 +370,5 @@ class TierIndex:
             raise InvariantError("tier: offloading page count != pages of the offloads in progress")
         if (self._offloading & ~owned).any():
             raise InvariantError("tier: a page being offloaded left the radix")
-        if self._staged.any():
-            raise InvariantError("tier: a staged bit outlived the eviction that set it")
         if self._ledger.counts[LOADING] != len(self.loading()) >> 2:
             raise InvariantError("tier: LOADING count != pages of the loads in progress")
-
-    def _tree(self) -> RadixTree:
-        assert self.radix is not None, "TierIndex.radix is set by the facade"
-        return self.radix
-
-
-def _last(node: RadixNode) -> int:
-    return int.from_bytes(node.pages[-4:], "little", signed=True)
-

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Protocol, TypeVar
@@ -84,6 +85,25 @@ class OwnedPool:
         if self._open:
             with contextlib.suppress(Exception):  # nothing can be reported from a collector
                 self.close()
+
+
+class OwnedFdPool(OwnedPool):
+    """An owned pool whose memory is a file descriptor (`_fd`, set by the backend's `__init__`), handed to engines
+    over the pool socket: what the fd backends share."""
+
+    _fd: int | None = None
+
+    def export_fd(self) -> int:
+        """The pool's fd (the service keeps ownership; the socket sends a duplicate)."""
+        if self._fd is None:
+            raise PoolError("the pool is closed")
+        return self._fd
+
+    def _close_fd(self) -> None:
+        """Drop the service's reference (once; engines' mappings stay valid until they unmap)."""
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
 
 
 class FdPool(PoolBackend, Protocol):

@@ -21,7 +21,7 @@ import os
 from collections.abc import Callable
 from typing import Protocol
 
-from cache_service.memory.base import OwnedPool, PoolError, PoolHandle, format_bytes
+from cache_service.memory.base import OwnedFdPool, PoolError, PoolHandle, format_bytes
 from cache_service.memory.cuda_ipc import resolve_device
 from kvcache_common.cuda_driver import ACCESS_READWRITE, CudaDriver
 from kvcache_common.layout import PoolLayout
@@ -109,7 +109,7 @@ def open_driver(factory: Callable[[], VmmDriver] | None = None) -> VmmDriver:
         raise PoolError(f"cannot initialise the CUDA driver ({_one_line(e)}); use --backend host_shm") from None
 
 
-class CudaVmmPool(OwnedPool):
+class CudaVmmPool(OwnedFdPool):
     """Owns the allocation handle and its exported fd. `export_fd()` is what the pool socket sends;
     `close()` (idempotent) releases the service's references in reverse order of acquisition."""
 
@@ -214,12 +214,6 @@ class CudaVmmPool(OwnedPool):
             va, self._va = self._va, None
             d.free_address(index, va, self.size_bytes)
 
-    def export_fd(self) -> int:
-        """The pool's fd (the service keeps ownership; the socket sends a duplicate)."""
-        if self._fd is None:
-            raise PoolError("the pool is closed")
-        return self._fd
-
     def handle(self) -> PoolHandle:
         return PoolHandle(backend=self.name, size_bytes=self.size_bytes, device_uuid=self.device_uuid,
                           offset_bytes=0)
@@ -241,11 +235,6 @@ class CudaVmmPool(OwnedPool):
         if self._handle is not None:
             handle, self._handle = self._handle, None
             self._driver.release(self.device_index, handle)
-
-    def _close_fd(self) -> None:
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
-            os.close(fd)
 
     def _discard(self) -> None:
         """Release what a failed start acquired; its own failure must not hide the start's."""

@@ -14,13 +14,13 @@ import errno
 import fcntl
 import os
 
-from cache_service.memory.base import OwnedPool, PoolError, PoolHandle, format_bytes
+from cache_service.memory.base import OwnedFdPool, PoolError, PoolHandle, format_bytes
 from kvcache_common.layout import PoolLayout
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
-class HostMemfdPool(OwnedPool):
+class HostMemfdPool(OwnedFdPool):
     """Owns the memfd. `export_fd()` is what the pool socket sends; `close()` (idempotent) drops the
     service's reference (engines' mappings stay valid until they unmap)."""
 
@@ -41,19 +41,11 @@ class HostMemfdPool(OwnedPool):
                 raise PoolError(f"no memory for a {format_bytes(layout.size_bytes)} host_memfd pool ({e.strerror}): "
                                 f"raise the memory limit or lower {size_flag}") from None
             raise PoolError(f"cannot reserve the host_memfd pool: {e.strerror}") from None
-        self._fd: int | None = fd
+        self._fd = fd
         self._open = True
-
-    def export_fd(self) -> int:
-        """The pool's fd (the service keeps ownership; the socket sends a duplicate)."""
-        if self._fd is None:
-            raise PoolError("the pool is closed")
-        return self._fd
 
     def handle(self) -> PoolHandle:
         return PoolHandle(backend=self.name, size_bytes=self.layout.size_bytes)
 
     def _release(self) -> None:
-        assert self._fd is not None, "an open memfd pool holds its fd"
-        fd, self._fd = self._fd, None
-        os.close(fd)
+        self._close_fd()
