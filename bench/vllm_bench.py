@@ -65,7 +65,15 @@ from bench.common import REPO, machine_load
 from engine_client import KVCacheClient
 from engine_client.vllm.demo import KVCacheService, computed, tokens
 from engine_client.vllm.driver import EngineProcess, save_model
-from engine_client.vllm.transfer import LayerKV, TransferIndex, Transfers, load_layer, save_layer
+from engine_client.vllm.transfer import (
+    LayerKV,
+    PoolLayer,
+    TransferIndex,
+    Transfers,
+    layer_kv,
+    load_layer,
+    save_layer,
+)
 
 FULL: dict[str, Any] = {"layers": 8, "hidden": 1024, "heads": 16, "kv_heads": 4, "head_dim": 64, "intermediate": 2816}
 QUICK: dict[str, Any] = {"layers": 2, "hidden": 128, "heads": 2, "kv_heads": 2, "head_dim": 64, "intermediate": 256}
@@ -122,51 +130,80 @@ def one_at_a_time(engines: dict[str, EngineProcess], doc_tokens: int, n: int = 8
 
 
 def scheduler_cost(engine: EngineProcess, bursts: int, size: int) -> dict[str, float]:
-    """Median over bursts of `size` new requests admitted together: connector scheduler-thread us a request."""
-    per_request, waits, step_ms = [], [], []
+    """Bursts of `size` new requests admitted together (nothing for kvcache to reuse: every prompt is new), median
+    over bursts: the connector's scheduler-thread us a request, and per vLLM engine step (`vllm:iteration_tokens_total`
+    counts them) what kvcache costs it (the connector's scheduler hooks and the worker's copies: with no reuse,
+    the saves of the computed prompts) beside the step's own wall time (forward pass included)."""
+    per_request, waits, step_ms, per_step, copy_step, vllm_step = [], [], [], [], [], []
+    steps_key = "vllm:iteration_tokens_total_count"
     for i in range(bursts):
         before = engine.metrics()
-        engine.generate([{"prompt": tokens(5000 + i * size + j, 64), "max_tokens": 1} for j in range(size)])
+        out = engine.command({"cmd": "generate", "requests": [{"prompt": tokens(5000 + i * size + j, 64),
+                                                              "max_tokens": 1} for j in range(size)]})
         time.sleep(0.3)  # let the finishes' Step come back and be counted
         engine.generate([{"prompt": [1, 2, 3], "max_tokens": 1}])  # a step that reports the counters
         after = engine.metrics()
         d = {k: after.get(f"kvcache_connector_{k}_total", 0.0) - before.get(f"kvcache_connector_{k}_total", 0.0)
-             for k in ("scheduler_seconds", "wait_seconds", "step_seconds", "steps")}
+             for k in ("scheduler_seconds", "wait_seconds", "step_seconds", "steps", "save_seconds", "load_seconds")}
+        iterations = max(after.get(steps_key, 0.0) - before.get(steps_key, 0.0) - 1, 1)  # less the reporting step
         per_request.append(d["scheduler_seconds"] / (size + 1) * 1e6)
         waits.append(d["wait_seconds"] / (size + 1) * 1e6)
         step_ms.append(d["step_seconds"] / max(d["steps"], 1) * 1e3)
+        per_step.append(d["scheduler_seconds"] / iterations * 1e6)
+        copy_step.append((d["save_seconds"] + d["load_seconds"]) / iterations * 1e6)
+        vllm_step.append(float(out["seconds"]) / iterations * 1e3)
     return {"us_per_request": statistics.median(per_request), "wait_us": statistics.median(waits),
-            "step_ms": statistics.median(step_ms)}
+            "step_ms": statistics.median(step_ms), "hooks_us_per_step": statistics.median(per_step),
+            "copy_us_per_step": statistics.median(copy_step), "vllm_step_ms": statistics.median(vllm_step)}
 
 
 def copy_cost(shape: dict[str, int], pages: int, rounds: int) -> dict[str, float]:
-    """The connector's copy code on the bench model's layout: us per page (all layers) to load and save."""
+    """The connector's copy code on the bench model's layout (vLLM's CPU attention, pages at random places on
+    both sides): us per page (all layers) to load and save, each round alternating with the bound measured
+    on the same bytes (a contiguous copy of `pages` pages: numpy on one thread, torch's `copy_` on its
+    threads), medians of rounds. The copies use what the worker builds (`PoolLayer` once a pool, the index
+    once a step)."""
     layers, heads, dim = shape["layers"], shape["kv_heads"], shape["head_dim"]
     num_blocks = pages * PAGE // BLOCK + 8
     pool = torch.randn(layers, 2, pages + 8, PAGE, heads, dim)
+    pool_layers = [PoolLayer(pool[layer]) for layer in range(layers)]
     vllm = [torch.zeros(num_blocks, heads, BLOCK, 2 * dim) for _ in range(layers)]
-    from engine_client.vllm.transfer import layer_kv
-
     views: list[LayerKV] = [layer_kv(t, layout="LBHNC", order=(0, 1, 2, 3), packing="cpu_vec", block_size=BLOCK,
                                      num_heads=heads, head_dim=dim) for t in vllm]
     rng = np.random.default_rng(0)
     page_ids = rng.permutation(np.arange(1, pages + 8, dtype=np.int32))[:pages]
     block_ids = rng.permutation(np.arange(num_blocks, dtype=np.int32))[: pages * PAGE // BLOCK]
     t = Transfers.build([(0, pages * PAGE, page_ids, block_ids)])
-    index = TransferIndex.build(t, page_size=PAGE, block_size=BLOCK)
-    load, save = [], []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for layer in range(layers):
-            load_layer(pool[layer], views[layer], index)
-        load.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        for layer in range(layers):
-            save_layer(views[layer], pool[layer], index)
-        save.append(time.perf_counter() - start)
     page_bytes = layers * 2 * PAGE * heads * dim * 4
-    return {"load_us": statistics.median(load) / pages * 1e6, "save_us": statistics.median(save) / pages * 1e6,
-            "page_kib": page_bytes / 1024}
+    src = np.ones(page_bytes * pages // 4, np.int32)
+    dst = np.empty_like(src)
+    tsrc, tdst = torch.from_numpy(src), torch.from_numpy(dst)
+    times: dict[str, list[float]] = {k: [] for k in ("numpy", "torch", "load", "save")}
+
+    def timed(key: str, fn: Any) -> None:
+        start = time.perf_counter()
+        fn()
+        times[key].append(time.perf_counter() - start)
+
+    def load() -> None:
+        index = TransferIndex.build(t, page_size=PAGE, block_size=BLOCK)
+        for layer in range(layers):
+            load_layer(pool_layers[layer], views[layer], index)
+
+    def save() -> None:
+        index = TransferIndex.build(t, page_size=PAGE, block_size=BLOCK)
+        for layer in range(layers):
+            save_layer(views[layer], pool_layers[layer], index)
+
+    for _ in range(rounds):
+        timed("numpy", lambda: np.copyto(dst, src))
+        timed("load", load)
+        timed("torch", lambda: tdst.copy_(tsrc))
+        timed("save", save)
+    us = {k: statistics.median(v) / pages * 1e6 for k, v in times.items()}
+    return {"load_us": us["load"], "save_us": us["save"], "memcpy_us": us["numpy"], "torch_us": us["torch"],
+            "page_kib": page_bytes / 1024, "memcpy_gbps": page_bytes / us["numpy"] / 1e3,
+            "torch_gbps": page_bytes / us["torch"] / 1e3, "torch_threads": torch.get_num_threads()}
 
 
 def start(python: Path, model: Path, work: Path, specs: dict[str, dict[str, Any]]) -> dict[str, EngineProcess]:
@@ -508,9 +545,14 @@ def main(argv: list[str] | None = None) -> int:
         results["scheduler"] = scheduler_cost(a, bursts, burst)
         m = [e.metrics() for e in (a, b)]
         total = {k: sum(x.get(f"kvcache_connector_{k}_total", 0.0) for x in m)
-                 for k in ("load_seconds", "load_pages", "save_seconds", "save_pages")}
-        results["engine_copy"] = {"load_us": total["load_seconds"] / max(total["load_pages"], 1) * 1e6,
-                                  "save_us": total["save_seconds"] / max(total["save_pages"], 1) * 1e6}
+                 for k in ("load_seconds", "load_pages", "load_tokens", "save_seconds", "save_pages", "save_tokens")}
+        token_bytes = shape["layers"] * 2 * shape["kv_heads"] * shape["head_dim"] * 4
+        results["engine_copy"] = {
+            "load_us": total["load_seconds"] / max(total["load_pages"], 1) * 1e6,
+            "save_us": total["save_seconds"] / max(total["save_pages"], 1) * 1e6,
+            "load_gbps": total["load_tokens"] * token_bytes / max(total["load_seconds"], 1e-9) / 1e9,
+            "save_gbps": total["save_tokens"] * token_bytes / max(total["save_seconds"], 1e-9) / 1e9,
+            "save_fill": total["save_tokens"] / max(total["save_pages"] * PAGE, 1)}
         for engine in {e for pair in pairs.values() for e in pair}:
             engine.close()
         pairs.clear()
@@ -564,6 +606,16 @@ def print_table(r: dict[str, Any], shape: dict[str, int], doc_tokens: int, chats
           f"{c['load_us']:.2f} us, save {c['save_us']:.2f} us a page (the copy code, full pages, median); in the "
           f"engines: load {e['load_us']:.2f} us, save {e['save_us']:.2f} us a page touched (decode saves one token "
           "a step)")
+    bound = c["memcpy_us"]
+    print(f"  bound, same run: a contiguous copy of the same bytes {bound:.2f} us a page with numpy on one thread "
+          f"({c['memcpy_gbps']:.1f} GB/s), {c['torch_us']:.2f} us with torch's copy_ on {c['torch_threads']} "
+          f"threads ({c['torch_gbps']:.1f} GB/s); the copy code at {bound / c['load_us']:.0%} (load) and "
+          f"{bound / c['save_us']:.0%} (save) of numpy's bandwidth (target >= 50%)")
+    print(f"  in the engines, bytes moved: load {e['load_gbps']:.2f} GB/s, save {e['save_gbps']:.2f} GB/s (a save "
+          f"fills {e['save_fill']:.0%} of the pages it touches)")
+    print(f"no reuse ({burst} new requests a step): kvcache costs vLLM {s['hooks_us_per_step']:.0f} us a step on "
+          f"its scheduler thread and {s['copy_us_per_step']:.0f} us a step of copies (saving the prompts), beside "
+          f"vLLM's own step of {s['vllm_step_ms']:.2f} ms (wall, forward pass included)")
 
 
 if __name__ == "__main__":

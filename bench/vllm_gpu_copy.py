@@ -24,7 +24,16 @@ import torch
 from bench.common import machine_load
 from engine_client import KVCacheClient, map_pool
 from engine_client.reference.workload import ServiceProcess, layout_flags
-from engine_client.vllm.transfer import HostStaging, LayerKV, TransferIndex, Transfers, layer_kv, load_layer, save_layer
+from engine_client.vllm.transfer import (
+    HostStaging,
+    LayerKV,
+    PoolLayer,
+    TransferIndex,
+    Transfers,
+    layer_kv,
+    load_layer,
+    save_layer,
+)
 
 LAYERS, HEADS, DIM, PAGE = 32, 8, 128, 16
 LAYOUTS = ("LBNHC", "LBHNC")
@@ -48,19 +57,34 @@ def vllm_layers(layout: str, blocks: int, layers: int = LAYERS, device: str = "c
 def step_seconds(pool: torch.Tensor, kv: list[LayerKV], index: TransferIndex, staging: HostStaging | None,
                  save: bool, repeats: int) -> float:
     times = []
+    layers = [PoolLayer(pool[i]) for i in range(len(kv))]  # as the worker holds them: built once a pool
     for _ in range(repeats + 2):
         torch.cuda.synchronize()
         start = time.perf_counter()
         for i, layer in enumerate(kv):
             if save:
-                save_layer(layer, pool[i], index, staging)
+                save_layer(layer, layers[i], index, staging)
             else:
-                load_layer(pool[i], layer, index, staging)
+                load_layer(layers[i], layer, index, staging)
         if staging is not None:
             staging.flush()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times[2:])
+
+
+def device_gbps(nbytes: int, repeats: int) -> float:
+    """One contiguous device-to-device copy of `nbytes` (the device paths' bound: each byte read and written once)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats + 2):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times[2:]) / 1e9
 
 
 def pinned_gbps(nbytes: int, repeats: int) -> tuple[float, float]:
@@ -97,7 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     t = Transfers.build([(0, args.pages * PAGE, pages, blocks)])
     print(f"vLLM connector copies on {gpu}: {args.pages} pages a step, Llama-3-8B KV ({LAYERS} layers, {HEADS} KV "
           f"heads x {DIM}, bfloat16, {page_bytes // 1024} KiB a page); median of {args.repeats}; {machine_load()}")
-    print(f"{'pool':<22} {'layout':<6} {'direction':<9} {'us/step':>9} {'us/page':>8} {'GB/s':>7}")
+    step_bytes = args.pages * page_bytes
+    bound = device_gbps(step_bytes, args.repeats)
+    h2d, d2h = pinned_gbps(step_bytes // LAYERS, args.repeats)
+    print(f"bounds, same run: a contiguous device-to-device copy of the step's bytes {bound:.0f} GB/s; a pinned "
+          f"copy of one layer's step host to device {h2d:.1f} GB/s, device to host {d2h:.1f} GB/s")
+    print(f"{'pool':<22} {'layout':<6} {'direction':<9} {'us/step':>9} {'us/page':>8} {'GB/s':>7} {'of bound':>9}")
     for backend, device in (("cuda_vmm", "cuda"), ("host_shm", "cpu")):
         with ServiceProcess(flags, num_pages=args.pages * 2 + 1, extra=("--backend", backend)) as service:
             with KVCacheClient(service.target) as client, map_pool(client, *(("cuda",) if device == "cuda" else ()))\
@@ -109,13 +138,14 @@ def main(argv: list[str] | None = None) -> int:
                     for direction in ("load", "save"):
                         s = step_seconds(pool.tensor, kv, index, staging, direction == "save", args.repeats)
                         name = f"{backend} ({'device' if device == 'cuda' else 'staged'})"
+                        gbps = step_bytes / s / 1e9
+                        of = bound if device == "cuda" else d2h if direction == "save" else h2d
                         print(f"{name:<22} {layout:<6} {direction:<9} {s * 1e6:>9.0f} {s * 1e6 / args.pages:>8.2f} "
-                              f"{args.pages * page_bytes / s / 1e9:>7.1f}")
+                              f"{gbps:>7.1f} {gbps / of:>9.0%}")
                     del kv
             service.stop()
-    h2d, d2h = pinned_gbps(args.pages * page_bytes // LAYERS, args.repeats)
-    print(f"pinned copy of one layer's step ({args.pages * page_bytes // LAYERS >> 20} MiB): host to device "
-          f"{h2d:.1f} GB/s, device to host {d2h:.1f} GB/s; torch CPU threads {torch.get_num_threads()}")
+    print(f"(device rows against the device-to-device copy, staged rows against the pinned copy in their direction, "
+          f"one layer's step of {step_bytes // LAYERS >> 20} MiB; torch CPU threads {torch.get_num_threads()})")
     return 0
 
 

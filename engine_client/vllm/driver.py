@@ -358,7 +358,7 @@ class Engine:
 
 
 _METRICS = ("kvcache_", "vllm:prompt_tokens", "vllm:prefix_cache", "vllm:external_prefix_cache",
-            "vllm:num_preemptions", "vllm:request_prefill_kv_computed_tokens")
+            "vllm:num_preemptions", "vllm:request_prefill_kv_computed_tokens", "vllm:iteration_tokens_total")
 
 
 def serve(args: argparse.Namespace, proto: TextIO) -> int:

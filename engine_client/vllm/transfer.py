@@ -18,22 +18,27 @@ different page sizes and layouts:
   which is how an MLA pool stores it (`kvcache_common.layout`), so the copies below serve both kinds.
 
 A transfer moves positions `[start, end)` of one request; a step's transfers become one set of index
-arrays (`TransferIndex`, built with numpy, nothing per token in Python) and each layer is then two
-`index_put_`s (K and V) in one direction.
+arrays (`TransferIndex`, built with numpy once a step, nothing per token in Python, and its numpy arrays
+once too) and each layer is then one batched copy in one direction, for every request of the step. The
+pool's side of a layer (`PoolLayer`: K and V planes and their numpy view) is built once a pool, and vLLM's
+(`LayerKV`'s numpy views and `pair`) once a layer tensor, so a layer's copy spends nothing on views.
 
-On CPU the same index copies run through numpy views of the same memory (bit-exact: elements are moved as
-integers of their size), on the calling thread. torch would split them across vLLM's OpenMP threads (its
-CPU worker binds one per core and forbids `torch.set_num_threads` after that), and a copy split across
-threads waits at OpenMP barriers for any thread the OS has descheduled: on this shared 2-core machine the
-copy of a 256 KiB page (8 layers) took ~56 us on one thread and 0.9-1.0 ms on two under load (the engines
-measured 3.5-3.8 ms a page). A strided copy is memory-bound, so one thread costs at most ~2x on idle cores.
-Page-granular variants (one index per page: `index_put_` on a `[blocks, pages per block, ...]` view, or
-`index_copy_` of contiguous rows) were measured too and were slower (98-114 us a page) than this token
-index, whose inner runs are a head's `dim` values.
+On CPU the index copies run through numpy views of the same memory (bit-exact: elements are moved as
+integers of their size), on the calling thread: a gather of the pool's rows and a scatter into vLLM's
+blocks, for K and for V. torch would split them across vLLM's OpenMP threads (its CPU worker binds one
+per core and forbids `torch.set_num_threads` after that), and a copy split across threads waits at
+OpenMP barriers for any thread the OS has descheduled: on this shared 2-core machine the copy of a 256
+KiB page (8 layers) took ~56 us on one thread and 0.9-1.0 ms on two under load. Page-granular variants
+(one index per page) were measured too and were slower than this token index (docs/vllm.md, "Copies").
 
-A host pool serves a GPU engine as a CPU tier: a load gathers its positions on the host into a pinned
-buffer (`HostStaging`), copies it to the device asynchronously and scatters it into vLLM's blocks there;
-a save gathers on the device, copies into a pinned buffer asynchronously and scatters into the pool when
+On a GPU pool (same device) a layer's copy is torch's index kernels: one gather of K and V together from
+the pool's planes and one scatter into vLLM's blocks where vLLM's layout keeps V a fixed step after K
+(`LayerKV.pair`: the GPU backends' `split` packing, MLA), so two kernels a layer and direction, not four.
+
+A host pool serves a GPU engine as a CPU tier: a load gathers its positions' K and V on the host in one
+index op into one pinned buffer a layer (`HostStaging`), copies it to the device in one asynchronous
+transfer and scatters it into vLLM's blocks there; a save gathers on the device (one kernel where `pair`
+allows), copies into one pinned buffer a layer asynchronously and scatters into the pool (one op) when
 the step's saves are flushed (`HostStaging.flush`, at the end of the step). Nothing waits per page: a
 pinned buffer is reused once the copy that last used it is over, and a step's saves wait once, at the
 flush.
@@ -43,14 +48,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import pairwise
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-__all__ = ["LOGICAL_AXES", "NULL_BLOCK", "PACKINGS", "HostStaging", "KVLayoutError", "LayerKV", "TransferIndex",
-           "Transfers", "check_layout_order", "layer_kv", "load_layer", "mla_latent", "save_layer"]
+__all__ = ["LOGICAL_AXES", "NULL_BLOCK", "PACKINGS", "HostStaging", "KVLayoutError", "LayerKV", "PoolLayer",
+           "TransferIndex", "Transfers", "check_layout_order", "layer_kv", "load_layer", "load_layer_torch",
+           "mla_latent", "save_layer", "save_layer_torch"]
 
 Int64Array = npt.NDArray[np.int64]
 Int32Array = npt.NDArray[np.int32]
@@ -70,6 +77,26 @@ class LayerKV:
     @property
     def block_size(self) -> int:
         return int(self.k.shape[1])
+
+    @cached_property
+    def pair(self) -> torch.Tensor | None:
+        """K and V as one view `[blocks, block_size, 2, heads, dim]` when V is K moved by a fixed number of
+        elements (same shape, strides, dtype and memory: the GPU backends' `split` packing, MLA's halves), so
+        one index kernel moves both; None otherwise (CPU attention's packing transposes K, not V)."""
+        k, v = self.k, self.v
+        if (k.shape != v.shape or k.stride() != v.stride() or k.dtype != v.dtype or k.device != v.device
+                or k.untyped_storage().data_ptr() != v.untyped_storage().data_ptr()):
+            return None
+        delta = v.storage_offset() - k.storage_offset()
+        if delta <= 0:
+            return None
+        return k.as_strided((*k.shape[:2], 2, *k.shape[2:]), (*k.stride()[:2], delta, *k.stride()[2:]),
+                            k.storage_offset())
+
+    @cached_property
+    def host(self) -> tuple[npt.NDArray[np.generic], npt.NDArray[np.generic]]:
+        """K and V as numpy views of the same memory (CPU tensors only), built once."""
+        return _host(self.k), _host(self.v)
 
 
 LOGICAL_AXES = ("B", "H", "N", "C")
@@ -258,10 +285,28 @@ class TransferIndex:
     def __len__(self) -> int:
         return int(self.pool_slots.shape[0])
 
+    @cached_property
+    def host(self) -> tuple[Int64Array, Int64Array, Int64Array]:
+        """Pool slots, blocks and offsets as numpy arrays (CPU indexes only), built once a step."""
+        return self.pool_slots.numpy(), self.blocks.numpy(), self.offsets.numpy()
 
-def _planes(pool_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A pool layer `[2, pages, page_size, heads, dim]` as K and V planes `[pages * page_size, heads, dim]`."""
-    return pool_layer[0].flatten(0, 1), pool_layer[1].flatten(0, 1)
+
+class PoolLayer:
+    """One pool layer `[2, pages, page_size, heads, dim]` as its K and V planes `[2, pages * page_size, heads,
+    dim]` (views, never copies) and, in host memory, their numpy view: built once when the pool is mapped (the
+    worker keeps one a layer), so a step's copies spend nothing per layer on views."""
+
+    __slots__ = ("host", "planes")
+
+    def __init__(self, layer: torch.Tensor) -> None:
+        if layer.dim() != 5 or layer.shape[0] != 2:
+            raise ValueError(f"a pool layer is [2, pages, page_size, heads, dim], got shape {tuple(layer.shape)}")
+        self.planes = layer.view(2, -1, *layer.shape[3:])
+        self.host = _host(self.planes) if layer.device.type == "cpu" else None
+
+    @property
+    def device(self) -> torch.device:
+        return self.planes.device
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -368,74 +413,112 @@ def _base(buf: torch.Tensor) -> torch.Tensor:
     return base.view(torch.uint8) if base.dtype != torch.uint8 else base
 
 
-def _copy_path(pool_layer: torch.Tensor, kv: LayerKV, staging: HostStaging | None) -> str:
+def _copy_path(pool: PoolLayer, kv: LayerKV, staging: HostStaging | None) -> str:
     """How a layer's copy runs: "host" (both on CPU), "device" (same device), "staged" (host pool, GPU KV)."""
-    pool, engine = pool_layer.device, kv.k.device
-    if pool.type == "cpu" and engine.type == "cpu":
+    where, engine = pool.device, kv.k.device
+    if where.type == "cpu" and engine.type == "cpu":
         return "host"
-    if pool == engine:
+    if where == engine:
         return "device"
-    if pool.type == "cpu" and staging is not None:
+    if where.type == "cpu" and staging is not None:
         return "staged"
-    raise ValueError(f"the pool is on {pool} and vLLM's KV on {engine}: a copy between them needs the pool on "
-                     f"vLLM's device or in host memory{' (with a HostStaging)' if pool.type == 'cpu' else ''}")
+    raise ValueError(f"the pool is on {where} and vLLM's KV on {engine}: a copy between them needs the pool on "
+                     f"vLLM's device or in host memory{' (with a HostStaging)' if where.type == 'cpu' else ''}")
 
 
-def load_layer(pool_layer: torch.Tensor, dst: LayerKV, index: TransferIndex,
+def _pool(pool_layer: torch.Tensor | PoolLayer) -> PoolLayer:
+    return pool_layer if isinstance(pool_layer, PoolLayer) else PoolLayer(pool_layer)
+
+
+def _scatter(dst: LayerKV, index: TransferIndex, kv: torch.Tensor) -> None:
+    """Write `kv` (`[2, n, heads, dim]`: the indexed positions' K and V, on vLLM's device) into vLLM's blocks:
+    one index kernel for K and V together where the layout allows (`LayerKV.pair`), else one each."""
+    where = (index.blocks, index.offsets)
+    pair = dst.pair
+    if pair is not None:
+        pair.index_put_(where, kv.transpose(0, 1))
+    else:
+        dst.k.index_put_(where, kv[0])
+        dst.v.index_put_(where, kv[1])
+
+
+def _gather(src: LayerKV, index: TransferIndex) -> tuple[torch.Tensor, bool]:
+    """The indexed positions' K and V from vLLM's blocks (on its device), with one index kernel where the layout
+    allows: `([n, 2, heads, dim], True)` then, else `([2, n, heads, dim], False)`."""
+    where = (index.blocks, index.offsets)
+    pair = src.pair
+    if pair is not None:
+        return pair[where], True
+    return torch.stack((src.k[where], src.v[where])), False
+
+
+def load_layer_torch(pool: PoolLayer, dst: LayerKV, index: TransferIndex) -> None:
+    """A load with torch's index kernels where the pool and vLLM's KV share a device (a GPU pool: one gather of K
+    and V and one scatter, or two where the layout keeps K and V apart); `load_layer` runs it on a GPU."""
+    _scatter(dst, index, pool.planes.index_select(1, index.pool_slots))
+
+
+def save_layer_torch(src: LayerKV, pool: PoolLayer, index: TransferIndex) -> None:
+    """A save with torch's index kernels where the pool and vLLM's KV share a device (the mirror of
+    `load_layer_torch`)."""
+    kv, paired = _gather(src, index)
+    pool.planes.index_copy_(1, index.pool_slots, kv.transpose(0, 1) if paired else kv)
+
+
+def load_layer(pool_layer: torch.Tensor | PoolLayer, dst: LayerKV, index: TransferIndex,
                staging: HostStaging | None = None) -> None:
-    """Copy the indexed positions of one layer from the pool into vLLM's blocks (through `staging` when the
-    pool is in host memory and vLLM's KV on a GPU)."""
+    """Copy the indexed positions of one layer from the pool (a `[2, pages, page_size, heads, dim]` layer, or
+    its `PoolLayer`, built once) into vLLM's blocks (through `staging` when the pool is in host memory and
+    vLLM's KV on a GPU)."""
     if not len(index):
         return
-    k, v = _planes(pool_layer)
-    path = _copy_path(pool_layer, dst, staging)
+    pool = _pool(pool_layer)
+    path = _copy_path(pool, dst, staging)
     if path == "host":
-        slots, where = index.pool_slots.numpy(), (index.blocks.numpy(), index.offsets.numpy())
-        _host(dst.k)[where] = _host(k)[slots]
-        _host(dst.v)[where] = _host(v)[slots]
+        assert pool.host is not None
+        slots, blocks, offsets = index.host
+        k, v = dst.host
+        k[blocks, offsets] = pool.host[0][slots]
+        v[blocks, offsets] = pool.host[1][slots]
         return
-    where_t = (index.blocks, index.offsets)
     if path == "device":
-        dst.k.index_put_(where_t, k.index_select(0, index.pool_slots))
-        dst.v.index_put_(where_t, v.index_select(0, index.pool_slots))
+        load_layer_torch(pool, dst, index)
         return
     assert staging is not None
-    # torch's CPU gathers (every core: a GPU engine's host threads are otherwise idle during its forward pass)
-    buf = staging.buffer((2, len(index), *k.shape[1:]), k.dtype)
-    torch.index_select(k, 0, index.pool_slots, out=buf[0])
-    torch.index_select(v, 0, index.pool_slots, out=buf[1])
+    # torch's CPU gather, K and V in one (every core: a GPU engine's host threads are otherwise idle during its
+    # forward pass), into a pinned buffer copied to the device in one transfer a layer
+    buf = staging.buffer((2, len(index), *pool.planes.shape[2:]), pool.planes.dtype)
+    torch.index_select(pool.planes, 1, index.pool_slots, out=buf)
     on_device = buf.to(dst.k.device, non_blocking=True)
     staging.in_flight(buf)
-    dst.k.index_put_(where_t, on_device[0])
-    dst.v.index_put_(where_t, on_device[1])
+    _scatter(dst, index, on_device)
 
 
-def save_layer(src: LayerKV, pool_layer: torch.Tensor, index: TransferIndex,
+def save_layer(src: LayerKV, pool_layer: torch.Tensor | PoolLayer, index: TransferIndex,
                staging: HostStaging | None = None) -> None:
     """Copy the indexed positions of one layer from vLLM's blocks into the pool (through `staging` when the
     pool is in host memory and vLLM's KV on a GPU: the pool is written at `staging.flush()`)."""
     if not len(index):
         return
-    k, v = _planes(pool_layer)
-    path = _copy_path(pool_layer, src, staging)
+    pool = _pool(pool_layer)
+    path = _copy_path(pool, src, staging)
     if path == "host":
-        slots, where = index.pool_slots.numpy(), (index.blocks.numpy(), index.offsets.numpy())
-        _host(k)[slots] = _host(src.k)[where]
-        _host(v)[slots] = _host(src.v)[where]
+        assert pool.host is not None
+        slots, blocks, offsets = index.host
+        k, v = src.host
+        pool.host[0][slots] = k[blocks, offsets]
+        pool.host[1][slots] = v[blocks, offsets]
         return
-    where_t = (index.blocks, index.offsets)
     if path == "device":
-        k.index_copy_(0, index.pool_slots, src.k[where_t])
-        v.index_copy_(0, index.pool_slots, src.v[where_t])
+        save_layer_torch(src, pool, index)
         return
     assert staging is not None
-    pool_slots = index.pool_slots
-    buf = staging.buffer((2, len(index), *k.shape[1:]), k.dtype)
-    buf[0].copy_(src.k[where_t], non_blocking=True)
-    buf[1].copy_(src.v[where_t], non_blocking=True)
+    kv, paired = _gather(src, index)
+    pool_slots, planes = index.pool_slots, pool.planes
+    buf = staging.buffer(tuple(kv.shape), kv.dtype)
+    buf.copy_(kv, non_blocking=True)  # one device-to-host transfer a layer, K and V together
 
     def scatter(b: torch.Tensor) -> None:
-        k.index_copy_(0, pool_slots, b[0])
-        v.index_copy_(0, pool_slots, b[1])
+        planes.index_copy_(1, pool_slots, b.transpose(0, 1) if paired else b)
 
     staging.pending(buf, scatter)

@@ -30,7 +30,15 @@ from engine_client.layout import LayoutMismatch, check_layout, dtype_name
 from engine_client.mapping import MappedPool, map_pool
 from engine_client.vllm.counters import Counters
 from engine_client.vllm.scheduler import StepPlan, WorkerReport
-from engine_client.vllm.transfer import HostStaging, LayerKV, TransferIndex, Transfers, load_layer, save_layer
+from engine_client.vllm.transfer import (
+    HostStaging,
+    LayerKV,
+    PoolLayer,
+    TransferIndex,
+    Transfers,
+    load_layer,
+    save_layer,
+)
 
 __all__ = ["BlockSizeMismatch", "HeadShard", "TensorParallelError", "WorkerSide", "head_shard"]
 
@@ -118,8 +126,9 @@ class WorkerSide:
         """Each KV cache group's sliding window in tokens (0: full attention or MLA)."""
         self._model: dict[str, Any] = {}
         self._pool: MappedPool | None = None
-        self._pool_layers: list[torch.Tensor] = []
-        """The mapped pool's layers, cut to this rank's heads: `[2, pages, page_size, heads of the rank, dim]`."""
+        self._pool_layers: list[PoolLayer] = []
+        """The mapped pool's layers, cut to this rank's heads (`[2, pages, page_size, heads of the rank, dim]`), as
+        K and V planes and their numpy views, built once a pool."""
         self._unusable: dict[str, str] = {}
         """Instances this worker cannot use, with the reason."""
         self._step: _Step | None = None
@@ -219,7 +228,7 @@ class WorkerSide:
     def _set_pool(self, pool: MappedPool) -> None:
         self._pool = pool
         lo, hi = self.shard.lo, self.shard.hi
-        self._pool_layers = [pool.tensor[i][:, :, :, lo:hi] for i in range(len(self._layers))]
+        self._pool_layers = [PoolLayer(pool.tensor[i][:, :, :, lo:hi]) for i in range(len(self._layers))]
         if pool.tensor.device.type == "cpu" and self._engine_device().type != "cpu" and self._staging is None:
             self._staging = HostStaging()
             log.info("kvcache connector: the pool is in host memory and vLLM's KV on %s: copies go through pinned "

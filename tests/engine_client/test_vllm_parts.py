@@ -15,12 +15,15 @@ from engine_client.vllm.scheduler import WorkerReport
 from engine_client.vllm.transfer import (
     KVLayoutError,
     LayerKV,
+    PoolLayer,
     TransferIndex,
     Transfers,
     layer_kv,
     load_layer,
+    load_layer_torch,
     mla_latent,
     save_layer,
+    save_layer_torch,
 )
 from engine_client.vllm.worker import (
     BlockSizeMismatch,
@@ -120,6 +123,49 @@ def test_loads_and_saves_copy_exactly_the_indexed_positions(dtype: torch.dtype) 
     save_layer(view, empty, index)
     assert torch.equal(empty[:, 11], pool[:, 11]) and torch.equal(empty[:, 4], pool[:, 4])
     assert not empty[:, [p for p in range(12) if p not in (4, 11)]].any()
+
+
+@pytest.mark.parametrize("layout", ["cpu_vec", "split", "mla"])
+def test_the_torch_path_moves_what_the_host_path_moves_with_k_and_v_in_one_kernel_where_the_layout_allows(
+        layout: str) -> None:
+    # the device path (torch index kernels; a GPU pool runs it) on CPU tensors, against the numpy host path
+    gen = torch.Generator().manual_seed(5)
+    heads, dim = (1, 288) if layout == "mla" else (H, D)
+
+    def fresh() -> tuple[torch.Tensor, LayerKV]:
+        if layout == "mla":
+            raw = torch.zeros(NB, BS, 2 * dim)
+            return raw, mla_latent(raw, block_size=BS, latent_dim=2 * dim)
+        raw = torch.zeros(NB, H, BS, 2 * D)
+        if layout == "split":
+            return raw, layer_kv(raw, layout="LBHNC", order=HND, packing="split", block_size=BS, num_heads=H,
+                                 head_dim=D)
+        return raw, cpu_view(raw)
+
+    raw, view = fresh()
+    assert (view.pair is None) == (layout == "cpu_vec")  # CPU attention's K is transposed, its V is not
+    if view.pair is not None:  # K and V as one view of the same memory, V one fixed step after K
+        assert view.pair.data_ptr() == view.k.data_ptr() and torch.equal(view.pair[:, :, 1], view.v)
+    pool = PoolLayer(torch.randn(2, 12, PS, heads, dim, generator=gen))
+    assert pool.host is not None and pool.planes.shape == (2, 12 * PS, heads, dim)
+    # two requests: [16, 48) on pages 11, 4 and blocks 3, 1; [64, 67) on page 6 and block 2
+    t = Transfers.build([(16, 48, np.array([11, 4], np.int32), np.array([3, 1], np.int32)),
+                         (64, 67, np.array([6], np.int32), np.array([2], np.int32))])
+    index = TransferIndex.build(t, page_size=PS, block_size=BS)
+    load_layer_torch(pool, view, index)
+    want_raw, want = fresh()
+    load_layer(pool, want, index)
+    assert torch.equal(raw, want_raw) and raw.any()
+    assert torch.equal(view.k[2, :3], pool.planes[0, 6 * PS:6 * PS + 3])
+
+    computed = torch.randn(raw.shape, generator=gen)
+    raw.copy_(computed)
+    saved = PoolLayer(torch.zeros(2, 12, PS, heads, dim))
+    save_layer_torch(view, saved, index)
+    want_saved = torch.zeros(2, 12, PS, heads, dim)
+    save_layer(view, want_saved, index)
+    assert torch.equal(saved.planes, want_saved.flatten(1, 2)) and want_saved[:, [11, 4]].all()
+    assert not want_saved[:, 6, 3:].any()  # past the second request's 3 positions: untouched
 
 
 def test_a_sliding_window_groups_index_leaves_out_the_positions_its_window_dropped() -> None:
