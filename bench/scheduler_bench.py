@@ -130,7 +130,33 @@ class Trace:
 
 
 def fill(batch: Any, ops: list[tuple[str, str, Any]]) -> None:
-    """Queue `ops` on a StepBatch as a scheduler would."""
+    """Queue `ops` on a StepBatch as a scheduler would: each run of one kind (the step's finishes, its decoding
+    requests' page crossings, its admissions) with that kind's bulk method (`extend_many`, ...), one op at a
+    time where the client has none (an older tree's, with --against)."""
+    if not hasattr(batch, "extend_many"):
+        _fill_one_by_one(batch, ops)
+        return
+    i, n = 0, len(ops)
+    while i < n:
+        kind = ops[i][0]
+        j = i + 1
+        while j < n and ops[j][0] == kind and (kind != "extend" or ops[j][2] == ops[i][2]):
+            j += 1
+        sids = [op[1] for op in ops[i:j]]
+        if kind == "open":
+            batch.open_many(sids, streaming=False)
+        elif kind == "append":
+            batch.append_many(sids, [op[2] for op in ops[i:j]], reserve_tokens=PAGE)
+        elif kind == "extend":
+            batch.extend_many(sids, ops[i][2])
+        elif kind == "commit":
+            batch.commit_many(sids, [op[2] for op in ops[i:j]])
+        else:
+            batch.close_many(sids, cache=True)
+        i = j
+
+
+def _fill_one_by_one(batch: Any, ops: list[tuple[str, str, Any]]) -> None:
     for kind, sid, arg in ops:
         if kind == "open":
             batch.open(sid, streaming=False)
@@ -648,6 +674,18 @@ VERSUS_ROWS = ("build", "wall", "read", "step", "handler")
 cache work, as SGLang's step counts its keys and calls), the service's handler; then SGLang's step."""
 
 
+def read_failed(batch: Any, outcomes: list[Any]) -> list[int]:
+    """What a scheduler reads of an answered batch: which ops failed (`StepBatch.failed` at once where the client
+    has it, else each outcome's `ok`), and the page-table delta of every append and extend that went through.
+    Returns the failed positions."""
+    failed = batch.failed if hasattr(batch, "failed") else [i for i, o in enumerate(outcomes) if not o.ok]
+    refused = set(failed)
+    for i, o in enumerate(outcomes):
+        if o.kind in ("append", "extend") and i not in refused:
+            o.value.page_ids  # noqa: B018
+    return list(failed)
+
+
 def versus(steps: int, warmup: int, tree: str) -> dict[str, Any]:
     """The engine client over the step lane and SGLang's tree cache (`tree`: bench/sglang_radix.py's) in a worker
     process beside it, alternating step by step on the same trace: one kvcache Step (built, sent, read), then
@@ -692,14 +730,9 @@ def versus(steps: int, warmup: int, tree: str) -> dict[str, Any]:
             t1 = time.perf_counter()
             outcomes = client.step(batch)
             t2 = time.perf_counter()
-            ok = 0
-            for o in outcomes:  # what a scheduler reads: each op's ok, the page-table deltas
-                if o.ok:
-                    ok += 1
-                    if o.kind in ("append", "extend"):
-                        o.value.page_ids  # noqa: B018
+            failed = read_failed(batch, outcomes)  # what a scheduler reads: which ops failed, the page-table deltas
             t3 = time.perf_counter()
-            assert ok == len(outcomes), [o.error for o in outcomes if not o.ok][:3]
+            assert not failed, [outcomes[i].error for i in failed][:3]
             sg.stdin.write("step\n")
             sg.stdin.flush()
             theirs = json.loads(sg.stdout.readline())
