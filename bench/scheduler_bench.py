@@ -9,6 +9,10 @@
     python -m bench.scheduler_bench --transport all     # TCP gRPC, unix gRPC and the step lane, rounds interleaved
     python -m bench.scheduler_bench --transport all --sglang   # and SGLang's in-process RadixCache doing the same
                                                                # radix work (bench/sglang_radix.py, .venv-sglang)
+    python -m bench.scheduler_bench --versus unified      # the client over the step lane against SGLang 0.5.23's
+                                                          # default tree (Rust TreeCore) in a worker process,
+                                                          # alternating step by step
+    python -m bench.scheduler_bench --versus unified --against b625d3e   # that commit and this tree, each so
 
 The trace: page 16; 8 system prompts of 2,048 tokens; each request is a regular session whose prompt is one
 system prompt + 256 unique tokens (2,304 tokens), with 64 tokens generated over 4 steps: the engine reserves
@@ -44,6 +48,15 @@ With `--sglang` (after `make sglang-setup`), each round also runs `bench/sglang_
 in-process RadixCache doing the same trace's radix work a step (match + lock at admission, insert + unlock at
 finish), and the report ends with SGLang's median a step over each transport's §9 Step client wall (the ratio, >1
 where the Step is faster; docs/design.md §10's target is >= 1.5x on the lane).
+
+With `--versus TREE` (after `make sglang-setup`) one lane service, this process's engine client and a worker process
+of bench/sglang_radix.py (`--worker`, in .venv-sglang) with SGLang's tree (`unified`: UnifiedRadixCache over its Rust
+TreeCore, SGLang 0.5.23's default; `radix`: its Python RadixCache) take turns a step each on the same trace: one
+kvcache Step built (the bulk op methods), sent and read (`StepBatch.failed`, every append's and extend's page-table
+delta), then one SGLang step, and so on; neither side stays warm, as a scheduler's cache work follows a forward
+pass. The table gives the medians of our build, client wall, read and their sum ("ours": the scheduler's whole cache
+work a step, as SGLang's step makes its keys and params and reads its results), the service's handler, SGLang's
+step, and SGLang / ours. With `--against REV` both trees run it in alternating rounds of fresh processes.
 
 With `--against REV` the server table is measured for the service and client of commit REV (exported with
 `git archive` into a temporary directory, with this harness copied in; its compiled hot path built first, as
