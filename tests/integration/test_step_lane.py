@@ -786,8 +786,8 @@ def test_the_flags_are_checked(start_server: Callable[..., ServerProcess], tmp_p
 
     with pytest.raises(ConfigError, match=r"--step-socket: 'lane\.sock' is not an absolute path"):
         ServiceConfig(step_socket="lane.sock")
-    with pytest.raises(ConfigError, match="--step-socket-group: needs --step-socket"):
-        ServiceConfig(step_socket_group="kvcache")
+    with pytest.raises(ConfigError, match="--step-socket-group: is set but --step-lane is false"):
+        ServiceConfig(step_lane=False, step_socket_group="kvcache")
     with pytest.raises(ConfigError, match=r"--step-socket-poll-us: must be in \[0, 1000\], got 1001"):
         ServiceConfig(step_socket_poll_us=1001)
     with pytest.raises(RuntimeError, match="server did not start"):
