@@ -684,7 +684,8 @@ def sglang_report(merged: dict[str, dict[str, Phase]], sglang: list[dict[str, An
 
 VERSUS_ROWS = ("build", "wall", "read", "step", "handler")
 """`--versus` samples a step, us: our build, client wall and read, their sum (what the scheduler spends on its
-cache work, as SGLang's step counts its keys and calls), the service's handler; then SGLang's step."""
+cache work, as SGLang's step counts its keys and calls); the service's handler (its mean over a run: the metrics
+are scraped before and after, never between steps); then SGLang's step."""
 
 
 def read_failed(batch: Any, outcomes: list[Any]) -> list[int]:
@@ -749,14 +750,13 @@ def versus(steps: int, warmup: int, tree: str) -> dict[str, Any]:
             sg.stdin.write("step\n")
             sg.stdin.flush()
             theirs = json.loads(sg.stdout.readline())
-            after = step_handler_seconds(metrics_port)
             samples["build"].append((t1 - t0) * 1e6)
             samples["wall"].append((t2 - t1) * 1e6)
             samples["read"].append((t3 - t2) * 1e6)
             samples["step"].append((t3 - t0) * 1e6)
-            samples["handler"].append((after[0] - handler[0]) * 1e6)
             samples["sglang"].append(theirs["us"])
-            handler = after
+        after = step_handler_seconds(metrics_port)  # one scrape after the run: none between the steps
+        samples["handler"].append((after[0] - handler[0]) / max(after[1] - handler[1], 1) * 1e6)
         gc.unfreeze()
         client.close()
     finally:
@@ -776,7 +776,7 @@ def versus_report(runs: dict[str, list[dict[str, Any]]], tree: str) -> Iterator[
     yield (f"SGLang {first['sglang']} (torch {first['torch']}, CPU), tree {tree}: {first['core']}; each step's radix "
            f"work ({first['finishes']} insert + dec_lock_ref, {first['admissions']} match_prefix + inc_lock_ref) "
            "alternating step by step with the engine client's Step over the step lane, medians, us")
-    yield (f"{'run':<24} {'SGLang':>7} {'build':>7} {'wall':>7} {'read':>7} {'ours':>7} {'handler':>8} "
+    yield (f"{'run':<24} {'SGLang':>7} {'build':>7} {'wall':>7} {'read':>7} {'ours':>7} {'handler mean':>8} "
            f"{'SGLang/ours':>12} {'SGLang/wall':>12}")
     for label, outs in runs.items():
         med = {k: _median([us for out in outs for us in out["samples"][k]]) for k in (*VERSUS_ROWS, "sglang")}
