@@ -162,8 +162,8 @@ def run(steps: int, warmup: int, tree: str = "unified") -> dict[str, Any]:
 
 def worker(warmup: int, tree: str) -> int:
     """Serve steps one at a time: after `warmup` steps it prints one JSON line describing the tree, then for
-    each line read from stdin plans the next step (untimed), times its radix work, and prints
-    `{"us": ..., "matched": ...}`; ends at end of input."""
+    each line read from stdin times the planned step's radix work, plans the next one (untimed, before it answers,
+    so it uses no CPU while the other side runs), and prints `{"us": ..., "matched": ...}`; ends at end of input."""
     t = SGLangTree(tree)
     for _ in range(warmup):
         t.step(*t.plan())
@@ -175,8 +175,9 @@ def worker(warmup: int, tree: str) -> int:
         t0 = time.perf_counter()
         matched = t.step(finishes, admissions)
         us = (time.perf_counter() - t0) * 1e6
-        print(json.dumps({"us": us, "matched": matched / max(len(admissions), 1)}), flush=True)
-        finishes, admissions = t.plan()  # the next step's arrays, made while the other side works
+        per_admission = matched / max(len(admissions), 1)
+        finishes, admissions = t.plan()  # the next step's arrays, before answering: idle while the other side works
+        print(json.dumps({"us": us, "matched": per_admission}), flush=True)
     return 0
 
 
