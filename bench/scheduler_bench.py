@@ -9,6 +9,10 @@
     python -m bench.scheduler_bench --transport all     # TCP gRPC, unix gRPC and the step lane, rounds interleaved
     python -m bench.scheduler_bench --transport all --sglang   # and SGLang's in-process RadixCache doing the same
                                                                # radix work (bench/sglang_radix.py, .venv-sglang)
+    python -m bench.scheduler_bench --versus unified      # the client over the step lane against SGLang 0.5.23's
+                                                          # default tree (Rust TreeCore) in a worker process,
+                                                          # alternating step by step
+    python -m bench.scheduler_bench --versus unified --against b625d3e   # that commit and this tree, each so
 
 The trace: page 16; 8 system prompts of 2,048 tokens; each request is a regular session whose prompt is one
 system prompt + 256 unique tokens (2,304 tokens), with 64 tokens generated over 4 steps: the engine reserves
@@ -44,6 +48,15 @@ With `--sglang` (after `make sglang-setup`), each round also runs `bench/sglang_
 in-process RadixCache doing the same trace's radix work a step (match + lock at admission, insert + unlock at
 finish), and the report ends with SGLang's median a step over each transport's §9 Step client wall (the ratio, >1
 where the Step is faster; docs/design.md §10's target is >= 1.5x on the lane).
+
+With `--versus TREE` (after `make sglang-setup`) one lane service, this process's engine client and a worker process
+of bench/sglang_radix.py (`--worker`, in .venv-sglang) with SGLang's tree (`unified`: UnifiedRadixCache over its Rust
+TreeCore, SGLang 0.5.23's default; `radix`: its Python RadixCache) take turns a step each on the same trace: one
+kvcache Step built (the bulk op methods), sent and read (`StepBatch.failed`, every append's and extend's page-table
+delta), then one SGLang step, and so on; neither side stays warm, as a scheduler's cache work follows a forward
+pass. The table gives the medians of our build, client wall, read and their sum ("ours": the scheduler's whole cache
+work a step, as SGLang's step makes its keys and params and reads its results), the service's handler, SGLang's
+step, and SGLang / ours. With `--against REV` both trees run it in alternating rounds of fresh processes.
 
 With `--against REV` the server table is measured for the service and client of commit REV (exported with
 `git archive` into a temporary directory, with this harness copied in; its compiled hot path built first, as
@@ -130,7 +143,33 @@ class Trace:
 
 
 def fill(batch: Any, ops: list[tuple[str, str, Any]]) -> None:
-    """Queue `ops` on a StepBatch as a scheduler would."""
+    """Queue `ops` on a StepBatch as a scheduler would: each run of one kind (the step's finishes, its decoding
+    requests' page crossings, its admissions) with that kind's bulk method (`extend_many`, ...), one op at a
+    time where the client has none (an older tree's, with --against)."""
+    if not hasattr(batch, "extend_many"):
+        _fill_one_by_one(batch, ops)
+        return
+    i, n = 0, len(ops)
+    while i < n:
+        kind = ops[i][0]
+        j = i + 1
+        while j < n and ops[j][0] == kind and (kind != "extend" or ops[j][2] == ops[i][2]):
+            j += 1
+        sids = [op[1] for op in ops[i:j]]
+        if kind == "open":
+            batch.open_many(sids, streaming=False)
+        elif kind == "append":
+            batch.append_many(sids, [op[2] for op in ops[i:j]], reserve_tokens=PAGE)
+        elif kind == "extend":
+            batch.extend_many(sids, ops[i][2])
+        elif kind == "commit":
+            batch.commit_many(sids, [op[2] for op in ops[i:j]])
+        else:
+            batch.close_many(sids, cache=True)
+        i = j
+
+
+def _fill_one_by_one(batch: Any, ops: list[tuple[str, str, Any]]) -> None:
     for kind, sid, arg in ops:
         if kind == "open":
             batch.open(sid, streaming=False)
@@ -585,7 +624,8 @@ def _build_native(tree: str, label: str) -> bool:
     return True
 
 
-def against(rev: str, steps: int, rounds: int, build: bool = True, transport: str = "tcp") -> int:
+def against(rev: str, steps: int, rounds: int, build: bool = True, transport: str = "tcp",
+            versus_tree: str | None = None) -> int:
     """The server table of commit `rev` and of this tree, from alternating rounds of fresh processes. With
     `build`, REV's compiled hot path is built first (as this tree's is by `make setup`), else REV runs as
     Python."""
@@ -596,10 +636,13 @@ def against(rev: str, steps: int, rounds: int, build: bool = True, transport: st
             print(f"scheduler_bench: cannot export {rev}: {archive.stderr.decode().strip()}", file=sys.stderr)
             return 2
         subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
-        for name in ("__init__.py", "common.py", "scheduler_bench.py"):  # this harness, that code
+        for name in ("__init__.py", "common.py", "scheduler_bench.py", "sglang_radix.py"):  # this harness, that code
             shutil.copy(REPO / "bench" / name, os.path.join(tmp, "bench", name))
         if build and not _build_native(tmp, rev):
             return 1
+        if versus_tree is not None:
+            os.symlink(SGLANG_PYTHON.parent.parent.resolve(), os.path.join(tmp, ".venv-sglang"))
+            return versus_rounds({f"before ({rev})": tmp, "this tree": str(REPO)}, steps, rounds, versus_tree)
         return alternate({f"before ({rev})": (tmp, transport), "this tree": (str(REPO), transport)}, steps, rounds)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -637,6 +680,133 @@ def sglang_report(merged: dict[str, dict[str, Phase]], sglang: list[dict[str, An
         cells = [theirs / _median(phases[name].wall) if name in phases else float("nan")
                  for name in ("§9 Step", BURST_S9)]
         yield f"{label:<27} {cells[0]:>9.2f}x {cells[1]:>15.2f}x"
+
+
+VERSUS_ROWS = ("build", "wall", "read", "step", "handler")
+"""`--versus` samples a step, us: our build, client wall and read, their sum (what the scheduler spends on its
+cache work, as SGLang's step counts its keys and calls); the service's handler (its mean over a run: the metrics
+are scraped before and after, never between steps); then SGLang's step."""
+
+
+def read_failed(batch: Any, outcomes: list[Any]) -> list[int]:
+    """What a scheduler reads of an answered batch: which ops failed (`StepBatch.failed` at once where the client
+    has it, else each outcome's `ok`), and the page-table delta of every append and extend that went through.
+    Returns the failed positions."""
+    failed = batch.failed if hasattr(batch, "failed") else [i for i, o in enumerate(outcomes) if not o.ok]
+    refused = set(failed)
+    for i, o in enumerate(outcomes):
+        if o.kind in ("append", "extend") and i not in refused:
+            o.value.page_ids  # noqa: B018
+    return list(failed)
+
+
+def versus(steps: int, warmup: int, tree: str) -> dict[str, Any]:
+    """The engine client over the step lane and SGLang's tree cache (`tree`: bench/sglang_radix.py's) in a worker
+    process beside it, alternating step by step on the same trace: one kvcache Step (built, sent, read), then
+    one SGLang step, and so on, so each side runs after the other's work as a scheduler's cache work runs
+    after a forward pass. Returns each side's per-step samples (VERSUS_ROWS, "sglang") and the worker's
+    description of its tree."""
+    from engine_client import ClientOptions, KVCacheClient, StepBatch
+
+    sockdir = tempfile.mkdtemp(prefix="kvversus-")
+    lane = f"{sockdir}/step.sock"
+    proc, target, metrics_port = start_server("--step-socket", lane)
+    sg = subprocess.Popen([str(SGLANG_PYTHON), "-m", "bench.sglang_radix", "--worker", "--tree", tree, "--warmup",
+                           str(warmup)], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, text=True)
+    assert sg.stdin is not None and sg.stdout is not None
+    samples: dict[str, list[float]] = {k: [] for k in (*VERSUS_ROWS, "sglang")}
+    try:
+        client = KVCacheClient(target, ClientOptions(step_lane=True))
+        if client.get_pool_info().step_socket != lane:
+            raise SystemExit(f"scheduler_bench: the service does not announce its step lane {lane}")
+        client.register_engine("bench-engine", ttl_seconds=600.0, hold=False)
+        trace = Trace()
+        for _ in range(warmup):
+            batch = StepBatch()
+            fill(batch, trace.step())
+            assert all(o.ok for o in client.step(batch))
+        if client._lane is None:
+            raise SystemExit("scheduler_bench: the client could not open the step lane")
+        head = sg.stdout.readline()
+        if not head:
+            raise SystemExit(f"scheduler_bench: the SGLang worker ({tree}) did not start: run "
+                             f"`{SGLANG_PYTHON.relative_to(REPO)} -m bench.sglang_radix --tree {tree}` to see why")
+        described: dict[str, Any] = json.loads(head)
+        plans = [trace.step() for _ in range(steps)]
+        gc.collect()
+        gc.freeze()
+        handler = step_handler_seconds(metrics_port)
+        for ops in plans:
+            t0 = time.perf_counter()
+            batch = StepBatch()
+            fill(batch, ops)
+            t1 = time.perf_counter()
+            outcomes = client.step(batch)
+            t2 = time.perf_counter()
+            failed = read_failed(batch, outcomes)  # what a scheduler reads: which ops failed, the page-table deltas
+            t3 = time.perf_counter()
+            assert not failed, [outcomes[i].error for i in failed][:3]
+            sg.stdin.write("step\n")
+            sg.stdin.flush()
+            theirs = json.loads(sg.stdout.readline())
+            samples["build"].append((t1 - t0) * 1e6)
+            samples["wall"].append((t2 - t1) * 1e6)
+            samples["read"].append((t3 - t2) * 1e6)
+            samples["step"].append((t3 - t0) * 1e6)
+            samples["sglang"].append(theirs["us"])
+        after = step_handler_seconds(metrics_port)  # one scrape after the run: none between the steps
+        samples["handler"].append((after[0] - handler[0]) / max(after[1] - handler[1], 1) * 1e6)
+        gc.unfreeze()
+        client.close()
+    finally:
+        if sg.stdin is not None:
+            sg.stdin.close()
+        sg.wait(timeout=60)
+        proc.terminate()
+        proc.wait(timeout=30)
+        shutil.rmtree(sockdir, ignore_errors=True)
+    return {"samples": samples, "sglang": described, "load": os.getloadavg()[0]}
+
+
+def versus_report(runs: dict[str, list[dict[str, Any]]], tree: str) -> Iterator[str]:
+    """One row per run (label -> its rounds' `versus` outputs): medians over every round's steps, and SGLang's
+    median over ours (>1: kvcache's step is faster)."""
+    first = next(iter(runs.values()))[0]["sglang"]
+    yield (f"SGLang {first['sglang']} (torch {first['torch']}, CPU), tree {tree}: {first['core']}; each step's radix "
+           f"work ({first['finishes']} insert + dec_lock_ref, {first['admissions']} match_prefix + inc_lock_ref) "
+           "alternating step by step with the engine client's Step over the step lane, medians, us")
+    yield (f"{'run':<24} {'SGLang':>7} {'build':>7} {'wall':>7} {'read':>7} {'ours':>7} {'handler mean':>8} "
+           f"{'SGLang/ours':>12} {'SGLang/wall':>12}")
+    for label, outs in runs.items():
+        med = {k: _median([us for out in outs for us in out["samples"][k]]) for k in (*VERSUS_ROWS, "sglang")}
+        yield (f"{label:<24} {med['sglang']:>7.0f} {med['build']:>7.0f} {med['wall']:>7.0f} {med['read']:>7.0f} "
+               f"{med['step']:>7.0f} {med['handler']:>8.0f} {med['sglang'] / med['step']:>11.2f}x "
+               f"{med['sglang'] / med['wall']:>11.2f}x")
+    yield ("ours = build + wall + read: the scheduler's whole cache work a step (SGLang's step likewise makes its "
+           "keys and params and reads its results); target >= 1.5x (moonshot 2x)")
+
+
+def versus_rounds(runs: dict[str, str], steps: int, rounds: int, tree: str) -> int:
+    """`versus` for each run (label -> tree directory) in alternating rounds of fresh processes."""
+    out: dict[str, list[dict[str, Any]]] = {label: [] for label in runs}
+    loads: list[float] = []
+    for r in range(rounds):
+        for label, cwd in runs.items():
+            loads.append(os.getloadavg()[0])
+            done = subprocess.run([sys.executable, "-m", "bench.scheduler_bench", "--versus", tree, "--steps",
+                                   str(steps), "--rounds", "1", "--json"],
+                                  cwd=cwd, capture_output=True, text=True, check=False)
+            if done.returncode:
+                print(f"scheduler_bench: {label} failed: {done.stderr.strip()[-500:]}", file=sys.stderr)
+                return 1
+            out[label].append(json.loads(done.stdout.splitlines()[-1]))
+            print(f"  ... round {r + 1}/{rounds}: {label}", file=sys.stderr, flush=True)
+    print(f"§9 scheduler trace against SGLang's tree, {rounds} rounds of {steps} alternating steps per run "
+          f"(load average {min(loads):.2f}..{max(loads):.2f} on {os.cpu_count()} cores)")
+    for line in versus_report(out, tree):
+        print(line)
+    return 0
 
 
 def alternate(runs: dict[str, tuple[str, str]], steps: int, rounds: int, sglang: bool = False) -> int:
@@ -700,9 +870,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sglang", action="store_true",
                     help="also run SGLang's in-process RadixCache on the same trace in each round "
                          "(bench/sglang_radix.py in .venv-sglang: `make sglang-setup` first) and print the ratios")
+    ap.add_argument("--versus", choices=["unified", "radix"],
+                    help="the engine client's Step over the step lane against SGLang's tree cache in a worker process "
+                         "(.venv-sglang), alternating step by step: unified (SGLang 0.5.23's default, the Rust "
+                         "TreeCore) or radix (its Python RadixCache); with --against, that commit and this tree in "
+                         "alternating rounds")
     ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # alternating rounds' child processes
     args = ap.parse_args(argv)
     steps, warmup = (8, 6) if args.quick else (args.steps, 20)
+    if args.versus:
+        if not SGLANG_PYTHON.exists():
+            print(f"scheduler_bench: --versus needs {SGLANG_PYTHON.relative_to(REPO)} (SGLang's tree cache): run "
+                  "`make sglang-setup` first", file=sys.stderr)
+            return 2
+        if args.json:
+            print(json.dumps(versus(steps, warmup, args.versus)))
+            return 0
+        if args.against:
+            return against(args.against, steps, args.rounds, build=not args.no_build, versus_tree=args.versus)
+        return versus_rounds({"this tree": str(REPO)}, steps, args.rounds, args.versus)
     if args.against:
         if args.transport in ("both", "all"):
             ap.error("--against compares trees on one transport: pick tcp, unix or lane")

@@ -12,6 +12,8 @@ import asyncio
 import contextlib
 import dataclasses
 import errno
+import glob
+import os
 import socket
 import ssl
 import time
@@ -22,7 +24,7 @@ from typing import cast
 from grpc_health.v1._async import HealthServicer
 
 from cache_service import __version__
-from cache_service.config import ConfigError, ServiceConfig
+from cache_service.config import STEP_SOCKET_SUFFIX, ConfigError, ServiceConfig, step_socket_path
 from cache_service.core import CoreConfig, KVCacheCore, SessionState
 from cache_service.core.tier_keys import Namespace
 from cache_service.events.hub import EventHub, default_topic
@@ -35,7 +37,7 @@ from cache_service.memory.select import PoolChoice, create_pool
 from cache_service.metrics import Metrics, serve_metrics
 from cache_service.rpc.identity import Identities, load_tenants
 from cache_service.rpc.pool_socket import PoolSocketServer, parse_uids
-from cache_service.rpc.server import RpcServer, RpcSettings, ServerTls
+from cache_service.rpc.server import RpcServer, RpcSettings, ServerTls, claim_unix_path
 from cache_service.rpc.step_lane import StepLaneServer, parse_group
 from cache_service.tier import TierConfigError, TierService, create_backend, page_memory
 from cache_service.tier.journal import TierJournal, parents_first
@@ -82,10 +84,23 @@ def identities(config: ServiceConfig) -> Identities:
     return Identities()
 
 
-def rpc_settings(config: ServiceConfig, who: Identities, tls: ServerTls | None = None) -> RpcSettings:
+def rpc_settings(config: ServiceConfig, who: Identities, tls: ServerTls | None = None, step_socket: str = ""
+                 ) -> RpcSettings:
+    """`step_socket`: the step lane's path GetPoolInfo announces (`step_socket_path`; "" none)."""
     return RpcSettings(listen=config.listen, identities=who,
                        max_request_tokens=config.max_request_tokens, max_step_ops=config.max_step_ops,
-                       max_message_bytes=config.max_message_bytes, tls=tls, step_socket=config.step_socket)
+                       max_message_bytes=config.max_message_bytes, tls=tls, step_socket=step_socket)
+
+
+def remove_stale_lanes(shm_dir: str, prefix: str) -> list[str]:
+    """Unlink default step lane sockets of `prefix` in `shm_dir` that nobody serves (a SIGKILLed service's):
+    each is named by its instance id, so a restart never reuses one. Returns what was removed."""
+    removed = []
+    for path in sorted(glob.glob(os.path.join(glob.escape(shm_dir), f"{glob.escape(prefix)}-*{STEP_SOCKET_SUFFIX}"))):
+        with contextlib.suppress(OSError):  # a live service's, or not a socket: left alone
+            if claim_unix_path(path, "remove a stale step lane"):
+                removed.append(path)
+    return removed
 
 
 class _EncryptedKey(Exception):
@@ -156,6 +171,8 @@ class KVCacheServer:
         self.tls = server_tls(config)  # before anything is allocated: a bad file is a config error
         self.identities = identities(config)  # likewise a bad tenants file (TenantsFileError)
         self.instance_id = uuid.uuid4().hex[:16]
+        self.step_socket = step_socket_path(config, self.instance_id)
+        """Where the step lane is served ("" with --step-lane false): --step-socket, or the default in --shm-dir."""
         self._log = get_logger("kvcache.server")
         self._clock = clock
         self._pool_factory = pool_factory
@@ -242,8 +259,8 @@ class KVCacheServer:
             self.pool_socket = self._pool_socket(handle)
             handle = dataclasses.replace(handle, pool_socket=self.pool_socket.address)
         rpc = RpcServer(self.core, self.pool.layout, handle,
-                        rpc_settings(cfg, self.identities, self.tls), instance_id=self.instance_id, metrics=metrics,
-                        events=self.events, clock=self._clock, tier=self.tier)
+                        rpc_settings(cfg, self.identities, self.tls, self.step_socket), instance_id=self.instance_id,
+                        metrics=metrics, events=self.events, clock=self._clock, tier=self.tier)
         self.address = rpc.bind()
         if rpc.removed_stale_socket:
             self._log.warning("removed_stale_socket", path=rpc.removed_stale_socket)
@@ -261,8 +278,20 @@ class KVCacheServer:
             self._log.info("kv_events", endpoint=self.events.publisher.endpoint,
                            replay_endpoint=self.events.publisher.replay_endpoint,
                            topic=self.events.publisher.topic.decode(), first_seq=self.events.last_seq)
-        if cfg.step_socket:
-            self.step_lane = await self._step_lane(rpc)
+        if self.step_socket and not cfg.step_socket:
+            for path in remove_stale_lanes(cfg.shm_dir, cfg.shm_prefix):
+                self._log.warning("removed_stale_socket", path=path)
+        if self.step_socket:
+            try:
+                self.step_lane = await self._step_lane(rpc)
+            except OSError as e:
+                if cfg.step_socket:  # asked for by path: a lane that cannot be served is a refused start
+                    raise
+                # The default lane: the service runs without it (engines use gRPC), and says why once.
+                self._log.warning("step_lane_off", path=self.step_socket, reason=str(e),
+                                  hint="set --step-socket to a path this process may bind, or --step-lane false")
+                rpc.servicer._pool_info.step_socket = ""  # nothing served yet: GetPoolInfo announces no lane
+                self.step_socket = ""
         await rpc.start()
         self._rpc = rpc
         self._reaper = asyncio.create_task(self._reap_forever(), name="kvcache-reaper")
@@ -320,13 +349,14 @@ class KVCacheServer:
         return server
 
     async def _step_lane(self, rpc: RpcServer) -> StepLaneServer:
-        """Serve Step on --step-socket through the gRPC server's own Step handler."""
+        """Serve Step on the step lane (--step-socket, or its default path) through the gRPC server's own Step
+        handler."""
         cfg = self.config
         try:
             group = parse_group(cfg.step_socket_group)
         except ValueError as e:
             raise ConfigError(f"--step-socket-group: {e}") from None
-        lane = StepLaneServer(cfg.step_socket, rpc.step_method, identities=self.identities,
+        lane = StepLaneServer(self.step_socket, rpc.step_method, identities=self.identities,
                               instance_id=self.instance_id, max_message_bytes=cfg.max_message_bytes, group=group,
                               max_connections=cfg.step_socket_max_connections,
                               timeout_seconds=cfg.step_socket_timeout, poll_seconds=cfg.step_socket_poll_us * 1e-6)

@@ -182,7 +182,8 @@ def _banner(server: Any) -> str:
         *_sizing_lines(server),
         f"  metrics  {metrics}",
         f"  auth     {_auth_line(server)}",
-        *([f"  lane     Step also on {server.step_lane.path} (--step-socket)"] if server.step_lane is not None else []),
+        *([f"  lane     Step also on {server.step_lane.path} (--step-lane false: gRPC only)"]
+          if server.step_lane is not None else []),
         *_events_lines(server),
         *_tier_lines(server),
     ]

@@ -121,6 +121,9 @@ _PARSERS: dict[str, Callable[[str], Any]] = {"str": str, "int": _int, "float": _
 """Parsers by the field's annotation (this module's annotations are strings)."""
 
 DEFAULT_NUM_PAGES = 1024
+STEP_SOCKET_SUFFIX = ".step"
+"""The default step lane's file name ends so: <--shm-prefix>-<instance id>.step in --shm-dir."""
+
 _CORE = {f.name: f.default for f in fields(CoreConfig)}
 """The core's defaults, which the settings it shares with the core take as theirs (stated once, there)."""
 SECONDS = {"unit": "seconds"}
@@ -175,9 +178,12 @@ class ServiceConfig:
                                "@name in the abstract namespace (default @kvcache-<instance id>)", metavar="ADDR")
     pool_socket_uids: str = setting("", "peer uids the pool socket serves, comma-separated; * for any (default: "
                                     "this process's uid only)", metavar="UIDS")
-    step_socket: str = setting("", "unix socket path of the step lane: Step in length-prefixed frames, for engines "
-                               "that share the pod or node (GetPoolInfo announces it; off when empty)",
-                               metavar="PATH")
+    step_lane: bool = setting(True, "serve Step on a step lane too (docs/design.md §10): a unix socket for engines "
+                              "that share the host, pod or node, announced in GetPoolInfo and taken by the engine "
+                              "client; false: Step over gRPC only")
+    step_socket: str = setting("", "unix socket path of the step lane: Step in length-prefixed frames (default: "
+                               f"<--shm-dir>/<--shm-prefix>-<instance id>{STEP_SOCKET_SUFFIX}, beside the pool file "
+                               "that engines sharing the host map)", metavar="PATH")
     step_socket_group: str = setting("", "group (name or gid) that may use the step lane: its socket becomes mode "
                                      "0660 (default: 0600, this process's user only)", metavar="GROUP")
     step_socket_max_connections: int = setting(64, "most step lane connections open at once (more are closed at "
@@ -371,8 +377,9 @@ class ServiceConfig:
              f"{self.pool_socket_uids!r} is not a comma-separated list of uids or *")
         need(not self.step_socket or self.step_socket.startswith("/"), "step-socket",
              f"{self.step_socket!r} is not an absolute path")
-        need(not self.step_socket_group or bool(self.step_socket), "step-socket-group",
-             "needs --step-socket (the socket it opens to the group)")
+        need(self.step_lane or not self.step_socket, "step-socket", "is set but --step-lane is false")
+        need(self.step_lane or not self.step_socket_group, "step-socket-group",
+             "is set but --step-lane is false (there is no socket to open to the group)")
         need(not (self.num_pages and self.pool_bytes), "pool-bytes", "set --num-pages or --pool-bytes, not both")
         need(not (self.gpu_memory_fraction and (self.num_pages or self.pool_bytes)), "gpu-memory-fraction",
              "set one of --num-pages, --pool-bytes and --gpu-memory-fraction")
@@ -578,3 +585,13 @@ def fit_model(values: dict[str, Any], given: set[str]) -> dict[str, Any]:
     if "dtype" not in given and model.dtype:
         fitted["dtype"] = model.dtype
     return fitted
+
+
+def step_socket_path(config: ServiceConfig, instance_id: str) -> str:
+    """Where the service serves its step lane ("" with --step-lane false): --step-socket, else a socket beside the
+    pool file in --shm-dir, which every engine that maps the pool (same host, pod or node directory) reaches."""
+    if not config.step_lane:
+        return ""
+    if config.step_socket:
+        return config.step_socket
+    return os.path.join(os.path.abspath(config.shm_dir), f"{config.shm_prefix}-{instance_id}{STEP_SOCKET_SUFFIX}")

@@ -177,7 +177,7 @@ class AsyncKVCacheClient(ClientBase):
         if not choice.may_connect():
             return None
         assert choice.path
-        lane = AsyncStepLane(choice.path)
+        lane = AsyncStepLane(choice.path, self.options.step_lane_poll_us * 1e-6)
         try:
             await lane.connect(self.options.auth_token, self.options.timeout_seconds)
         except (OSError, ValueError, asyncio.IncompleteReadError):

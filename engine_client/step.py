@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import uuid
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from itertools import accumulate
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -350,6 +350,76 @@ class StepBatch:
         self._flags.append(flags)
         self._outcomes.append(outcome)
         return outcome
+
+    # ------------------------------------------------------------------ many ops of a kind at once
+
+    def open_many(self, session_ids: Sequence[str], *, streaming: bool = True) -> list[StepOutcome[OpenedSession]]:
+        """`open(sid, streaming=...)` for each id, in order (each id given: "" would draw none here)."""
+        return self._add_many(OPEN, session_ids, 0, _SET if streaming else 0)
+
+    def append_many(self, sessions: Sequence[SessionRef], tokens: Sequence[TokensLike], reserve_tokens: int = 0
+                    ) -> list[StepOutcome[AppendResult]]:
+        """`append(session, its tokens, reserve_tokens)` for each session, in order."""
+        return self._add_many(APPEND, sessions, reserve_tokens, 0, tokens)
+
+    def extend_many(self, sessions: Sequence[SessionRef], reserve_tokens: int) -> list[StepOutcome[ExtendResult]]:
+        """`extend(session, reserve_tokens)` for each session, in order: a decode step's page crossings."""
+        return self._add_many(EXTEND, sessions, reserve_tokens, 0)
+
+    def commit_many(self, sessions: Sequence[SessionRef], tokens: Sequence[TokensLike]
+                    ) -> list[StepOutcome[CommitResult]]:
+        """`commit(session, its generated tokens)` for each session, in order."""
+        return self._add_many(COMMIT, sessions, 0, 0, tokens)
+
+    def close_many(self, sessions: Sequence[SessionRef], *, cache: bool = False, mode: str | None = None
+                   ) -> list[StepOutcome[CloseResult]]:
+        """`close(session, cache=..., mode=...)` for each session, in order."""
+        return self._add_many(CLOSE, sessions, requests.close_mode(mode), _SET if cache else 0)
+
+    def _add_many(self, kind: int, sessions: Sequence[SessionRef], count: int, flags: int,
+                  tokens: Sequence[TokensLike] | None = None) -> list[StepOutcome[Any]]:
+        """`_add` for many ops of one kind: the same entries, appended a column at a time."""
+        if self.sent:
+            raise _sent()
+        m = len(sessions)
+        if tokens is not None and len(tokens) != m:
+            raise ValueError(f"{len(tokens)} token sequences for {m} sessions")
+        start = len(self._kinds)
+        if all(type(s) is str for s in sessions):
+            self._sids.extend(sessions)  # type: ignore[arg-type]
+        else:
+            for i, session in enumerate(sessions, start):
+                if isinstance(session, str):
+                    self._sids.append(session)
+                    continue
+                self._sids.append(session.session_id)
+                if session.epoch:
+                    self._epochs[i] = session.epoch
+                self._sessions[i] = session
+        if tokens is None:
+            self._token_counts.frombytes(bytes(4 * m))
+        else:
+            packed = [codec.pack_tokens(t) for t in tokens]
+            counts = [len(p) >> 2 for p in packed]
+            self._token_counts.extend(counts)
+            self._token_words += sum(counts)
+            self._tokens.extend(p for p in packed if p)
+        self._kinds += bytes((kind,)) * m
+        self._counts.extend((count,) * m)
+        self._flags += bytes((flags,)) * m
+        name, answer = _KIND_NAMES[kind], self._answer
+        outcomes: list[StepOutcome[Any]] = [StepOutcome(name, i, answer) for i in range(start, start + m)]
+        self._outcomes += outcomes
+        return outcomes
+
+    @property
+    def failed(self) -> list[int]:
+        """After the call: the positions of the ops that were refused, in order (empty: every op went through),
+        read at once from the answer instead of one `ok` per outcome."""
+        results = self._answer.results
+        if results is not None:
+            return list(results.failed)
+        return [o.index for o in self._outcomes if o.done and not o.ok]
 
     # ------------------------------------------------------------------ sending (used by the clients)
 

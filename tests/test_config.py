@@ -8,7 +8,15 @@ from pathlib import Path
 import pytest
 
 from cache_service.app import core_config
-from cache_service.config import FLAGS, ConfigError, ServiceConfig, add_serve_arguments, config_from, parse_bytes
+from cache_service.config import (
+    FLAGS,
+    ConfigError,
+    ServiceConfig,
+    add_serve_arguments,
+    config_from,
+    parse_bytes,
+    step_socket_path,
+)
 from kvcache_common.layout import PoolLayout
 
 
@@ -308,6 +316,28 @@ def test_a_model_the_pool_cannot_hold_is_refused(name: str, start: str) -> None:
     (["--gpu-memory-fraction", "1.5"], "--gpu-memory-fraction: must be in [0, 1], got 1.5"),
 ])
 def test_gpu_memory_fraction_refusals(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse(argv)
+    assert str(err.value) == message
+
+
+def test_the_step_lane_is_on_by_default_beside_the_pool_file() -> None:
+    """docs/design.md §10: no flag serves the lane at <--shm-dir>/<--shm-prefix>-<instance id>.step."""
+    assert step_socket_path(parse([]), "0123abcd") == "/dev/shm/kvcache-0123abcd.step"
+    assert step_socket_path(parse(["--shm-dir", "/run/x", "--shm-prefix", "p"]), "i") == "/run/x/p-i.step"
+    assert step_socket_path(parse(["--step-socket", "/run/lane/s.sock"]), "i") == "/run/lane/s.sock"
+    off = parse(["--step-lane", "false"])
+    assert (off.step_lane, step_socket_path(off, "i")) == (False, "")
+    assert parse([], env={"KVCACHE_STEP_LANE": "false"}).step_lane is False
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--step-lane", "false", "--step-socket", "/run/lane/s.sock"], "--step-socket: is set but --step-lane is false"),
+    (["--step-lane", "false", "--step-socket-group", "engines"],
+     "--step-socket-group: is set but --step-lane is false (there is no socket to open to the group)"),
+    (["--step-lane", "maybe"], "--step-lane: not a boolean: 'maybe' (use true or false)"),
+])
+def test_step_lane_flags_that_disagree_are_refused(argv: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as err:
         parse(argv)
     assert str(err.value) == message

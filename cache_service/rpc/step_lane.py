@@ -508,7 +508,7 @@ class StepLaneServer:
             sock.close()
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
-            raise OSError(f"cannot serve the step lane on {self.path}: {e.strerror}") from None
+            raise OSError(f"cannot serve the step lane on {self.path}: {e.strerror or e}") from None
         loop = asyncio.get_running_loop()
         self._server = await loop.create_unix_server(lambda: _Connection(self), sock=sock)
         self._sweeper = loop.create_task(self._sweep(), name="kvcache-step-lane-sweeper")

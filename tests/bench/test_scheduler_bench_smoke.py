@@ -79,3 +79,23 @@ def test_against_on_both_transports_is_refused(capsys: pytest.CaptureFixture[str
         scheduler_bench.main(["--against", "HEAD", "--transport", "both", "--quick"])
     assert e.value.code == 2
     assert "--against compares trees on one transport: pick tcp, unix or lane" in capsys.readouterr().err
+
+
+def test_the_bulk_fill_sends_what_one_op_at_a_time_sends() -> None:
+    """The harness fills a step with the client's bulk methods: the very request of the op methods one by one."""
+    from engine_client import StepBatch
+
+    trace = scheduler_bench.Trace()
+    for _ in range(scheduler_bench.DECODE_STEPS + 2):  # the steady state: finishes, crossings, admissions
+        ops = trace.step()
+    bulk, single = StepBatch(), StepBatch()
+    scheduler_bench.fill(bulk, ops)
+    scheduler_bench._fill_one_by_one(single, ops)
+    assert len(bulk) == 224 and bulk.wire("e").data == single.wire("e").data
+
+
+def test_versus_without_sglang_says_why(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scheduler_bench, "SGLANG_PYTHON", scheduler_bench.REPO / "no-sglang" / "bin" / "python")
+    assert scheduler_bench.main(["--versus", "unified", "--quick"]) == 2
+    assert capsys.readouterr().err == ("scheduler_bench: --versus needs no-sglang/bin/python (SGLang's tree cache): "
+                                       "run `make sglang-setup` first\n")

@@ -435,3 +435,60 @@ def test_an_answer_with_the_wrong_number_of_opened_ids_is_refused_when_read() ->
     batch.apply(pb.StepResponse(columns=pb.StepColumnResults(codes=bytes(4), opened_ids=["s", "t"], instance_id="i")))
     with pytest.raises(RuntimeError, match="2 opened ids for 1 opens"):
         _ = opened.value
+
+
+def _one_by_one(batch: StepBatch, s: FakeSession, prompt: Any) -> list[Any]:
+    return [batch.open("a", streaming=False), batch.open("b", streaming=False),
+            batch.append("a", prompt, reserve_tokens=16), batch.append(s, [5, 6], reserve_tokens=16),
+            batch.extend("a", 16), batch.extend(s, 16), batch.commit(s, [7]), batch.commit("a", []),
+            batch.close("a", cache=True), batch.close(s, cache=True), batch.close("b", mode="drop")]
+
+
+def _many(batch: StepBatch, s: FakeSession, prompt: Any) -> list[Any]:
+    return [*batch.open_many(["a", "b"], streaming=False),
+            *batch.append_many(["a", s], [prompt, [5, 6]], reserve_tokens=16),
+            *batch.extend_many(["a", s], 16), *batch.commit_many([s, "a"], [[7], []]),
+            *batch.close_many(["a", s], cache=True), *batch.close_many(["b"], mode="drop")]
+
+
+def test_ops_added_many_at_a_time_are_the_ops_added_one_by_one() -> None:
+    """The bulk methods append the very entries the op methods do: the same request on the wire, the same
+    outcomes (kinds, positions), the same session objects taking their results."""
+    prompt = np.arange(40, dtype=np.int32)
+    one, many = StepBatch(), StepBatch()
+    s1, s2 = FakeSession("s", 7), FakeSession("s", 7)
+    expected, got = _one_by_one(one, s1, prompt), _many(many, s2, prompt)
+    assert [(o.kind, o.index) for o in got] == [(o.kind, o.index) for o in expected]
+    assert many.outcomes == got and len(many) == len(one) == 11
+    assert many.wire("e").data == one.wire("e").data
+    assert many._sessions.keys() == one._sessions.keys() == {3, 5, 6, 9}
+
+
+def test_bulk_ops_refuse_mismatched_tokens_and_a_sent_batch() -> None:
+    batch = StepBatch()
+    with pytest.raises(ValueError, match="1 token sequences for 2 sessions"):
+        batch.append_many(["a", "b"], [[1]])
+    assert len(batch) == 0
+    batch.wire("e")
+    with pytest.raises(RuntimeError, match="this batch was sent already"):
+        batch.extend_many(["a"], 16)
+
+
+def test_failed_lists_the_refused_ops_at_once() -> None:
+    batch = StepBatch()
+    batch.extend_many(["a", "b", "c"], 16)
+    batch.request("e")
+    codes = np.array([0, code_pb2.FAILED_PRECONDITION, 0], dtype="<i4").tobytes()
+    zeros = bytes(12)
+    batch.apply(pb.StepResponse(columns=pb.StepColumnResults(
+        codes=codes, errors=[error_status(code_pb2.FAILED_PRECONDITION, "NO_TURN_IN_FLIGHT", "no turn")],
+        page_counts=zeros, instance_id="i")))
+    assert batch.failed == [1]
+    assert [o.ok for o in batch.outcomes] == [True, False, True]
+    messages = StepBatch(columns=False)
+    messages.extend_many(["a", "b"], 16)
+    messages.request("e")
+    messages.apply(pb.StepResponse(results=[
+        pb.StepResult(status=error_status(code_pb2.NOT_FOUND, "SESSION_NOT_FOUND", "gone")),
+        pb.StepResult(extend=pb.ExtendSessionResponse(session_id="b"))]))
+    assert messages.failed == [0]

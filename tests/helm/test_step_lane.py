@@ -56,10 +56,35 @@ def test_a_daemonset_serves_the_lane_from_a_node_directory(chart: helm.Chart) ->
     assert env_values(container)["KVCACHE_STEP_SOCKET"] == LANE
 
 
-def test_no_lane_by_default(chart: helm.Chart) -> None:
+def test_a_deployment_has_no_lane(chart: helm.Chart) -> None:
+    """mode=deployment (the default): engines are in other pods, so the chart turns the default lane off."""
     objects = render(chart, {})
     assert "step-socket" not in {v["name"] for v in pod_spec(objects)["volumes"]}
-    assert env_values(service_container(objects))["KVCACHE_STEP_SOCKET"] == ""
+    env = env_values(service_container(objects))
+    assert (env["KVCACHE_STEP_SOCKET"], env["KVCACHE_STEP_LANE"]) == ("", "false")
+    assert service_config(env).step_lane is False
+
+
+@pytest.mark.parametrize("values", [{"mode": "sidecar", "sidecar": {"containers": [ENGINE]}},
+                                    _examples("sidecar.yaml")], ids=["values", "sidecar-example"])
+def test_a_sidecar_pod_has_the_default_lane_beside_its_pool(chart: helm.Chart, values: dict[str, Any]) -> None:
+    """Without config.stepSocket the service serves its default lane in config.shmDir, which the engines mount
+    already (the pool file's volume): no volume of its own."""
+    objects = render(chart, values)
+    assert "step-socket" not in {v["name"] for v in pod_spec(objects)["volumes"]}
+    env = env_values(service_container(objects))
+    assert (env["KVCACHE_STEP_SOCKET"], env["KVCACHE_STEP_LANE"]) == ("", "true")
+    config = service_config(env)
+    assert (config.step_lane, config.step_socket) == (True, "")
+    for container in _containers(objects).values():
+        assert {"name": "shm", "mountPath": config.shm_dir} in container["volumeMounts"], container["name"]
+
+
+def test_a_sidecar_pod_may_turn_the_lane_off(chart: helm.Chart) -> None:
+    objects = render(chart, {"mode": "sidecar", "sidecar": {"containers": [ENGINE]}, "config": {"stepLane": False}})
+    env = env_values(service_container(objects))
+    assert env["KVCACHE_STEP_LANE"] == "false"
+    assert service_config(env).step_lane is False
 
 
 REJECTS: list[tuple[dict[str, Any], str]] = [
@@ -74,11 +99,13 @@ REJECTS: list[tuple[dict[str, Any], str]] = [
     ({**SIDECAR, "config": {"stepSocket": "/dev/shm/step.sock"}},
      "config.stepSocket=/dev/shm/step.sock needs a directory of its own (the chart mounts a volume there)"),
     ({**SIDECAR, "config": {"stepSocket": "/tmp/step.sock"}}, "config.stepSocket=/tmp/step.sock needs a directory"),
+    ({**SIDECAR, "config": {"stepSocket": LANE, "stepLane": False}},
+     f"config.stepSocket={LANE} is set but config.stepLane is false: keep one"),
 ]
 
 
 @pytest.mark.parametrize(("values", "error"), REJECTS, ids=[
-    "deployment", "daemonset-no-hostPath", "hostPath-no-socket", "socket-in-shm", "socket-in-tmp"])
+    "deployment", "daemonset-no-hostPath", "hostPath-no-socket", "socket-in-shm", "socket-in-tmp", "lane-off"])
 def test_where_no_engine_could_reach_the_lane_the_chart_refuses(chart: helm.Chart, values: dict[str, Any],
                                                                 error: str) -> None:
     chart.validate_schema(values)  # each value is fine alone

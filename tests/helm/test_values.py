@@ -285,6 +285,7 @@ FLAG_CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "shm-prefix": ({"config": {"shmPrefix": "tenant-a"}}, {"value": "tenant-a"}),
     "pool-socket": ({"config": {"poolSocket": "@kv-pool"}}, {"value": "@kv-pool"}),
     "pool-socket-uids": ({"config": {"poolSocketUids": "10001,0"}}, {"value": "10001,0"}),
+    "step-lane": ({**SIDECAR, "config": {"stepLane": False}}, {"value": "false"}),
     "step-socket": ({**SIDECAR, "config": {"stepSocket": "/run/kvcache-lane/step.sock"}},
                     {"value": "/run/kvcache-lane/step.sock"}),
     "step-socket-group": ({**SIDECAR, "config": {"stepSocket": "/run/kvcache-lane/step.sock",
@@ -370,6 +371,7 @@ CHART_OVERRIDES: dict[str, Any] = {
     "metrics_port": 9400,  # metrics on by default in a cluster
     "metrics_host": "0.0.0.0",
     "log_format": "json",  # for log collectors, even under `kubectl run -t`
+    "step_lane": False,  # mode=deployment (the chart's default): engines in other pods cannot reach a lane
 }
 
 

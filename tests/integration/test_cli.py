@@ -35,7 +35,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 30) 
 
 def test_the_start_line_says_where_what_and_how_to_try_it(start_server: Callable[..., ServerProcess]) -> None:
     server = start_server("--page-size", "8", "--num-pages", "513")
-    head, backend, pool, metrics, auth, try_line = (line.rstrip("\n") for line in server.banner)
+    head, backend, pool, metrics, auth, lane, try_line = (line.rstrip("\n") for line in server.banner)
     assert re.fullmatch(rf"kvcache-service 0\.1\.0 listening on 127\.0\.0\.1:\d+ \(instance {server.instance_id}\)",
                         head)
     assert backend == (f"  backend  host_shm: /dev/shm/{server.shm_prefix}-{server.instance_id}.pool "
@@ -44,6 +44,8 @@ def test_the_start_line_says_where_what_and_how_to_try_it(start_server: Callable
                     "(2 layers, 4 kv heads x 64, float16, 8 tokens/page)")
     assert metrics == "  metrics  disabled (--metrics-port)"
     assert auth == "  auth     none: every caller is admin (fine on loopback or a unix socket; see SECURITY.md)"
+    assert lane == (f"  lane     Step also on /dev/shm/{server.shm_prefix}-{server.instance_id}.step "
+                    "(--step-lane false: gRPC only)")  # on by default (docs/design.md §10)
     assert re.fullmatch(rf"  try      \S*grpcurl -plaintext {server.address} list", try_line)
     assert run_try_line(try_line).split() == ["grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
                                               "kvcache.v1.KVCacheService"]
@@ -160,8 +162,8 @@ def test_unix_socket_start_line_has_a_unix_grpcurl_line(start_server: Callable[.
     sock = f"{tmp_path}/s.sock"
     server = start_server(listen=f"unix:{sock}")
     assert server.address == f"unix:{sock}"
-    assert re.fullmatch(rf"try      \S*grpcurl -plaintext -unix {sock} list", server.banner[5].strip())
-    assert "kvcache.v1.KVCacheService" in run_try_line(server.banner[5])
+    assert re.fullmatch(rf"try      \S*grpcurl -plaintext -unix {sock} list", server.banner[-1].strip())
+    assert "kvcache.v1.KVCacheService" in run_try_line(server.banner[-1])
 
 
 def test_environment_variables_configure_and_flags_win(start_server: Callable[..., ServerProcess]) -> None:

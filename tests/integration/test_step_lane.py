@@ -663,15 +663,19 @@ def test_without_its_socket_the_client_takes_grpc(start_server: Callable[..., Se
     assert "step_lane_connected" not in server.log_path.read_text()
 
 
-def test_the_asyncio_client_takes_the_lane_too(lane: Lane) -> None:
+@pytest.mark.parametrize("poll_us", [0, 1000])
+def test_the_asyncio_client_takes_the_lane_too(lane: Lane, poll_us: int) -> None:
+    """With and without its poll for the answer (a 1 ms poll usually takes the answer itself)."""
     async def run() -> list[Any]:
-        async with AsyncKVCacheClient(lane.server.target, ClientOptions(auth_token=TOKEN)) as client:
+        options = ClientOptions(auth_token=TOKEN, step_lane_poll_us=poll_us)
+        async with AsyncKVCacheClient(lane.server.target, options) as client:
             batch = StepBatch()
-            outcomes = [batch.open("async-1"), batch.append("async-1", [1, 2, 3, 4, 5, 6], reserve_tokens=2),
+            sid = f"async-{poll_us}"
+            outcomes = [batch.open(sid), batch.append(sid, [1, 2, 3, 4, 5, 6], reserve_tokens=2),
                         batch.extend("ghost", 4)]
             assert await client.step(batch) == outcomes
             batch = StepBatch()
-            outcomes += [batch.commit("async-1", [9]), batch.close("async-1")]
+            outcomes += [batch.commit(sid, [9]), batch.close(sid)]
             await client.step(batch)
             return outcomes
 
@@ -782,8 +786,8 @@ def test_the_flags_are_checked(start_server: Callable[..., ServerProcess], tmp_p
 
     with pytest.raises(ConfigError, match=r"--step-socket: 'lane\.sock' is not an absolute path"):
         ServiceConfig(step_socket="lane.sock")
-    with pytest.raises(ConfigError, match="--step-socket-group: needs --step-socket"):
-        ServiceConfig(step_socket_group="kvcache")
+    with pytest.raises(ConfigError, match="--step-socket-group: is set but --step-lane is false"):
+        ServiceConfig(step_lane=False, step_socket_group="kvcache")
     with pytest.raises(ConfigError, match=r"--step-socket-poll-us: must be in \[0, 1000\], got 1001"):
         ServiceConfig(step_socket_poll_us=1001)
     with pytest.raises(RuntimeError, match="server did not start"):

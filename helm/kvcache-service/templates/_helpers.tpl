@@ -306,6 +306,9 @@ and the fix.
 {{- fail (printf "poolSocket.hostPath=%s needs config.poolSocket, a socket path in the directory the node directory is mounted at (e.g. /run/kvcache/pool.sock); got %q" $v.poolSocket.hostPath $v.config.poolSocket) -}}
 {{- end -}}
 {{- end -}}
+{{- if and $v.config.stepSocket (not $v.config.stepLane) -}}
+{{- fail (printf "config.stepSocket=%s is set but config.stepLane is false: keep one" $v.config.stepSocket) -}}
+{{- end -}}
 {{- if $v.config.stepSocket -}}
 {{- $laneDir := dir $v.config.stepSocket -}}
 {{- if or (eq $laneDir "/") (eq $laneDir "/tmp") (eq $laneDir $v.config.shmDir) (and $v.poolSocket.hostPath (eq $laneDir (dir $v.config.poolSocket))) -}}
@@ -410,7 +413,9 @@ Whole numbers render as integers (Helm holds every number as a float64, and "1.0
 {{- range $key, $value := omit .Values.config "mooncakeLocalHostname" }}
 {{- if not (or (and (eq $key "model") $.Values.modelConfig.configMap) (and $model (has $key (list "attention" "numLayers" "numKvHeads" "headDim" "slidingWindow" "windowLayers" "dtype")))) }}
 - name: {{ printf "KVCACHE_%s" ($key | snakecase | upper) }}
-  {{- if and (kindIs "float64" $value) (eq $value (floor $value)) }}
+  {{- if and (eq $key "stepLane") (eq $.Values.mode "deployment") }}
+  value: "false"
+  {{- else if and (kindIs "float64" $value) (eq $value (floor $value)) }}
   value: {{ int64 $value | quote }}
   {{- else }}
   value: {{ toString $value | quote }}
