@@ -31,10 +31,13 @@ from typing import Any
 import numpy as np
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams, MatchResult
+from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_unified_radix_cache
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.session.streaming_session import is_virtual_node
 
+from engine_client.scheduling.ops import StepOps
+from engine_client.scheduling.turns import extends
 from engine_client.session import Session
 from engine_client.sglang.link import BackendConfig, Link, ModelKV
 from engine_client.step import StepBatch, StepOutcome
@@ -85,6 +88,8 @@ class KVCacheRadixCache(UnifiedRadixCache):  # type: ignore[misc]
         self.counters = Counters()
         self._looked: dict[str, int] = {}
         """rid -> tokens kvcache held at its lookup (so one request is looked up once unless SGLang evicts)."""
+        self._hits: dict[str, tuple[Session, int]] = {}
+        """rid -> (lookup session, tokens to load) answered in this step, for the request's `match_prefix`."""
         self._saves: list[_Save] = []
         self._after: list[tuple[Session, str, int]] = []
         """Ops for the step's closing Step, in order: (session, "commit" | "abort" | "close", kv_tokens | cache)."""
@@ -98,6 +103,37 @@ class KVCacheRadixCache(UnifiedRadixCache):  # type: ignore[misc]
 
     # ------------------------------------------------------------------ admission
 
+    def kvcache_prefetch(self, waiting: list[Any]) -> None:
+        """Before SGLang builds a prefill batch: the lookups of the waiting requests go out together, in one
+        `Step` (`scheduling.ops`), instead of one per request at `match_prefix`. Each request's key, SGLang's
+        local match and the pages wanted are what its admission will ask for; the answers wait in `_hits` for
+        that `match_prefix` (which loads them), and the step's flush rolls every lookup turn back, so an
+        answer SGLang did not take this step is forgotten and asked again. A streaming session's first turn
+        here (which may adopt a parked session with unary looks) is looked up at its `match_prefix`, alone."""
+        if self.disable or not waiting:
+            return
+        ops: StepOps | None = None
+        for req in waiting:
+            if req.rid in self._hits or _stream_id(req):
+                continue
+            ids = req.origin_input_ids + req.output_ids
+            key = RadixKey(token_ids=ids, extra_key=req.extra_key, limit=req._compute_max_prefix_len(len(ids)),
+                           cache_salt=req.cache_salt)
+            local = super().match_prefix(MatchPrefixParams(key=key)).device_prefix_len
+            want = len(key) // self.align * self.align
+            seen = self._looked.get(req.rid)
+            if want <= local or (seen is not None and seen <= local):
+                continue
+            if ops is None:
+                if not self._ready():
+                    return
+                ops = StepOps()
+            next_token = int(ids[want]) if want < len(ids) else 0
+            self._queue_lookup(req.rid, np.asarray([*key.raw_token_ids()[:want], next_token], dtype=np.int64),
+                               _salt(key), want, ops)
+        if ops is not None:
+            ops.send(self.link.step)
+
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         result = super().match_prefix(params)
         req = params.req
@@ -105,44 +141,57 @@ class KVCacheRadixCache(UnifiedRadixCache):  # type: ignore[misc]
             return result
         local = result.device_prefix_len
         want = len(params.key) // self.align * self.align
-        seen = self._looked.get(req.rid)
-        if want <= local or (seen is not None and seen <= local) or not self._ready():
-            return result
-        if self._lookup(req, params, result, want) <= local:
+        hit = self._hits.pop(req.rid, None)
+        if hit is None:
+            seen = self._looked.get(req.rid)
+            if want <= local or (seen is not None and seen <= local) or not self._ready():
+                return result
+            hit = self._lookup(req, params, want)
+        if hit is None or self._load(hit[0], params, result, min(hit[1], want)) <= local:
             return result
         return self._match_tree(params)
 
-    def _lookup(self, req: Any, params: MatchPrefixParams, result: MatchResult, want: int) -> int:
-        """Ask kvcache for `key[:want]`; load what it holds beyond SGLang's match into SGLang's tree.
-        Returns the tokens now matched (SGLang's local match when nothing was loaded)."""
-        key, local = params.key, int(result.device_prefix_len)
+    def _lookup(self, req: Any, params: MatchPrefixParams, want: int) -> tuple[Session, int] | None:
+        """Ask kvcache for `key[:want]` now, in a `Step` of its own (a request the step's prefetch did not
+        see, or a streaming session's first turn here, which adopts the session when kvcache holds it parked)."""
+        key = params.key
         # One token past `want` (the next prompt token, which SGLang computes anyway), so that kvcache, which
         # never hands out the last token of an append, can answer all of `want`.
         tokens = np.asarray([*key.raw_token_ids()[:want], _next_token(req, want)], dtype=np.int64)
-        salt = _salt(key)
-        ps = self.link.page_size
-        batch = StepBatch()
         stream = _stream_id(req)
+        ops = StepOps()
         adopted: _Stream | None = None
         if stream and stream not in self._streams:
             # The whole prompt: the session's history may reach past `want` (it is the history's prefix).
             prompt = np.asarray([*key.raw_token_ids(), _next_token(req, len(key))], dtype=np.int64)
             adopted = self._adopt(stream, prompt)
         if adopted is not None:
-            sess = adopted.session
-            append = batch.append(sess, prompt[len(adopted.tokens):])
+            append = ops.batch.append(adopted.session, prompt[len(adopted.tokens):])
+            ops.on(append, lambda o: self._on_looked(req.rid, adopted.session, want, o, stream, adopted))
+            self.counters.lookups += 1
         else:
-            sess = Session.open_in(batch, self.link.live, uuid.uuid4().hex, page_size=ps, streaming=False,
-                                   cache_salt=salt, pool=self.link.pool)
-            append = batch.append(sess, tokens)
+            self._queue_lookup(req.rid, tokens, _salt(key), want, ops)
+        ops.send(self.link.step)
+        return self._hits.pop(req.rid, None)
+
+    def _queue_lookup(self, rid: str, tokens: np.ndarray, salt: str, want: int, ops: StepOps) -> None:
+        """Queue request `rid`'s lookup in `ops`: a regular session of its own, open + append of `tokens`."""
+        sess = Session.open_in(ops.batch, self.link.live, uuid.uuid4().hex, page_size=self.link.page_size,
+                               streaming=False, cache_salt=salt, pool=self.link.pool)
+        append = ops.batch.append(sess, tokens)
+        ops.on(append, lambda o: self._on_looked(rid, sess, want, o))
         self.counters.lookups += 1
-        if self.link.step(batch) is None or not append.ok:
+
+    def _on_looked(self, rid: str, sess: Session, want: int, append: StepOutcome[AppendResult], stream: str = "",
+                   adopted: _Stream | None = None) -> None:
+        """A lookup's answer: the whole pages kvcache holds of `key[:want]` wait in `_hits` for the request's
+        `match_prefix`; the lookup's turn only locks them until they are copied, and the step's closing Step
+        rolls it back (a regular session then closes, an adopted stream keeps its history for this turn's save)."""
+        if not append.ok:
             if adopted is None and self.link.client is not None:
                 self._after.append((sess, "close", 0))
-            self._looked[req.rid] = 0
-            return local
-        # The lookup's turn only locked the pages until they are copied: roll it back (a regular session then
-        # closes, an adopted stream keeps its history for this turn's save).
+            self._looked[rid] = 0
+            return
         self._after.append((sess, "abort", 0))
         if adopted is not None:
             self._streams[stream] = adopted
@@ -150,8 +199,14 @@ class KVCacheRadixCache(UnifiedRadixCache):  # type: ignore[misc]
         else:
             self._after.append((sess, "close", 0))
         hit = min(append.value.cached_tokens, want) // self.align * self.align
-        self._looked[req.rid] = hit
+        self._looked[rid] = hit
         self.counters.hit_tokens += hit
+        self._hits[rid] = (sess, hit)
+
+    def _load(self, sess: Session, params: MatchPrefixParams, result: MatchResult, hit: int) -> int:
+        """Copy positions [SGLang's match, `hit`) from lookup session `sess`'s pages into fresh slots of SGLang's
+        pool and insert them into its tree. Returns the tokens now matched (SGLang's match when none were)."""
+        local = int(result.device_prefix_len)
         if hit <= local:
             return local
         slots = self._alloc(hit - local, result)
@@ -159,7 +214,7 @@ class KVCacheRadixCache(UnifiedRadixCache):  # type: ignore[misc]
             return local
         self.link.load(sess.slots(local, hit), slots)
         path = self.path_device_indices(result.last_device_node)[:local]
-        self.insert(InsertParams(key=key[:hit], value=torch.cat([path.to(torch.int64), slots]),
+        self.insert(InsertParams(key=params.key[:hit], value=torch.cat([path.to(torch.int64), slots]),
                                  prev_prefix_len=local))
         self.counters.loaded_tokens += hit - local
         return hit
@@ -174,7 +229,7 @@ class KVCacheRadixCache(UnifiedRadixCache):  # type: ignore[misc]
             resumed = Session.resume(client, stream, page_size=self.link.page_size, pool=self.link.pool)
         except Exception:
             return None
-        if len(history) >= len(tokens) or not np.array_equal(history, tokens[:len(history)]):
+        if not extends(history, tokens):
             return None
         return _Stream(resumed, history)
 
@@ -234,6 +289,9 @@ class KVCacheRadixCache(UnifiedRadixCache):  # type: ignore[misc]
         """End the step's kvcache work: the ops queued since the last flush (lookup turns rolled back and
         closed, sessions SGLang closed) and the opens and appends of the requests that finished go in one
         `Step`; then their KV is copied into the pages it returned; their commits and closes go in a second."""
+        for rid in self._hits:  # looked up, not admitted this step: its turn rolls back below; asked again later
+            self._looked.pop(rid, None)
+        self._hits.clear()
         if not self._saves and not self._after:
             return
         saves, self._saves = self._saves, []
@@ -278,8 +336,7 @@ class KVCacheRadixCache(UnifiedRadixCache):  # type: ignore[misc]
                 s.append = batch.append(s.session, s.tokens)
                 continue
             st = self._streams.get(s.stream)
-            if st is not None and (len(st.tokens) > len(s.tokens)
-                                   or not np.array_equal(st.tokens, s.tokens[:len(st.tokens)])):
+            if st is not None and not extends(st.tokens, s.tokens, strictly=False):
                 # Not an append of what kvcache holds (SGLang re-prefilled after an abort): start over.
                 batch.close(st.session, mode="cache")  # the shared part still hits through the radix
                 st = None
@@ -318,6 +375,7 @@ class KVCacheRadixCache(UnifiedRadixCache):  # type: ignore[misc]
             self._streams.clear()
             self._after.clear()
             self._looked.clear()
+            self._hits.clear()
         return ok
 
 

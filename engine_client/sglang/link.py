@@ -25,6 +25,7 @@ from engine_client.client import KVCacheClient
 from engine_client.errors import KVCacheClientError, PoolMappingError
 from engine_client.layout import LayoutMismatch, check_layout
 from engine_client.mapping import MappedPool, map_pool
+from engine_client.scheduling.outage import Outage
 from engine_client.step import StepBatch, StepOutcome
 from engine_client.types import PoolInfo
 from engine_client.vllm.config import ConnectorConfig
@@ -89,7 +90,7 @@ class Link:
         self.info: PoolInfo | None = None
         self.generation = 0
         self._next_try = 0.0
-        self._down_since: float | None = None
+        self._outage = Outage()
         self._refused: str | None = None
 
     @property
@@ -135,10 +136,9 @@ class Link:
 
     def down(self, why: str) -> None:
         """kvcache is gone: drop the client and mapping, warn once per outage, try again later."""
-        if self._down_since is None:
+        if self._outage.down():
             log.warning("kvcache at %s unreachable (%s): SGLang computes without it and reconnects every %g s",
                         self.target, why, self.config.connector.retry_seconds)
-            self._down_since = time.monotonic()
         self._next_try = time.monotonic() + self.config.connector.retry_seconds
         self._drop()
 
@@ -179,12 +179,12 @@ class Link:
             return False
         self.client, self.info, self.pool = client, info, pool
         self.generation += 1
-        if self._down_since is not None:
-            log.warning("kvcache at %s is back after %.1f s (pool instance %s)", self.target,
-                        time.monotonic() - self._down_since, info.instance_id)
+        _, outage_seconds = self._outage.came_up(info.instance_id)
+        if outage_seconds is not None:
+            log.warning("kvcache at %s is back after %.1f s (pool instance %s)", self.target, outage_seconds,
+                        info.instance_id)
         else:
             log.info("kvcache at %s: engine %s, %s", self.target, self.config.engine_id, info.layout)
-        self._down_since = None
         return True
 
     def _check(self, info: PoolInfo) -> None:

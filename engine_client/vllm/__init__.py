@@ -13,7 +13,9 @@ own. `kv_role` `kv_producer` (a prefill engine) saves only and returns `do_remot
 `kv_consumer` (a decode engine, loads only) takes. See docs/design.md §7, docs/vllm.md and the README's
 vLLM section.
 
-Modules: `config` (the `kv_connector_extra_config` keys), `scheduler` and `sender` (the scheduler side),
+Modules: `config` (the `kv_connector_extra_config` keys), `scheduler` (the scheduler side's facade over
+`admission`, `turns`, `plans`, `reports`, `state` and `params`; the engine-neutral parts are
+`engine_client.scheduling`) and `sender`,
 `worker` and `transfer` (the worker side: pool mapping, layouts, copies), `counters` and `stats`
 (metrics), `connector` (the class vLLM loads), `driver` (a vLLM engine behind a JSON-lines pipe, for the
 demo, the benchmark and the tests) and `demo` (`make vllm-demo`). Importing this package does not import

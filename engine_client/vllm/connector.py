@@ -27,7 +27,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from engine_client.client import KVCacheClient
 from engine_client.vllm.config import ConnectorConfig
-from engine_client.vllm.scheduler import SchedulerSide, StepPlan, WorkerReport
+from engine_client.vllm.plans import StepPlan
+from engine_client.vllm.reports import WorkerReport
+from engine_client.vllm.scheduler import SchedulerSide
 from engine_client.vllm.stats import KVCacheConnectorPromMetrics, KVCacheConnectorStats
 from engine_client.vllm.transfer import KVLayoutError, LayerKV, layer_kv, mla_latent
 from engine_client.vllm.worker import WorkerSide, head_shard

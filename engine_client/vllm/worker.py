@@ -29,7 +29,8 @@ from engine_client.errors import KVCacheClientError, PoolMappingError
 from engine_client.layout import LayoutMismatch, check_layout, dtype_name
 from engine_client.mapping import MappedPool, map_pool
 from engine_client.vllm.counters import Counters
-from engine_client.vllm.scheduler import StepPlan, WorkerReport
+from engine_client.vllm.plans import StepPlan
+from engine_client.vllm.reports import WorkerReport
 from engine_client.vllm.transfer import (
     HostStaging,
     LayerKV,
