@@ -41,7 +41,7 @@ from engine_client.scheduling.turns import extends
 from engine_client.session import Session
 from engine_client.sglang.link import BackendConfig, Link, ModelKV
 from engine_client.step import StepBatch, StepOutcome
-from engine_client.types import AppendResult
+from engine_client.types import AppendResult, ReuseReport
 
 __all__ = ["KVCacheRadixCache", "build"]
 
@@ -61,6 +61,8 @@ class _Save:
     """The SGLang streaming session this turn belongs to ("" for a regular request)."""
     session: Session | None = None
     append: StepOutcome[AppendResult] | None = None
+    reuse: ReuseReport | None = None
+    """Where the saved context's KV came from, reported with the commit (`_reuse`)."""
 
 
 @dataclass
@@ -95,6 +97,10 @@ class KVCacheRadixCache(UnifiedRadixCache):  # type: ignore[misc]
         """Ops for the step's closing Step, in order: (session, "commit" | "abort" | "close", kv_tokens | cache)."""
         self._streams: dict[str, _Stream] = {}
         self._generation = link.generation
+        self._loaded: dict[str, int] = {}
+        """rid -> tokens its admission loaded from kvcache (reported with its save's commit)."""
+        self._reuse: dict[str, ReuseReport] = {}
+        """kvcache session id -> the reuse report its next commit carries."""
 
     @property
     def align(self) -> int:
@@ -147,8 +153,12 @@ class KVCacheRadixCache(UnifiedRadixCache):  # type: ignore[misc]
             if want <= local or (seen is not None and seen <= local) or not self._ready():
                 return result
             hit = self._lookup(req, params, want)
-        if hit is None or self._load(hit[0], params, result, min(hit[1], want)) <= local:
+        if hit is None:
             return result
+        matched = self._load(hit[0], params, result, min(hit[1], want))
+        if matched <= local:
+            return result
+        self._loaded[req.rid] = self._loaded.get(req.rid, 0) + matched - local
         return self._match_tree(params)
 
     def _lookup(self, req: Any, params: MatchPrefixParams, want: int) -> tuple[Session, int] | None:
@@ -257,7 +267,8 @@ class KVCacheRadixCache(UnifiedRadixCache):  # type: ignore[misc]
             return
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n].to(torch.int64, copy=True)
         tokens = np.asarray(req.full_untruncated_fill_ids[:n], dtype=np.int64)
-        self._saves.append(_Save(tokens, row, _salt_of(req), lock=self.lock(req.last_node)))
+        self._saves.append(_Save(tokens, row, _salt_of(req), lock=self.lock(req.last_node),
+                                 reuse=self._report(req, n)))
 
     def claim_kv_row(self, req: Any) -> bool:
         stream = _stream_id(req)
@@ -266,12 +277,20 @@ class KVCacheRadixCache(UnifiedRadixCache):  # type: ignore[misc]
             n = req.owned_kv_len()
             row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n].to(torch.int64, copy=True)
             tokens = np.asarray((list(req.origin_input_ids) + list(req.output_ids))[:n], dtype=np.int64)
-            save = _Save(tokens, row, _salt_of(req), stream=stream)
+            save = _Save(tokens, row, _salt_of(req), stream=stream, reuse=self._report(req, n))
         kept = super().claim_kv_row(req)
         if kept and save is not None:
             # SGLang's session slot keeps the row until release_session, which comes after the flush.
             self._saves.append(save)
         return bool(kept)
+
+    def _report(self, req: Any, n: int) -> ReuseReport:
+        """Where the KV of the `n` tokens a finished request saves came from: SGLang's own prefix cache, loaded
+        from kvcache at its admission, or computed (its prefill's rest and its decode)."""
+        loaded = min(self._loaded.pop(req.rid, 0), n)
+        cached = min(int(getattr(req, "cached_tokens", 0) or 0), n)
+        held = max(0, cached - loaded)
+        return ReuseReport(held, loaded, n - held - loaded)
 
     def release_session(self, session_id: str) -> None:
         super().release_session(session_id)
@@ -282,6 +301,7 @@ class KVCacheRadixCache(UnifiedRadixCache):  # type: ignore[misc]
     def on_release(self, req: Any, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
         self._looked.pop(req.rid, None)
+        self._loaded.pop(req.rid, None)
 
     # ------------------------------------------------------------------ the step's Steps
 
@@ -306,6 +326,7 @@ class KVCacheRadixCache(UnifiedRadixCache):  # type: ignore[misc]
                     self._copy_saves(saves)
             if not connected:
                 self._after.clear()
+                self._reuse.clear()
         finally:
             for s in saves:
                 self.unlock(s.lock)
@@ -320,7 +341,7 @@ class KVCacheRadixCache(UnifiedRadixCache):  # type: ignore[misc]
             if op == "abort":
                 batch.abort(sess)
             elif op == "commit":
-                batch.commit(sess, kv_tokens=arg)
+                batch.commit(sess, kv_tokens=arg, reuse=self._reuse.pop(sess.session_id, None))
             elif op == "close_session":  # SGLang closed the streaming session: the configured mode
                 batch.close(sess, mode=self.link.config.close_mode)
             else:
@@ -361,6 +382,8 @@ class KVCacheRadixCache(UnifiedRadixCache):  # type: ignore[misc]
             if cached < n:
                 self.link.save(s.slots[cached:n], s.session.slots(cached, n))
                 self.counters.saved_tokens += n - cached
+            if s.reuse is not None:
+                self._reuse[s.session.session_id] = s.reuse
             self._after.append((s.session, "commit", n))
             if s.stream:
                 self._streams[s.stream].tokens = s.tokens
@@ -376,6 +399,7 @@ class KVCacheRadixCache(UnifiedRadixCache):  # type: ignore[misc]
             self._after.clear()
             self._looked.clear()
             self._hits.clear()
+            self._reuse.clear()
         return ok
 
 
