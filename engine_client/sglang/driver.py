@@ -6,9 +6,13 @@ on a small CPU machine, so one start serves many requests). The protocol is the 
 greedy sampling, float32; with `--kvcache` it runs on kvcache (`--radix-cache-backend kvcache`). It prints
 `{"ready": true, ...}` once started, then answers one JSON line per command line read on stdin:
     {"cmd": "generate", "requests": [{"prompt": [1, 2, 3], "max_tokens": 8, "session_id": "chat-1"}]}
-    -> {"outputs": [{"tokens": [...], "num_cached_tokens": 32, "ttft": 0.01, "finish_reason": "length"}],
+    (a session's request may add SGLang's other `session_params`: {"session_params": {"rid": "..."}} continues
+    that request in a regular session, {"offset": 3} and the like)
+    -> {"outputs": [{"tokens": [...], "num_cached_tokens": 32, "prompt_tokens": 40, "rid": "...",
+                     "finish_reason": "length", "seconds": 0.2}],
         "seconds": 0.2}
     {"cmd": "open_session", "session_id": "chat-1"}   (a streaming session; needs --streaming)
+    {"cmd": "open_session", "session_id": "chat-1", "streaming": false}   (SGLang's regular session)
     {"cmd": "close_session", "session_id": "chat-1"}
     {"cmd": "flush_cache"}   (SGLang's own tree emptied: the next prompt can only hit kvcache)
     {"cmd": "exit"}
@@ -38,8 +42,8 @@ class SglangProcess(EngineProcess):
     module = "engine_client.sglang.driver"
     name = "SGLang engine"
 
-    def open_session(self, session_id: str) -> None:
-        self.command({"cmd": "open_session", "session_id": session_id})
+    def open_session(self, session_id: str, *, streaming: bool = True) -> None:
+        self.command({"cmd": "open_session", "session_id": session_id, "streaming": streaming})
 
     def close_session(self, session_id: str) -> None:
         self.command({"cmd": "close_session", "session_id": session_id})
@@ -64,7 +68,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def _output(out: dict[str, Any], started: float) -> dict[str, Any]:
     meta = out["meta_info"]
     return {"tokens": list(out["output_ids"]), "num_cached_tokens": int(meta.get("cached_tokens", 0)),
-            "prompt_tokens": int(meta.get("prompt_tokens", 0)),
+            "prompt_tokens": int(meta.get("prompt_tokens", 0)), "rid": meta.get("id"),
             "finish_reason": (meta.get("finish_reason") or {}).get("type"),
             "seconds": time.perf_counter() - started}
 
@@ -82,7 +86,8 @@ def _generate(llm: Any, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for i, r in enumerate(requests):
         if r.get("session_id"):
             started = time.perf_counter()
-            out = llm.generate(input_ids=r["prompt"], session_params={"id": r["session_id"]},
+            out = llm.generate(input_ids=r["prompt"], session_params={"id": r["session_id"],
+                                                                      **r.get("session_params", {})},
                                sampling_params={"max_new_tokens": r.get("max_tokens", 8), "temperature": 0,
                                                 "ignore_eos": True})
             outputs[i] = _output(out, started)
@@ -125,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                 answer: dict[str, Any] = {"outputs": _generate(llm, cmd["requests"]),
                                           "seconds": time.perf_counter() - t0}
             elif name == "open_session":
-                sid = llm.open_session(1 << 20, session_id=cmd["session_id"], streaming=True)
+                sid = llm.open_session(1 << 20, session_id=cmd["session_id"], streaming=cmd.get("streaming", True))
                 answer = {"session_id": sid}
             elif name == "close_session":
                 llm.close_session(cmd["session_id"])

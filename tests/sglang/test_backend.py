@@ -1,19 +1,24 @@
 """SGLang 0.5.23 on kvcache (`--radix-cache-backend kvcache`, docs/design.md §14), against SGLang alone in the
 same run: greedy tokens, prefix hits across processes and with vLLM both ways, streaming sessions, a SIGKILLed
-process's session adopted by another, kvcache killed and restarted under a running SGLang.
+process's session adopted by another, bad session requests, a parked session that expired, kvcache down at
+SGLang's start and killed and restarted under a running SGLang, Steps over the step lane (§10).
 
 Three engines, started once together: `alone` (SGLang without kvcache), `a` and `b` (two SGLang processes
-on one kvcache). The tests run in file order and share them; the last two kill `a`, then kvcache. Every
-engine runs SGLang's strict idle check (a mismatch of `available + evictable + protected + session_held +
-uncached == total` stops its scheduler, and the next request fails).
+on one kvcache). kvcache starts only once they are up (so both start with it down) and announces a step
+lane. The tests run in file order and share them; the last ones kill `a`, then kvcache. Every engine runs
+SGLang's strict idle check (a mismatch of `available + evictable + protected + session_held + uncached ==
+total` stops its scheduler, and the next request fails).
 """
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,7 +26,7 @@ import pytest
 from engine_client import KVCacheClient
 from engine_client.vllm.driver import save_model
 from tests.integration.conftest import ServerProcess, verify_stats
-from tests.loopback import wait_until
+from tests.loopback import free_port, wait_until
 from tests.sglang.conftest import LAYOUT, PAGE, SglangEngine
 
 pytestmark = [pytest.mark.xdist_group("vllm-c"), pytest.mark.timeout(1800)]
@@ -35,6 +40,9 @@ def tokens(n: int) -> list[int]:
 
 P1, P2 = tokens(69), tokens(45)
 GEN = 8
+PARKED_TIMEOUT = 30
+"""kvcache's --parked-session-timeout: a parked session is adopted well within it, or expires in the test that
+waits for it."""
 
 
 def aligned(n: int) -> int:
@@ -48,18 +56,25 @@ class Rig:
     a: SglangEngine
     b: SglangEngine
     logs: Path
+    notes: dict[str, Any] = field(default_factory=dict)
+    """What one test leaves for a later one (the tests run in file order)."""
 
     def client(self) -> KVCacheClient:
         return KVCacheClient(self.server.target)
+
+
+def serve(tmp: Path, address: str, log: str) -> ServerProcess:
+    return ServerProcess(*LAYOUT, "--num-pages", "512", "--step-socket", str(tmp / "step.sock"),
+                         "--parked-session-timeout", str(PARKED_TIMEOUT), listen=address, log_path=tmp / log)
 
 
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     tmp = tmp_path_factory.mktemp("sglang")
     model = save_model("llama", tmp / "llama")
-    server = ServerProcess(*LAYOUT, "--num-pages", "512", log_path=tmp / "kvcache.log")
-    specs = {"alone": {}, "a": {"kvcache": server.target, "engine_id": "sglang-a"},
-             "b": {"kvcache": server.target, "engine_id": "sglang-b"}}
+    address = f"127.0.0.1:{free_port()}"  # kvcache comes up there once the engines are up
+    specs = {"alone": {}, "a": {"kvcache": address, "engine_id": "sglang-a"},
+             "b": {"kvcache": address, "engine_id": "sglang-b"}}
     engines: dict[str, SglangEngine] = {}
 
     def start(name: str) -> None:
@@ -70,18 +85,18 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
         with ThreadPoolExecutor(3) as pool:
             for future in [pool.submit(start, name) for name in specs]:
                 future.result()
-        rig = Rig(server, engines["alone"], engines["a"], engines["b"], tmp)
+        rig = Rig(serve(tmp, address, "kvcache.log"), engines["alone"], engines["a"], engines["b"], tmp)
         yield rig
     finally:
         for engine in engines.values():
             if engine.proc.poll() is None:
                 engine.close()
-        server = rig.server if rig is not None else server  # a test may have restarted it
-        if server.proc.poll() is None:
-            verify_stats(server.target)
-            code, _ = server.terminate()
-            assert code == 0, server.log_tail()
-        server.close()
+        if rig is not None:  # the server the tests left (the last one restarts it)
+            if rig.server.proc.poll() is None:
+                verify_stats(rig.server.target)
+                code, _ = rig.server.terminate()
+                assert code == 0, rig.server.log_tail()
+            rig.server.close()
 
 
 @pytest.fixture(autouse=True)
@@ -117,16 +132,62 @@ def committed(client: KVCacheClient, session_id: str, num_tokens: int) -> None:
         raise AssertionError(f"{e} (it has {seen[-1]})") from None
 
 
+def lane_peers(server: ServerProcess) -> set[int]:
+    """The pids that opened the service's step lane (its `step_lane_connected` log lines)."""
+    assert server.log_path is not None
+    lines = [json.loads(line) for line in server.log_path.read_text().splitlines() if "step_lane_connected" in line]
+    return {int(e["peer_pid"]) for e in lines if e.get("event") == "step_lane_connected"}
+
+
+def test_sglang_started_while_kvcache_was_down_connects_over_the_step_lane(rig: Rig) -> None:
+    """`a` and `b` started before kvcache was up: each warned once and served; its first request connects, and
+    its scheduler's Steps take the step lane the service announces (docs/design.md §10)."""
+    p = tokens(40)
+    [ref] = gen(rig.alone, p)
+    for engine in (rig.a, rig.b):
+        [out] = gen(engine, p)
+        assert out["tokens"] == ref["tokens"]
+        log = engine.log_text()
+        assert log.count("unreachable (") == 1 and log.count("is back after") == 1, engine.log_tail()
+    schedulers = set(rig.a.children()) | set(rig.b.children())
+    wait_until(lambda: len(lane_peers(rig.server) & schedulers) == 2, "a's and b's schedulers on the step lane")
+
+
 def test_greedy_tokens_equal_sglang_alone_computed_and_loaded(rig: Rig) -> None:
     alone = gen(rig.alone, P1, P2)
+    before = reuse_of(rig, "sglang-a")
     computed = gen(rig.a, P1, P2)
     assert [o["tokens"] for o in computed] == [o["tokens"] for o in alone]
     assert [o["num_cached_tokens"] for o in computed] == [0, 0]
+    # Saved: prompt + output but the last token, whole pages; each save reports where its KV came from.
+    saved = aligned(len(P1) + GEN - 1) + aligned(len(P2) + GEN - 1)
+    assert reported(rig, "sglang-a", before, 2) == (0, 0, saved)  # (SGLang's own, loaded, computed)
     rig.a.flush_cache()  # SGLang's own tree is empty: whatever hits now came from kvcache
+    before = reuse_of(rig, "sglang-a")
     loaded = gen(rig.a, P1, P2)
     assert [o["tokens"] for o in loaded] == [o["tokens"] for o in alone]
-    # Saved: prompt + output but the last token, whole pages; asked: the prompt but its last token.
-    assert [o["num_cached_tokens"] for o in loaded] == [aligned(len(P1) - 1), aligned(len(P2) - 1)]
+    # Asked: the prompt but its last token.
+    hits = [aligned(len(P1) - 1), aligned(len(P2) - 1)]
+    assert [o["num_cached_tokens"] for o in loaded] == hits
+    assert reported(rig, "sglang-a", before, 2) == (0, sum(hits), saved - sum(hits))
+
+
+def reuse_of(rig: Rig, engine_id: str) -> tuple[int, int, int, int]:
+    """kvcache's reuse figures for one engine: (turns, engine_cached, loaded, computed)."""
+    with rig.client() as c:
+        for e in c.get_stats().engine_reuse:
+            if e.engine_id == engine_id:
+                return e.turns, e.engine_cached_tokens, e.loaded_tokens, e.computed_tokens
+    return 0, 0, 0, 0
+
+
+def reported(rig: Rig, engine_id: str, before: tuple[int, int, int, int], turns: int) -> tuple[int, int, int]:
+    """Once `turns` more commits reported, what they said: (engine_cached, loaded, computed) added since `before`
+    (a finished request's save and its commit follow its answer by a scheduler step)."""
+    wait_until(lambda: reuse_of(rig, engine_id)[0] - before[0] >= turns, f"{engine_id}'s {turns} reuse reports")
+    now = reuse_of(rig, engine_id)
+    assert now[0] - before[0] == turns, (now, before)
+    return now[1] - before[1], now[2] - before[2], now[3] - before[3]
 
 
 def test_a_second_sglang_process_hits_the_first_ones_prefix(rig: Rig) -> None:
@@ -189,15 +250,66 @@ def test_a_streaming_session_computes_only_each_turns_new_tokens(rig: Rig) -> No
         wait_until(lambda: "chat-1" not in [s.session_id for s in c.list_sessions()], "chat-1 closed in kvcache")
 
 
+def sessions(client: KVCacheClient) -> list[tuple[str, str, int]]:
+    return sorted((s.session_id, s.state, s.context_tokens) for s in client.list_sessions())
+
+
+def refused(engine: SglangEngine, message: str, prompt: list[int], session: str, **params: Any) -> None:
+    """SGLang refuses the session request with its own error (a 400: `Engine.generate` raises ValueError)."""
+    with pytest.raises(AssertionError, match=re.escape(f"ValueError: {message}")):
+        engine.generate([{"prompt": prompt, "max_tokens": GEN, "session_id": session, "session_params": params}])
+
+
+def test_bad_session_requests_get_sglangs_own_error_and_leak_nothing(rig: Rig) -> None:
+    """A session id SGLang does not know, turns of a streaming session that are not appends, a closed session:
+    SGLang's own error, kvcache's sessions unchanged by each, the session's next good turn an append as before
+    (the invariant fixture checks kvcache's pool after; SGLang's strict idle check would stop its scheduler)."""
+    with rig.client() as c:
+        before = sessions(c)
+    refused(rig.a, "Invalid request: session id nope does not exist", tokens(20), "nope")
+    rig.a.open_session("chat-bad")
+    history = tokens(40)
+    [out] = gen(rig.a, history, session="chat-bad")
+    history += out["tokens"]
+    with rig.client() as c:
+        committed(c, "chat-bad", len(history) - 1)
+        held = sessions(c)
+    for params, message in (({"replace": True}, "Streaming sessions do not support replace."),
+                            ({"offset": 5}, "Streaming sessions do not support offset."),
+                            ({"drop_previous_output": True},
+                             "Streaming sessions do not support drop_previous_output.")):
+        refused(rig.a, message, tokens(8), "chat-bad", **params)
+        with rig.client() as c:
+            assert sessions(c) == held, params
+    new = tokens(12)
+    [out] = gen(rig.a, new, session="chat-bad")
+    assert out["num_cached_tokens"] == out["prompt_tokens"] - 13  # the bad turns left nothing behind
+    history += new + out["tokens"]
+    with rig.client() as c:
+        committed(c, "chat-bad", len(history) - 1)
+        assert c.session_tokens("chat-bad") == history[:-1]
+    rig.a.close_session("chat-bad")
+    refused(rig.a, "Invalid request: session id chat-bad does not exist", tokens(8), "chat-bad")
+    with rig.client() as c:
+        wait_until(lambda: sessions(c) == before, "chat-bad closed in kvcache, nothing else changed")
+    [again] = gen(rig.a, P2)  # a's scheduler still runs: its strict idle check passed after every refusal
+    assert again["num_cached_tokens"] == aligned(len(P2) - 1)
+
+
 def test_a_sigkilled_processes_session_is_adopted_with_its_history(rig: Rig) -> None:
     rig.a.open_session("chat-2")
+    rig.a.open_session("chat-3")  # left parked: the next test waits for it to expire
     history: list[int] = []
     for turn in range(2):
         new = tokens(40 if turn == 0 else 12)
         [out] = gen(rig.a, new, session="chat-2")
         history += new + out["tokens"]
+    other = tokens(50)
+    [out] = gen(rig.a, other, session="chat-3")
+    rig.notes["chat-3"] = other + out["tokens"]
     with rig.client() as c:
         committed(c, "chat-2", len(history) - 1)
+        committed(c, "chat-3", len(rig.notes["chat-3"]) - 1)
     rig.a.kill_all()
     with rig.client() as c:
         wait_until(lambda: c.get_session("chat-2").state == "PARKED", "chat-2 parked at a's lease end")
@@ -217,6 +329,49 @@ def test_a_sigkilled_processes_session_is_adopted_with_its_history(rig: Rig) -> 
     rig.b.close_session("chat-2")
 
 
+def test_a_parked_session_that_expired_starts_over_with_its_history_cached(rig: Rig) -> None:
+    """chat-3 parked when `a` died and nobody adopted it within --parked-session-timeout: kvcache closed it with
+    cache (docs/design.md §11). SGLang on `b` does not know it (its own error); opened there, its turn 1 with the
+    whole history is a new kvcache session that hits the history through the radix."""
+    history = rig.notes["chat-3"]
+    with rig.client() as c:
+        wait_until(lambda: "chat-3" not in [s.session_id for s in c.list_sessions()],
+                   "chat-3 expires after --parked-session-timeout", timeout=PARKED_TIMEOUT + 60, poll=0.5)
+        assert c.match_prefix(history).cached_tokens == aligned(len(history) - 1)
+    refused(rig.b, "Invalid request: session id chat-3 does not exist", tokens(8), "chat-3")
+    rig.b.open_session("chat-3")
+    new = tokens(10)
+    [out] = gen(rig.b, history + new, session="chat-3")
+    [ref] = gen(rig.alone, history + new)
+    assert out["tokens"] == ref["tokens"]
+    assert out["num_cached_tokens"] == aligned(len(history) - 1)
+    with rig.client() as c:
+        committed(c, "chat-3", len(history + new) + GEN - 1)
+        info = c.get_session("chat-3")
+        assert (info.state, info.engine_id, info.former_engine_id) == ("IDLE", "sglang-b", "")
+    rig.b.close_session("chat-3")
+    with rig.client() as c:
+        wait_until(lambda: "chat-3" not in [s.session_id for s in c.list_sessions()], "chat-3 closed in kvcache")
+
+
+def test_the_benchmarks_workloads_on_a_real_engine(rig: Rig) -> None:
+    """bench/sglang_bench.py's smoke on this module's engine (the benchmark itself starts four): its three
+    modes' conversations, their per-turn prefill counts and the plot. The same conversations in every mode:
+    a regular session's turn continues the request it names, as a plain request carrying the history does;
+    a streaming turn computes only its new tokens and the last token generated before."""
+    from bench import sglang_bench as bench
+
+    runs = {mode: bench.chat(rig.b, mode, 1, 3, 12, 4, np.random.default_rng(3), "smoke") for mode in bench.MODES}
+    prompts = {mode: [o["prompt_tokens"] for [o] in per_turn] for mode, per_turn in runs.items()}
+    assert prompts["no_session"] == prompts["regular_session"] == prompts["streaming_session"] == [12, 28, 44]
+    assert [bench.computed(outs) for outs in runs["streaming_session"]] == [12, 13, 13]
+    assert [o["tokens"] for [o] in runs["regular_session"]] == [o["tokens"] for [o] in runs["no_session"]]
+    mean_ms, last_ms, done = bench.summary(runs["streaming_session"])
+    assert done == 38 and mean_ms > 0 and last_ms > 0
+    bench.plot(str(rig.logs / "plot.png"), "smoke", {f"{m}, SGLang on kvcache": r for m, r in runs.items()})
+    assert (rig.logs / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_kvcache_killed_and_restarted_under_a_running_sglang(rig: Rig) -> None:
     address = rig.server.address
     rig.server.kill()
@@ -225,8 +380,7 @@ def test_kvcache_killed_and_restarted_under_a_running_sglang(rig: Rig) -> None:
     [out] = gen(rig.b, p5)  # kvcache is down: SGLang computes
     assert (out["tokens"], out["num_cached_tokens"]) == (ref["tokens"], 0)
     rig.server.close()
-    rig.server = ServerProcess(*LAYOUT, "--num-pages", "512", listen=address,
-                               log_path=rig.logs / "kvcache-restarted.log")
+    rig.server = serve(rig.logs, address, "kvcache-restarted.log")
     p6 = tokens(60)
 
     def saved_again() -> bool:
@@ -238,8 +392,9 @@ def test_kvcache_killed_and_restarted_under_a_running_sglang(rig: Rig) -> None:
     rig.b.flush_cache()
     [out] = gen(rig.b, p6)
     assert out["num_cached_tokens"] == aligned(len(p6) - 1)
-    log = rig.b.log_text()
-    assert log.count("unreachable (") == 1 and log.count("is back after") == 1, rig.b.log_tail()
+    log = rig.b.log_text()  # one warning per outage: at its start (the first test) and this one
+    assert log.count("unreachable (") == 2 and log.count("is back after") == 2, rig.b.log_tail()
+    wait_until(lambda: bool(set(rig.b.children()) & lane_peers(rig.server)), "b's scheduler on the new step lane")
     # Every engine still serves: SGLang's strict idle check passed throughout.
     [again] = gen(rig.alone, p6)
     assert again["tokens"] == out["tokens"]
