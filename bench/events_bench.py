@@ -115,7 +115,9 @@ def service_run(events: bool, engines: int, seconds: float) -> tuple[float, floa
         extra += ["--kv-events-endpoint", "tcp://127.0.0.1:0"]
     proc, target = start_server("127.0.0.1:0", *extra)
     assert proc.stdout is not None
-    banner = [proc.stdout.readline() for _ in range(5 if events else 4)]
+    banner = [proc.stdout.readline()]
+    while banner[-1] and not banner[-1].startswith("  try "):  # the start line's last line
+        banner.append(proc.stdout.readline())
     port = int(re.search(r":(\d+)/metrics", "".join(banner)).group(1))  # type: ignore[union-attr]
     ctx = mp.get_context("spawn")
     start_at = time.time() + 2.0 + 0.3 * engines

@@ -258,6 +258,12 @@ class KVCacheServer:
         if exports_fd(self.pool):
             self.pool_socket = self._pool_socket(handle)
             handle = dataclasses.replace(handle, pool_socket=self.pool_socket.address)
+        if self.pool.name == "host_memfd" and not cfg.step_socket and self.step_socket:
+            # A memfd pool leaves nothing in --shm-dir (docs/design.md §2); its default lane would. Asked for by
+            # --step-socket, it is served.
+            self._log.info("step_lane_default_off", backend=self.pool.name,
+                           hint="set --step-socket to serve the step lane beside a memfd pool")
+            self.step_socket = ""
         rpc = RpcServer(self.core, self.pool.layout, handle,
                         rpc_settings(cfg, self.identities, self.tls, self.step_socket), instance_id=self.instance_id,
                         metrics=metrics, events=self.events, clock=self._clock, tier=self.tier)
