@@ -188,7 +188,7 @@ def test_a_full_store_costs_only_hits(start_server: Callable[..., ServerProcess]
                 misses += 1
             a.stub.CommitSession(pb.CommitSessionRequest(session_id=sid, abort=True), timeout=10)
             a.stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
-        assert hits + misses == 12 and hits, (hits, misses)
+        assert hits, (hits, misses)  # the store kept some of what it took: loads from a full store still hit
     finally:
         own.stop()
 
