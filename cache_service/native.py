@@ -30,6 +30,7 @@ COMPILED = (
     "cache_service.core.eviction",
     "cache_service.core.pages",
     "cache_service.core.leases",
+    "cache_service.core.radix_node",
     "cache_service.core.radix",
     "cache_service.core.capacity",
     "cache_service.core.slot",

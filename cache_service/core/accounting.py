@@ -30,7 +30,8 @@ from cache_service.core.ledger import (
     PageLedger,
 )
 from cache_service.core.pages import PageAllocator
-from cache_service.core.radix import RadixNode, RadixTree
+from cache_service.core.radix import RadixTree
+from cache_service.core.radix_node import RadixNode
 from cache_service.core.reuse import ReuseLedger
 from cache_service.core.sessions import SessionTable
 from cache_service.core.slot import CLOSING, IDLE, IN_TURN, SessionSlot, Slots
@@ -206,7 +207,7 @@ class Accounting:
             if s.guard_node is not None:
                 if not s.children:
                     raise InvariantError(f"session {s.id!r} guards the radix with no live children")
-                at = self._radix.guarded_at(s.guard_node)
+                at = self._radix.classes.guarded_at(s.guard_node)
                 if at is not None:
                     guards[at] += 1
         return guards

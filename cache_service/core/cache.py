@@ -1,17 +1,16 @@
 """`KVCacheCore`: the facade the rpc layer calls. It builds the core and delegates:
 
-    ledger.py      pages by state, the one source of the page counters (and the running totals)
-    pages.py       the page allocator (free stack, quarantine)
-    radix.py       the radix prefix cache (eviction order in eviction.py); knows nothing of sessions
+    ledger.py      pages by state, the one source of the page counters; pages.py the allocator (free stack, quarantine)
+    radix.py       the radix prefix cache (radix_node.py its nodes, radix_classes.py and eviction.py eviction order)
     slot.py        session slots and their states; turns.py their page tables (each changed nowhere else)
     sessions.py    the session table: lookup, least-recently-active order, the info view
     capacity.py    the token cap and the relief plan (evict, demote) computed before anything changes
     tiering.py     a tier beyond the pool: loads, offloads, and (tier_pages.py) page keys and stored marks
+    window.py      a window group's rows kept apart from the full rows (docs/design.md §13)
     leases.py      engine leases; lifecycle.py how sessions and leases end (closes, reaper, parking)
     ops.py         each session call's checks, lookups and lease expiry, handing the work to the owners above
-    accounting.py  stats() and check_invariants(), read off the ledger
-    events.py      change records and page hashing (the facade's queue, which `take_events` drains)
-    validate.py    input checks
+    accounting.py  stats() and check_invariants(), read off the ledger; validate.py input checks
+    events.py      change records and page hashing; recorder.py the queue they wait in (`take_events` drains it)
 
 Identities: every session and lease belongs to the identity (an opaque name) that created it. Calls pass
 the caller's `identity`; another identity's session or engine is NOT_OWNER. `identity=None` is an
@@ -22,20 +21,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from cache_service.core.accounting import Accounting
 from cache_service.core.config import CoreConfig
-from cache_service.core.events import Cleared, PageHashes, Record, Stored, TierEntry, TierJournalSink
+from cache_service.core.events import Record, Stored, TierEntry, TierJournalSink
 from cache_service.core.leases import LeaseTable
 from cache_service.core.ledger import Counters, PageLedger
 from cache_service.core.lifecycle import Lifecycle
 from cache_service.core.ops import Ops
 from cache_service.core.pages import PageAllocator
 from cache_service.core.radix import RadixTree
+from cache_service.core.recorder import Recorder
 from cache_service.core.sessions import SessionTable, session_filter
 from cache_service.core.slot import Slots
 from cache_service.core.tier_keys import Namespace
@@ -58,7 +57,7 @@ from cache_service.core.types import (
     TokenArray,
 )
 from cache_service.core.validate import check_count, token_bytes
-from cache_service.core.window import WindowRows
+from cache_service.core.window import attach_window_rows
 
 Clock = Callable[[], float]
 
@@ -84,25 +83,14 @@ class KVCacheCore:
         if self.tier is not None:
             self.tier.radix = self.radix
             self.radix.evict_hook = self.tier.evicting
-        self.window: WindowRows | None = None
+        self.window = attach_window_rows(config, self.radix, self.pages, tiered=tier is not None)
         """The window group's rows kept apart (window.py); None unless `config.window_pages`."""
-        if config.window_pages:
-            if tier is not None:
-                raise ValueError("a tier beyond a pool whose window rows are kept apart is not supported: a tier "
-                                 "value holds every layer's rows of a page (docs/attention-shapes.md)")
-            self.window = WindowRows(config.num_pages, config.window_pages, config.page_size, config.window_tokens)
-            self.window.radix = self.radix
-            self.pages.window = self.window
-            self.radix.usable = self.window.usable
         self.slots = Slots(config.page_size, self.radix, self.counters)
         self.sessions = SessionTable(self.slots)
         self.turns = Turns(config, self.pages, self.radix, self.ledger, self.counters, self.slots,
                            victims=self.sessions.demotable)
         self.leases = LeaseTable(config.expired_lease_memory)
-        self._changes: list[Any] = []
-        """Change records (radix tuples, session records) since the last `take_events`, while recording."""
-        self._hashes = PageHashes(config.num_pages, config.page_size)
-        self._ready: list[Record] = []
+        self.recorder = Recorder(config, self.radix, self.slots, self.window)
         self.lifecycle = Lifecycle(config, clock, self.sessions, self.leases, self.slots, self.turns, self.radix,
                                    self.pages, self.counters)
         self.ops = Ops(config, clock, self.pages, self.radix, self.slots, self.turns, self.sessions, self.leases,
@@ -194,15 +182,8 @@ class KVCacheCore:
                           ) -> tuple[list[SessionInfo], int]:
         """The `limit` least recently active sessions (filtered as in `list_sessions`), and how many match."""
         now = self._clock()
-        keep = session_filter(engine_id, identity, former_engine_id, state)
-        shown: list[SessionInfo] = []
-        total = 0
-        for s in self.sessions:
-            if keep(s):
-                total += 1
-                if len(shown) < limit:
-                    shown.append(self.sessions.info(s, now))
-        return shown, total
+        shown, total = self.sessions.lru(limit, session_filter(engine_id, identity, former_engine_id, state))
+        return [self.sessions.info(s, now) for s in shown], total
 
     def list_sessions_page(self, *, after_epoch: int = 0, size: int, engine_id: str = "",
                            identity: str | None = None, former_engine_id: str = "",
@@ -280,54 +261,37 @@ class KVCacheCore:
         """Recount everything from scratch; raises InvariantError naming the first broken invariant."""
         return self.accounting.check_invariants()
 
-    # ================================================================== change events
+    # ================================================================== change events (recorder.py)
 
     @property
     def recording(self) -> bool:
-        return self.slots.changes is not None
+        return self.recorder.recording
 
     def start_events(self) -> None:
         """Record changes from now on, hashing what the tree holds already (idempotent)."""
-        if self.slots.changes is None:
-            self._hashes.hash_tree(self.radix.runs())
-            self.radix.changes = self.slots.changes = self._changes
-            if self.window is not None:
-                self.window.changes = self._changes
+        self.recorder.start()
 
     def pending_events(self) -> bool:
         """Changes are waiting for `take_events`."""
-        return bool(self._changes or self._ready)
+        return self.recorder.pending()
 
     def take_events(self) -> list[Record]:
         """The change records since the last take, oldest first (nothing until `start_events`)."""
-        out, self._ready = self._ready, []
-        self._hashes.resolve(self._changes, out)
-        self._changes.clear()
-        return out
+        return self.recorder.take()
 
     def set_tier_journal(self, journal: TierJournalSink | None) -> None:
         """Tell `journal` of every page announced as held by the tier and of every such page removed."""
-        self._hashes.journal = journal
+        self.recorder.hashes.journal = journal
 
     def announce_tier(self, entries: Sequence[TierEntry]) -> int:
         """Announce pages a tier held before this instance started (parents first; recording must be on),
-        after every change recorded so far (the instance's AllBlocksCleared first). Returns the pages
-        announced."""
-        assert self.recording, "start_events() first"
-        self._hashes.resolve(self._changes, self._ready)
-        self._changes.clear()
-        before = self._hashes.tier_announced
-        self._hashes.tier_announce(entries, self._ready)
-        return self._hashes.tier_announced - before
+        after every change recorded so far. Returns the pages announced."""
+        return self.recorder.announce_tier(entries)
 
     def record_cleared(self) -> None:
         """Announce that everything announced before is gone (a new instance starts empty)."""
-        self._changes.append(Cleared())
+        self.recorder.cleared()
 
     def event_snapshot(self) -> list[Stored]:
-        """The whole tree as Stored records, parents before children (recording must be on). Changes not
-        taken yet are resolved first and kept for the next `take_events`."""
-        assert self.recording, "start_events() first"
-        self._hashes.resolve(self._changes, self._ready)
-        self._changes.clear()
-        return self._hashes.snapshot(self.radix.runs())
+        """The whole tree as Stored records, parents before children (recording must be on)."""
+        return self.recorder.snapshot()

@@ -18,7 +18,7 @@ from typing import Generic, Protocol, TypeVar
 from cache_service.core.config import CoreConfig
 from cache_service.core.errors import KVCacheError, Reason
 from cache_service.core.ledger import EVICTABLE, FREE, IN_FLIGHT, RADIX_LOCKED, SESSION_HELD, PageLedger
-from cache_service.core.radix import RadixNode
+from cache_service.core.radix_node import RadixNode
 
 
 class Holder(Protocol):

@@ -4,7 +4,8 @@ cimport cython
 from cache_service.core.leases cimport Lease, LeaseTable
 from cache_service.core.ledger cimport Counters
 from cache_service.core.pages cimport PageAllocator
-from cache_service.core.radix cimport RadixNode, RadixTree
+from cache_service.core.radix cimport RadixTree
+from cache_service.core.radix_node cimport RadixNode
 from cache_service.core.sessions cimport SessionTable
 from cache_service.core.slot cimport SessionSlot, Slots
 from cache_service.core.turns cimport Turns

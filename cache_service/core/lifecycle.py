@@ -61,7 +61,7 @@ class Lifecycle:
         self._slots.orphan(s)  # its children lose its guard before its KV moves
         node = self._turns.drop_kv(s, cache=cache)
         if node is not None and (mode == DROP or (cache and s.parent_id)):
-            self._radix.mark_leftover(node)
+            self._radix.classes.mark_leftover(node)
         cached = self._turns.cached_tokens(s) if cache else 0
         self._c.session_tokens -= s.committed_tokens
         self._sessions.remove(s)

@@ -2,19 +2,12 @@
 cimport cython
 
 from cache_service.core.ledger cimport PageLedger
-
-
-@cython.final
-cdef class RadixNode:
-    cdef public object key, pages, salt
-    cdef public RadixNode parent, forward
-    cdef public dict children
-    cdef public Py_ssize_t id, lock_ref, tick, hits, heap_ver, klass, guard
+from cache_service.core.radix_node cimport RadixNode
 
 
 @cython.final
 cdef class RadixTree:
-    cdef public object _leaves, _free_pages, changes, evict_hook, usable
+    cdef public object _leaves, _free_pages, changes, evict_hook, usable, classes
     cdef public Py_ssize_t page_size, page_bytes, _next_id, _tick, evicted_pages_total
     cdef public PageLedger _ledger
     cdef public list _counts
@@ -36,17 +29,6 @@ cdef class RadixTree:
 
     @cython.locals(n=RadixNode, counts=list, k=Py_ssize_t)
     cpdef unlock(self, RadixNode node)
-
-    cpdef guard(self, RadixNode node)
-
-    @cython.locals(n=RadixNode)
-    cpdef unguard(self, RadixNode node)
-
-    @cython.locals(n=RadixNode)
-    cpdef mark_leftover(self, RadixNode node)
-
-    @cython.locals(klass=Py_ssize_t)
-    cpdef _reclass(self, RadixNode node)
 
     @cython.locals(root=RadixNode)
     cpdef RadixNode find(self, object salt, object key, Py_ssize_t end=*)

@@ -1,25 +1,16 @@
 """Radix prefix cache at page granularity, namespaced by cache salt.
 
-Keys are token ids as little-endian int32 bytes, cut to whole pages: only full pages are cached. A node
-owns a run of pages (`pages`: int32 little-endian page ids, 4 bytes a page) and the tokens that produced
-them (`key`). Comparisons are
-bytes slices compared by memcmp; a walk copies each node's span of the query once, never the remaining
-key per node.
+Keys are token ids as little-endian int32 bytes, cut to whole pages: only full pages are cached. Each node
+(radix_node.py) owns a run of pages and the tokens that produced them. Comparisons are bytes slices compared by
+memcmp; a walk copies each node's span of the query once, never the remaining key per node.
 
 Locks count per node along the path to the root, as in SGLang: `lock(node)` pins every ancestor. An
 unbalanced unlock raises InvariantError before changing anything. Splits keep the original node object
 as the lower half, so a lock handle (a node) stays valid whatever splits happen above it.
 
-Eviction frees unlocked leaves in policy order (LRU by default; see `eviction.py`): O(log n) per leaf
-touched, no rebuild per call. `evict(n)` frees exactly n pages when it can, trimming a leaf from its
-tail (the remaining pages are still a valid prefix).
-
-Eviction classes (docs/design.md §15, `eviction.CLOSED_CHILD` < `ORDINARY` < `PARENT`): every node has a
-`klass` that leads its eviction key. `guard(node)` puts a node in PARENT (a parent session whose children are
-live is certain to return to the path ending there); the guard stays on the node however it is split (the
-lower half keeps its identity), and when the guarded leaf is evicted it moves up to its parent, which is the
-path's new end (the evicted node forwards `unguard` there). `mark_leftover(node)` puts an unguarded node in
-CLOSED_CHILD (what a closed subagent left behind); a match that touches it makes it ORDINARY again.
+Eviction frees unlocked leaves in class then policy order (LRU by default; see `eviction.py`; the classes are
+`classes`, radix_classes.py): O(log n) per leaf touched, no rebuild per call. `evict(n)` frees exactly n pages
+when it can, trimming a leaf from its tail (the remaining pages are still a valid prefix).
 
 The tree knows nothing of sessions, nor of who listens to its changes: it moves its pages' counts in the
 page ledger (pages it takes from their owner's state, EVICTABLE <-> RADIX_LOCKED as pins come and go,
@@ -31,105 +22,32 @@ the facade drains and hashes (events.py).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 from cache_service.core.errors import InvariantError
 from cache_service.core.eviction import CLOSED_CHILD, EVICTION_POLICIES, ORDINARY, PARENT, LeafHeap
 from cache_service.core.ledger import EVICTABLE, RADIX_LOCKED, PageLedger
 from cache_service.core.radix_check import check_tree
-from cache_service.core.types import TokenArray
+from cache_service.core.radix_classes import EvictionClasses
+from cache_service.core.radix_node import (
+    PAGE_ID_BYTES,
+    REMOVED,
+    STORED,
+    TOKEN_BYTES,
+    RadixInsert,
+    RadixMatch,
+    RadixNode,
+    last_page,
+    token_key,
+    tree_nodes,
+)
 
 __all__ = ["EVICTION_POLICIES", "REMOVED", "STORED", "RadixInsert", "RadixMatch", "RadixNode", "RadixTree",
            "token_key"]
 
-TOKEN_BYTES = 4
-PAGE_ID_BYTES = 4
-STORED, REMOVED = "stored", "removed"
-"""Change record kinds: (STORED, salt, parent's last page id or None, key, pages) for a new leaf's run;
-(REMOVED, salt, pages) for pages evicted."""
-
-
-class RadixNode:
-    """A run of cached pages. Internal to the tree; callers hold nodes only as lock handles."""
-
-    __slots__ = (
-        "children",
-        "forward",
-        "guard",
-        "heap_ver",
-        "hits",
-        "id",
-        "key",
-        "klass",
-        "lock_ref",
-        "pages",
-        "parent",
-        "salt",
-        "tick",
-    )
-
-    def __init__(self, node_id: int, key: bytes, pages: bytes, parent: RadixNode | None) -> None:
-        self.id = node_id
-        self.key = key
-        self.pages = pages
-        self.parent = parent
-        self.children: dict[bytes, RadixNode] = {}
-        self.lock_ref = 0
-        self.tick = 0
-        self.hits = 0
-        self.heap_ver = 0
-        self.salt: str | None = None  # every node's tree's cache salt
-        self.klass = ORDINARY
-        """Eviction class (eviction.CLOSED_CHILD / ORDINARY / PARENT): leads the eviction key."""
-        self.guard = 0
-        """Guards on this node (parent sessions whose children are live); klass is PARENT while > 0."""
-        self.forward: RadixNode | None = None
-        """Once evicted with guards: the node they moved to (`unguard` follows it)."""
-
-    @property
-    def num_pages(self) -> int:
-        return len(self.pages) >> 2
-
-    def page_ids(self) -> list[int]:
-        return memoryview(self.pages).cast("i").tolist()
-
-    def __repr__(self) -> str:
-        return f"RadixNode(id={self.id}, pages={self.page_ids()}, lock_ref={self.lock_ref})"
-
-
-class RadixMatch(NamedTuple):
-    num_pages: int
-    pages: bytes
-    """int32 LE page ids."""
-    node: RadixNode | None
-    """The locked node covering exactly the matched pages (only when matched with lock=True and
-    num_pages > 0)."""
-
-
-class RadixInsert(NamedTuple):
-    num_existing_pages: int
-    """Leading pages that were already cached: the caller's copies of them are duplicates."""
-    pages: bytes
-    """The tree's pages for the whole key after the insert (existing ones first), int32 LE."""
-    node: RadixNode | None
-    """The node ending exactly at the end of the key (None for an empty key)."""
-
-
 _new = tuple.__new__
 """Builds a RadixMatch or RadixInsert from its fields: what the NamedTuple's constructor does, without its Python
 frame (two are made per turn)."""
-
-
-def token_key(tokens: TokenArray | bytes | bytearray, page_size: int, max_tokens: int | None = None) -> bytes:
-    """The radix key of `tokens[:max_tokens]` (an int32 array, or int32 LE bytes), cut to whole pages."""
-    if isinstance(tokens, bytes | bytearray):
-        size = len(tokens) >> 2
-        n = size if max_tokens is None else min(size, max_tokens)
-        n -= n % page_size
-        return bytes(tokens[: n * 4]) if n * 4 != len(tokens) or type(tokens) is not bytes else tokens
-    n = tokens.size if max_tokens is None else min(tokens.size, max_tokens)
-    n -= n % page_size
-    return tokens[:n].astype("<i4", copy=False).tobytes()
 
 
 class RadixTree:
@@ -138,6 +56,8 @@ class RadixTree:
     def __init__(self, page_size: int, ledger: PageLedger, free_pages: Callable[[bytes, int], None],
                  policy: str = "lru") -> None:
         self._leaves: LeafHeap[RadixNode] = LeafHeap(policy)
+        self.classes = EvictionClasses(self._leaves)
+        """The nodes' eviction classes (guards of parent sessions, closed sessions' leftovers)."""
         self.page_size = page_size
         self.page_bytes = page_size * TOKEN_BYTES
         self._ledger = ledger
@@ -197,7 +117,7 @@ class RadixTree:
             stack = list(root.children.values())
             while stack:
                 node = stack.pop()
-                yield node.salt or "", _last_page(node.parent), node.key, node.pages
+                yield node.salt or "", last_page(node.parent), node.key, node.pages
                 stack.extend(node.children.values())
 
     def match(self, salt: str, key: bytes | bytearray, *, lock: bool = False, touch: bool = True, end: int = -1
@@ -307,7 +227,7 @@ class RadixTree:
         self._leaves.discard(node)
         self._leaves.add(leaf)
         if self.changes is not None:
-            self.changes.append((STORED, leaf.salt or "", _last_page(node), new_key, new_pages))
+            self.changes.append((STORED, leaf.salt or "", last_page(node), new_key, new_pages))
         return _new(RadixInsert, (matched, existing + new_pages if matched else new_pages, leaf))
 
     # ------------------------------------------------------------------ locks
@@ -344,53 +264,6 @@ class RadixTree:
                 counts[EVICTABLE] += k
                 self._update_leaf(n)
             n = n.parent
-
-    # ------------------------------------------------------------------ eviction classes
-
-    def guard(self, node: RadixNode) -> None:
-        """Defer `node`'s eviction to the last class (PARENT) until a matching `unguard`."""
-        node.guard += 1
-        self._reclass(node)
-
-    def unguard(self, node: RadixNode) -> None:
-        """Release one `guard(node)`, wherever eviction has moved it since (nothing when it went with its
-        path's last node)."""
-        n = self.guarded_at(node)
-        if n is None:
-            return
-        if n.guard <= 0:
-            raise InvariantError(f"radix guard balance: unguard of node {n.id} whose guard is {n.guard}")
-        n.guard -= 1
-        self._reclass(n)
-
-    @staticmethod
-    def guarded_at(node: RadixNode) -> RadixNode | None:
-        """Where a `guard(node)` is now: `node`, or the node eviction moved it to (None: gone with its path)."""
-        n: RadixNode | None = node
-        while n is not None and n.parent is None:
-            n = n.forward
-        return n
-
-    def mark_leftover(self, node: RadixNode) -> None:
-        """What a closed session left on the path ending at `node` goes first (CLOSED_CHILD): `node` and the
-        ancestors that lead only to it, up to the first one that is guarded, pinned or shared with another
-        path (those are not leftovers nobody wants)."""
-        n: RadixNode | None = node
-        while n is not None and n.parent is not None and n.guard == 0 and n.lock_ref == 0:
-            if n.klass != CLOSED_CHILD:
-                n.klass = CLOSED_CHILD
-                if n in self._leaves:
-                    self._leaves.push(n)
-            if len(n.parent.children) != 1:
-                break
-            n = n.parent
-
-    def _reclass(self, node: RadixNode) -> None:
-        klass = PARENT if node.guard > 0 else ORDINARY
-        if node.klass != klass:
-            node.klass = klass
-            if node in self._leaves:
-                self._leaves.push(node)
 
     # ------------------------------------------------------------------ eviction
 
@@ -537,11 +410,7 @@ class RadixTree:
         self._leaves.discard(node)
         node.parent = None
         if node.guard:
-            if parent.parent is not None:  # the guarded path now ends at the parent
-                node.forward = parent
-                parent.guard += node.guard
-                parent.klass = PARENT
-            node.guard = 0
+            self.classes.forward(node, parent)
         if parent.parent is None:
             if not parent.children:
                 assert parent.salt is not None
@@ -561,21 +430,10 @@ class RadixTree:
     # ------------------------------------------------------------------ verification
 
     def iter_nodes(self) -> list[RadixNode]:
-        out: list[RadixNode] = []
-        stack = list(self._roots.values())
-        while stack:
-            n = stack.pop()
-            out.append(n)
-            stack.extend(n.children.values())
-        return out
+        """Every node, the salt roots included, each parent before its children."""
+        return tree_nodes(list(self._roots.values()))
 
     def check(self) -> bytes:
         """Recount everything from the nodes; return every page the tree owns (int32 LE). O(tree size)."""
         return check_tree(self, self._leaves)
 
-
-def _last_page(node: RadixNode | None) -> int | None:
-    """The last page id of `node`'s run (None for a salt root: a run under it starts its tree)."""
-    if node is None or node.parent is None:
-        return None
-    return int.from_bytes(node.pages[-PAGE_ID_BYTES:], "little", signed=True)

@@ -169,6 +169,17 @@ class SessionTable:
                     yield v
         yield from parents
 
+    def lru(self, limit: int, keep: Callable[[Session], bool]) -> tuple[list[Session], int]:
+        """The `limit` least recently active sessions that `keep` accepts, and how many it accepts in all."""
+        shown: list[Session] = []
+        total = 0
+        for s in self._by_id.values():
+            if keep(s):
+                total += 1
+                if len(shown) < limit:
+                    shown.append(s)
+        return shown, total
+
     def page(self, after_epoch: int, size: int, keep: Callable[[Session], bool]) -> tuple[list[Session], int, bool]:
         """Sessions in opening order after `after_epoch` that `keep` accepts: up to `size` of them, how many
         `keep` accepts in all, and whether more follow the page."""

@@ -2,7 +2,8 @@
 cimport cython
 
 from cache_service.core.ledger cimport Counters
-from cache_service.core.radix cimport RadixNode, RadixTree
+from cache_service.core.radix cimport RadixTree
+from cache_service.core.radix_node cimport RadixNode
 
 
 @cython.final

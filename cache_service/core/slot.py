@@ -28,7 +28,8 @@ from typing import Any
 from cache_service.core.errors import InvariantError
 from cache_service.core.events import SessionChange
 from cache_service.core.ledger import Counters
-from cache_service.core.radix import RadixNode, RadixTree
+from cache_service.core.radix import RadixTree
+from cache_service.core.radix_node import RadixNode
 from cache_service.core.types import CloseMode, SessionState
 
 IDLE, IN_TURN, CLOSING = SessionState.IDLE, SessionState.IN_TURN, SessionState.CLOSING
@@ -265,9 +266,9 @@ class Slots:
         if old is node:
             return
         if node is not None:
-            self._radix.guard(node)
+            self._radix.classes.guard(node)
         if old is not None:
-            self._radix.unguard(old)
+            self._radix.classes.unguard(old)
         s.guard_node = node
 
 

@@ -30,7 +30,8 @@ from cache_service.core.config import CoreConfig
 from cache_service.core.errors import InvariantError
 from cache_service.core.events import TIER_REMOVED, TIER_STORED
 from cache_service.core.pages import PageAllocator
-from cache_service.core.radix import RadixNode, RadixTree
+from cache_service.core.radix import RadixTree
+from cache_service.core.radix_node import RadixNode
 from cache_service.core.tier_keys import KEY_BYTES, Namespace, chain
 
 Stage = Callable[[list[bytes], npt.NDArray[np.int32]], int]

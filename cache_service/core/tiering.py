@@ -33,7 +33,7 @@ from cache_service.core.config import CoreConfig
 from cache_service.core.errors import InvariantError
 from cache_service.core.ledger import EVICTABLE, FREE, LOADING, Counters, PageLedger
 from cache_service.core.pages import PageAllocator
-from cache_service.core.radix import RadixNode
+from cache_service.core.radix_node import RadixNode
 from cache_service.core.tier_keys import Namespace, chain
 from cache_service.core.tier_pages import TierPages
 

@@ -3,7 +3,8 @@ cimport cython
 
 from cache_service.core.ledger cimport Counters, PageLedger
 from cache_service.core.pages cimport PageAllocator
-from cache_service.core.radix cimport RadixNode, RadixTree
+from cache_service.core.radix cimport RadixTree
+from cache_service.core.radix_node cimport RadixNode
 from cache_service.core.slot cimport SessionSlot, Slots
 
 

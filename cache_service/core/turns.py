@@ -23,7 +23,8 @@ from cache_service.core.errors import InvariantError, KVCacheError, Reason
 from cache_service.core.eviction import ORDINARY, PARENT
 from cache_service.core.ledger import IN_FLIGHT, SESSION_HELD, Counters, PageLedger
 from cache_service.core.pages import PageAllocator
-from cache_service.core.radix import RadixNode, RadixTree
+from cache_service.core.radix import RadixTree
+from cache_service.core.radix_node import RadixNode
 from cache_service.core.slot import IN_TURN, SessionSlot, Slots, change
 from cache_service.core.types import TokenBytes
 

@@ -29,18 +29,37 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from cache_service.core.config import CoreConfig
 from cache_service.core.errors import InvariantError
 from cache_service.core.events import WINDOW_REMOVED
+from cache_service.core.pages import PageAllocator
 
 if TYPE_CHECKING:
     from cache_service.core.radix import RadixTree
 
-__all__ = ["WindowRows", "window_span"]
+__all__ = ["WindowRows", "attach_window_rows", "window_span"]
 
 
 def window_span(window_tokens: int, page_size: int) -> int:
     """Pages before a hit point whose window rows the hit needs: ceil((W - 1) / page_size)."""
     return max(0, -(-(window_tokens - 1) // page_size))
+
+
+def attach_window_rows(config: CoreConfig, radix: RadixTree, pages: PageAllocator, *, tiered: bool
+                       ) -> WindowRows | None:
+    """The window rows of a pool that keeps them apart (`config.window_pages`), hooked into the allocator and the
+    tree; None for a pool without. A tier beyond such a pool is refused (ValueError): a tier value holds every
+    layer's rows of a page."""
+    if not config.window_pages:
+        return None
+    if tiered:
+        raise ValueError("a tier beyond a pool whose window rows are kept apart is not supported: a tier "
+                         "value holds every layer's rows of a page (docs/attention-shapes.md)")
+    window = WindowRows(config.num_pages, config.window_pages, config.page_size, config.window_tokens)
+    window.radix = radix
+    pages.window = window
+    radix.usable = window.usable
+    return window
 
 
 class WindowRows:
