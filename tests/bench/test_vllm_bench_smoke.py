@@ -6,7 +6,7 @@ import pytest
 
 from bench import vllm_bench
 
-pytestmark = [pytest.mark.xdist_group("vllm-c"), pytest.mark.timeout(900)]  # real vLLM engines start in ~20-60 s
+pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.timeout(900)]  # real vLLM engines start in ~20-60 s
 
 
 def test_vllm_bench_quick_prints_its_table(capsys: pytest.CaptureFixture[str]) -> None:

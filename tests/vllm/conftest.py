@@ -4,8 +4,8 @@ made by `make vllm-setup`) and `kvcache-service serve` processes on free loopbac
 An engine takes ~20 s to start here, so each module starts its engines once (module-scoped fixtures) and
 the modules are pinned to xdist groups balanced by their time (tests/conftest.py ENGINE_GROUPS, collected
 first so that `make test`'s `--dist loadgroup` starts them all at once, each on its own worker): `vllm`
-(test_connector.py, the agent-pressure bench's smoke test), `vllm-b` (test_mla.py, test_qwen2.py,
-test_serve_recipe.py, test_tensor_parallel.py) and `vllm-c` (the vLLM bench's smoke test, tests/sglang,
+(test_connector.py, the agent-pressure and vLLM benches' smoke tests), `vllm-b` (test_mla.py,
+test_serve_recipe.py, test_tensor_parallel.py) and `vllm-c` (test_qwen2.py, tests/sglang,
 test_sliding_window.py); at most two engines at a time in each.
 Models are tiny random-initialised checkpoints this module saves (float32, head_dim 64; nothing is
 downloaded). After every test the kvcache services must pass the accounting invariant with no turn left

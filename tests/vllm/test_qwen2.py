@@ -11,7 +11,7 @@ from tests.integration.conftest import ServerProcess
 from .conftest import VllmEngine, drained, request, tokens
 from .test_connector import hits, prompt
 
-pytestmark = [pytest.mark.xdist_group("vllm-b"), pytest.mark.timeout(900)]  # real vLLM engines start in ~20-60 s
+pytestmark = [pytest.mark.xdist_group("vllm-c"), pytest.mark.timeout(900)]  # real vLLM engines start in ~20-60 s
 
 
 def test_qwen2_tokens_equal_vllm_alone_and_the_next_engine_loads_the_prompts(
