@@ -52,6 +52,7 @@ flush.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -61,9 +62,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-__all__ = ["LOGICAL_AXES", "NULL_BLOCK", "PACKINGS", "HostStaging", "KVLayoutError", "LayerKV", "PoolLayer",
-           "TransferIndex", "Transfers", "check_layout_order", "layer_kv", "load_layer", "load_layer_torch",
-           "mla_latent", "save_layer", "save_layer_torch"]
+__all__ = ["LOGICAL_AXES", "NULL_BLOCK", "PACKINGS", "BlockUnits", "CopyThreads", "HostBlocks", "HostStaging",
+           "KVLayoutError", "LayerKV", "PoolLayer", "TransferIndex", "Transfers", "check_layout_order", "layer_kv",
+           "load_layer", "load_layer_torch", "mla_latent", "save_layer", "save_layer_torch"]
 
 Int64Array = npt.NDArray[np.int64]
 Int32Array = npt.NDArray[np.int32]
@@ -597,51 +598,184 @@ def _take(src: npt.NDArray[np.generic], rows: Int64Array, out: npt.NDArray[np.ge
     return src[rows]
 
 
-def _chunks(whole: HostBlocks, units: BlockUnits) -> tuple[int, npt.NDArray[np.generic], npt.NDArray[np.generic]]:
-    """Units a chunk, and its buffers: block images `[units, block_elems]`, K and V tokens `[2, units * block_size,
-    heads, dim]`."""
-    elems = whole.rows.shape[1]
-    per = min(len(units), max(1, _CHUNK_BYTES // (elems * whole.rows.itemsize)))
-    return (per, np.empty((per, elems), whole.rows.dtype),
-            np.empty((2, per * whole.shape[0], *whole.shape[1:]), whole.rows.dtype))
+class CopyThreads:
+    """What host copies keep between calls: scratch buffers, and a helper thread that runs chunks of a copy beside
+    the calling thread (numpy's copies release the GIL, so both cores move memory at once). Chunks are claimed
+    one at a time: a helper the OS runs late takes fewer of them, and the caller never waits for it beyond the
+    chunk it holds. `helper=False`: the buffers only, every chunk on the caller. One caller at a time (a worker
+    owns one); `close()` stops the thread and is idempotent."""
+
+    def __init__(self, helper: bool = True) -> None:
+        self.helper = helper
+        self._scratch: dict[tuple[object, ...], list[tuple[npt.NDArray[np.generic], ...]]] = {}
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._wake = threading.Semaphore(0)
+        self._work: Callable[[int, int], None] | None = None
+        self._next = self._count = 0
+        self._busy = self._closed = False
+        self._error: BaseException | None = None
+        self.helped = 0
+        """Chunks the helper ran."""
+        self._thread = threading.Thread(target=self._serve, name="kvcache-copy", daemon=True) if helper else None
+        if self._thread is not None:
+            self._thread.start()
+
+    def scratch(self, key: tuple[object, ...], make: Callable[[], tuple[npt.NDArray[np.generic], ...]],
+                sets: int) -> list[tuple[npt.NDArray[np.generic], ...]]:
+        """`sets` buffer sets made by `make` for `key`, made once and kept (fresh pages cost a fault each; a layer's
+        copy would otherwise fault in its buffers every call). Only the last key is kept."""
+        held = self._scratch.get(key)
+        if held is None:
+            self._scratch = {key: []}
+            held = self._scratch[key]
+        while len(held) < sets:
+            held.append(make())
+        return held[:sets]
+
+    def run(self, count: int, work: Callable[[int, int], None]) -> None:
+        """`work(chunk, who)` for every chunk in `range(count)`, each once, on this thread (`who` 0) and the
+        helper (`who` 1); returns once every chunk is done, raising the first error either side met."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("CopyThreads is closed")
+            self._work, self._next, self._count = work, 0, count
+        if self._thread is not None:
+            self._wake.release()
+        try:
+            while (chunk := self._claim()) is not None:
+                work(chunk, 0)
+        finally:
+            with self._lock:
+                self._count = 0  # nothing left to claim, on an error too
+                while self._busy:
+                    self._idle.wait()
+                self._work, error, self._error = None, self._error, None
+        if error is not None:
+            raise error
+
+    def _claim(self) -> int | None:
+        with self._lock:
+            if self._next >= self._count:
+                return None
+            self._next += 1
+            return self._next - 1
+
+    def _serve(self) -> None:
+        while True:
+            self._wake.acquire()
+            with self._lock:
+                if self._closed:
+                    return
+                work = self._work
+                if work is None:  # woken for a run that is over
+                    continue
+                self._busy = True
+            try:
+                while (chunk := self._claim()) is not None:
+                    work(chunk, 1)
+                    self.helped += 1
+            except BaseException as e:  # handed to the caller, which raises it
+                with self._lock:
+                    self._error, self._count = e, 0
+            finally:
+                with self._lock:
+                    self._busy = False
+                    self._idle.notify_all()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._scratch = {}
+        if self._thread is not None:
+            self._wake.release()
+            self._thread.join()
+
+    def __enter__(self) -> CopyThreads:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
-def _load_blocks(pages: npt.NDArray[np.generic], whole: HostBlocks, units: BlockUnits) -> None:
+_Chunk = Callable[[slice, Int64Array, npt.NDArray[np.generic], tuple[npt.NDArray[np.generic], ...],
+                   npt.NDArray[np.generic]], None]
+
+
+def _each_chunk(whole: HostBlocks, units: BlockUnits, threads: CopyThreads | None, work: _Chunk) -> None:
+    """`work(units, pages, image, (k, v), tokens)` for each chunk of `units`: a slice of them, their pool pages, a
+    block image buffer `[units, block_elems]` with its K and V views (`HostBlocks.view`) and a K and V tokens
+    buffer `[2, units * block_size, heads, dim]`; on `threads` where there is more than one chunk. Buffers and
+    views are made once a call (a strided view costs microseconds, a chunk's copies tens)."""
+    elems, n = whole.rows.shape[1], len(units)
+    full = max(1, _CHUNK_BYTES // (elems * whole.rows.itemsize))
+    per = min(n, full)
+    parts, chunks = units.pages.size // n, -(-n // per)
+    helped = threads is not None and threads.helper and chunks > 1
+
+    def make() -> tuple[npt.NDArray[np.generic], ...]:
+        image = np.empty((full, elems), whole.rows.dtype)
+        return (image, whole.view(image, 0), whole.view(image, 1),
+                np.empty((2, full * whole.shape[0], *whole.shape[1:]), whole.rows.dtype))
+
+    key = (full, elems, whole.rows.dtype, whole.shape, whole.k_at, whole.v_at)
+    buffers = threads.scratch(key, make, 2 if helped else 1) if threads is not None else [make()]
+
+    def chunk(i: int, who: int) -> None:
+        lo, hi = i * per, min(i * per + per, n)
+        image, k, v, tokens = buffers[who]
+        work(slice(lo, hi), units.pages[lo * parts:hi * parts], image[:hi - lo], (k[:hi - lo], v[:hi - lo]),
+             tokens[:, :(hi - lo) * whole.shape[0]])
+
+    if helped:
+        assert threads is not None
+        threads.run(chunks, chunk)
+    else:
+        for i in range(chunks):
+            chunk(i, 0)
+
+
+def _load_blocks(pages: npt.NDArray[np.generic], whole: HostBlocks, units: BlockUnits,
+                 threads: CopyThreads | None) -> None:
     """Pool pages (`[2, pages, page_size, heads, dim]`) into whole vLLM blocks, a chunk at a time: gather the
     chunk's pages (K, then V), lay them out as vLLM's blocks in a cached image, write each image as one run."""
-    per, image, tokens = _chunks(whole, units)
     bs, heads, dim = whole.shape
-    parts = units.pages.size // len(units)
-    for lo in range(0, len(units), per):
-        hi = min(lo + per, len(units))
-        img, on = image[:hi - lo], units.pages[lo * parts:hi * parts]
+
+    def work(at: slice, on: Int64Array, image: npt.NDArray[np.generic], kv: tuple[npt.NDArray[np.generic], ...],
+             tokens: npt.NDArray[np.generic]) -> None:
         for which in (0, 1):
-            got = _take(pages[which], on, tokens[which, :(hi - lo) * bs].reshape(on.size, -1, heads, dim))
-            np.copyto(whole.view(img, which), got.reshape(hi - lo, bs, heads, dim))
-        whole.rows[units.blocks[lo:hi]] = img
+            got = _take(pages[which], on, tokens[which].reshape(on.size, -1, heads, dim))
+            np.copyto(kv[which], got.reshape(-1, bs, heads, dim))
+        whole.rows[units.blocks[at]] = image
+
+    _each_chunk(whole, units, threads, work)
 
 
-def _save_blocks(whole: HostBlocks, pages: npt.NDArray[np.generic], units: BlockUnits) -> None:
+def _save_blocks(whole: HostBlocks, pages: npt.NDArray[np.generic], units: BlockUnits,
+                 threads: CopyThreads | None) -> None:
     """Whole vLLM blocks into pool pages, a chunk at a time: the mirror of `_load_blocks`."""
-    per, image, tokens = _chunks(whole, units)
     bs, heads, dim = whole.shape
-    parts = units.pages.size // len(units)
-    for lo in range(0, len(units), per):
-        hi = min(lo + per, len(units))
-        img = _take(whole.rows, units.blocks[lo:hi], image[:hi - lo])
-        on = units.pages[lo * parts:hi * parts]
+
+    def work(at: slice, on: Int64Array, image: npt.NDArray[np.generic], kv: tuple[npt.NDArray[np.generic], ...],
+             tokens: npt.NDArray[np.generic]) -> None:
+        got = _take(whole.rows, units.blocks[at], image)
+        if got is not image:  # rows not contiguous: gathered apart
+            image[...] = got
         for which in (0, 1):
-            got = tokens[which, :(hi - lo) * bs]
-            np.copyto(got.reshape(hi - lo, bs, heads, dim), whole.view(img, which))
-            pages[which][on] = got.reshape(on.size, -1, heads, dim)
+            np.copyto(tokens[which].reshape(-1, bs, heads, dim), kv[which])
+            pages[which][on] = tokens[which].reshape(on.size, -1, heads, dim)
+
+    _each_chunk(whole, units, threads, work)
 
 
-def _load_host(pool: PoolLayer, dst: LayerKV, index: TransferIndex) -> None:
+def _load_host(pool: PoolLayer, dst: LayerKV, index: TransferIndex, threads: CopyThreads | None) -> None:
     assert pool.host is not None and pool.host_pages is not None
     slots, blocks, offsets = index.host
     found = _host_units(pool, dst, index)
     if found is not None:
-        _load_blocks(pool.host_pages, *found)
+        _load_blocks(pool.host_pages, *found, threads)
         slots, blocks, offsets = found[1].rest
     if slots.size:
         k, v = dst.host
@@ -649,12 +783,12 @@ def _load_host(pool: PoolLayer, dst: LayerKV, index: TransferIndex) -> None:
         v[blocks, offsets] = pool.host[1][slots]
 
 
-def _save_host(src: LayerKV, pool: PoolLayer, index: TransferIndex) -> None:
+def _save_host(src: LayerKV, pool: PoolLayer, index: TransferIndex, threads: CopyThreads | None) -> None:
     assert pool.host is not None and pool.host_pages is not None
     slots, blocks, offsets = index.host
     found = _host_units(pool, src, index)
     if found is not None:
-        _save_blocks(found[0], pool.host_pages, found[1])
+        _save_blocks(found[0], pool.host_pages, found[1], threads)
         slots, blocks, offsets = found[1].rest
     if slots.size:
         k, v = src.host
@@ -676,16 +810,16 @@ def save_layer_torch(src: LayerKV, pool: PoolLayer, index: TransferIndex) -> Non
 
 
 def load_layer(pool_layer: torch.Tensor | PoolLayer, dst: LayerKV, index: TransferIndex,
-               staging: HostStaging | None = None) -> None:
+               staging: HostStaging | None = None, threads: CopyThreads | None = None) -> None:
     """Copy the indexed positions of one layer from the pool (a `[2, pages, page_size, heads, dim]` layer, or
     its `PoolLayer`, built once) into vLLM's blocks (through `staging` when the pool is in host memory and
-    vLLM's KV on a GPU)."""
+    vLLM's KV on a GPU; with `threads`' helper beside the caller when both are in host memory)."""
     if not len(index):
         return
     pool = _pool(pool_layer)
     path = _copy_path(pool, dst, staging)
     if path == "host":
-        _load_host(pool, dst, index)
+        _load_host(pool, dst, index, threads)
         return
     if path == "device":
         load_layer_torch(pool, dst, index)
@@ -701,15 +835,16 @@ def load_layer(pool_layer: torch.Tensor | PoolLayer, dst: LayerKV, index: Transf
 
 
 def save_layer(src: LayerKV, pool_layer: torch.Tensor | PoolLayer, index: TransferIndex,
-               staging: HostStaging | None = None) -> None:
+               staging: HostStaging | None = None, threads: CopyThreads | None = None) -> None:
     """Copy the indexed positions of one layer from vLLM's blocks into the pool (through `staging` when the
-    pool is in host memory and vLLM's KV on a GPU: the pool is written at `staging.flush()`)."""
+    pool is in host memory and vLLM's KV on a GPU: the pool is written at `staging.flush()`; with `threads`'
+    helper beside the caller when both are in host memory)."""
     if not len(index):
         return
     pool = _pool(pool_layer)
     path = _copy_path(pool, src, staging)
     if path == "host":
-        _save_host(src, pool, index)
+        _save_host(src, pool, index, threads)
         return
     if path == "device":
         save_layer_torch(src, pool, index)

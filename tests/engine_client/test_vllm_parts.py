@@ -5,15 +5,19 @@ tests/vllm (tests/vllm/test_layouts.py builds the GPU backends' tensors with vLL
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
 
+from engine_client.vllm import transfer
 from engine_client.vllm.config import ConnectorConfig, ConnectorConfigError
 from engine_client.vllm.counters import COUNTER_HELP, Counters
 from engine_client.vllm.scheduler import WorkerReport
 from engine_client.vllm.transfer import (
     BlockUnits,
+    CopyThreads,
     KVLayoutError,
     LayerKV,
     PoolLayer,
@@ -265,8 +269,18 @@ BLOCKS_AND_PIECES = [
 @pytest.mark.parametrize("packing", ["cpu_vec", "split-hnd", "split-nhd", "mla"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ranges", BLOCKS_AND_PIECES)
+@pytest.mark.parametrize("threads", [False, True])
 def test_host_copies_move_whole_blocks_and_the_rest_exactly_as_position_by_position(
-        packing: str, dtype: torch.dtype, ranges: list[tuple[int, int]]) -> None:
+        packing: str, dtype: torch.dtype, ranges: list[tuple[int, int]], threads: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    if threads:  # a chunk a block, so the helper has chunks to take
+        monkeypatch.setattr(transfer, "_CHUNK_BYTES", 1)
+    with CopyThreads() as helper:
+        copy_both_ways(packing, dtype, ranges, helper if threads else None)
+
+
+def copy_both_ways(packing: str, dtype: torch.dtype, ranges: list[tuple[int, int]],
+                   threads: CopyThreads | None) -> None:
     gen, rng = torch.Generator().manual_seed(7), np.random.default_rng(7)
     num_blocks, num_pages = 16, 40
     heads, dim = (1, D) if packing == "mla" else (H, D)
@@ -281,15 +295,41 @@ def test_host_copies_move_whole_blocks_and_the_rest_exactly_as_position_by_posit
     assert view.host_blocks is not None  # every packing here keeps a block's K and V as one run
     want_raw, want = packed(packing, num_blocks, dtype, gen)
     want_raw.copy_(raw)
-    load_layer(pool, view, index)
+    load_layer(pool, view, index, threads=threads)
     reference_copy(t, pool, want, load=True)
     assert torch.equal(raw, want_raw)
 
     raw.copy_(torch.randint(-2**15, 2**15, raw.shape, generator=gen, dtype=torch.int16).to(dtype))
     saved, want_saved = pool.clone(), pool.clone()
-    save_layer(view, saved, index)
+    save_layer(view, saved, index, threads=threads)
     reference_copy(t, want_saved, view, load=False)
     assert torch.equal(saved, want_saved)
+
+
+def test_copy_threads_run_every_chunk_once_and_hand_back_the_helpers_error() -> None:
+    with CopyThreads() as threads:
+        for count in (0, 1, 200):
+            seen: list[tuple[int, int]] = []
+            threads.run(count, lambda chunk, who, seen=seen: seen.append((chunk, who)))
+            assert sorted(chunk for chunk, _ in seen) == list(range(count))
+            assert {who for _, who in seen} <= {0, 1}
+
+        helper_failed, helped = threading.Event(), threads.helped
+
+        def fail_on_the_helper(chunk: int, who: int) -> None:
+            if who == 1:
+                helper_failed.set()
+                raise ValueError(f"chunk {chunk}")
+            helper_failed.wait()  # the caller holds its chunk until the helper has taken one
+        with pytest.raises(ValueError, match="chunk"):
+            threads.run(3, fail_on_the_helper)
+        assert threads.helped == helped  # a failed chunk is not counted
+        with pytest.raises(KeyError):
+            threads.run(3, lambda chunk, who: {}[chunk])
+        threads.run(2, lambda chunk, who: None)  # usable after an error
+    threads.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        threads.run(1, lambda chunk, who: None)
 
 
 def test_an_index_is_split_into_whole_blocks_on_whole_pages_and_the_positions_left() -> None:
