@@ -24,18 +24,20 @@ pool's side of a layer (`PoolLayer`: K and V planes and their numpy view) is bui
 (`LayerKV`'s numpy views and `pair`) once a layer tensor, so a layer's copy spends nothing on views.
 
 On CPU the copies run through numpy views of the same memory (bit-exact: elements are moved as integers
-of their size), on the calling thread. The positions that fill whole vLLM blocks on whole pool pages
-(`BlockUnits`, found once a step: a prefill's saved blocks, a hit's loaded ones) move a chunk of blocks
-at a time (`_CHUNK_BYTES`) in three passes: gather the chunk's pages (a run of page_size tokens each),
-lay them out as vLLM's blocks in an image that stays in cache (CPU attention's transposed K is built
-there), write each block as one run (`HostBlocks`); a save mirrors it. Scattering tokens straight into
-vLLM's blocks writes runs of 64 to 256 bytes at random places and cost about twice as much. Any other
-position (a partial first or last block, a decode step's token) goes through the per-token index: a
-gather of the pool's rows and a scatter into vLLM's blocks, for K and for V. torch would split either
-across vLLM's OpenMP threads (its CPU worker binds one per core and forbids `torch.set_num_threads` after
-that), and a copy split across threads waits at OpenMP barriers for any thread the OS has descheduled:
-on this shared 2-core machine torch's vectorised transpose took ~4 us a 256 KiB page on one thread and
-35-1,400 us on two under load (docs/vllm.md, "Copies near bandwidth").
+of their size). The positions that fill whole vLLM blocks on whole pool pages (`BlockUnits`, found once
+a step: a prefill's saved blocks, a hit's loaded ones) move a chunk of blocks at a time (`_CHUNK_BYTES`)
+in three passes: gather the chunk's pages (a run of page_size tokens each), lay them out as vLLM's blocks
+in an image that stays in cache (CPU attention's transposed K is built there), write each block as one
+run (`HostBlocks`); a save mirrors it. Scattering tokens straight into vLLM's blocks writes runs of 64 to
+256 bytes at random places and costs more. The chunks run on the calling thread and, when the worker has
+one (`CopyThreads`), on a helper thread that claims them one at a time, so a helper the OS runs late costs
+the copy nothing. Any other position (a partial first or last block, a decode step's token) goes through
+the per-token index: a gather of the pool's rows and a scatter into vLLM's blocks, for K and for V. torch
+would split copies across vLLM's OpenMP threads (its CPU worker binds one per core and forbids
+`torch.set_num_threads` after that), and a copy split across OpenMP threads waits at a barrier for any
+thread the OS has descheduled: on this shared 2-core machine torch's vectorised transpose
+(`channel_shuffle`) took ~4 us a 256 KiB page on one thread and 35-1,400 us on two under load
+(docs/vllm.md, "Copies near bandwidth").
 
 On a GPU pool (same device) a layer's copy is torch's index kernels: one gather of K and V together from
 the pool's planes and one scatter into vLLM's blocks where vLLM's layout keeps V a fixed step after K
@@ -134,8 +136,12 @@ class HostBlocks:
         elems = 2 * bs * heads * dim
         base = int(min(k.storage_offset(), v.storage_offset()))
         at = [(int(t.storage_offset()) - base, t.stride()[1:]) for t in (k, v)]
-        covered = np.sort(np.concatenate([_offsets(off, (bs, heads, dim), st) for off, st in at]))
-        if k.stride(0) < elems or not np.array_equal(covered, np.arange(elems)):
+        at_all = np.concatenate([_offsets(off, (bs, heads, dim), st) for off, st in at])
+        if k.stride(0) < elems or at_all.min() < 0 or at_all.max() >= elems:
+            return None
+        covered = np.zeros(elems, bool)
+        covered[at_all] = True
+        if not covered.all():  # elems offsets covering all elems places: each once, K's and V's apart
             return None
         rows = _host(torch.as_strided(k, (n, elems), (k.stride(0), 1), base))
         return cls(rows, (bs, heads, dim), at[0], at[1])
