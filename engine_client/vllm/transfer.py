@@ -55,6 +55,7 @@ flush.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -604,15 +605,25 @@ def _take(src: npt.NDArray[np.generic], rows: Int64Array, out: npt.NDArray[np.ge
     return src[rows]
 
 
+_MAX_SKIP = 64
+"""Copies a helper that held its caller up sits out at most (doubling from 1 each time it happens again)."""
+
+
 class CopyThreads:
     """What host copies keep between calls: scratch buffers, and a helper thread that runs chunks of a copy beside
     the calling thread (numpy's copies release the GIL, so both cores move memory at once). Chunks are claimed
-    one at a time: a helper the OS runs late takes fewer of them, and the caller never waits for it beyond the
-    chunk it holds. `helper=False`: the buffers only, every chunk on the caller. One caller at a time (a worker
-    owns one); `close()` stops the thread and is idempotent."""
+    one at a time, so a helper the OS runs late takes fewer of them; but the caller must wait for the chunk the
+    helper holds, and when that wait outlasts a chunk of the caller's own (the other core is busy) the helper
+    sits out the next copies (1, 2, 4, ... up to `_MAX_SKIP`; back to 1 after a copy it helped). `helper=False`:
+    the buffers only, every chunk on the caller. One caller at a time (a worker owns one); `close()` stops the
+    thread and is idempotent. `clock`: seconds, for the wait's measure."""
 
-    def __init__(self, helper: bool = True) -> None:
+    def __init__(self, helper: bool = True, clock: Callable[[], float] = time.perf_counter) -> None:
         self.helper = helper
+        self._clock = clock
+        self._skip, self._backoff = 0, 1
+        self.skipped = 0
+        """Copies run without the helper because it had held its caller up."""
         self._scratch: dict[tuple[object, ...], list[tuple[npt.NDArray[np.generic], ...]]] = {}
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -642,23 +653,36 @@ class CopyThreads:
     def run(self, count: int, work: Callable[[int, int], None]) -> None:
         """`work(chunk, who)` for every chunk in `range(count)`, each once, on this thread (`who` 0) and the
         helper (`who` 1); returns once every chunk is done, raising the first error either side met."""
+        if self._closed:
+            raise RuntimeError("CopyThreads is closed")
+        if self._thread is None or self._skip:
+            if self._thread is not None:
+                self._skip, self.skipped = self._skip - 1, self.skipped + 1
+            for i in range(count):
+                work(i, 0)
+            return
         with self._lock:
-            if self._closed:
-                raise RuntimeError("CopyThreads is closed")
             self._work, self._next, self._count = work, 0, count
-        if self._thread is not None:
-            self._wake.release()
+        self._wake.release()
+        start, own = self._clock(), 0
         try:
             while (chunk := self._claim()) is not None:
                 work(chunk, 0)
+                own += 1
         finally:
+            mine = self._clock()
             with self._lock:
                 self._count = 0  # nothing left to claim, on an error too
                 while self._busy:
                     self._idle.wait()
                 self._work, error, self._error = None, self._error, None
+            waited = self._clock() - mine
         if error is not None:
             raise error
+        if own and waited > (mine - start) / own:
+            self._skip, self._backoff = self._backoff, min(2 * self._backoff, _MAX_SKIP)
+        else:
+            self._backoff = 1
 
     def _claim(self) -> int | None:
         with self._lock:

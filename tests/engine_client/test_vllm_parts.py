@@ -377,6 +377,30 @@ def test_host_copies_keep_every_bit_pattern() -> None:
     assert torch.equal(back.view(torch.int32), pool.view(torch.int32))
 
 
+def test_a_helper_that_held_its_caller_up_sits_out_the_next_copies_twice_as_many_each_time() -> None:
+    # per copy with the helper the clock is read at the start, when the caller runs out of chunks and after it
+    # waited for the helper's: (0, 1, 100) is a wait far past a chunk's time, (0, 1, 1) no wait at all
+    late, prompt = (0.0, 1.0, 100.0), (0.0, 1.0, 1.0)
+    times = iter([*late, *late, *prompt, *late])
+    mine = threading.Event()
+
+    def work(chunk: int, who: int) -> None:
+        if who == 0:
+            mine.set()
+        else:
+            mine.wait()  # the caller always runs a chunk of its own first
+
+    with CopyThreads(clock=lambda: next(times)) as threads:
+        skipped = []
+        for _ in range(8):
+            mine.clear()
+            threads.run(4, work)
+            skipped.append(threads.skipped)
+    # late: sit out 1; late: sit out 2; prompt: back to 1; late: sit out 1
+    assert skipped == [0, 1, 1, 2, 3, 3, 3, 4]
+    with pytest.raises(StopIteration):  # every copy with the helper read the clock three times, no more
+        next(times)
+
 def test_block_size_must_be_a_multiple_of_the_page_size() -> None:
     check_block_size(32, 16)
     with pytest.raises(BlockSizeMismatch, match=r"vLLM's block_size 32 is not a multiple of kvcache's page size 24: "
