@@ -65,9 +65,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-__all__ = ["LOGICAL_AXES", "NULL_BLOCK", "PACKINGS", "BlockUnits", "CopyThreads", "HostBlocks", "HostStaging",
-           "KVLayoutError", "LayerKV", "PoolLayer", "TransferIndex", "Transfers", "check_layout_order", "layer_kv",
-           "load_layer", "load_layer_torch", "mla_latent", "save_layer", "save_layer_torch"]
+__all__ = ["LOGICAL_AXES", "NULL_BLOCK", "PACKINGS", "BlockUnits", "CopyThreads", "HelperChoice", "HostBlocks",
+           "HostStaging", "KVLayoutError", "LayerKV", "PoolLayer", "TransferIndex", "Transfers", "check_layout_order",
+           "layer_kv", "load_layer", "load_layer_torch", "mla_latent", "save_layer", "save_layer_torch"]
 
 Int64Array = npt.NDArray[np.int64]
 Int32Array = npt.NDArray[np.int32]
@@ -605,25 +605,55 @@ def _take(src: npt.NDArray[np.generic], rows: Int64Array, out: npt.NDArray[np.ge
     return src[rows]
 
 
-_MAX_SKIP = 64
-"""Copies a helper that held its caller up sits out at most (doubling from 1 each time it happens again)."""
+class HelperChoice:
+    """Whether a copy takes the helper thread: the way whose recent copies cost less a chunk (the median of each
+    way's last `window`, so one copy the OS held up does not decide), except that every `explore`-th copy goes
+    the other way, so that way's cost follows the machine (a second core that frees up, or fills). Each way is
+    tried first, the helper first."""
+
+    def __init__(self, explore: int = 8, window: int = 5) -> None:
+        self.explore, self.window = explore, window
+        self.recent: dict[bool, list[float]] = {True: [], False: []}
+        """Seconds a chunk of the last copies, by way (True: with the helper)."""
+        self._copies = 0
+
+    def cost(self, helper: bool) -> float | None:
+        """The way's median cost a chunk, None until tried."""
+        recent = sorted(self.recent[helper])
+        return recent[len(recent) // 2] if recent else None
+
+    def choose(self) -> bool:
+        self._copies += 1
+        helped, alone = self.cost(True), self.cost(False)
+        if helped is None or alone is None:
+            return helped is None
+        return (helped <= alone) != (self._copies % self.explore == 0)
+
+    def record(self, helper: bool, seconds_per_chunk: float) -> None:
+        recent = self.recent[helper]
+        recent.append(seconds_per_chunk)
+        del recent[:-self.window]
 
 
 class CopyThreads:
     """What host copies keep between calls: scratch buffers, and a helper thread that runs chunks of a copy beside
     the calling thread (numpy's copies release the GIL, so both cores move memory at once). Chunks are claimed
-    one at a time, so a helper the OS runs late takes fewer of them; but the caller must wait for the chunk the
-    helper holds, and when that wait outlasts a chunk of the caller's own (the other core is busy) the helper
-    sits out the next copies (1, 2, 4, ... up to `_MAX_SKIP`; back to 1 after a copy it helped). `helper=False`:
-    the buffers only, every chunk on the caller. One caller at a time (a worker owns one); `close()` stops the
-    thread and is idempotent. `clock`: seconds, for the wait's measure."""
+    one at a time, so a helper the OS runs late takes fewer of them, but the caller waits for the chunk the
+    helper holds, and a helper sharing a busy core slows the caller's own chunks: `choice` (a `HelperChoice`)
+    sends a copy to the helper only while copies of its kind (loads, saves) with it have cost less a chunk than
+    copies without.
+    `helper=False`: the buffers only, every chunk on the caller. One caller at a time (a worker owns one);
+    `close()` stops the thread and is idempotent. `clock`: seconds, to time the copies."""
 
-    def __init__(self, helper: bool = True, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, helper: bool = True, clock: Callable[[], float] = time.perf_counter,
+                 choice: Callable[[], HelperChoice] = HelperChoice) -> None:
         self.helper = helper
+        self._choice = choice
+        self.choices: dict[str, HelperChoice] = {}
+        """Each kind of copy's `HelperChoice`, made by `choice` when the kind first runs."""
         self._clock = clock
-        self._skip, self._backoff = 0, 1
-        self.skipped = 0
-        """Copies run without the helper because it had held its caller up."""
+        self.alone = 0
+        """Copies of more than one chunk run on the caller alone (the helper looked slower, or was explored)."""
         self._scratch: dict[tuple[object, ...], list[tuple[npt.NDArray[np.generic], ...]]] = {}
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -647,42 +677,48 @@ class CopyThreads:
             self._scratch = {key: []}
             held = self._scratch[key]
         while len(held) < sets:
-            held.append(make())
+            made = make()
+            for buffer in made:
+                if buffer.base is None:
+                    buffer.fill(0)  # fault its pages in now, not inside a timed copy
+            held.append(made)
         return held[:sets]
 
-    def run(self, count: int, work: Callable[[int, int], None]) -> None:
-        """`work(chunk, who)` for every chunk in `range(count)`, each once, on this thread (`who` 0) and the
-        helper (`who` 1); returns once every chunk is done, raising the first error either side met."""
+    def run(self, count: int, work: Callable[[int, int], None], kind: str = "") -> None:
+        """`work(chunk, who)` for every chunk in `range(count)`, each once, on this thread (`who` 0) and, where
+        copies of `kind` cost less with it, the helper (`who` 1); returns once every chunk is done, raising the
+        first error either side met."""
         if self._closed:
             raise RuntimeError("CopyThreads is closed")
-        if self._thread is None or self._skip:
-            if self._thread is not None:
-                self._skip, self.skipped = self._skip - 1, self.skipped + 1
+        timed = self._thread is not None and count > 1
+        choice = self.choices.get(kind)
+        if choice is None and timed:
+            choice = self.choices[kind] = self._choice()
+        helper = choice is not None and timed and choice.choose()
+        start = self._clock()
+        if not helper:
             for i in range(count):
                 work(i, 0)
+            if choice is not None and timed:
+                self.alone += 1
+                choice.record(False, (self._clock() - start) / count)
             return
         with self._lock:
             self._work, self._next, self._count = work, 0, count
         self._wake.release()
-        start, own = self._clock(), 0
         try:
             while (chunk := self._claim()) is not None:
                 work(chunk, 0)
-                own += 1
         finally:
-            mine = self._clock()
             with self._lock:
                 self._count = 0  # nothing left to claim, on an error too
                 while self._busy:
                     self._idle.wait()
                 self._work, error, self._error = None, self._error, None
-            waited = self._clock() - mine
         if error is not None:
             raise error
-        if own and waited > (mine - start) / own:
-            self._skip, self._backoff = self._backoff, min(2 * self._backoff, _MAX_SKIP)
-        else:
-            self._backoff = 1
+        assert choice is not None
+        choice.record(True, (self._clock() - start) / count)
 
     def _claim(self) -> int | None:
         with self._lock:
@@ -734,7 +770,8 @@ _Chunk = Callable[[slice, Int64Array, npt.NDArray[np.generic], tuple[npt.NDArray
                    npt.NDArray[np.generic]], None]
 
 
-def _each_chunk(whole: HostBlocks, units: BlockUnits, threads: CopyThreads | None, work: _Chunk) -> None:
+def _each_chunk(whole: HostBlocks, units: BlockUnits, threads: CopyThreads | None, work: _Chunk,
+                kind: str) -> None:
     """`work(units, pages, image, (k, v), tokens)` for each chunk of `units`: a slice of them, their pool pages, a
     block image buffer `[units, block_elems]` with its K and V views (`HostBlocks.view`) and a K and V tokens
     buffer `[2, units * block_size, heads, dim]`; on `threads` where there is more than one chunk. Buffers and
@@ -761,7 +798,7 @@ def _each_chunk(whole: HostBlocks, units: BlockUnits, threads: CopyThreads | Non
 
     if helped:
         assert threads is not None
-        threads.run(chunks, chunk)
+        threads.run(chunks, chunk, kind)
     else:
         for i in range(chunks):
             chunk(i, 0)
@@ -780,7 +817,7 @@ def _load_blocks(pages: npt.NDArray[np.generic], whole: HostBlocks, units: Block
             np.copyto(kv[which], got.reshape(-1, bs, heads, dim))
         whole.rows[units.blocks[at]] = image
 
-    _each_chunk(whole, units, threads, work)
+    _each_chunk(whole, units, threads, work, "load")
 
 
 def _save_blocks(whole: HostBlocks, pages: npt.NDArray[np.generic], units: BlockUnits,
@@ -797,7 +834,7 @@ def _save_blocks(whole: HostBlocks, pages: npt.NDArray[np.generic], units: Block
             np.copyto(tokens[which].reshape(-1, bs, heads, dim), kv[which])
             pages[which][on] = tokens[which].reshape(on.size, -1, heads, dim)
 
-    _each_chunk(whole, units, threads, work)
+    _each_chunk(whole, units, threads, work, "save")
 
 
 def _load_host(pool: PoolLayer, dst: LayerKV, index: TransferIndex, threads: CopyThreads | None) -> None:

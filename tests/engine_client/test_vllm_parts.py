@@ -18,6 +18,7 @@ from engine_client.vllm.scheduler import WorkerReport
 from engine_client.vllm.transfer import (
     BlockUnits,
     CopyThreads,
+    HelperChoice,
     KVLayoutError,
     LayerKV,
     PoolLayer,
@@ -275,7 +276,7 @@ def test_host_copies_move_whole_blocks_and_the_rest_exactly_as_position_by_posit
         monkeypatch: pytest.MonkeyPatch) -> None:
     if threads:  # a chunk a block, so the helper has chunks to take
         monkeypatch.setattr(transfer, "_CHUNK_BYTES", 1)
-    with CopyThreads() as helper:
+    with CopyThreads(choice=AlwaysHelped) as helper:
         copy_both_ways(packing, dtype, ranges, helper if threads else None)
 
 
@@ -306,8 +307,13 @@ def copy_both_ways(packing: str, dtype: torch.dtype, ranges: list[tuple[int, int
     assert torch.equal(saved, want_saved)
 
 
+class AlwaysHelped(HelperChoice):
+    def choose(self) -> bool:
+        return True
+
+
 def test_copy_threads_run_every_chunk_once_and_hand_back_the_helpers_error() -> None:
-    with CopyThreads() as threads:
+    with CopyThreads(choice=AlwaysHelped) as threads:
         for count in (0, 1, 200):
             seen: list[tuple[int, int]] = []
             threads.run(count, lambda chunk, who, seen=seen: seen.append((chunk, who)))
@@ -377,29 +383,34 @@ def test_host_copies_keep_every_bit_pattern() -> None:
     assert torch.equal(back.view(torch.int32), pool.view(torch.int32))
 
 
-def test_a_helper_that_held_its_caller_up_sits_out_the_next_copies_twice_as_many_each_time() -> None:
-    # per copy with the helper the clock is read at the start, when the caller runs out of chunks and after it
-    # waited for the helper's: (0, 1, 100) is a wait far past a chunk's time, (0, 1, 1) no wait at all
-    late, prompt = (0.0, 1.0, 100.0), (0.0, 1.0, 1.0)
-    times = iter([*late, *late, *prompt, *late])
-    mine = threading.Event()
+def test_the_helper_takes_copies_while_they_cost_less_a_chunk_with_it_and_one_in_explore_goes_the_other_way() -> None:
+    choice = HelperChoice(explore=4, window=3)
+    assert choice.choose() is True  # untried: the helper first
+    choice.record(True, 3.0)
+    assert choice.choose() is False  # then alone
+    choice.record(False, 1.0)
+    assert [choice.choose() for _ in range(8)] == [False, True, False, False, False, True, False, False]
+    choice.record(True, 0.5)
+    assert choice.cost(True) == 3.0  # the median of 3.0 and 0.5: one cheap copy does not decide
+    choice.record(True, 0.5)
+    choice.record(True, 100.0)  # nor one held up
+    assert (choice.recent[True], choice.cost(True), choice.cost(False)) == ([0.5, 0.5, 100.0], 0.5, 1.0)
+    assert [choice.choose() for _ in range(4)] == [True, False, True, True]  # the 12th copy explores alone
 
-    def work(chunk: int, who: int) -> None:
-        if who == 0:
-            mine.set()
-        else:
-            mine.wait()  # the caller always runs a chunk of its own first
 
-    with CopyThreads(clock=lambda: next(times)) as threads:
-        skipped = []
-        for _ in range(8):
-            mine.clear()
-            threads.run(4, work)
-            skipped.append(threads.skipped)
-    # late: sit out 1; late: sit out 2; prompt: back to 1; late: sit out 1
-    assert skipped == [0, 1, 1, 2, 3, 3, 3, 4]
-    with pytest.raises(StopIteration):  # every copy with the helper read the clock three times, no more
-        next(times)
+def test_copy_threads_time_each_way_on_their_clock_and_run_alone_when_it_is_cheaper() -> None:
+    now = [0.0]
+    with CopyThreads(clock=lambda: now[0]) as threads:
+        def work(chunk: int, who: int) -> None:
+            now[0] += 1.0  # a second a chunk, whoever runs it
+        threads.run(4, work, "load")  # with the helper
+        threads.run(4, work, "load")  # alone
+        threads.run(2, work, "save")  # another kind: tried with the helper first
+        load, save = threads.choices["load"], threads.choices["save"]
+        assert (load.cost(True), load.cost(False), save.cost(True), save.cost(False)) == (1.0, 1.0, 1.0, None)
+        threads.run(1, work, "load")  # one chunk: alone, untimed
+        assert threads.alone == 1 and now[0] == 11.0
+
 
 def test_block_size_must_be_a_multiple_of_the_page_size() -> None:
     check_block_size(32, 16)
