@@ -67,7 +67,7 @@ from engine_client import KVCacheClient
 from engine_client.vllm.demo import KVCacheService, computed, tokens
 from engine_client.vllm.driver import EngineProcess, save_model
 from engine_client.vllm.transfer import (
-    CopyThreads,
+    HostScratch,
     LayerKV,
     PoolLayer,
     TransferIndex,
@@ -164,7 +164,7 @@ def copy_cost(shape: dict[str, int], pages: int, rounds: int) -> dict[str, float
     both sides): us per page (all layers) to load and save, each round alternating with the bound measured
     on the same bytes (a contiguous copy of `pages` pages: numpy on one thread, torch's `copy_` on its
     threads), medians of rounds. The copies use what the worker builds (`PoolLayer` once a pool, the index
-    once a step, its `CopyThreads`: `load_us`/`save_us` with the helper thread, `*_one_us` without)."""
+    once a step, the scratch buffers once a worker)."""
     layers, heads, dim = shape["layers"], shape["kv_heads"], shape["head_dim"]
     num_blocks = pages * PAGE // BLOCK + 8
     pool = torch.randn(layers, 2, pages + 8, PAGE, heads, dim)
@@ -180,34 +180,31 @@ def copy_cost(shape: dict[str, int], pages: int, rounds: int) -> dict[str, float
     src = np.ones(page_bytes * pages // 4, np.int32)
     dst = np.empty_like(src)
     tsrc, tdst = torch.from_numpy(src), torch.from_numpy(dst)
-    times: dict[str, list[float]] = {k: [] for k in ("numpy", "torch", "load", "save", "load_one", "save_one")}
+    times: dict[str, list[float]] = {k: [] for k in ("numpy", "torch", "load", "save")}
 
     def timed(key: str, fn: Any) -> None:
         start = time.perf_counter()
         fn()
         times[key].append(time.perf_counter() - start)
 
-    def load(threads: CopyThreads) -> None:
+    def load() -> None:
         index = TransferIndex.build(t, page_size=PAGE, block_size=BLOCK)
         for layer in range(layers):
-            load_layer(pool_layers[layer], views[layer], index, threads=threads)
+            load_layer(pool_layers[layer], views[layer], index, scratch=scratch)
 
-    def save(threads: CopyThreads) -> None:
+    def save() -> None:
         index = TransferIndex.build(t, page_size=PAGE, block_size=BLOCK)
         for layer in range(layers):
-            save_layer(views[layer], pool_layers[layer], index, threads=threads)
+            save_layer(views[layer], pool_layers[layer], index, scratch=scratch)
 
-    with CopyThreads() as helped, CopyThreads(helper=False) as alone:
+    with HostScratch() as scratch:
         for _ in range(rounds):
             timed("numpy", lambda: np.copyto(dst, src))
-            timed("load", lambda: load(helped))
+            timed("load", load)
             timed("torch", lambda: tdst.copy_(tsrc))
-            timed("save", lambda: save(helped))
-            timed("load_one", lambda: load(alone))
-            timed("save_one", lambda: save(alone))
+            timed("save", save)
     us = {k: statistics.median(v) / pages * 1e6 for k, v in times.items()}
-    return {"load_us": us["load"], "save_us": us["save"], "load_one_us": us["load_one"],
-            "save_one_us": us["save_one"], "memcpy_us": us["numpy"], "torch_us": us["torch"],
+    return {"load_us": us["load"], "save_us": us["save"], "memcpy_us": us["numpy"], "torch_us": us["torch"],
             "page_kib": page_bytes / 1024, "memcpy_gbps": page_bytes / us["numpy"] / 1e3,
             "torch_gbps": page_bytes / us["torch"] / 1e3, "torch_threads": torch.get_num_threads()}
 
@@ -631,14 +628,11 @@ def print_copy(c: dict[str, float], shape: dict[str, int]) -> None:
     """The in-process copy rows: the copy code per full page beside the memcpy bound of the same run."""
     bound = c["memcpy_us"]
     print(f"worker side, one page = {c['page_kib']:.0f} KiB ({shape['layers']} layers, K+V): load "
-          f"{c['load_us']:.2f} us, save {c['save_us']:.2f} us a page (the copy code, full pages, median, the "
-          f"worker's helper thread beside it); on one thread: load {c['load_one_us']:.2f} us, save "
-          f"{c['save_one_us']:.2f} us")
+          f"{c['load_us']:.2f} us, save {c['save_us']:.2f} us a page (the copy code, full pages, median)")
     print(f"  bound, same run: a contiguous copy of the same bytes {bound:.2f} us a page with numpy on one thread "
           f"({c['memcpy_gbps']:.1f} GB/s), {c['torch_us']:.2f} us with torch's copy_ on {c['torch_threads']} "
           f"threads ({c['torch_gbps']:.1f} GB/s); the copy code at {bound / c['load_us']:.0%} (load) and "
-          f"{bound / c['save_us']:.0%} (save) of numpy's bandwidth (target >= 50%), on one thread "
-          f"{bound / c['load_one_us']:.0%} and {bound / c['save_one_us']:.0%}")
+          f"{bound / c['save_us']:.0%} (save) of numpy's bandwidth (target >= 50%)")
 
 
 if __name__ == "__main__":

@@ -28,16 +28,16 @@ of their size). The positions that fill whole vLLM blocks on whole pool pages (`
 a step: a prefill's saved blocks, a hit's loaded ones) move a chunk of blocks at a time (`_CHUNK_BYTES`)
 in three passes: gather the chunk's pages (a run of page_size tokens each), lay them out as vLLM's blocks
 in an image that stays in cache (CPU attention's transposed K is built there), write each block as one
-run (`HostBlocks`); a save mirrors it. Scattering tokens straight into vLLM's blocks writes runs of 64 to
-256 bytes at random places and costs more. The chunks run on the calling thread and, when the worker has
-one (`CopyThreads`), on a helper thread that claims them one at a time, so a helper the OS runs late costs
-the copy nothing. Any other position (a partial first or last block, a decode step's token) goes through
-the per-token index: a gather of the pool's rows and a scatter into vLLM's blocks, for K and for V. torch
-would split copies across vLLM's OpenMP threads (its CPU worker binds one per core and forbids
-`torch.set_num_threads` after that), and a copy split across OpenMP threads waits at a barrier for any
-thread the OS has descheduled: on this shared 2-core machine torch's vectorised transpose
-(`channel_shuffle`) took ~4 us a 256 KiB page on one thread and 35-1,400 us on two under load
-(docs/vllm.md, "Copies near bandwidth").
+run (`HostBlocks`); a save mirrors it, all on the calling thread, in buffers the worker keeps
+(`HostScratch`). Scattering tokens straight into vLLM's blocks writes runs of 64 to 256 bytes at random
+places and costs more. Any other position (a partial first or last block, a decode step's token) goes
+through the per-token index: a gather of the pool's rows and a scatter into vLLM's blocks, for K and for
+V. No second thread: torch would split copies across vLLM's OpenMP threads (its CPU worker binds one per
+core and forbids `torch.set_num_threads` after that), and a copy split across OpenMP threads waits at a
+barrier for any thread the OS has descheduled (on this shared 2-core machine torch's vectorised transpose,
+`channel_shuffle`, took ~4 us a 256 KiB page on one thread and 35-1,400 us on two under load); a Python
+helper thread beside the caller (numpy releases the GIL) competes with vLLM's OpenMP thread spinning on
+the other core between its kernels (docs/vllm.md, "Copies near bandwidth").
 
 On a GPU pool (same device) a layer's copy is torch's index kernels: one gather of K and V together from
 the pool's planes and one scatter into vLLM's blocks where vLLM's layout keeps V a fixed step after K
@@ -54,8 +54,6 @@ flush.
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -65,9 +63,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-__all__ = ["LOGICAL_AXES", "NULL_BLOCK", "PACKINGS", "BlockUnits", "CopyThreads", "HelperChoice", "HostBlocks",
-           "HostStaging", "KVLayoutError", "LayerKV", "PoolLayer", "TransferIndex", "Transfers", "check_layout_order",
-           "layer_kv", "load_layer", "load_layer_torch", "mla_latent", "save_layer", "save_layer_torch"]
+__all__ = ["LOGICAL_AXES", "NULL_BLOCK", "PACKINGS", "BlockUnits", "HostBlocks", "HostScratch", "HostStaging",
+           "KVLayoutError", "LayerKV", "PoolLayer", "TransferIndex", "Transfers", "check_layout_order", "layer_kv",
+           "load_layer", "load_layer_torch", "mla_latent", "save_layer", "save_layer_torch"]
 
 Int64Array = npt.NDArray[np.int64]
 Int32Array = npt.NDArray[np.int32]
@@ -605,161 +603,30 @@ def _take(src: npt.NDArray[np.generic], rows: Int64Array, out: npt.NDArray[np.ge
     return src[rows]
 
 
-class HelperChoice:
-    """Whether a copy takes the helper thread: the way whose recent copies cost less a chunk (the median of each
-    way's last `window`, so one copy the OS held up does not decide), except that every `explore`-th copy goes
-    the other way, so that way's cost follows the machine (a second core that frees up, or fills). Each way is
-    tried first, the helper first."""
+class HostScratch:
+    """The scratch buffers of host copies, kept between calls: a layer's copy would otherwise fault in fresh
+    pages for its buffers every call. One user at a time (a worker owns one); `close()` drops the buffers."""
 
-    def __init__(self, explore: int = 8, window: int = 5) -> None:
-        self.explore, self.window = explore, window
-        self.recent: dict[bool, list[float]] = {True: [], False: []}
-        """Seconds a chunk of the last copies, by way (True: with the helper)."""
-        self._copies = 0
+    def __init__(self) -> None:
+        self._held: dict[tuple[object, ...], tuple[npt.NDArray[np.generic], ...]] = {}
 
-    def cost(self, helper: bool) -> float | None:
-        """The way's median cost a chunk, None until tried."""
-        recent = sorted(self.recent[helper])
-        return recent[len(recent) // 2] if recent else None
-
-    def choose(self) -> bool:
-        self._copies += 1
-        helped, alone = self.cost(True), self.cost(False)
-        if helped is None or alone is None:
-            return helped is None
-        return (helped <= alone) != (self._copies % self.explore == 0)
-
-    def record(self, helper: bool, seconds_per_chunk: float) -> None:
-        recent = self.recent[helper]
-        recent.append(seconds_per_chunk)
-        del recent[:-self.window]
-
-
-class CopyThreads:
-    """What host copies keep between calls: scratch buffers, and a helper thread that runs chunks of a copy beside
-    the calling thread (numpy's copies release the GIL, so both cores move memory at once). Chunks are claimed
-    one at a time, so a helper the OS runs late takes fewer of them, but the caller waits for the chunk the
-    helper holds, and a helper sharing a busy core slows the caller's own chunks: `choice` (a `HelperChoice`)
-    sends a copy to the helper only while copies of its kind (loads, saves) with it have cost less a chunk than
-    copies without.
-    `helper=False`: the buffers only, every chunk on the caller. One caller at a time (a worker owns one);
-    `close()` stops the thread and is idempotent. `clock`: seconds, to time the copies."""
-
-    def __init__(self, helper: bool = True, clock: Callable[[], float] = time.perf_counter,
-                 choice: Callable[[], HelperChoice] = HelperChoice) -> None:
-        self.helper = helper
-        self._choice = choice
-        self.choices: dict[str, HelperChoice] = {}
-        """Each kind of copy's `HelperChoice`, made by `choice` when the kind first runs."""
-        self._clock = clock
-        self.alone = 0
-        """Copies of more than one chunk run on the caller alone (the helper looked slower, or was explored)."""
-        self._scratch: dict[tuple[object, ...], list[tuple[npt.NDArray[np.generic], ...]]] = {}
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._wake = threading.Semaphore(0)
-        self._work: Callable[[int, int], None] | None = None
-        self._next = self._count = 0
-        self._busy = self._closed = False
-        self._error: BaseException | None = None
-        self.helped = 0
-        """Chunks the helper ran."""
-        self._thread = threading.Thread(target=self._serve, name="kvcache-copy", daemon=True) if helper else None
-        if self._thread is not None:
-            self._thread.start()
-
-    def scratch(self, key: tuple[object, ...], make: Callable[[], tuple[npt.NDArray[np.generic], ...]],
-                sets: int) -> list[tuple[npt.NDArray[np.generic], ...]]:
-        """`sets` buffer sets made by `make` for `key`, made once and kept (fresh pages cost a fault each; a layer's
-        copy would otherwise fault in its buffers every call). Only the last key is kept."""
-        held = self._scratch.get(key)
+    def get(self, key: tuple[object, ...],
+            make: Callable[[], tuple[npt.NDArray[np.generic], ...]]) -> tuple[npt.NDArray[np.generic], ...]:
+        """The buffers `make` made for `key`, made once (and their pages faulted in then, not inside a copy);
+        only the last key is kept (a worker's layers share one shape)."""
+        held = self._held.get(key)
         if held is None:
-            self._scratch = {key: []}
-            held = self._scratch[key]
-        while len(held) < sets:
-            made = make()
-            for buffer in made:
+            held = make()
+            for buffer in held:
                 if buffer.base is None:
-                    buffer.fill(0)  # fault its pages in now, not inside a timed copy
-            held.append(made)
-        return held[:sets]
-
-    def run(self, count: int, work: Callable[[int, int], None], kind: str = "") -> None:
-        """`work(chunk, who)` for every chunk in `range(count)`, each once, on this thread (`who` 0) and, where
-        copies of `kind` cost less with it, the helper (`who` 1); returns once every chunk is done, raising the
-        first error either side met."""
-        if self._closed:
-            raise RuntimeError("CopyThreads is closed")
-        timed = self._thread is not None and count > 1
-        choice = self.choices.get(kind)
-        if choice is None and timed:
-            choice = self.choices[kind] = self._choice()
-        helper = choice is not None and timed and choice.choose()
-        start = self._clock()
-        if not helper:
-            for i in range(count):
-                work(i, 0)
-            if choice is not None and timed:
-                self.alone += 1
-                choice.record(False, (self._clock() - start) / count)
-            return
-        with self._lock:
-            self._work, self._next, self._count = work, 0, count
-        self._wake.release()
-        try:
-            while (chunk := self._claim()) is not None:
-                work(chunk, 0)
-        finally:
-            with self._lock:
-                self._count = 0  # nothing left to claim, on an error too
-                while self._busy:
-                    self._idle.wait()
-                self._work, error, self._error = None, self._error, None
-        if error is not None:
-            raise error
-        assert choice is not None
-        choice.record(True, (self._clock() - start) / count)
-
-    def _claim(self) -> int | None:
-        with self._lock:
-            if self._next >= self._count:
-                return None
-            self._next += 1
-            return self._next - 1
-
-    def _serve(self) -> None:
-        while True:
-            self._wake.acquire()
-            with self._lock:
-                if self._closed:
-                    return
-                work = self._work
-                if work is None:  # woken for a run that is over
-                    continue
-                self._busy = True
-            try:
-                while (chunk := self._claim()) is not None:
-                    work(chunk, 1)
-                    self.helped += 1
-            except BaseException as e:  # handed to the caller, which raises it
-                with self._lock:
-                    self._error, self._count = e, 0
-            finally:
-                with self._lock:
-                    self._busy = False
-                    self._idle.notify_all()
+                    buffer.fill(0)
+            self._held = {key: held}
+        return held
 
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._scratch = {}
-        if self._thread is not None:
-            self._wake.release()
-            self._thread.join()
+        self._held = {}
 
-    def __enter__(self) -> CopyThreads:
+    def __enter__(self) -> HostScratch:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -770,17 +637,15 @@ _Chunk = Callable[[slice, Int64Array, npt.NDArray[np.generic], tuple[npt.NDArray
                    npt.NDArray[np.generic]], None]
 
 
-def _each_chunk(whole: HostBlocks, units: BlockUnits, threads: CopyThreads | None, work: _Chunk,
-                kind: str) -> None:
+def _each_chunk(whole: HostBlocks, units: BlockUnits, scratch: HostScratch | None, work: _Chunk) -> None:
     """`work(units, pages, image, (k, v), tokens)` for each chunk of `units`: a slice of them, their pool pages, a
     block image buffer `[units, block_elems]` with its K and V views (`HostBlocks.view`) and a K and V tokens
-    buffer `[2, units * block_size, heads, dim]`; on `threads` where there is more than one chunk. Buffers and
-    views are made once a call (a strided view costs microseconds, a chunk's copies tens)."""
+    buffer `[2, units * block_size, heads, dim]`. Buffers and views are made once a call, or once a worker
+    with `scratch` (a strided view costs microseconds, a chunk's copies tens)."""
     elems, n = whole.rows.shape[1], len(units)
     full = max(1, _CHUNK_BYTES // (elems * whole.rows.itemsize))
     per = min(n, full)
-    parts, chunks = units.pages.size // n, -(-n // per)
-    helped = threads is not None and threads.helper and chunks > 1
+    parts = units.pages.size // n
 
     def make() -> tuple[npt.NDArray[np.generic], ...]:
         image = np.empty((full, elems), whole.rows.dtype)
@@ -788,24 +653,15 @@ def _each_chunk(whole: HostBlocks, units: BlockUnits, threads: CopyThreads | Non
                 np.empty((2, full * whole.shape[0], *whole.shape[1:]), whole.rows.dtype))
 
     key = (full, elems, whole.rows.dtype, whole.shape, whole.k_at, whole.v_at)
-    buffers = threads.scratch(key, make, 2 if helped else 1) if threads is not None else [make()]
-
-    def chunk(i: int, who: int) -> None:
-        lo, hi = i * per, min(i * per + per, n)
-        image, k, v, tokens = buffers[who]
+    image, k, v, tokens = scratch.get(key, make) if scratch is not None else make()
+    for lo in range(0, n, per):
+        hi = min(lo + per, n)
         work(slice(lo, hi), units.pages[lo * parts:hi * parts], image[:hi - lo], (k[:hi - lo], v[:hi - lo]),
              tokens[:, :(hi - lo) * whole.shape[0]])
 
-    if helped:
-        assert threads is not None
-        threads.run(chunks, chunk, kind)
-    else:
-        for i in range(chunks):
-            chunk(i, 0)
-
 
 def _load_blocks(pages: npt.NDArray[np.generic], whole: HostBlocks, units: BlockUnits,
-                 threads: CopyThreads | None) -> None:
+                 scratch: HostScratch | None) -> None:
     """Pool pages (`[2, pages, page_size, heads, dim]`) into whole vLLM blocks, a chunk at a time: gather the
     chunk's pages (K, then V), lay them out as vLLM's blocks in a cached image, write each image as one run."""
     bs, heads, dim = whole.shape
@@ -817,11 +673,11 @@ def _load_blocks(pages: npt.NDArray[np.generic], whole: HostBlocks, units: Block
             np.copyto(kv[which], got.reshape(-1, bs, heads, dim))
         whole.rows[units.blocks[at]] = image
 
-    _each_chunk(whole, units, threads, work, "load")
+    _each_chunk(whole, units, scratch, work)
 
 
 def _save_blocks(whole: HostBlocks, pages: npt.NDArray[np.generic], units: BlockUnits,
-                 threads: CopyThreads | None) -> None:
+                 scratch: HostScratch | None) -> None:
     """Whole vLLM blocks into pool pages, a chunk at a time: the mirror of `_load_blocks`."""
     bs, heads, dim = whole.shape
 
@@ -834,15 +690,15 @@ def _save_blocks(whole: HostBlocks, pages: npt.NDArray[np.generic], units: Block
             np.copyto(tokens[which].reshape(-1, bs, heads, dim), kv[which])
             pages[which][on] = tokens[which].reshape(on.size, -1, heads, dim)
 
-    _each_chunk(whole, units, threads, work, "save")
+    _each_chunk(whole, units, scratch, work)
 
 
-def _load_host(pool: PoolLayer, dst: LayerKV, index: TransferIndex, threads: CopyThreads | None) -> None:
+def _load_host(pool: PoolLayer, dst: LayerKV, index: TransferIndex, scratch: HostScratch | None) -> None:
     assert pool.host is not None and pool.host_pages is not None
     slots, blocks, offsets = index.host
     found = _host_units(pool, dst, index)
     if found is not None:
-        _load_blocks(pool.host_pages, *found, threads)
+        _load_blocks(pool.host_pages, *found, scratch)
         slots, blocks, offsets = found[1].rest
     if slots.size:
         k, v = dst.host
@@ -850,12 +706,12 @@ def _load_host(pool: PoolLayer, dst: LayerKV, index: TransferIndex, threads: Cop
         v[blocks, offsets] = pool.host[1][slots]
 
 
-def _save_host(src: LayerKV, pool: PoolLayer, index: TransferIndex, threads: CopyThreads | None) -> None:
+def _save_host(src: LayerKV, pool: PoolLayer, index: TransferIndex, scratch: HostScratch | None) -> None:
     assert pool.host is not None and pool.host_pages is not None
     slots, blocks, offsets = index.host
     found = _host_units(pool, src, index)
     if found is not None:
-        _save_blocks(found[0], pool.host_pages, found[1], threads)
+        _save_blocks(found[0], pool.host_pages, found[1], scratch)
         slots, blocks, offsets = found[1].rest
     if slots.size:
         k, v = src.host
@@ -877,16 +733,16 @@ def save_layer_torch(src: LayerKV, pool: PoolLayer, index: TransferIndex) -> Non
 
 
 def load_layer(pool_layer: torch.Tensor | PoolLayer, dst: LayerKV, index: TransferIndex,
-               staging: HostStaging | None = None, threads: CopyThreads | None = None) -> None:
+               staging: HostStaging | None = None, scratch: HostScratch | None = None) -> None:
     """Copy the indexed positions of one layer from the pool (a `[2, pages, page_size, heads, dim]` layer, or
     its `PoolLayer`, built once) into vLLM's blocks (through `staging` when the pool is in host memory and
-    vLLM's KV on a GPU; with `threads`' helper beside the caller when both are in host memory)."""
+    vLLM's KV on a GPU; with `scratch`'s buffers when both are in host memory)."""
     if not len(index):
         return
     pool = _pool(pool_layer)
     path = _copy_path(pool, dst, staging)
     if path == "host":
-        _load_host(pool, dst, index, threads)
+        _load_host(pool, dst, index, scratch)
         return
     if path == "device":
         load_layer_torch(pool, dst, index)
@@ -902,16 +758,16 @@ def load_layer(pool_layer: torch.Tensor | PoolLayer, dst: LayerKV, index: Transf
 
 
 def save_layer(src: LayerKV, pool_layer: torch.Tensor | PoolLayer, index: TransferIndex,
-               staging: HostStaging | None = None, threads: CopyThreads | None = None) -> None:
+               staging: HostStaging | None = None, scratch: HostScratch | None = None) -> None:
     """Copy the indexed positions of one layer from vLLM's blocks into the pool (through `staging` when the
-    pool is in host memory and vLLM's KV on a GPU: the pool is written at `staging.flush()`; with `threads`'
-    helper beside the caller when both are in host memory)."""
+    pool is in host memory and vLLM's KV on a GPU: the pool is written at `staging.flush()`; with `scratch`'s
+    buffers when both are in host memory)."""
     if not len(index):
         return
     pool = _pool(pool_layer)
     path = _copy_path(pool, src, staging)
     if path == "host":
-        _save_host(src, pool, index, threads)
+        _save_host(src, pool, index, scratch)
         return
     if path == "device":
         save_layer_torch(src, pool, index)

@@ -5,8 +5,6 @@ tests/vllm (tests/vllm/test_layouts.py builds the GPU backends' tensors with vLL
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 import torch
@@ -17,8 +15,7 @@ from engine_client.vllm.counters import COUNTER_HELP, Counters
 from engine_client.vllm.scheduler import WorkerReport
 from engine_client.vllm.transfer import (
     BlockUnits,
-    CopyThreads,
-    HelperChoice,
+    HostScratch,
     KVLayoutError,
     LayerKV,
     PoolLayer,
@@ -270,18 +267,20 @@ BLOCKS_AND_PIECES = [
 @pytest.mark.parametrize("packing", ["cpu_vec", "split-hnd", "split-nhd", "mla"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ranges", BLOCKS_AND_PIECES)
-@pytest.mark.parametrize("threads", [False, True])
+@pytest.mark.parametrize("chunk", ["whole step", "a block"])
 def test_host_copies_move_whole_blocks_and_the_rest_exactly_as_position_by_position(
-        packing: str, dtype: torch.dtype, ranges: list[tuple[int, int]], threads: bool,
+        packing: str, dtype: torch.dtype, ranges: list[tuple[int, int]], chunk: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    if threads:  # a chunk a block, so the helper has chunks to take
+    if chunk == "a block":  # several chunks, the last one short
         monkeypatch.setattr(transfer, "_CHUNK_BYTES", 1)
-    with CopyThreads(choice=AlwaysHelped) as helper:
-        copy_both_ways(packing, dtype, ranges, helper if threads else None)
+    with HostScratch() as scratch:
+        copy_both_ways(packing, dtype, ranges, scratch)
+        copy_both_ways(packing, dtype, ranges, scratch)  # the kept buffers, dirty from the first copies
+    copy_both_ways(packing, dtype, ranges, None)
 
 
 def copy_both_ways(packing: str, dtype: torch.dtype, ranges: list[tuple[int, int]],
-                   threads: CopyThreads | None) -> None:
+                   scratch: HostScratch | None) -> None:
     gen, rng = torch.Generator().manual_seed(7), np.random.default_rng(7)
     num_blocks, num_pages = 16, 40
     heads, dim = (1, D) if packing == "mla" else (H, D)
@@ -296,46 +295,15 @@ def copy_both_ways(packing: str, dtype: torch.dtype, ranges: list[tuple[int, int
     assert view.host_blocks is not None  # every packing here keeps a block's K and V as one run
     want_raw, want = packed(packing, num_blocks, dtype, gen)
     want_raw.copy_(raw)
-    load_layer(pool, view, index, threads=threads)
+    load_layer(pool, view, index, scratch=scratch)
     reference_copy(t, pool, want, load=True)
     assert torch.equal(raw, want_raw)
 
     raw.copy_(torch.randint(-2**15, 2**15, raw.shape, generator=gen, dtype=torch.int16).to(dtype))
     saved, want_saved = pool.clone(), pool.clone()
-    save_layer(view, saved, index, threads=threads)
+    save_layer(view, saved, index, scratch=scratch)
     reference_copy(t, want_saved, view, load=False)
     assert torch.equal(saved, want_saved)
-
-
-class AlwaysHelped(HelperChoice):
-    def choose(self) -> bool:
-        return True
-
-
-def test_copy_threads_run_every_chunk_once_and_hand_back_the_helpers_error() -> None:
-    with CopyThreads(choice=AlwaysHelped) as threads:
-        for count in (0, 1, 200):
-            seen: list[tuple[int, int]] = []
-            threads.run(count, lambda chunk, who, seen=seen: seen.append((chunk, who)))
-            assert sorted(chunk for chunk, _ in seen) == list(range(count))
-            assert {who for _, who in seen} <= {0, 1}
-
-        helper_failed, helped = threading.Event(), threads.helped
-
-        def fail_on_the_helper(chunk: int, who: int) -> None:
-            if who == 1:
-                helper_failed.set()
-                raise ValueError(f"chunk {chunk}")
-            helper_failed.wait()  # the caller holds its chunk until the helper has taken one
-        with pytest.raises(ValueError, match="chunk"):
-            threads.run(3, fail_on_the_helper)
-        assert threads.helped == helped  # a failed chunk is not counted
-        with pytest.raises(KeyError):
-            threads.run(3, lambda chunk, who: {}[chunk])
-        threads.run(2, lambda chunk, who: None)  # usable after an error
-    threads.close()  # idempotent
-    with pytest.raises(RuntimeError, match="closed"):
-        threads.run(1, lambda chunk, who: None)
 
 
 def test_an_index_is_split_into_whole_blocks_on_whole_pages_and_the_positions_left() -> None:
@@ -381,35 +349,6 @@ def test_host_copies_keep_every_bit_pattern() -> None:
     back = torch.zeros_like(pool)
     save_layer(cpu_view(kv), back, index)
     assert torch.equal(back.view(torch.int32), pool.view(torch.int32))
-
-
-def test_the_helper_takes_copies_while_they_cost_less_a_chunk_with_it_and_one_in_explore_goes_the_other_way() -> None:
-    choice = HelperChoice(explore=4, window=3)
-    assert choice.choose() is True  # untried: the helper first
-    choice.record(True, 3.0)
-    assert choice.choose() is False  # then alone
-    choice.record(False, 1.0)
-    assert [choice.choose() for _ in range(8)] == [False, True, False, False, False, True, False, False]
-    choice.record(True, 0.5)
-    assert choice.cost(True) == 3.0  # the median of 3.0 and 0.5: one cheap copy does not decide
-    choice.record(True, 0.5)
-    choice.record(True, 100.0)  # nor one held up
-    assert (choice.recent[True], choice.cost(True), choice.cost(False)) == ([0.5, 0.5, 100.0], 0.5, 1.0)
-    assert [choice.choose() for _ in range(4)] == [True, False, True, True]  # the 12th copy explores alone
-
-
-def test_copy_threads_time_each_way_on_their_clock_and_run_alone_when_it_is_cheaper() -> None:
-    now = [0.0]
-    with CopyThreads(clock=lambda: now[0]) as threads:
-        def work(chunk: int, who: int) -> None:
-            now[0] += 1.0  # a second a chunk, whoever runs it
-        threads.run(4, work, "load")  # with the helper
-        threads.run(4, work, "load")  # alone
-        threads.run(2, work, "save")  # another kind: tried with the helper first
-        load, save = threads.choices["load"], threads.choices["save"]
-        assert (load.cost(True), load.cost(False), save.cost(True), save.cost(False)) == (1.0, 1.0, 1.0, None)
-        threads.run(1, work, "load")  # one chunk: alone, untimed
-        assert threads.alone == 1 and now[0] == 11.0
 
 
 def test_block_size_must_be_a_multiple_of_the_page_size() -> None:
