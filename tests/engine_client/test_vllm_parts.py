@@ -335,6 +335,14 @@ def test_a_layer_whose_blocks_hold_more_than_their_own_k_and_v_is_copied_positio
     load_layer(pool, view, index)
     assert torch.equal(view.k[2, :16], pool[0, 5]) and torch.equal(view.v[2, 16:], pool[1, 9])
     assert not kv[:, 1].any() and not kv[:, 3].any()
+    # heads 1 and 2: whole blocks, their runs further apart than a block (rows gathered apart on a save)
+    middle = cpu_view(kv[:, 1:3])
+    load_layer(pool, middle, index)
+    saved = torch.zeros_like(pool)
+    save_layer(middle, saved, index)
+    others = [p for p in range(12) if p not in (5, 9)]
+    assert torch.equal(saved[:, [5, 9]], pool[:, [5, 9]]) and not saved[:, others].any()
+    assert not kv[:, 3].any() and torch.equal(cpu_view(kv[:, :1], heads=1).k[2, :16, 0], pool[0, 5, :, 0])
 
 
 def test_host_copies_keep_every_bit_pattern() -> None:
