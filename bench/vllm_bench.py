@@ -5,6 +5,7 @@
     .venv/bin/python -m bench.vllm_bench --tp       # tensor parallel (TP=2) and the prefill/decode split instead
     .venv/bin/python -m bench.vllm_bench --mla      # an MLA model (DeepSeek-V2) instead
     .venv/bin/python -m bench.vllm_bench --window   # sliding-window models (Gemma-3-style, Mistral-style) instead
+    .venv/bin/python -m bench.vllm_bench --copy     # the in-process copy rows only (no vLLM engines)
 
 The engines are real vLLM processes (`.venv-vllm`, `make vllm-setup`) driven through
 `engine_client.vllm.driver`, a pair per side (engine A and engine B, like two replicas behind a router), on a
@@ -66,6 +67,7 @@ from engine_client import KVCacheClient
 from engine_client.vllm.demo import KVCacheService, computed, tokens
 from engine_client.vllm.driver import EngineProcess, save_model
 from engine_client.vllm.transfer import (
+    HostScratch,
     LayerKV,
     PoolLayer,
     TransferIndex,
@@ -162,7 +164,7 @@ def copy_cost(shape: dict[str, int], pages: int, rounds: int) -> dict[str, float
     both sides): us per page (all layers) to load and save, each round alternating with the bound measured
     on the same bytes (a contiguous copy of `pages` pages: numpy on one thread, torch's `copy_` on its
     threads), medians of rounds. The copies use what the worker builds (`PoolLayer` once a pool, the index
-    once a step)."""
+    once a step, the scratch buffers once a worker)."""
     layers, heads, dim = shape["layers"], shape["kv_heads"], shape["head_dim"]
     num_blocks = pages * PAGE // BLOCK + 8
     pool = torch.randn(layers, 2, pages + 8, PAGE, heads, dim)
@@ -188,18 +190,19 @@ def copy_cost(shape: dict[str, int], pages: int, rounds: int) -> dict[str, float
     def load() -> None:
         index = TransferIndex.build(t, page_size=PAGE, block_size=BLOCK)
         for layer in range(layers):
-            load_layer(pool_layers[layer], views[layer], index)
+            load_layer(pool_layers[layer], views[layer], index, scratch=scratch)
 
     def save() -> None:
         index = TransferIndex.build(t, page_size=PAGE, block_size=BLOCK)
         for layer in range(layers):
-            save_layer(views[layer], pool_layers[layer], index)
+            save_layer(views[layer], pool_layers[layer], index, scratch=scratch)
 
-    for _ in range(rounds):
-        timed("numpy", lambda: np.copyto(dst, src))
-        timed("load", load)
-        timed("torch", lambda: tdst.copy_(tsrc))
-        timed("save", save)
+    with HostScratch() as scratch:
+        for _ in range(rounds):
+            timed("numpy", lambda: np.copyto(dst, src))
+            timed("load", load)
+            timed("torch", lambda: tdst.copy_(tsrc))
+            timed("save", save)
     us = {k: statistics.median(v) / pages * 1e6 for k, v in times.items()}
     return {"load_us": us["load"], "save_us": us["save"], "memcpy_us": us["numpy"], "torch_us": us["torch"],
             "page_kib": page_bytes / 1024, "memcpy_gbps": page_bytes / us["numpy"] / 1e3,
@@ -478,8 +481,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mla", action="store_true", help="an MLA model (DeepSeek-V2), vLLM alone vs on kvcache, instead")
     p.add_argument("--window", action="store_true",
                    help="sliding-window models (Gemma-3-style, Mistral-style), vLLM alone vs on kvcache, instead")
+    p.add_argument("--copy", action="store_true",
+                   help="only the connector's copy code in this process, beside the memcpy bound (no vLLM engines)")
+    p.add_argument("--rounds", type=int, default=0, help="rounds of the copy rows (default 20; 5 with --quick)")
     p.add_argument("--vllm-python", default=str(REPO / ".venv-vllm" / "bin" / "python"))
     args = p.parse_args(argv)
+    rounds = args.rounds or (5 if args.quick else 20)
+    if args.copy:
+        shape = QUICK if args.quick else FULL
+        print(f"[vllm_bench] machine load {machine_load()}; the copy code on random Llama {shape['layers']} layers, "
+              f"{shape['kv_heads']} KV heads of {shape['head_dim']}, float32, {rounds} rounds")
+        print_copy(copy_cost(shape, pages=64 if args.quick else 256, rounds=rounds), shape)
+        return 0
     python = Path(args.vllm_python)
     if not python.exists():
         print(f"[vllm_bench] {python} is missing: run `make vllm-setup`")
@@ -563,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
         for engine in {e for pair in pairs.values() for e in pair}:
             engine.close()
         service.close()
-    results["copy"] = copy_cost(shape, pages=64 if args.quick else 256, rounds=5 if args.quick else 20)
+    results["copy"] = copy_cost(shape, pages=64 if args.quick else 256, rounds=rounds)
     print_table(results, shape, doc_tokens, chats, burst)
     print(f"[vllm_bench] kvcache's accounting invariant after the run: {'holds' if results['invariant'] else 'BROKEN'}")
     if not results["invariant"]:
@@ -602,20 +615,24 @@ def print_table(r: dict[str, Any], shape: dict[str, int], doc_tokens: int, chats
     print(f"scheduler side, {burst} new requests a step: {s['us_per_request']:.1f} us a request on vLLM's scheduler "
           f"thread (target < 100), of which {s['wait_us']:.1f} us waiting for the Step's reply (bounded, once a "
           f"step); the step's Step: {s['step_ms']:.2f} ms in the sender thread")
-    print(f"worker side, one page = {c['page_kib']:.0f} KiB ({shape['layers']} layers, K+V): load "
-          f"{c['load_us']:.2f} us, save {c['save_us']:.2f} us a page (the copy code, full pages, median); in the "
-          f"engines: load {e['load_us']:.2f} us, save {e['save_us']:.2f} us a page touched (decode saves one token "
-          "a step)")
-    bound = c["memcpy_us"]
-    print(f"  bound, same run: a contiguous copy of the same bytes {bound:.2f} us a page with numpy on one thread "
-          f"({c['memcpy_gbps']:.1f} GB/s), {c['torch_us']:.2f} us with torch's copy_ on {c['torch_threads']} "
-          f"threads ({c['torch_gbps']:.1f} GB/s); the copy code at {bound / c['load_us']:.0%} (load) and "
-          f"{bound / c['save_us']:.0%} (save) of numpy's bandwidth (target >= 50%)")
-    print(f"  in the engines, bytes moved: load {e['load_gbps']:.2f} GB/s, save {e['save_gbps']:.2f} GB/s (a save "
+    print_copy(c, shape)
+    print(f"  in the engines: load {e['load_us']:.2f} us, save {e['save_us']:.2f} us a page touched (decode saves one "
+          f"token a step); bytes moved: load {e['load_gbps']:.2f} GB/s, save {e['save_gbps']:.2f} GB/s (a save "
           f"fills {e['save_fill']:.0%} of the pages it touches)")
     print(f"no reuse ({burst} new requests a step): kvcache costs vLLM {s['hooks_us_per_step']:.0f} us a step on "
           f"its scheduler thread and {s['copy_us_per_step']:.0f} us a step of copies (saving the prompts), beside "
           f"vLLM's own step of {s['vllm_step_ms']:.2f} ms (wall, forward pass included)")
+
+
+def print_copy(c: dict[str, float], shape: dict[str, int]) -> None:
+    """The in-process copy rows: the copy code per full page beside the memcpy bound of the same run."""
+    bound = c["memcpy_us"]
+    print(f"worker side, one page = {c['page_kib']:.0f} KiB ({shape['layers']} layers, K+V): load "
+          f"{c['load_us']:.2f} us, save {c['save_us']:.2f} us a page (the copy code, full pages, median)")
+    print(f"  bound, same run: a contiguous copy of the same bytes {bound:.2f} us a page with numpy on one thread "
+          f"({c['memcpy_gbps']:.1f} GB/s), {c['torch_us']:.2f} us with torch's copy_ on {c['torch_threads']} "
+          f"threads ({c['torch_gbps']:.1f} GB/s); the copy code at {bound / c['load_us']:.0%} (load) and "
+          f"{bound / c['save_us']:.0%} (save) of numpy's bandwidth (target >= 50%)")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from engine_client.vllm.counters import Counters
 from engine_client.vllm.plans import StepPlan
 from engine_client.vllm.reports import WorkerReport
 from engine_client.vllm.transfer import (
+    HostScratch,
     HostStaging,
     LayerKV,
     PoolLayer,
@@ -139,6 +140,8 @@ class WorkerSide:
         self._warned = False
         self._staging: HostStaging | None = None
         """Pinned buffers, when the pool is in host memory and vLLM's KV on a GPU (a CPU tier for GPU engines)."""
+        self._scratch: HostScratch | None = None
+        """The copies' scratch buffers, when the pool and vLLM's KV are both in host memory."""
 
     # ------------------------------------------------------------------ start
 
@@ -230,6 +233,8 @@ class WorkerSide:
         self._pool = pool
         lo, hi = self.shard.lo, self.shard.hi
         self._pool_layers = [PoolLayer(pool.tensor[i][:, :, :, lo:hi]) for i in range(len(self._layers))]
+        if pool.tensor.device.type == "cpu" and self._engine_device().type == "cpu" and self._scratch is None:
+            self._scratch = HostScratch()
         if pool.tensor.device.type == "cpu" and self._engine_device().type != "cpu" and self._staging is None:
             self._staging = HostStaging()
             log.info("kvcache connector: the pool is in host memory and vLLM's KV on %s: copies go through pinned "
@@ -294,7 +299,7 @@ class WorkerSide:
         start = self._clock()
         try:
             for i, kv, g in self._layers.values():
-                load_layer(self._pool_layers[i], kv, step.async_loads[g], self._staging)
+                load_layer(self._pool_layers[i], kv, step.async_loads[g], self._staging, self._scratch)
         except Exception as e:  # a copy that fails must not become wrong tokens: vLLM recomputes
             self._fail_async(step, f"copy failed: {e}")
             return
@@ -316,7 +321,7 @@ class WorkerSide:
             return
         start = self._clock()
         try:
-            load_layer(self._pool_layers[entry[0]], entry[1], step.loads[entry[2]], self._staging)
+            load_layer(self._pool_layers[entry[0]], entry[1], step.loads[entry[2]], self._staging, self._scratch)
             step.layers_loaded += 1
         except Exception as e:  # a copy that fails must not become wrong tokens: vLLM recomputes
             self._fail_loads(step, f"copy failed: {e}")
@@ -336,7 +341,8 @@ class WorkerSide:
             return
         start = self._clock()
         try:
-            save_layer(entry[1], self._pool_layers[entry[0]], step.saves[entry[2]], self._staging)
+            save_layer(entry[1], self._pool_layers[entry[0]], step.saves[entry[2]], self._staging,
+                       self._scratch)
             step.layers_saved += 1
         except Exception as e:
             self._fail_saves(step, f"copy failed: {e}")
@@ -387,6 +393,9 @@ class WorkerSide:
 
     def close(self) -> None:
         self._pool_layers = []
+        if self._scratch is not None:
+            self._scratch.close()
+            self._scratch = None
         if self._staging is not None:
             self._staging.discard()
             self._staging = None

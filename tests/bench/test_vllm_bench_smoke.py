@@ -24,3 +24,11 @@ def test_vllm_bench_quick_prints_its_table(capsys: pytest.CaptureFixture[str]) -
     assert "new requests a step:" in out and " us a request on vLLM's scheduler thread" in out
     assert "worker side, one page = 32 KiB (2 layers, K+V)" in out
     assert "[vllm_bench] kvcache's accounting invariant after the run: holds" in out
+
+
+def test_vllm_bench_copy_prints_the_copy_rows_without_engines(capsys: pytest.CaptureFixture[str]) -> None:
+    assert vllm_bench.main(["--copy", "--quick", "--rounds", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "worker side, one page = 32 KiB (2 layers, K+V)" in out
+    assert "bound, same run: a contiguous copy of the same bytes" in out and "(target >= 50%)" in out
+    assert "starting engines" not in out

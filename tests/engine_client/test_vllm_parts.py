@@ -9,10 +9,13 @@ import numpy as np
 import pytest
 import torch
 
+from engine_client.vllm import transfer
 from engine_client.vllm.config import ConnectorConfig, ConnectorConfigError
 from engine_client.vllm.counters import COUNTER_HELP, Counters
 from engine_client.vllm.scheduler import WorkerReport
 from engine_client.vllm.transfer import (
+    BlockUnits,
+    HostScratch,
     KVLayoutError,
     LayerKV,
     PoolLayer,
@@ -219,6 +222,141 @@ def test_mla_tensors_it_cannot_read_are_refused(kv: torch.Tensor, message: str) 
     with pytest.raises(KVLayoutError) as err:
         mla_latent(kv, block_size=16, latent_dim=576)
     assert str(err.value) == message
+
+
+def packed(packing: str, num_blocks: int, dtype: torch.dtype, gen: torch.Generator,
+           heads: int = H) -> tuple[torch.Tensor, LayerKV]:
+    """A layer tensor of `packing` filled with random values (so a position written that should not be shows),
+    and its K and V."""
+    if packing == "mla":
+        raw = torch.randint(-2**15, 2**15, (num_blocks, BS, 2 * D), generator=gen, dtype=torch.int16).to(dtype)
+        return raw, mla_latent(raw, block_size=BS, latent_dim=2 * D)
+    shape, order = (num_blocks, heads, BS, 2 * D), (NHD if packing == "split-nhd" else HND)
+    raw = torch.randint(-2**15, 2**15, [shape[a] for a in order], generator=gen, dtype=torch.int16).to(dtype)
+    raw = raw.permute(*[order.index(a) for a in range(4)])
+    layout = "LBNHC" if packing == "split-nhd" else "LBHNC"
+    return raw, layer_kv(raw, layout=layout, order=order, packing=packing.split("-")[0], block_size=BS,
+                         num_heads=heads, head_dim=D)
+
+
+def reference_copy(t: Transfers, pool: torch.Tensor, kv: LayerKV, *, load: bool) -> None:
+    """The copy position by position (the contract, independent of the index arithmetic): position p of a
+    transfer is slot p % page_size of its page and offset p % block_size of its block; the null block is
+    never touched."""
+    for i in range(len(t)):
+        start, end = int(t.starts[i]), int(t.ends[i])
+        for p in range(start, end):
+            page = int(t.pages[t.page_base[i] + p // PS - start // PS])
+            block = int(t.blocks[0, t.block_base[i] + p // BS - start // BS])
+            if block == 0:
+                continue
+            for plane, view in enumerate((kv.k, kv.v)):
+                if load:
+                    view[block, p % BS] = pool[plane, page, p % PS]
+                else:
+                    pool[plane, page, p % PS] = view[block, p % BS]
+
+
+BLOCKS_AND_PIECES = [
+    [(0, 128)],                        # whole blocks only
+    [(16, 112), (192, 195)],           # a block's second page first, a half block last, a partial page
+    [(0, 96), (96, 97), (320, 352)],   # whole blocks, one token, a whole block of another transfer
+]
+
+
+@pytest.mark.parametrize("packing", ["cpu_vec", "split-hnd", "split-nhd", "mla"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ranges", BLOCKS_AND_PIECES)
+@pytest.mark.parametrize("chunk", ["whole step", "a block"])
+def test_host_copies_move_whole_blocks_and_the_rest_exactly_as_position_by_position(
+        packing: str, dtype: torch.dtype, ranges: list[tuple[int, int]], chunk: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    if chunk == "a block":  # several chunks, the last one short
+        monkeypatch.setattr(transfer, "_CHUNK_BYTES", 1)
+    with HostScratch() as scratch:
+        copy_both_ways(packing, dtype, ranges, scratch)
+        copy_both_ways(packing, dtype, ranges, scratch)  # the kept buffers, dirty from the first copies
+    copy_both_ways(packing, dtype, ranges, None)
+
+
+def copy_both_ways(packing: str, dtype: torch.dtype, ranges: list[tuple[int, int]],
+                   scratch: HostScratch | None) -> None:
+    gen, rng = torch.Generator().manual_seed(7), np.random.default_rng(7)
+    num_blocks, num_pages = 16, 40
+    heads, dim = (1, D) if packing == "mla" else (H, D)
+    blocks = iter(rng.permutation(np.arange(num_blocks, dtype=np.int32)))  # block 0 (null) may come up
+    pages = iter(rng.permutation(np.arange(num_pages, dtype=np.int32)))
+    t = Transfers.build([(a, z, np.array([next(pages) for _ in range(a // PS, (z - 1) // PS + 1)], np.int32),
+                          np.array([next(blocks) for _ in range(a // BS, (z - 1) // BS + 1)], np.int32))
+                         for a, z in ranges])
+    index = TransferIndex.build(t, page_size=PS, block_size=BS)
+    pool = torch.randint(-2**15, 2**15, (2, num_pages, PS, heads, dim), generator=gen, dtype=torch.int16).to(dtype)
+    raw, view = packed(packing, num_blocks, dtype, gen)
+    assert view.host_blocks is not None  # every packing here keeps a block's K and V as one run
+    want_raw, want = packed(packing, num_blocks, dtype, gen)
+    want_raw.copy_(raw)
+    load_layer(pool, view, index, scratch=scratch)
+    reference_copy(t, pool, want, load=True)
+    assert torch.equal(raw, want_raw)
+
+    raw.copy_(torch.randint(-2**15, 2**15, raw.shape, generator=gen, dtype=torch.int16).to(dtype))
+    saved, want_saved = pool.clone(), pool.clone()
+    save_layer(view, saved, index, scratch=scratch)
+    reference_copy(t, want_saved, view, load=False)
+    assert torch.equal(saved, want_saved)
+
+
+def test_an_index_is_split_into_whole_blocks_on_whole_pages_and_the_positions_left() -> None:
+    # [16, 112) on pages 7, 3, 9, 4, 8, 2 and blocks 5, 2, 6, 1: block 5 holds 16..31 only, 6 and 2 are whole,
+    # 1 holds 96..111 only; [128, 160) on pages 10, 11 and block 0 (null: dropped by the index)
+    t = Transfers.build([(16, 112, np.array([7, 3, 9, 4, 8, 2], np.int32), np.array([5, 2, 6, 1], np.int32)),
+                         (128, 160, np.array([10, 11], np.int32), np.array([0], np.int32))])
+    index = TransferIndex.build(t, page_size=PS, block_size=BS)
+    units = index.host_units(PS, BS)
+    assert (units.blocks.tolist(), units.pages.tolist(), units.bounds) == ([2, 6], [3, 9, 4, 8], (3, 9, 2, 6))
+    slots, blocks, offsets = units.rest
+    assert slots.tolist() == [7 * PS + p for p in range(16)] + [2 * PS + p for p in range(16)]
+    assert (blocks.tolist(), offsets.tolist()) == ([5] * 16 + [1] * 16, list(range(16, 32)) + list(range(16)))
+    assert index.host_units(PS, BS) is units  # once a step
+    assert len(BlockUnits.of(*index.host, page_size=PS, block_size=48)) == 0  # not a multiple: no units
+    with pytest.raises(IndexError, match=r"names pool pages 3\.\.9 of 9 and vLLM blocks 2\.\.6 of 8"):
+        units.check(9, 8)
+
+
+def test_a_layer_whose_blocks_hold_more_than_their_own_k_and_v_is_copied_position_by_position() -> None:
+    # heads 0 and 2 of a four-head CPU attention tensor: a block's run also holds heads 1 and 3
+    kv = torch.zeros(NB, 4, BS, 2 * D)
+    view = cpu_view(kv[:, ::2])
+    assert view.host_blocks is None
+    assert cpu_view(kv[:, 1:3]).host_blocks is not None  # heads 1 and 2: one run, theirs alone
+    pool = torch.randn(2, 12, PS, H, D)
+    index = TransferIndex.build(Transfers.build([(0, 32, np.array([5, 9], np.int32), np.array([2], np.int32))]),
+                                page_size=PS, block_size=BS)
+    load_layer(pool, view, index)
+    assert torch.equal(view.k[2, :16], pool[0, 5]) and torch.equal(view.v[2, 16:], pool[1, 9])
+    assert not kv[:, 1].any() and not kv[:, 3].any()
+    # heads 1 and 2: whole blocks, their runs further apart than a block (rows gathered apart on a save)
+    middle = cpu_view(kv[:, 1:3])
+    load_layer(pool, middle, index)
+    saved = torch.zeros_like(pool)
+    save_layer(middle, saved, index)
+    others = [p for p in range(12) if p not in (5, 9)]
+    assert torch.equal(saved[:, [5, 9]], pool[:, [5, 9]]) and not saved[:, others].any()
+    assert not kv[:, 3].any() and torch.equal(cpu_view(kv[:, :1], heads=1).k[2, :16, 0], pool[0, 5, :, 0])
+
+
+def test_host_copies_keep_every_bit_pattern() -> None:
+    # NaN payloads, signalling NaNs, subnormals and -0.0 as float32: elements move as integers, never as floats
+    bits = np.array([0x7F800001, 0x7FA00000, 0xFF800001, 0x00000001, 0x80000001, 0x80000000, 0x7FC00001, 0x007FFFFF],
+                    np.uint32).view(np.int32)
+    pool = torch.from_numpy(np.resize(bits, 2 * 4 * PS * H * D).reshape(2, 4, PS, H, D)).view(torch.float32)
+    kv = torch.zeros(NB, H, BS, 2 * D)
+    index = TransferIndex.build(Transfers.build([(0, 64, np.array([3, 1, 0, 2], np.int32),
+                                                  np.array([1, 3], np.int32))]), page_size=PS, block_size=BS)
+    load_layer(pool, cpu_view(kv), index)
+    back = torch.zeros_like(pool)
+    save_layer(cpu_view(kv), back, index)
+    assert torch.equal(back.view(torch.int32), pool.view(torch.int32))
 
 
 def test_block_size_must_be_a_multiple_of_the_page_size() -> None:
