@@ -81,6 +81,8 @@ class _SessionState:
         """The mapped pool `write_kv` and `gather_kv` use (None: those two are unavailable)."""
         self._host = np.zeros(64, dtype=np.int32)
         self._table = self._device_table()
+        self._win = np.zeros(64, dtype=np.int32)
+        """With a window pool: each page's window page (0: dropped), kept beside `_host` (docs/design.md §13)."""
         self._num_pages = 0
         self._run_pages = 0
         """Length of the page table's leading run of consecutive page ids (its slots are consecutive)."""
@@ -100,6 +102,15 @@ class _SessionState:
     def page_table(self) -> torch.Tensor:
         """The session's page ids, one per page of its capacity (a view; valid until the next change)."""
         return self._table[: self._num_pages]
+
+    @property
+    def window_table(self) -> torch.Tensor:
+        """With a window pool (`PoolLayout.window_pages`): the window page of each page of `page_table`, 0 where
+        the page's window rows were dropped. Its entries for the positions the turn reads or writes in the window
+        layers are current; others may be stale and are never read. All zeros on other pools. A view on the CPU
+        (valid until the next change), else a copy on `device`."""
+        table = torch.from_numpy(self._win[: self._num_pages])
+        return table if self.device.type == "cpu" else table.to(self.device)
 
     @property
     def num_pages(self) -> int:
@@ -152,7 +163,7 @@ class _SessionState:
         self.session_id, self.epoch = res.session_id, res.epoch
 
     def _on_append(self, res: AppendResult) -> Turn:
-        self._apply_delta(res.page_offset, res.page_ids)
+        self._apply_delta(res.page_offset, res.page_ids, res.window_page_ids)
         self.context_tokens = res.context_tokens
         self.kv_tokens = res.cached_tokens
         self.turn = Turn(res.turn, res.cached_tokens, res.context_tokens, res.capacity_tokens,
@@ -160,7 +171,7 @@ class _SessionState:
         return self.turn
 
     def _on_extend(self, res: ExtendResult) -> None:
-        self._apply_delta(res.page_offset, res.page_ids)
+        self._apply_delta(res.page_offset, res.page_ids, res.window_page_ids)
 
     def _on_commit(self, res: CommitResult) -> None:
         self.turn = None
@@ -181,13 +192,21 @@ class _SessionState:
             return torch.from_numpy(self._host)
         return torch.from_numpy(self._host).to(self.device)
 
-    def _apply_delta(self, offset: int, page_ids: np.ndarray) -> None:
+    def _apply_delta(self, offset: int, page_ids: np.ndarray, window_ids: np.ndarray | None = None) -> None:
         end = offset + page_ids.size
         if end > self._host.size:
-            grown = np.zeros(max(end, 2 * self._host.size), dtype=np.int32)
+            size = max(end, 2 * self._host.size)
+            grown = np.zeros(size, dtype=np.int32)
             grown[: self._num_pages] = self._host[: self._num_pages]
             self._host = grown
             self._table = self._device_table()
+            win = np.zeros(size, dtype=np.int32)
+            win[: self._num_pages] = self._win[: self._num_pages]
+            self._win = win
+        if window_ids is not None and window_ids.size:
+            if window_ids.size != page_ids.size:
+                raise RuntimeError(f"the service sent {window_ids.size} window page ids for {page_ids.size} pages")
+            self._win[offset:end] = window_ids
         if page_ids.size:
             self._host[offset:end] = page_ids
             if self.device.type != "cpu":

@@ -115,9 +115,11 @@ class WindowRows:
         return self.window_pages - 1 - len(self._free)
 
     def window_of(self, pages: bytes) -> bytes:
-        """The window pages (int32 LE; 0 where dropped) of `pages` (int32 LE)."""
-        win = self.win
-        return array("i", [win[p] for p in memoryview(pages).cast("i")]).tobytes()
+        """The window pages (int32 LE; 0 where dropped) of `pages` (int32 LE): what a page-table delta sends beside
+        its page ids. One numpy gather (`win` never changes size, so a view of it stays valid)."""
+        if not pages:
+            return b""
+        return np.frombuffer(self.win, dtype=np.int32)[np.frombuffer(pages, dtype=np.int32)].tobytes()
 
     # ------------------------------------------------------------------ the allocator's hooks
 
