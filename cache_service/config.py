@@ -151,7 +151,8 @@ class ServiceConfig:
                              "(multi-head latent attention: one latent of --head-dim values, --num-kv-heads 1)",
                              choices=tuple(ATTENTION_KINDS))
     sliding_window: int = setting(0, "tokens the --window-layers attend within (Mistral v0.1, Gemma-2/3, GPT-OSS); "
-                                  "0: no window. A page keeps every layer's rows, window layers included",
+                                  "0: no window. A page keeps every layer's rows, window layers included, unless "
+                                  "--window-pages",
                                   at_least=0)
     window_layers: str = setting("", "with --sliding-window: the 0-based layers that attend within the window, "
                                  "e.g. 0-4,6-10 (default: every layer)", parse=_layer_list, metavar="LIST")
