@@ -30,6 +30,7 @@ from engine_client.types import (
     SessionInfo,
     SessionPage,
     Stats,
+    no_pages,
 )
 from kvcache_common.layout import ATTENTION_KINDS
 from protos.kvcache.v1 import kvcache_pb2 as pb
@@ -68,6 +69,8 @@ def unpack_pages(response: Any, name: str = "page_ids") -> PageIds:
     if packed:  # a copy: the record owns its array (frombuffer's is read-only)
         return np.frombuffer(packed, dtype="<i4").astype(np.int32)
     listed = getattr(response, name)
+    if not listed and name != "page_ids":
+        return no_pages()  # a pool without window pages: the shared empty array (records compare equal)
     return np.fromiter(listed, dtype=np.int32, count=len(listed))
 
 

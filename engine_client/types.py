@@ -21,9 +21,15 @@ from kvcache_common.stats import ServiceStats
 PageIds = npt.NDArray[np.int32]
 
 
+NO_PAGES: PageIds = np.zeros(0, dtype=np.int32)
+NO_PAGES.setflags(write=False)
+
+
 def no_pages() -> PageIds:
-    """An empty page id array (the window page ids of a pool without window pages)."""
-    return np.zeros(0, dtype=np.int32)
+    """The one empty, read-only page id array: the window page ids of a pool without window pages. One object, so
+    records that hold it compare equal (a tuple compares a field by identity first; two empty arrays would compare
+    element-wise)."""
+    return NO_PAGES
 
 
 @dataclass(frozen=True, slots=True)
