@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine_client import KVCacheClient
+from engine_client import ClientOptions, KVCacheClient
 from engine_client.step import StepBatch
 from kvcache_common.layout import PoolLayout
 from protos.kvcache.v1 import kvcache_pb2 as pb
@@ -64,15 +64,18 @@ def _delta(r: Any, packed: bool) -> Delta:
 
 
 class Stepped:
-    """The engine client's Steps, one op each, as StepOp messages or as columns; records are the client's."""
+    """The engine client's Steps, one op each, as StepOp messages or as columns, over the step lane (the same
+    bytes in frames) or gRPC; records are the client's."""
 
-    def __init__(self, server: ThreadServer, columns: bool) -> None:
-        self.client, self.columns = KVCacheClient(server.target), columns
+    def __init__(self, server: ThreadServer, columns: bool, lane: bool = True) -> None:
+        self.client = KVCacheClient(server.target, ClientOptions(step_lane=lane))
+        self.columns, self.lane = columns, lane
 
     def _run(self, add: Callable[[StepBatch], Any]) -> Any:
         batch = StepBatch(columns=self.columns)
         outcome = add(batch)
         self.client.step(batch)
+        assert (self.client._lane is not None) == self.lane  # the Step went where it was meant to
         return outcome.value
 
     def open(self, sid: str, streaming: bool) -> None:
@@ -94,7 +97,7 @@ class Stepped:
 
 
 class Client(Stepped):
-    """The engine client's unary calls (packed responses, decoded into its records)."""
+    """The engine client's unary calls (packed responses, decoded into its records); a Step opens the lane."""
 
     def append(self, sid: str, tokens: list[int], reserve: int) -> Delta:
         r = self.client.append_session(sid, tokens, reserve)
@@ -111,6 +114,8 @@ PATHS: dict[str, Callable[[ThreadServer], Any]] = {
     "client": lambda s: Client(s, columns=True),
     "step-messages": lambda s: Stepped(s, columns=False),
     "step-columns": lambda s: Stepped(s, columns=True),
+    "step-messages-grpc": lambda s: Stepped(s, columns=False, lane=False),
+    "step-columns-grpc": lambda s: Stepped(s, columns=True, lane=False),
 }
 
 
