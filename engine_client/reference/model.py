@@ -392,44 +392,65 @@ class ReferenceModel:
                 for i in range(self.config.num_layers)]
 
     def forward_batch(self, batch: Sequence[tuple[torch.Tensor, int, torch.Tensor]],
-                      pool: torch.Tensor) -> list[torch.Tensor]:
+                      pool: torch.Tensor, *, window_pool: torch.Tensor | None = None,
+                      window_tables: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """`forward_paged` for many sequences in one pass: a continuous-batching step.
 
         `batch` holds `(token_ids, start_pos, page_table)` per sequence, each as in `forward_paged` (a
         prefill of many tokens or a decode of one). Embeddings, projections and MLPs run once over all the
-        step's tokens; attention runs per sequence through its own page table. Returns each sequence's
-        logits `[m_i, vocab_size]`, in order.
+        step's tokens; attention runs per sequence through its own page table. On a pool that keeps window rows
+        apart, `window_pool` and `window_tables` (one per sequence, in order) as in `forward_paged`. Returns each
+        sequence's logits `[m_i, vocab_size]`, in order.
         """
         if not batch:
             return []
-        self._check_pool(pool)
+        if (window_pool is None) != (window_tables is None):
+            raise ValueError("window_pool and window_tables go together (a pool that keeps window rows apart)")
+        if window_tables is not None and len(window_tables) != len(batch):
+            raise ValueError(f"{len(window_tables)} window tables for {len(batch)} sequences")
+        if window_pool is None:
+            self._check_pool(pool)
+        else:
+            self._check_window_pool(pool, window_pool)
         num_pages, page_size = pool.shape[2], pool.shape[3]
+        c = self.config
         seqs = []
-        for token_ids, start_pos, page_table in batch:
+        for i, (token_ids, start_pos, page_table) in enumerate(batch):
             tokens = self._check_tokens(token_ids)
             if start_pos < 0:
                 raise ValueError(f"start_pos must be >= 0, got {start_pos}")
             m = tokens.numel()
             slots = self._slot_mapping(page_table, start_pos + m, num_pages, page_size)
             positions = torch.arange(start_pos, start_pos + m, device=self.device)
-            seqs.append((tokens, start_pos, m, slots, positions))
+            win_first = max(start_pos - c.sliding_window + 1, 0)
+            win_slots = (self._window_slot_mapping(window_tables[i], win_first, start_pos + m, window_pool.shape[2],
+                                                   page_size)
+                         if window_pool is not None and window_tables is not None else None)
+            seqs.append((tokens, start_pos, m, slots, positions, win_first, win_slots))
         tokens = torch.cat([s[0] for s in seqs])
         positions = torch.cat([s[4] for s in seqs])
         new_slots = torch.cat([s[3][s[1]:] for s in seqs])
         if torch.unique(new_slots).numel() != new_slots.numel():
             raise ValueError("two sequences of the batch write the same slot (shared or repeated pages)")
-        c = self.config
+        win_new = [s[6][s[1] - s[5]:] for s in seqs if s[6] is not None]  # the new positions' window slots
+        new_win = torch.cat(win_new) if window_pool is not None else None
+        if new_win is not None and torch.unique(new_win).numel() != new_win.numel():
+            raise ValueError("two sequences of the batch write the same window slot (shared or repeated window pages)")
+        rows = self._rows(pool, window_pool)
         with torch.no_grad():
             x = self.embed[tokens]
             for layer_idx, layer in enumerate(self.layers):
                 q, k, v = self._qkv(layer, x, positions)
-                kv = pool[layer_idx].view(2, num_pages * page_size, c.num_kv_heads, pool.shape[5])
-                self._write(kv, new_slots, k, v)
-                parts, offset = [], 0
+                region, index = rows[layer_idx]
+                kv = region[index].view(2, region.shape[2] * page_size, c.num_kv_heads, region.shape[5])
                 window = c.window(layer_idx)
-                for _, start_pos, m, slots, pos in seqs:
+                apart = bool(window) and new_win is not None
+                self._write(kv, new_win if apart and new_win is not None else new_slots, k, v)
+                parts, offset = [], 0
+                for _, start_pos, m, slots, pos, _, win_slots in seqs:
                     first = max(start_pos - window + 1, 0) if window else 0
-                    keys, values = self._read(layer, kv, slots[first:])
+                    read = win_slots if apart and win_slots is not None else slots[first:]
+                    keys, values = self._read(layer, kv, read)
                     parts.append(_causal_gqa_attention(q[offset:offset + m], keys, values, pos, first, window))
                     offset += m
                 x = self._finish_layer(layer, x, torch.cat(parts))

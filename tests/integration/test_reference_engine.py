@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from engine_client import KVCacheClient, LayoutMismatch, PoolExhausted
+from engine_client import KVCacheClient, LayoutMismatch, PoolExhausted, check_layout
 from engine_client.reference import ModelConfig
-from engine_client.reference.batching import BatchingEngine
 from engine_client.reference.check import model_for, tokens, verify
 from engine_client.reference.engine import ReferenceEngine
+from engine_client.reference.model import model_layout
 
 from .conftest import REPO, ServerProcess
 
@@ -239,8 +239,8 @@ def test_an_engine_that_reads_no_window_pages_refuses_such_a_pool_naming_both(
     server = start_server(*WINDOW_POOL, "--window-pages", "64")
     with KVCacheClient(server.target) as client:
         layout = client.get_pool_info().layout
-        with pytest.raises(LayoutMismatch) as refused:
-            BatchingEngine(client, model_for(layout))  # continuous batching reads every layer from the pages
+        with pytest.raises(LayoutMismatch) as refused:  # what the vLLM connector and SGLang's backend call
+            check_layout(layout, **model_layout(model_for(layout)))
         assert str(refused.value) == (
             "pool layout (layers=2, kv_heads=2, head_dim=32, dtype=float32, sliding window 8 on layer 0) keeps its "
             "window layers' rows apart in 64 window pages (--window-pages), which this engine does not read (it reads "

@@ -604,3 +604,25 @@ def test_bad_window_pools_and_tables_are_refused_naming_both_sides(call: object,
     with pytest.raises(ValueError, match=message):
         call(model, pool, window)  # type: ignore[operator]
     assert torch.equal(pool, before[0]) and torch.equal(window, before[1])  # nothing written
+
+
+def test_window_pages_batch_matches_dense(window_model: ReferenceModel) -> None:
+    long, short = make_tokens(29, seed=23), make_tokens(11, seed=24)
+    a = WindowPagedSession(window_model, 4)
+    a.run(long[:20])  # 20 positions, then the window pages before the next query's window are dropped
+    b = WindowPagedSession(window_model, 4)
+    b.pool, b.window = a.pool, a.window  # one pool: b's pages and window pages from the ones a has not taken
+    b.handout._free = [p for p in a.handout._free if p not in a.pages]
+    b.window_handout._free = [w for w in a.window_handout._free if w not in a.windows]
+    a_pages, a_windows = a.pages + a.handout.take(3), a.windows + a.window_handout.take(3)
+    b.window_handout._free = [w for w in b.window_handout._free if w not in a_windows]
+    b.handout._free = [p for p in b.handout._free if p not in a_pages]
+    b_pages, b_windows = b.handout.take(3), b.window_handout.take(3)
+    out = window_model.forward_batch([(long[20:], 20, as_table(a_pages)), (short, 0, as_table(b_pages))], a.pool,
+                                     window_pool=a.window, window_tables=[as_table(a_windows), as_table(b_windows)])
+    torch.testing.assert_close(out[0], window_model.forward_dense(long)[20:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out[1], window_model.forward_dense(short), atol=ATOL, rtol=0)
+    assert a.windows[:2] == [0, 0]  # positions 0-7: dropped before the batch, never read by it
+    with pytest.raises(ValueError, match=r"^two sequences of the batch write the same window slot"):
+        window_model.forward_batch([(short, 0, as_table(b_pages)), (short, 0, as_table(a_pages[-3:]))], a.pool,
+                                   window_pool=a.window, window_tables=[as_table(b_windows), as_table(b_windows)])
