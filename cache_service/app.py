@@ -71,6 +71,8 @@ def core_config(config: ServiceConfig, num_pages: int) -> CoreConfig:
         tier_pin_fraction=config.tier_pin_fraction,
         tier_policy=config.tier_policy,
         tier_tainted_quarantine_seconds=config.tier_tainted_quarantine,
+        window_pages=config.window_pages,
+        window_tokens=config.sliding_window if config.window_pages else 0,
     )
 
 

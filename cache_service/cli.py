@@ -211,7 +211,15 @@ def _group_lines(layout: PoolLayout) -> list[str]:
         return []
     groups = "; ".join(f"{GROUP_KINDS[g.kind]}{f' {g.sliding_window}' if g.sliding_window else ''} on "
                        f"{layer_words(g.layers, layout.num_layers)}" for g in layout.groups)
-    return [f"  groups   {groups} (a page holds every layer's rows)"]
+    if not layout.window_pages:
+        return [f"  groups   {groups} (a page holds every layer's rows)"]
+    full = len(layout.full_layers)
+    return [f"  groups   {groups}",
+            f"  window   {layout.window_pages - 1:,} window pages x {layout.page_size} tokens = "
+            f"{(layout.window_pages - 1) * layout.page_size:,} tokens of the window layers' rows, "
+            f"{format_bytes(layout.window_size_bytes)}; a page holds the {full} full-attention layer"
+            f"{'s' if full != 1 else ''}' rows ({format_bytes(layout.bytes_per_page)}), a window page the "
+            f"{len(layout.window_layers)} window layers' ({format_bytes(layout.bytes_per_window_page)})"]
 
 
 def _sizing_lines(server: Any) -> list[str]:

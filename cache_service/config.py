@@ -151,7 +151,8 @@ class ServiceConfig:
                              "(multi-head latent attention: one latent of --head-dim values, --num-kv-heads 1)",
                              choices=tuple(ATTENTION_KINDS))
     sliding_window: int = setting(0, "tokens the --window-layers attend within (Mistral v0.1, Gemma-2/3, GPT-OSS); "
-                                  "0: no window. A page keeps every layer's rows, window layers included",
+                                  "0: no window. A page keeps every layer's rows, window layers included, unless "
+                                  "--window-pages",
                                   at_least=0)
     window_layers: str = setting("", "with --sliding-window: the 0-based layers that attend within the window, "
                                  "e.g. 0-4,6-10 (default: every layer)", parse=_layer_list, metavar="LIST")
@@ -161,6 +162,11 @@ class ServiceConfig:
                              "is set)")
     pool_bytes: int = setting(0, "pool size in bytes instead of --num-pages (e.g. 512Mi, 8Gi)", parse=parse_bytes,
                               metavar="SIZE")
+    window_pages: int = setting(0, "with --sliding-window: keep the window layers' rows apart, in this many window "
+                                "pages (window page 0 included) after the pages, which then hold only the "
+                                "full-attention layers' rows; a page's window rows are dropped where no later hit "
+                                "needs them (docs/attention-shapes.md). At most --num-pages; --pool-bytes is then "
+                                "both regions. 0: every page holds every layer's rows", metavar="N", at_least=0)
     pool_memory_fraction: float = setting(0.25, "with --model and no --num-pages, --pool-bytes or "
                                           "--gpu-memory-fraction: the pool takes at most this share of the free "
                                           "memory where it lives (the GPU's; host memory, at most --shm-dir's free "
@@ -301,7 +307,8 @@ class ServiceConfig:
     def _dims(self) -> dict[str, Any]:
         return {"attention": self.attention, "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
                 "head_dim": self.head_dim, "dtype": self.dtype, "page_size": self.page_size,
-                "sliding_window": self.sliding_window, "window_layers": self.window_layer_indices}
+                "sliding_window": self.sliding_window, "window_layers": self.window_layer_indices,
+                "window_pages": self.window_pages}
 
     @property
     def window_layer_indices(self) -> tuple[int, ...]:
@@ -316,11 +323,16 @@ class ServiceConfig:
         return PoolLayout(num_pages=2, **self._dims()).bytes_per_page
 
     @property
+    def window_region_bytes(self) -> int:
+        """Bytes of the window region (--window-pages of every window layer's rows); 0 without one."""
+        return PoolLayout(num_pages=2, **self._dims()).window_size_bytes
+
+    @property
     def resolved_num_pages(self) -> int:
         if self.num_pages:
             return self.num_pages
         if self.pool_bytes:
-            return self.pool_bytes // self.bytes_per_page
+            return max(self.pool_bytes - self.window_region_bytes, 0) // self.bytes_per_page
         return DEFAULT_NUM_PAGES
 
     def layout(self) -> PoolLayout:
@@ -387,7 +399,9 @@ class ServiceConfig:
              f"sizes a GPU pool ({', '.join(GPU_BACKENDS)}), not --backend {self.backend}; use --pool-bytes")
         need(self.num_pages >= 0, "num-pages", f"must be >= 2, got {self.num_pages}")
         need(self.num_pages != 1, "num-pages", "must be >= 2 (page 0 is reserved)")
-        if self.pool_bytes:
+        if self.window_pages:
+            self._validate_window_pages(need)
+        if self.pool_bytes and not self.window_pages:
             need(self.pool_bytes // self.bytes_per_page >= 2, "pool-bytes",
                  f"{format_bytes(self.pool_bytes)} holds fewer than 2 pages of {format_bytes(self.bytes_per_page)}")
         need(self.resolved_num_pages <= 2**31 - 1, "num-pages", "must fit in int32 page ids")
@@ -413,6 +427,28 @@ class ServiceConfig:
         need(bool(self.tls_cert) or not self.tls_key, "tls-key", "needs --tls-cert (the certificate it belongs to)")
         need(bool(self.tls_cert) or not self.tls_client_ca, "tls-client-ca",
              "needs --tls-cert and --tls-key: mutual TLS is TLS with client certificates")
+
+    def _validate_window_pages(self, need: Callable[[bool, str, str], None]) -> None:
+        """--window-pages against the window, the sizing flags and the tier (docs/design.md §13)."""
+        n = self.window_pages
+        need(bool(self.sliding_window), "window-pages",
+             f"{n} needs --sliding-window (the window layers whose rows the window pages hold), got --sliding-window 0")
+        need(n >= 2, "window-pages", f"must be 0 or >= 2 (window page 0 is reserved), got {n}")
+        need(self.tier == "none", "window-pages",
+             f"is not supported with --tier {self.tier}: a tier value holds every layer's rows of a page; set "
+             "--tier none or --window-pages 0")
+        if self.bytes_per_page == 0:  # every layer windowed: the pages hold no rows, only the window pages do
+            sized = ("--pool-bytes" if self.pool_bytes else "--gpu-memory-fraction" if self.gpu_memory_fraction
+                     else "--model's free-memory sizing" if self.memory_sizing_fraction else "")
+            need(not sized, "window-pages",
+                 f"with every layer windowed the pages hold no rows, so {sized} cannot size them: set --num-pages")
+        elif self.pool_bytes:
+            need(self.pool_bytes - self.window_region_bytes >= 2 * self.bytes_per_page, "pool-bytes",
+                 f"{format_bytes(self.pool_bytes)} holds fewer than 2 pages of {format_bytes(self.bytes_per_page)} "
+                 f"beside the window region ({format_bytes(self.window_region_bytes)} for --window-pages {n})")
+        pages = self.resolved_num_pages
+        need(n <= pages, "window-pages",
+             f"{n} is more than the pool's {pages} pages (--num-pages): a page holds at most one window page")
 
     def _validate_tier(self, need: Callable[[bool, str, str], None]) -> None:
         need(self.tier != "disk" or bool(self.tier_dir), "tier-dir", "--tier disk needs a directory")

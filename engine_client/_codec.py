@@ -30,6 +30,7 @@ from engine_client.types import (
     SessionInfo,
     SessionPage,
     Stats,
+    no_pages,
 )
 from kvcache_common.layout import ATTENTION_KINDS
 from protos.kvcache.v1 import kvcache_pb2 as pb
@@ -62,10 +63,15 @@ def pack_tokens(tokens: TokensLike) -> bytes:
     return arr.astype("<i4", copy=False).tobytes()
 
 
-def unpack_pages(response: Any) -> PageIds:
-    if response.packed_page_ids:  # a copy: the record owns its array (frombuffer's is read-only)
-        return np.frombuffer(response.packed_page_ids, dtype="<i4").astype(np.int32)
-    return np.fromiter(response.page_ids, dtype=np.int32, count=len(response.page_ids))
+def unpack_pages(response: Any, name: str = "page_ids") -> PageIds:
+    """The message's `name` (repeated int32) or its `packed_<name>` twin, as an array the record owns."""
+    packed = getattr(response, f"packed_{name}")
+    if packed:  # a copy: the record owns its array (frombuffer's is read-only)
+        return np.frombuffer(packed, dtype="<i4").astype(np.int32)
+    listed = getattr(response, name)
+    if not listed and name != "page_ids":
+        return no_pages()  # a pool without window pages: the shared empty array (records compare equal)
+    return np.fromiter(listed, dtype=np.int32, count=len(listed))
 
 
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
@@ -145,11 +151,11 @@ def opened(r: pb.OpenSessionResponse) -> OpenedSession:
 
 
 def appended(r: pb.AppendSessionResponse) -> AppendResult:
-    return _record(AppendResult, r, page_ids=unpack_pages(r))
+    return _record(AppendResult, r, page_ids=unpack_pages(r), window_page_ids=unpack_pages(r, "window_page_ids"))
 
 
 def extended(r: pb.ExtendSessionResponse) -> ExtendResult:
-    return _record(ExtendResult, r, page_ids=unpack_pages(r))
+    return _record(ExtendResult, r, page_ids=unpack_pages(r), window_page_ids=unpack_pages(r, "window_page_ids"))
 
 
 def committed(r: pb.CommitSessionResponse) -> CommitResult:

@@ -86,7 +86,7 @@ def check_model(model: Any, layout: PoolLayout) -> None:
         raise UnsupportedModel(
             f"{type(model).__name__} has {', '.join(other)} layers: a kvcache session keeps the K/V of every "
             "position, so only full-attention and sliding-window layers fit")
-    check_layout(layout, **model_layout(model))
+    check_layout(layout, **model_layout(model), window_pages=True)  # window layers through Session.window_slots
 
 
 _ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})

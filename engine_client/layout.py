@@ -7,7 +7,8 @@ A mismatch raises `LayoutMismatch` naming both layouts and the `kvcache-service 
 fit the model. Page size and page count are the service's choice: any page size works. An MLA model
 (`attention="mla"`) has one KV "head" whose `head_dim` is its latent's width (kv_lora_rank + qk_rope_head_dim).
 A sliding-window model names its window and the layers that attend within it (`sliding_window`,
-`window_layers`): the pool must have the same ones.
+`window_layers`): the pool must have the same ones. A pool that keeps its window rows apart (`--window-pages`,
+docs/design.md §13) is refused unless the engine says it reads window pages (`window_pages=True`).
 """
 
 from __future__ import annotations
@@ -29,14 +30,23 @@ def dtype_name(dtype: Any) -> str:
 
 
 def check_layout(pool: PoolLayout, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: Any,
-                 attention: str = "full", sliding_window: int = 0, window_layers: tuple[int, ...] = ()) -> None:
+                 attention: str = "full", sliding_window: int = 0, window_layers: tuple[int, ...] = (),
+                 window_pages: bool = False) -> None:
     """Raise `LayoutMismatch` unless `pool` holds this kind of attention (`ATTENTION_KINDS` name) with this many
-    layers, KV heads and head dim, in this dtype, with this sliding window on these layers (0 and (): none)."""
+    layers, KV heads and head dim, in this dtype, with this sliding window on these layers (0 and (): none).
+    `window_pages`: the engine reads a pool whose window rows are kept apart in window pages (the window page ids
+    of its page tables); without it such a pool is refused, naming the flag."""
     window = (sliding_window, tuple(window_layers)) if sliding_window else (0, ())
     want = (attention, num_layers, num_kv_heads, head_dim, dtype_name(dtype), *window)
     have = (pool.attention, pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype, pool.sliding_window,
             pool.window_layers)
     if want == have:
+        if pool.window_pages and not window_pages:
+            raise LayoutMismatch(
+                f"pool layout {_describe(*have)} keeps its window layers' rows apart in {pool.window_pages} window "
+                "pages (--window-pages), which this engine does not read (it reads every layer's rows from the "
+                "pages): serve the pool without --window-pages, or use an engine that reads window pages "
+                "(engine_client.reference)")
         return
     if want[4] not in DTYPE_NAMES:
         raise LayoutMismatch(f"the model's dtype {want[4]} is not a pool dtype (one of {', '.join(DTYPE_NAMES)})")

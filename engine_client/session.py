@@ -19,7 +19,9 @@ service; the batch hands each result back to the session (`_apply`), exactly as 
 Given the mapped pool (`pool=`), `write_kv` and `gather_kv` move one layer's K/V between the engine's
 tensors (`[B=1, heads, seq, dim]` as transformers holds them, or `[seq, heads, dim]`) and the session's
 slots, vectorised. Where the positions sit in consecutive slots (pages with consecutive ids, as a fresh
-pool hands out) a write is one slice copy and a gather is a view of the pool: no copy at all.
+pool hands out) a write is one slice copy and a gather is a view of the pool: no copy at all. On a pool that keeps
+window rows apart (`PoolLayout.window_pages`) a window layer's K/V live in the window pages `window_table` names
+(`window_slots`), beside each page id as the service sends them.
 """
 
 from __future__ import annotations
@@ -81,6 +83,8 @@ class _SessionState:
         """The mapped pool `write_kv` and `gather_kv` use (None: those two are unavailable)."""
         self._host = np.zeros(64, dtype=np.int32)
         self._table = self._device_table()
+        self._win = np.zeros(64, dtype=np.int32)
+        """With a window pool: each page's window page (0: dropped), kept beside `_host` (docs/design.md §13)."""
         self._num_pages = 0
         self._run_pages = 0
         """Length of the page table's leading run of consecutive page ids (its slots are consecutive)."""
@@ -100,6 +104,15 @@ class _SessionState:
     def page_table(self) -> torch.Tensor:
         """The session's page ids, one per page of its capacity (a view; valid until the next change)."""
         return self._table[: self._num_pages]
+
+    @property
+    def window_table(self) -> torch.Tensor:
+        """With a window pool (`PoolLayout.window_pages`): the window page of each page of `page_table`, 0 where
+        the page's window rows were dropped. Its entries for the positions the turn reads or writes in the window
+        layers are current; others may be stale and are never read. All zeros on other pools. A view on the CPU
+        (valid until the next change), else a copy on `device`."""
+        table = torch.from_numpy(self._win[: self._num_pages])
+        return table if self.device.type == "cpu" else table.to(self.device)
 
     @property
     def num_pages(self) -> int:
@@ -152,7 +165,7 @@ class _SessionState:
         self.session_id, self.epoch = res.session_id, res.epoch
 
     def _on_append(self, res: AppendResult) -> Turn:
-        self._apply_delta(res.page_offset, res.page_ids)
+        self._apply_delta(res.page_offset, res.page_ids, res.window_page_ids)
         self.context_tokens = res.context_tokens
         self.kv_tokens = res.cached_tokens
         self.turn = Turn(res.turn, res.cached_tokens, res.context_tokens, res.capacity_tokens,
@@ -160,7 +173,7 @@ class _SessionState:
         return self.turn
 
     def _on_extend(self, res: ExtendResult) -> None:
-        self._apply_delta(res.page_offset, res.page_ids)
+        self._apply_delta(res.page_offset, res.page_ids, res.window_page_ids)
 
     def _on_commit(self, res: CommitResult) -> None:
         self.turn = None
@@ -181,13 +194,21 @@ class _SessionState:
             return torch.from_numpy(self._host)
         return torch.from_numpy(self._host).to(self.device)
 
-    def _apply_delta(self, offset: int, page_ids: np.ndarray) -> None:
+    def _apply_delta(self, offset: int, page_ids: np.ndarray, window_ids: np.ndarray | None = None) -> None:
         end = offset + page_ids.size
         if end > self._host.size:
-            grown = np.zeros(max(end, 2 * self._host.size), dtype=np.int32)
+            size = max(end, 2 * self._host.size)
+            grown = np.zeros(size, dtype=np.int32)
             grown[: self._num_pages] = self._host[: self._num_pages]
             self._host = grown
             self._table = self._device_table()
+            win = np.zeros(size, dtype=np.int32)
+            win[: self._num_pages] = self._win[: self._num_pages]
+            self._win = win
+        if window_ids is not None and window_ids.size:
+            if window_ids.size != page_ids.size:
+                raise RuntimeError(f"the service sent {window_ids.size} window page ids for {page_ids.size} pages")
+            self._win[offset:end] = window_ids
         if page_ids.size:
             self._host[offset:end] = page_ids
             if self.device.type != "cpu":
@@ -211,12 +232,31 @@ class _SessionState:
 
     # ------------------------------------------------------------------ K/V in the pool
 
-    def _planes(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer`'s K and V planes, each `[num_pages * page_size, heads, dim]` (views of the pool)."""
+    def _planes(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Layer `layer`'s K and V planes, each `[pages * page_size, heads, dim]` (views of the pool), and whether
+        they are the window region's (a window layer of a pool that keeps window rows apart)."""
         if self.pool is None:
             raise RuntimeError("this session has no pool: pass pool=map_pool(client) to use write_kv/gather_kv")
-        kv = self.pool.tensor[layer]
-        return kv[0].flatten(0, 1), kv[1].flatten(0, 1)
+        window, index = self.pool.layer(layer)
+        region = self.pool.window if window else self.pool.tensor
+        assert region is not None
+        kv = region[index]
+        return kv[0].flatten(0, 1), kv[1].flatten(0, 1), window
+
+    def window_slots(self, start: int, stop: int) -> torch.Tensor:
+        """int64 slot indices of positions [start, stop) in the window region (window pools): each position's
+        page's window page. Refused where one was dropped (0): the service keeps the rows every read needs."""
+        if not 0 <= start <= stop <= self._num_pages * self.page_size:
+            raise IndexError(f"positions [{start}, {stop}) are outside the page table "
+                             f"({self._num_pages} pages of {self.page_size})")
+        ps = self.page_size
+        pos = torch.arange(start, stop)
+        win = torch.from_numpy(self._win[: self._num_pages])[pos // ps].long()
+        if stop > start and int(win.min()) == 0:
+            page = int(pos[win == 0][0]) // ps
+            raise RuntimeError(f"positions [{start}, {stop}) of a window layer reach page {page} of the table, whose "
+                               "window rows the service dropped (window page 0): read only the window")
+        return (win * ps + pos % ps).to(self.device)
 
     def _first_slot(self, start: int, stop: int) -> int | None:
         """The slot of position `start` when positions [start, stop) have consecutive slots, else None."""
@@ -237,13 +277,13 @@ class _SessionState:
         if not 0 <= start <= stop <= self.capacity_tokens:
             raise IndexError(f"positions [{start}, {stop}) are outside the page table "
                              f"({self._num_pages} pages of {self.page_size}); grow_for() first")
-        kp, vp = self._planes(layer)
-        first = self._first_slot(start, stop)
+        kp, vp, window = self._planes(layer)
+        first = None if window else self._first_slot(start, stop)
         if first is not None:
             kp[first : first + k3.shape[0]].copy_(k3)
             vp[first : first + k3.shape[0]].copy_(v3)
         else:
-            slots = self.slots(start, stop).to(kp.device)
+            slots = (self.window_slots(start, stop) if window else self.slots(start, stop)).to(kp.device)
             kp[slots] = k3
             vp[slots] = v3
         assert self.pool is not None
@@ -259,12 +299,15 @@ class _SessionState:
             raise ValueError(f"shape must be 'bhsd' or 'shd', got {shape!r}")
         if not 0 <= start <= stop <= self.capacity_tokens:
             raise IndexError(f"positions [{start}, {stop}) are outside the page table ({self._num_pages} pages)")
-        kp, vp = self._planes(layer)
-        first = self._first_slot(start, stop) if stop > start else 0
+        kp, vp, window = self._planes(layer)
+        if stop == start:
+            first: int | None = 0
+        else:  # a window layer's slots go through the window table: gathered, never a view
+            first = None if window else self._first_slot(start, stop)
         if first is not None:
             k, v = kp[first : first + stop - start], vp[first : first + stop - start]
         else:
-            slots = self.slots(start, stop).to(kp.device)
+            slots = (self.window_slots(start, stop) if window else self.slots(start, stop)).to(kp.device)
             k, v = kp[slots], vp[slots]
         if shape == "shd":
             return k, v

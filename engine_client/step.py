@@ -51,6 +51,7 @@ from engine_client.types import (
     OpenedSession,
     PageIds,
     ReuseReport,
+    no_pages,
 )
 from kvcache_common.protowire import varint
 from protos.kvcache.v1 import kvcache_pb2 as pb
@@ -592,8 +593,8 @@ class _ColumnResults:
     answer: each result's `page_ids` is its own slice of it."""
 
     __slots__ = ("_cached", "_capacity", "_closed", "_cols", "_context", "_ends", "_epochs", "_hits", "_kinds", "_kv",
-                 "_num_pages", "_offsets", "_opened", "_pages", "_sids", "_tier", "_timeouts", "_turns", "errors",
-                 "failed", "instance_id")
+                 "_num_pages", "_offsets", "_opened", "_pages", "_sids", "_tier", "_timeouts", "_turns", "_windows",
+                 "errors", "failed", "instance_id")
 
     def __init__(self, cols: pb.StepColumnResults, sids: list[str], kinds: bytearray) -> None:
         n = len(kinds)
@@ -638,7 +639,19 @@ class _ColumnResults:
         self._ends = [0, *accumulate(array("I", cols.page_counts))]
         pages: PageIds = np.frombuffer(cols.page_ids, "<i4").astype(np.int32)  # a copy: writable, owned here
         self._pages = pages
+        window = cols.window_page_ids  # empty unless the pool keeps window rows apart
+        if window and len(window) != len(cols.page_ids):
+            raise RuntimeError(f"the service answered {len(window) // 4} window page ids for {pages.size} page ids")
+        self._windows: PageIds | None = np.frombuffer(window, "<i4").astype(np.int32) if window else None
         return pages
+
+    def _window(self, i: int) -> PageIds:
+        """Op `i`'s window page ids (empty without a window pool)."""
+        windows = self._windows
+        if windows is None:
+            return no_pages()
+        ends = self._ends
+        return windows[ends[i]:ends[i + 1]]
 
     def result(self, i: int) -> Any:
         pages = self._pages
@@ -648,12 +661,12 @@ class _ColumnResults:
         if kind == EXTEND:
             ends = self._ends
             return _extended(self._sids[i], self._epochs[i], self._turns[i], self._capacity[i], self._offsets[i],
-                             pages[ends[i]:ends[i + 1]], self._num_pages[i])
+                             pages[ends[i]:ends[i + 1]], self._num_pages[i], self._window(i))
         if kind == APPEND:
             ends = self._ends
             return _appended(self._sids[i], self._epochs[i], self._turns[i], self._cached[i], self._context[i],
                              self._capacity[i], self._offsets[i], pages[ends[i]:ends[i + 1]], self._num_pages[i],
-                             self._hits[i], self._tier[i])
+                             self._hits[i], self._tier[i], self._window(i))
         if kind == COMMIT:
             return _committed(self._sids[i], self._context[i], self._kv[i], self._num_pages[i], bool(self._closed[i]))
         if kind == CLOSE:

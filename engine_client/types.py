@@ -7,7 +7,7 @@ generated from the proto (kvcache_common/stats.py), as the service's are.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -19,6 +19,17 @@ from kvcache_common.stats import ReuseStats as ReuseStats
 from kvcache_common.stats import ServiceStats
 
 PageIds = npt.NDArray[np.int32]
+
+
+NO_PAGES: PageIds = np.zeros(0, dtype=np.int32)
+NO_PAGES.setflags(write=False)
+
+
+def no_pages() -> PageIds:
+    """The one empty, read-only page id array: the window page ids of a pool without window pages. One object, so
+    records that hold it compare equal (a tuple compares a field by identity first; two empty arrays would compare
+    element-wise)."""
+    return NO_PAGES
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +48,10 @@ class PoolInfo:
     """host_memfd, cuda_vmm: the unix socket that hands the pool over (a path, or @name)."""
     step_socket: str = ""
     """The step lane's unix socket path ("" when the service serves none): the clients' Steps take it."""
+    window_offset_bytes: int = 0
+    """With `layout.window_pages`: where the window region starts in the mapping (0: one region)."""
+    window_size_bytes: int = 0
+    """With `layout.window_pages`: bytes of the window region (`size_bytes` counts both regions)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +104,10 @@ class AppendResult:
     prefix_hit_tokens: int
     tier_tokens: int = 0
     """Of cached_tokens, how many the service loaded from its tier for this append."""
+    window_page_ids: PageIds = field(default_factory=no_pages)
+    """With a window pool (`PoolLayout.window_pages`): one per page_ids entry, the window page of that page's
+    window-layer rows (0: dropped). Truncate a window table beside the page table to page_offset and append these;
+    its entries for the positions this turn reads or writes are current. Empty for other pools."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +121,8 @@ class ExtendResult:
     page_offset: int
     page_ids: PageIds
     num_pages: int
+    window_page_ids: PageIds = field(default_factory=no_pages)
+    """With a window pool: one per page_ids entry, its window page (as `AppendResult.window_page_ids`)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,12 @@ So a page is whole across the pool's layer groups (`PoolLayout.groups`): a prefi
 before the hit point, and eviction never leaves full-attention rows without their window rows. The groups say
 which layers attend within the window; an engine loads only the window's pages for those layers. Window and
 full layers share the pool's KV heads and head dim.
+
+A window pool may keep its window rows apart (`window_pages` > 0, docs/design.md §13): then the pool is two
+regions of one allocation, the pages' full-attention rows `[full_layers][2][num_pages][page_size][heads][dim]`
+(`shape`) and after them the window pages' rows `[window_layers][2][window_pages][page_size][heads][dim]`
+(`window_shape`, from `window_offset_bytes`). A page then costs only its full-attention rows, and a window page
+its window rows. One allocation, so every backend exports, maps and frees one buffer as before.
 """
 
 from __future__ import annotations
@@ -96,6 +102,9 @@ class PoolLayout:
     window_layers: tuple[int, ...] = ()
     """0-based layer indices that attend within `sliding_window`, ascending and unique; non-empty iff
     `sliding_window` > 0 (only with attention "full")."""
+    window_pages: int = 0
+    """Window pages of the window region (window page 0 included, never handed out): the window layers' rows kept
+    apart from the pages' (see the module); 0: every page holds every layer's rows (one region)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
@@ -134,6 +143,11 @@ class PoolLayout:
             bad = layers[0] if layers[0] < 0 else layers[-1]
             raise ValueError(f"window_layers: layer {bad} is out of range (the pool has {self.num_layers} layers, "
                              f"0-{self.num_layers - 1})")
+        if self.window_pages and not self.sliding_window:
+            raise ValueError(f"window_pages {self.window_pages} needs sliding_window > 0 (the window layers whose rows "
+                             "they hold), got no window")
+        if self.window_pages < 0 or self.window_pages == 1:
+            raise ValueError(f"window_pages must be 0 or >= 2 (window page 0 is reserved), got {self.window_pages}")
 
     @property
     def kind(self) -> AttentionKind:
@@ -168,24 +182,56 @@ class PoolLayout:
         return DTYPE_BYTES[self.dtype]
 
     @property
+    def full_layers(self) -> tuple[int, ...]:
+        """The layers whose rows the pages hold: every layer, or with `window_pages` those without the window."""
+        if not self.window_pages:
+            return tuple(range(self.num_layers))
+        windowed = set(self.window_layers)
+        return tuple(i for i in range(self.num_layers) if i not in windowed)
+
+    @property
     def shape(self) -> tuple[int, int, int, int, int, int]:
-        """`(num_layers, 2, num_pages, page_size, num_kv_heads, plane_dim)`, in elements."""
-        return (self.num_layers, 2, self.num_pages, self.page_size, self.num_kv_heads, self.plane_dim)
+        """`(num_layers, 2, num_pages, page_size, num_kv_heads, plane_dim)`, in elements: the pages' region (with
+        `window_pages`, its first dimension is `len(full_layers)`, in layer order)."""
+        return (len(self.full_layers), 2, self.num_pages, self.page_size, self.num_kv_heads, self.plane_dim)
+
+    @property
+    def window_shape(self) -> tuple[int, int, int, int, int, int]:
+        """`(len(window_layers), 2, window_pages, page_size, num_kv_heads, plane_dim)`: the window region (all
+        zeros without `window_pages`)."""
+        if not self.window_pages:
+            return (0, 2, 0, self.page_size, self.num_kv_heads, self.plane_dim)
+        return (len(self.window_layers), 2, self.window_pages, self.page_size, self.num_kv_heads, self.plane_dim)
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page in one layer's K (or V) plane."""
+        """Bytes of one page (or window page) in one layer's K (or V) plane."""
         return self.page_size * self.num_kv_heads * self.plane_dim * self.itemsize
 
     @property
     def bytes_per_page(self) -> int:
-        """Bytes one page costs across all layers, K and V."""
-        return self.num_layers * 2 * self.page_bytes
+        """Bytes one page costs across its layers (`full_layers`), K and V."""
+        return len(self.full_layers) * 2 * self.page_bytes
+
+    @property
+    def bytes_per_window_page(self) -> int:
+        """Bytes one window page costs across the window layers, K and V (0 without `window_pages`)."""
+        return len(self.window_layers) * 2 * self.page_bytes if self.window_pages else 0
+
+    @property
+    def window_offset_bytes(self) -> int:
+        """Where the window region starts: right after the pages' region."""
+        return self.num_pages * self.bytes_per_page
+
+    @property
+    def window_size_bytes(self) -> int:
+        """Bytes of the window region, its reserved window page included (0 without `window_pages`)."""
+        return self.window_pages * self.bytes_per_window_page
 
     @property
     def size_bytes(self) -> int:
-        """Bytes of the whole pool, the reserved page included."""
-        return self.num_pages * self.bytes_per_page
+        """Bytes of the whole pool, both regions and their reserved pages included."""
+        return self.num_pages * self.bytes_per_page + self.window_size_bytes
 
     @property
     def usable_tokens(self) -> int:
@@ -195,8 +241,9 @@ class PoolLayout:
     def describe(self) -> str:
         """One line for logs and start messages (the page count is reported separately)."""
         window = describe_window(self.sliding_window, self.window_layers, self.num_layers)
+        apart = f", window rows apart in {self.window_pages - 1:,} window pages" if self.window_pages else ""
         return f"{describe_kv(self.attention, self.num_layers, self.num_kv_heads, self.head_dim)}, {self.dtype}, " \
-               f"{self.page_size} tokens/page{window}"
+               f"{self.page_size} tokens/page{window}{apart}"
 
 
 def describe_kv(attention: str, num_layers: int, num_kv_heads: int, head_dim: int) -> str:

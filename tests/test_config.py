@@ -341,3 +341,58 @@ def test_step_lane_flags_that_disagree_are_refused(argv: list[str], message: str
     with pytest.raises(ConfigError) as err:
         parse(argv)
     assert str(err.value) == message
+
+
+GEMMA_FLAGS = ["--num-layers", "6", "--num-kv-heads", "2", "--head-dim", "8", "--dtype", "float32", "--page-size", "4",
+               "--sliding-window", "16", "--window-layers", "0-2,4,5"]
+"""A Gemma-3-style pool (5 window layers to 1 full) of 256 B a page in one layer's K (or V) plane."""
+
+
+def test_window_pages_keep_the_window_rows_apart_and_reach_the_core() -> None:
+    config = parse([*GEMMA_FLAGS, "--num-pages", "10", "--window-pages", "7"])
+    layout = config.layout()
+    assert layout == PoolLayout(num_layers=6, num_kv_heads=2, head_dim=8, dtype="float32", page_size=4, num_pages=10,
+                                sliding_window=16, window_layers=(0, 1, 2, 4, 5), window_pages=7)
+    assert (config.bytes_per_page, config.window_region_bytes) == (2 * 256, 7 * 5 * 2 * 256)
+    core = core_config(config, layout.num_pages)
+    assert (core.window_pages, core.window_tokens) == (7, 16)
+    # --pool-bytes is both regions: the window region first, the rest in pages of the full layer's rows
+    sized = parse([*GEMMA_FLAGS, "--pool-bytes", str(7 * 5 * 2 * 256 + 12 * 2 * 256 + 100), "--window-pages", "7"])
+    assert sized.resolved_num_pages == 12 and sized.layout().size_bytes == 7 * 5 * 2 * 256 + 12 * 2 * 256
+    assert parse(["--num-pages", "10"], {"KVCACHE_SLIDING_WINDOW": "16", "KVCACHE_WINDOW_PAGES": "5"}
+                 ).layout().window_pages == 5
+    every = parse(["--sliding-window", "16", "--num-pages", "10", "--window-pages", "4"])  # Mistral: pages cost 0
+    assert (every.bytes_per_page, every.layout().shape[0], every.layout().window_shape[0]) == (0, 0, 2)
+
+
+def test_without_window_pages_nothing_changes() -> None:
+    config = parse([*GEMMA_FLAGS, "--num-pages", "10"])
+    assert config.window_pages == 0 and config.layout().window_pages == 0
+    assert config.bytes_per_page == 6 * 2 * 256  # every layer of every page, as before
+    core = core_config(config, 10)
+    assert (core.window_pages, core.window_tokens) == (0, 0)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--num-pages", "10", "--window-pages", "4"],
+     "--window-pages: 4 needs --sliding-window (the window layers whose rows the window pages hold), got "
+     "--sliding-window 0"),
+    ([*GEMMA_FLAGS, "--num-pages", "10", "--window-pages", "1"],
+     "--window-pages: must be 0 or >= 2 (window page 0 is reserved), got 1"),
+    ([*GEMMA_FLAGS, "--num-pages", "10", "--window-pages", "-3"], "--window-pages: must be >= 0, got -3"),
+    ([*GEMMA_FLAGS, "--num-pages", "10", "--window-pages", "11"],
+     "--window-pages: 11 is more than the pool's 10 pages (--num-pages): a page holds at most one window page"),
+    ([*GEMMA_FLAGS, "--num-pages", "10", "--window-pages", "4", "--tier", "disk", "--tier-dir", "/tmp/t"],
+     "--window-pages: is not supported with --tier disk: a tier value holds every layer's rows of a page; set "
+     "--tier none or --window-pages 0"),
+    ([*GEMMA_FLAGS, "--pool-bytes", "9000", "--window-pages", "7"],
+     "--pool-bytes: 8.8 KiB holds fewer than 2 pages of 512 B beside the window region (17.5 KiB for "
+     "--window-pages 7)"),
+    (["--sliding-window", "16", "--pool-bytes", "1Mi", "--window-pages", "4"],
+     "--window-pages: with every layer windowed the pages hold no rows, so --pool-bytes cannot size them: set "
+     "--num-pages"),
+])
+def test_window_pages_that_cannot_make_a_pool_are_refused_naming_both_sides(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse(argv)
+    assert str(err.value) == message

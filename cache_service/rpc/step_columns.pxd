@@ -9,7 +9,7 @@ from cache_service.core.slot cimport SessionSlot
 
 @cython.locals(n=Py_ssize_t, i=Py_ssize_t, k=int, f=int, ntok=Py_ssize_t, start=Py_ssize_t, pos=Py_ssize_t,
                kinds=bytes, flags=bytes, tokens=bytes, negative=bint, ops=Ops, s=SessionSlot, sids=list,
-               page_parts=list, opened=list, view=memoryview,
+               page_parts=list, win_parts=list, window=object, opened=list, view=memoryview,
                epochs=cython.ulonglong[:], counts=cython.int[:], turns=cython.uint[:], timeouts=cython.double[:],
                reuse=object,
                codes=cython.int[:], r_epochs=cython.ulonglong[:], r_turns=cython.uint[:], r_cached=cython.uint[:],

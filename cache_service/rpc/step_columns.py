@@ -96,6 +96,10 @@ def run_columns(core: KVCacheCore, cols: pb.StepColumns, default_engine: str, wh
     r_timeouts = array("d", bytes(8 * n))
     r_closed = bytearray(n)
     page_parts: list[bytes] = []
+    window = core.window
+    win_parts: list[bytes] = []
+    """With a window pool: each op's window page ids beside its page ids (docs/design.md §13), read right after
+    the op, as the op alone would answer them."""
     opened: list[str] = []
 
     ops = core.ops
@@ -125,6 +129,8 @@ def run_columns(core: KVCacheCore, cols: pb.StepColumns, default_engine: str, wh
                 r_pages[i] = num
                 r_page_counts[i] = len(pages) >> 2
                 page_parts.append(pages)
+                if window is not None:
+                    win_parts.append(window.window_of(pages))
             elif k == APPEND:
                 s, (cached, context, capacity, offset, pages, num, hit) = ops.append(
                     sid, op_tokens, counts[i], epochs[i], engine, owner)
@@ -138,6 +144,8 @@ def run_columns(core: KVCacheCore, cols: pb.StepColumns, default_engine: str, wh
                 r_hits[i] = hit
                 r_page_counts[i] = len(pages) >> 2
                 page_parts.append(pages)
+                if window is not None:
+                    win_parts.append(window.window_of(pages))
             elif k == COMMIT:
                 f = flags[i]
                 report = None
@@ -175,6 +183,8 @@ def run_columns(core: KVCacheCore, cols: pb.StepColumns, default_engine: str, wh
                 r_cached[i] = cached
                 r_page_counts[i] = len(pages) >> 2
                 page_parts.append(pages)
+                if window is not None:
+                    win_parts.append(bytes(len(pages)))  # a match pins nothing: its answer names no window pages
             else:
                 raise KVCacheError(Reason.INVALID_ARGUMENT, f"ops[{i}] names no operation (set one of "
                                    f"{', '.join(KIND_NAMES.values())})", field="ops", index=i)
@@ -205,6 +215,8 @@ def run_columns(core: KVCacheCore, cols: pb.StepColumns, default_engine: str, wh
     out.closed = bytes(r_closed)
     out.page_counts = bytes(r_page_counts)
     out.page_ids = b"".join(page_parts)
+    if window is not None:
+        out.window_page_ids = b"".join(win_parts)
     out.timeouts = bytes(r_timeouts)
     if opened:
         out.opened_ids.extend(opened)

@@ -17,7 +17,7 @@ import torch
 from torch.utils.dlpack import from_dlpack
 
 from engine_client.errors import PoolMappingError
-from engine_client.mapping.base import TORCH_DTYPES, Device, MappedPool, PoolImporter
+from engine_client.mapping.base import Device, MappedPool, PoolImporter, split_regions
 from engine_client.types import PoolInfo
 
 
@@ -166,7 +166,6 @@ def map_cuda_ipc(info: PoolInfo, device: Device = None, importer: IpcImporter | 
                  mappings: IpcMappings = MAPPINGS, *, auth_token: str = "") -> MappedPool:
     """Map `info`'s pool on the local GPU that has its UUID; zero-copy torch tensors."""
     importer = importer if importer is not None else CupyImporter()
-    layout = info.layout
     index = find_device(info.device_uuid, importer.device_uuids(), device)
     if len(info.cuda_ipc_handle) != 64:
         raise PoolMappingError(f"a CUDA IPC handle has 64 bytes, the service sent {len(info.cuda_ipc_handle)}")
@@ -182,9 +181,9 @@ def map_cuda_ipc(info: PoolInfo, device: Device = None, importer: IpcImporter | 
             f"on the node), that the GPU is not a MIG instance, and that the service (instance {info.instance_id}) "
             "is still running"
         ) from None
-    start = info.offset_bytes
-    tensor = raw[start:start + layout.size_bytes].view(TORCH_DTYPES[layout.dtype]).view(layout.shape)
-    return MappedPool(info, tensor, release=lambda: mappings.release(importer, index, info.cuda_ipc_handle))
+    tensor, window = split_regions(raw, info)
+    return MappedPool(info, tensor, release=lambda: mappings.release(importer, index, info.cuda_ipc_handle),
+                      window=window)
 
 
 if TYPE_CHECKING:  # IMPORTERS reaches this function by name; let mypy check it fits the contract

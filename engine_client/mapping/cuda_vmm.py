@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from engine_client.errors import PoolMappingError
-from engine_client.mapping.base import TORCH_DTYPES, Device, MappedPool, PoolImporter
+from engine_client.mapping.base import Device, MappedPool, PoolImporter, split_regions
 from engine_client.mapping.cuda_ipc import find_device, normalize_uuid
 from engine_client.mapping.fd import receive_pool_fd
 from engine_client.types import PoolInfo
@@ -176,9 +176,8 @@ def map_cuda_vmm(info: PoolInfo, device: Device = None, *, auth_token: str = "",
             f"{step} failed on cuda:{index} ({_one_line(e)}). Check that this engine runs on the service's node "
             f"and GPU ({info.device_uuid}) and that the service (instance {info.instance_id}) is still running"
         ) from None
-    start = info.offset_bytes
-    tensor = raw[start:start + layout.size_bytes].view(TORCH_DTYPES[layout.dtype]).view(layout.shape)
-    return MappedPool(info, tensor, release=mapping.release)
+    tensor, window = split_regions(raw, info)
+    return MappedPool(info, tensor, release=mapping.release, window=window)
 
 
 if TYPE_CHECKING:  # IMPORTERS reaches this function by name; let mypy check it fits the contract

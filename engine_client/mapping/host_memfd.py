@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from engine_client.errors import PoolMappingError
-from engine_client.mapping.base import TORCH_DTYPES, Device, MappedPool, PoolImporter, contiguous_strides
+from engine_client.mapping.base import Device, MappedPool, PoolImporter, storage_regions
 from engine_client.mapping.fd import receive_pool_fd
 from engine_client.types import PoolInfo
 
@@ -31,9 +31,8 @@ def map_host_memfd(info: PoolInfo, device: Device = None, *, auth_token: str = "
                        torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=True, nbytes=size))
     finally:
         os.close(fd)
-    tensor = torch.empty(0, dtype=TORCH_DTYPES[layout.dtype]).set_(
-        storage, info.offset_bytes // layout.itemsize, layout.shape, contiguous_strides(layout.shape))
-    return MappedPool(info, tensor)
+    tensor, window = storage_regions(storage, info)
+    return MappedPool(info, tensor, window=window)
 
 
 if TYPE_CHECKING:  # IMPORTERS reaches this function by name; let mypy check it fits the contract

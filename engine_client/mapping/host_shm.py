@@ -9,7 +9,7 @@ import grpc
 import torch
 
 from engine_client.errors import PoolMappingError, ServiceRestarted
-from engine_client.mapping.base import TORCH_DTYPES, Device, MappedPool, PoolImporter, contiguous_strides
+from engine_client.mapping.base import Device, MappedPool, PoolImporter, storage_regions
 from engine_client.types import PoolInfo
 
 
@@ -44,10 +44,8 @@ def map_host_shm(info: PoolInfo, device: Device = None, *, auth_token: str = "")
             raise PoolMappingError(f"{info.shm_path} was replaced while being mapped; map again")
     finally:
         os.close(fd)
-    dtype = TORCH_DTYPES[layout.dtype]
-    tensor = torch.empty(0, dtype=dtype).set_(storage, info.offset_bytes // layout.itemsize, layout.shape,
-                                              contiguous_strides(layout.shape))
-    return MappedPool(info, tensor)
+    tensor, window = storage_regions(storage, info)
+    return MappedPool(info, tensor, window=window)
 
 
 if TYPE_CHECKING:  # IMPORTERS reaches this function by name; let mypy check it fits the contract

@@ -95,6 +95,8 @@ class _Active:
     rows: list[torch.Tensor] = field(default_factory=list)
     growth: StepOutcome[Any] | None = None
     preemptions: int = 0
+    window_table: torch.Tensor | None = None
+    """On a pool that keeps window rows apart: the session's window table as the step's forward reads it."""
 
     @property
     def turn(self) -> AppendResult:
@@ -124,7 +126,7 @@ class BatchingEngine:
                 raise ValueError("pass pool= or info= with an AsyncKVCacheClient (its get_pool_info is awaited)")
             info = client.get_pool_info()
         lay = info.layout
-        check_layout(lay, **model_layout(self.config))
+        check_layout(lay, **model_layout(self.config), window_pages=True)
         self.device = torch.device(device)
         self.pool = pool if pool is not None else map_pool(info, self.device if self.device.type == "cuda" else None)
         self.page_size = lay.page_size
@@ -175,7 +177,7 @@ class BatchingEngine:
             batch = self._plan(lookahead=2)  # pages for this step and the next
             sending = asyncio.create_task(self._send_async(batch))
             if items:
-                logits = await asyncio.to_thread(self.model.forward_batch, [i[1] for i in items], self.pool.tensor)
+                logits = await asyncio.to_thread(self._forward, items)
             else:
                 logits = []
             self._sample([i[0] for i in items], logits)
@@ -293,10 +295,23 @@ class BatchingEngine:
                 tokens = a.generated[-1:]
             ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
             items.append((a, (ids, start, s.page_table.clone())))
+            if self.pool.window is not None:  # taken now, with the page table: the Step in flight may change both
+                a.window_table = s.window_table.clone()
         return items
 
+    def _forward(self, items: list[tuple[_Active, tuple[torch.Tensor, int, torch.Tensor]]]) -> list[torch.Tensor]:
+        """One forward pass over the step's items; on a pool that keeps window rows apart, through the window
+        region and each session's window table."""
+        window = self.pool.window
+        if window is None:
+            return self.model.forward_batch([i[1] for i in items], self.pool.tensor)
+        tables = [i[0].window_table for i in items]
+        assert all(t is not None for t in tables), "every item's window table is taken with its page table"
+        return self.model.forward_batch([i[1] for i in items], self.pool.tensor, window_pool=window,
+                                        window_tables=[t for t in tables if t is not None])
+
     def _forward_and_sample(self, items: list[tuple[_Active, tuple[torch.Tensor, int, torch.Tensor]]]) -> None:
-        logits = self.model.forward_batch([i[1] for i in items], self.pool.tensor) if items else []
+        logits = self._forward(items) if items else []
         self._sample([i[0] for i in items], logits)
 
     def _sample(self, ran: list[_Active], logits: list[torch.Tensor]) -> None:

@@ -70,7 +70,7 @@ class ReferenceEngine:
         self.config = config or ModelConfig()
         info = pool.info if pool is not None else client.get_pool_info()
         lay = info.layout
-        check_layout(lay, **model_layout(self.config))
+        check_layout(lay, **model_layout(self.config), window_pages=True)
         device = torch.device(device)
         self.pool = pool if pool is not None else map_pool(info, device if device.type == "cuda" else None)
         self.page_size = lay.page_size
@@ -119,14 +119,14 @@ class Conversation:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         start = time.perf_counter()
         rpc = _RpcTimer()
-        model, pool = self.engine.model, self.engine.pool.tensor
+        model, pool, window = self.engine.model, self.engine.pool.tensor, self.engine.pool.window
         t = rpc(self.session.append, new_tokens, max_new_tokens)
         context = self.history + list(new_tokens)
         if t.context_tokens != len(context):
             raise RuntimeError(f"service context ({t.context_tokens}) != engine history ({len(context)})")
         device = self.engine.device
         todo = torch.tensor(context[t.cached_tokens:], dtype=torch.long, device=device)
-        logits = model.forward_paged(todo, t.cached_tokens, pool, self.session.page_table)
+        logits = model.forward_paged(todo, t.cached_tokens, pool, self.session.page_table, **self._window(window))
         rows = [logits[-1]]
         generated = [int(logits[-1].argmax())]
         aborted = False
@@ -135,7 +135,8 @@ class Conversation:
                 aborted = True
                 break
             last = torch.tensor([generated[-1]], dtype=torch.long, device=device)
-            step = model.forward_paged(last, len(context) + len(generated) - 1, pool, self.session.page_table)
+            step = model.forward_paged(last, len(context) + len(generated) - 1, pool, self.session.page_table,
+                                       **self._window(window))
             rows.append(step[-1])
             generated.append(int(step[-1].argmax()))
         if aborted:
@@ -149,6 +150,12 @@ class Conversation:
             computed_tokens=t.context_tokens - t.cached_tokens, seconds=time.perf_counter() - start,
             cache_seconds=rpc.seconds, aborted=aborted,
         )
+
+    def _window(self, window: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """`forward_paged`'s window keywords on a pool that keeps window rows apart (none on other pools)."""
+        if window is None:
+            return {}
+        return {"window_pool": window, "window_table": self.session.window_table}
 
     def replay(self, new_tokens: list[int], generated: list[int]) -> TurnResult:
         """The turn's kvcache operations alone (append, commit) with `generated` as the answer and no model:

@@ -21,7 +21,12 @@ token embedding. K is stored in the pool after RoPE, so a cached position never 
 Sliding window (`ModelConfig.sliding_window` W > 0 on `window_layers`, as Mistral v0.1 and Gemma-2/3 do): a
 window layer's query at position p attends to positions `(p - W, p]` only. The pool still holds every layer's
 K/V for every position (the service's pages are whole across layers); a window layer reads back only the
-positions its queries can see, `[max(start_pos - W + 1, 0), context_tokens)`.
+positions its queries can see, `[max(start_pos - W + 1, 0), context_tokens)`. On a pool that keeps its window
+rows apart (`PoolLayout.window_pages`, docs/design.md §13) the pages hold only the full layers' rows (`pool` is
+`[full layers, 2, num_pages, ...]`, in layer order) and a window layer's rows live in window pages
+(`window_pool[window layers, 2, window_pages, ...]`): position `p` of a window layer is in window page
+`window_table[p // page_size]`, which the service sends beside each page id (0 where it dropped the rows; the
+window never reaches there).
 
 Multi-head latent attention (`ModelConfig.kv_lora_rank` > 0, DeepSeek-V2's shape): a layer keeps one latent
 per token, `kv_lora_rank` values `c` then `qk_rope_head_dim` values of a K part shared by every head (after
@@ -305,7 +310,8 @@ class ReferenceModel:
             return self._logits(x)
 
     def forward_paged(self, token_ids: torch.Tensor, start_pos: int, pool: torch.Tensor,
-                      page_table: torch.Tensor) -> torch.Tensor:
+                      page_table: torch.Tensor, *, window_pool: torch.Tensor | None = None,
+                      window_table: torch.Tensor | None = None) -> torch.Tensor:
         """Run m new tokens at positions `[start_pos, start_pos + m)` against K/V held in `pool`.
 
         - `token_ids`: 1-D integer tensor, m >= 1.
@@ -318,12 +324,25 @@ class ReferenceModel:
         - `page_table`: 1-D integer tensor of page ids (int32 as the service sends them), at least
           `ceil((start_pos + m) / page_size)` long; entries past that are ignored (reserved capacity).
 
+        - `window_pool`, `window_table` (a pool that keeps window rows apart, both or neither): the window region
+          `[len(window_layers), 2, window_pages, page_size, heads, dim]`, and the window page of each page of
+          `page_table` (`Session.window_table`); `pool` is then the pages' region of the full layers. Only the
+          window pages of positions `[max(start_pos - W + 1, 0), start_pos + m)` are read or written.
+
         Returns float logits `[m, vocab_size]`, row i predicting the token after position start_pos + i.
         Raises ValueError on a pool that does not fit the model, a short table, or a table entry outside
-        `[1, num_pages)` in the used prefix (writing the null page would corrupt every padded read).
+        `[1, num_pages)` in the used prefix (writing the null page would corrupt every padded read), and a
+        window table entry outside `[1, window_pages)` within the window.
         """
         tokens = self._check_tokens(token_ids)
-        self._check_pool(pool)
+        if (window_pool is None) != (window_table is None):
+            raise ValueError("window_pool and window_table go together (a pool that keeps window rows apart), got "
+                             f"window_pool {'set' if window_pool is not None else 'None'} and window_table "
+                             f"{'set' if window_table is not None else 'None'}")
+        if window_pool is None:
+            self._check_pool(pool)
+        else:
+            self._check_window_pool(pool, window_pool)
         if start_pos < 0:
             raise ValueError(f"start_pos must be >= 0, got {start_pos}")
         m = tokens.numel()
@@ -335,61 +354,103 @@ class ReferenceModel:
         new_slots = slots[start_pos:]
         positions = torch.arange(start_pos, context_tokens, device=self.device)
         c = self.config
+        rows = self._rows(pool, window_pool)
+        win_first = max(start_pos - c.sliding_window + 1, 0)
+        win_slots = (self._window_slot_mapping(window_table, win_first, context_tokens, window_pool.shape[2],
+                                               page_size)
+                     if window_pool is not None and window_table is not None else None)
         with torch.no_grad():
             x = self.embed[tokens]
             for layer_idx, layer in enumerate(self.layers):
                 q, k, v = self._qkv(layer, x, positions)
-                # A view, never a copy (the pool is checked contiguous): writes must land in the shared pool.
-                kv = pool[layer_idx].view(2, num_pages * page_size, c.num_kv_heads, pool.shape[5])
-                self._write(kv, new_slots, k, v)
-                # Read the new positions back from the pool as well, as a paged kernel would, so the round
-                # trip through the table is what the logits depend on. A window layer reads only its window.
                 window = c.window(layer_idx)
                 first = max(start_pos - window + 1, 0) if window else 0
-                keys, values = self._read(layer, kv, slots[first:])
+                region, index = rows[layer_idx]
+                # A view, never a copy (the pool is checked contiguous): writes must land in the shared pool.
+                kv = region[index].view(2, region.shape[2] * page_size, c.num_kv_heads, region.shape[5])
+                if window and win_slots is not None:  # this layer's rows are in window pages
+                    self._write(kv, win_slots[start_pos - win_first:], k, v)
+                    keys, values = self._read(layer, kv, win_slots)
+                else:
+                    self._write(kv, new_slots, k, v)
+                    # Read the new positions back from the pool as well, as a paged kernel would, so the round
+                    # trip through the table is what the logits depend on. A window layer reads only its window.
+                    keys, values = self._read(layer, kv, slots[first:])
                 attn = _causal_gqa_attention(q, keys, values, positions, first, window)
                 x = self._finish_layer(layer, x, attn)
             return self._logits(x)
 
+    def _rows(self, pool: torch.Tensor, window_pool: torch.Tensor | None) -> list[tuple[torch.Tensor, int]]:
+        """Where each layer's rows are: (its region, its index there). Without a window pool every layer is in
+        `pool` at its own index; with one, the full layers are in `pool` and the window layers in `window_pool`,
+        each in layer order."""
+        if window_pool is None:
+            return [(pool, i) for i in range(self.config.num_layers)]
+        windowed = self.config.window_layers
+        full = [i for i in range(self.config.num_layers) if i not in windowed]
+        return [(window_pool, windowed.index(i)) if i in windowed else (pool, full.index(i))
+                for i in range(self.config.num_layers)]
+
     def forward_batch(self, batch: Sequence[tuple[torch.Tensor, int, torch.Tensor]],
-                      pool: torch.Tensor) -> list[torch.Tensor]:
+                      pool: torch.Tensor, *, window_pool: torch.Tensor | None = None,
+                      window_tables: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """`forward_paged` for many sequences in one pass: a continuous-batching step.
 
         `batch` holds `(token_ids, start_pos, page_table)` per sequence, each as in `forward_paged` (a
         prefill of many tokens or a decode of one). Embeddings, projections and MLPs run once over all the
-        step's tokens; attention runs per sequence through its own page table. Returns each sequence's
-        logits `[m_i, vocab_size]`, in order.
+        step's tokens; attention runs per sequence through its own page table. On a pool that keeps window rows
+        apart, `window_pool` and `window_tables` (one per sequence, in order) as in `forward_paged`. Returns each
+        sequence's logits `[m_i, vocab_size]`, in order.
         """
         if not batch:
             return []
-        self._check_pool(pool)
+        if (window_pool is None) != (window_tables is None):
+            raise ValueError("window_pool and window_tables go together (a pool that keeps window rows apart)")
+        if window_tables is not None and len(window_tables) != len(batch):
+            raise ValueError(f"{len(window_tables)} window tables for {len(batch)} sequences")
+        if window_pool is None:
+            self._check_pool(pool)
+        else:
+            self._check_window_pool(pool, window_pool)
         num_pages, page_size = pool.shape[2], pool.shape[3]
+        c = self.config
         seqs = []
-        for token_ids, start_pos, page_table in batch:
+        for i, (token_ids, start_pos, page_table) in enumerate(batch):
             tokens = self._check_tokens(token_ids)
             if start_pos < 0:
                 raise ValueError(f"start_pos must be >= 0, got {start_pos}")
             m = tokens.numel()
             slots = self._slot_mapping(page_table, start_pos + m, num_pages, page_size)
             positions = torch.arange(start_pos, start_pos + m, device=self.device)
-            seqs.append((tokens, start_pos, m, slots, positions))
+            win_first = max(start_pos - c.sliding_window + 1, 0)
+            win_slots = (self._window_slot_mapping(window_tables[i], win_first, start_pos + m, window_pool.shape[2],
+                                                   page_size)
+                         if window_pool is not None and window_tables is not None else None)
+            seqs.append((tokens, start_pos, m, slots, positions, win_first, win_slots))
         tokens = torch.cat([s[0] for s in seqs])
         positions = torch.cat([s[4] for s in seqs])
         new_slots = torch.cat([s[3][s[1]:] for s in seqs])
         if torch.unique(new_slots).numel() != new_slots.numel():
             raise ValueError("two sequences of the batch write the same slot (shared or repeated pages)")
-        c = self.config
+        win_new = [s[6][s[1] - s[5]:] for s in seqs if s[6] is not None]  # the new positions' window slots
+        new_win = torch.cat(win_new) if window_pool is not None else None
+        if new_win is not None and torch.unique(new_win).numel() != new_win.numel():
+            raise ValueError("two sequences of the batch write the same window slot (shared or repeated window pages)")
+        rows = self._rows(pool, window_pool)
         with torch.no_grad():
             x = self.embed[tokens]
             for layer_idx, layer in enumerate(self.layers):
                 q, k, v = self._qkv(layer, x, positions)
-                kv = pool[layer_idx].view(2, num_pages * page_size, c.num_kv_heads, pool.shape[5])
-                self._write(kv, new_slots, k, v)
-                parts, offset = [], 0
+                region, index = rows[layer_idx]
+                kv = region[index].view(2, region.shape[2] * page_size, c.num_kv_heads, region.shape[5])
                 window = c.window(layer_idx)
-                for _, start_pos, m, slots, pos in seqs:
+                apart = bool(window) and new_win is not None
+                self._write(kv, new_win if apart and new_win is not None else new_slots, k, v)
+                parts, offset = [], 0
+                for _, start_pos, m, slots, pos, _, win_slots in seqs:
                     first = max(start_pos - window + 1, 0) if window else 0
-                    keys, values = self._read(layer, kv, slots[first:])
+                    read = win_slots if apart and win_slots is not None else slots[first:]
+                    keys, values = self._read(layer, kv, read)
                     parts.append(_causal_gqa_attention(q[offset:offset + m], keys, values, pos, first, window))
                     offset += m
                 x = self._finish_layer(layer, x, torch.cat(parts))
@@ -505,6 +566,57 @@ class ReferenceModel:
         if not pool.is_contiguous():
             # Views of a non-contiguous tensor can silently become copies, and writes would be lost.
             raise ValueError(f"pool must be contiguous (the mapped pool is), got strides {pool.stride()}")
+
+    def _check_window_pool(self, pool: torch.Tensor, window_pool: torch.Tensor) -> None:
+        """A pool that keeps window rows apart: `pool` the full layers' pages, `window_pool` the window layers'
+        window pages, with the model's window layers, heads, dim and dtype, on its device, contiguous."""
+        c = self.config
+        if not c.sliding_window:
+            raise ValueError("a window pool (window_pool) holds the rows of window layers, and this model has no "
+                             "sliding window")
+        for name, t in (("pool", pool), ("window_pool", window_pool)):
+            if t.dim() != 6 or t.shape[1] != 2:
+                raise ValueError(f"{name} must be [layers, 2, pages, page_size, num_kv_heads, head_dim], got shape "
+                                 f"{tuple(t.shape)}")
+            if t.device != self.device:
+                raise ValueError(f"{name} is on {t.device} but the model is on {self.device}")
+            if not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous (the mapped pool is), got strides {t.stride()}")
+        windowed = len(c.window_layers)
+        if (pool.shape[0], window_pool.shape[0]) != (c.num_layers - windowed, windowed):
+            raise ValueError(f"the pool holds {pool.shape[0]} full and {window_pool.shape[0]} window layers, the model "
+                             f"has {c.num_layers - windowed} full and {windowed} window layers")
+        if pool.shape[3:] != window_pool.shape[3:] or pool.dtype != window_pool.dtype:
+            raise ValueError(f"pool {tuple(pool.shape)} {pool.dtype} and window_pool {tuple(window_pool.shape)} "
+                             f"{window_pool.dtype} differ in page size, heads, dim or dtype")
+        check_pool_layout(c, num_layers=c.num_layers, num_kv_heads=pool.shape[4], head_dim=pool.shape[5],
+                          dtype=dtype_name(pool.dtype), page_size=pool.shape[3])
+        if pool.shape[2] < 2 or window_pool.shape[2] < 2:
+            raise ValueError(f"pool and window_pool must have >= 2 pages (page 0 is the null page), got "
+                             f"{pool.shape[2]} and {window_pool.shape[2]}")
+
+    def _window_slot_mapping(self, window_table: torch.Tensor, first: int, context_tokens: int, window_pages: int,
+                             page_size: int) -> torch.Tensor:
+        """Flat slot of each position in `[first, context_tokens)` in the window region, int64. The window pages of
+        the pages those positions lie in must be real (`[1, window_pages)`): 0 means the service dropped them."""
+        if window_table.dim() != 1 or window_table.dtype.is_floating_point or window_table.dtype == torch.bool:
+            raise ValueError(f"window_table must be a 1-D integer tensor, got {window_table.dtype} "
+                             f"of shape {tuple(window_table.shape)}")
+        lo_page, hi_page = first // page_size, math.ceil(context_tokens / page_size)
+        if window_table.numel() < hi_page:
+            raise ValueError(f"window_table holds {window_table.numel()} pages but {context_tokens} context "
+                             f"tokens need {hi_page} at page_size {page_size}")
+        pages = window_table[lo_page:hi_page].to(device=self.device, dtype=torch.int64)
+        lo, hi = int(pages.min()), int(pages.max())
+        if lo < 1 or hi >= window_pages:
+            raise ValueError(f"window_table entries of pages {lo_page}-{hi_page - 1} (the window of positions "
+                             f"[{first}, {context_tokens})) must be in [1, {window_pages}), got min {lo} max {hi}: "
+                             "window page 0 means the service dropped those rows")
+        if torch.unique(pages).numel() != pages.numel():
+            raise ValueError(f"window_table repeats a window page in pages {lo_page}-{hi_page - 1}")
+        offsets = torch.arange(page_size, device=self.device)
+        flat = (pages[:, None] * page_size + offsets[None, :]).reshape(-1)
+        return flat[first - lo_page * page_size: context_tokens - lo_page * page_size]
 
     def _slot_mapping(self, page_table: torch.Tensor, context_tokens: int, num_pages: int,
                       page_size: int) -> torch.Tensor:

@@ -196,3 +196,51 @@ def test_window_flags_leave_out_the_layers_when_every_layer_has_the_window() -> 
     assert window_flags(64, (0, 1, 2, 3, 4, 6, 7, 8, 9, 10), 12) == " --sliding-window 64 --window-layers 0-4,6-10"
     assert window_flags(64, (0, 1, 2), 3) == " --sliding-window 64"
     assert window_flags(0, (), 3) == ""
+
+
+def test_window_pages_split_the_pool_into_the_full_layers_pages_and_the_window_layers_window_pages() -> None:
+    gemma = PoolLayout(num_layers=6, num_kv_heads=2, head_dim=8, dtype="float32", page_size=4, num_pages=10,
+                       sliding_window=16, window_layers=(0, 1, 2, 4, 5), window_pages=7)
+    page = 4 * 2 * 8 * 4  # one page in one layer's K (or V) plane
+    assert gemma.page_bytes == page
+    assert gemma.full_layers == (3,)
+    assert gemma.shape == (1, 2, 10, 4, 2, 8)
+    assert gemma.window_shape == (5, 2, 7, 4, 2, 8)
+    assert (gemma.bytes_per_page, gemma.bytes_per_window_page) == (1 * 2 * page, 5 * 2 * page)
+    assert gemma.window_offset_bytes == 10 * 2 * page
+    assert gemma.window_size_bytes == 7 * 10 * page
+    assert gemma.size_bytes == 10 * 2 * page + 7 * 10 * page
+    assert gemma.groups == PoolLayout(num_layers=6, num_kv_heads=2, head_dim=8, dtype="float32", page_size=4,
+                                      num_pages=10, sliding_window=16, window_layers=(0, 1, 2, 4, 5)).groups
+    assert gemma.describe() == ("6 layers, 2 kv heads x 8, float32, 4 tokens/page, sliding window 16 on layers "
+                                "0-2,4,5, window rows apart in 6 window pages")
+    mistral = PoolLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", page_size=4, num_pages=10,
+                         sliding_window=16, window_layers=(0, 1), window_pages=3)
+    assert (mistral.full_layers, mistral.shape, mistral.bytes_per_page) == ((), (0, 2, 10, 4, 2, 8), 0)
+    assert mistral.size_bytes == mistral.window_size_bytes == 3 * 2 * 2 * page
+
+
+def test_without_window_pages_a_window_pool_is_one_region_of_every_layer_as_before() -> None:
+    one = PoolLayout(num_layers=6, num_kv_heads=2, head_dim=8, dtype="float32", page_size=4, num_pages=10,
+                     sliding_window=16, window_layers=(0, 1, 2, 4, 5))
+    assert one.window_pages == 0 and one.full_layers == tuple(range(6))
+    assert one.shape == (6, 2, 10, 4, 2, 8) and one.window_shape == (0, 2, 0, 4, 2, 8)
+    assert one.window_offset_bytes == one.size_bytes == 10 * 6 * 2 * 4 * 2 * 8 * 4
+    assert (one.window_size_bytes, one.bytes_per_window_page) == (0, 0)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"window_pages": 4}, "window_pages 4 needs sliding_window > 0 (the window layers whose rows they hold), got no "
+                          "window"),
+    ({"window_pages": 1, "sliding_window": 8, "window_layers": (0,)},
+     "window_pages must be 0 or >= 2 (window page 0 is reserved), got 1"),
+    ({"window_pages": -2, "sliding_window": 8, "window_layers": (0,)},
+     "window_pages must be 0 or >= 2 (window page 0 is reserved), got -2"),
+])
+def test_invalid_window_pages_are_refused_naming_both_sides(overrides: dict[str, object], message: str) -> None:
+    values: dict[str, object] = dict(num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", page_size=16,
+                                     num_pages=8)
+    values.update(overrides)
+    with pytest.raises(ValueError) as err:
+        PoolLayout(**values)  # type: ignore[arg-type]
+    assert str(err.value) == message

@@ -87,6 +87,9 @@ class Model:
     closing: bool = False
     committed: list[int] = field(default_factory=list)
     table: list[int] = field(default_factory=list)
+    windows: list[int] = field(default_factory=list)
+    """A window pool: the window page of each `table` entry, kept from the deltas' `window_page_ids` as an engine
+    keeps it (docs/design.md §13); what the engine reads and writes the window rows through."""
     turn: tuple[list[int], int, int] | None = None  # (context tokens, cached, capacity)
 
 
@@ -96,6 +99,8 @@ class StaleWriter:
 
     until: float
     pages: list[int]
+    windows: dict[int, int] = field(default_factory=dict)
+    """A window pool: page -> the window page the engine's window table names for it (what it writes)."""
 
 
 class Simulator:
@@ -160,8 +165,11 @@ class Simulator:
             _, cached, capacity = m.turn
             # A position the turn recomputes inside a pinned radix page gets the same KV: not poison.
             radix = set(np.frombuffer(self.core.radix.check(), dtype=np.int32).tolist())
-            pages = [p for p in m.table[cached // PAGE_SIZE : capacity // PAGE_SIZE] if p not in radix]
-            self.stale.append(StaleWriter(self.clock.now + QUARANTINE, pages))
+            lo, hi = cached // PAGE_SIZE, capacity // PAGE_SIZE
+            pages = [p for p in m.table[lo:hi] if p not in radix]
+            windows = ({p: w for p, w in zip(m.table[lo:hi], m.windows[lo:hi], strict=True) if p not in radix and w}
+                       if self.core.window is not None else {})
+            self.stale.append(StaleWriter(self.clock.now + QUARANTINE, pages, windows))
 
     def stale_write(self) -> None:
         """Every stalled engine still inside its quarantine window writes poison into its turn's pages."""
@@ -173,8 +181,11 @@ class Simulator:
                     f"a stalled engine writes page {page}, which is no longer quarantined"
                 )
                 self.kv[page, :] = POISON
-                if self.core.window is not None and self.core.window.win[page]:
-                    self.wkv[self.core.window.win[page], :] = POISON
+                if page in w.windows:  # the window page its table names: still the quarantined page's own
+                    assert self.core.window is not None and self.core.window.win[page] == w.windows[page], (
+                        f"a stalled engine writes window page {w.windows[page]} of quarantined page {page}, which "
+                        f"now holds window page {self.core.window.win[page] if self.core.window else 0}")
+                    self.wkv[w.windows[page], :] = POISON
             self.seen["stale_write"] += 1
 
     def _write(self, m: Model, tokens: list[int], start: int, stop: int) -> None:
@@ -183,17 +194,37 @@ class Simulator:
             assert page != 0, "the engine was told to write into the null page"
             self.kv[page, pos % PAGE_SIZE] = fingerprint(m.salt, tokens[: pos + 1])
             if self.core.window is not None:
-                w = self.core.window.win[page]
-                assert w, f"the engine writes page {page}, which has no window page"
+                w = m.windows[pos // PAGE_SIZE]  # the engine's own table: it must be current where it writes
+                assert w, f"the engine writes page {page}, which its window table says has no window page"
+                assert w == self.core.window.win[page], (
+                    f"the engine's window table says page {page} has window page {w}; the core holds "
+                    f"{self.core.window.win[page]}")
                 self.wkv[w, pos % PAGE_SIZE] = fingerprint(m.salt, tokens[: pos + 1])
 
-    def check_window(self, salt: str, tokens: list[int], table: list[int], cached: int, what: str) -> None:
-        """A window pool: the window rows a reader at `cached` needs (its last WINDOW - 1 positions) are there."""
+    def _apply(self, m: Model, offset: int, pages: np.ndarray, windows: np.ndarray) -> None:
+        """A delta, as an engine applies it: the page table, and with a window pool the window table beside it."""
+        del m.table[offset:]
+        m.table.extend(pages.tolist())
+        if self.core.window is None:
+            assert windows.size == 0, "a pool without window pages sent window page ids"
+            return
+        assert windows.size == pages.size, f"{windows.size} window page ids for {pages.size} pages"
+        del m.windows[offset:]
+        m.windows.extend(windows.tolist())
+        assert len(m.windows) == len(m.table)
+
+    def check_window(self, salt: str, tokens: list[int], table: list[int], cached: int, what: str,
+                     windows: list[int] | None = None) -> None:
+        """A window pool: the window rows a reader at `cached` needs (its last WINDOW - 1 positions) are there,
+        and (a session's reader, `windows`: its window table) the reader's table names them."""
         if self.core.window is None:
             return
         for pos in range(max(0, cached - WINDOW + 1), cached):
             w = self.core.window.win[table[pos // PAGE_SIZE]]
             assert w, f"{what}: position {pos} is in the window before {cached}, its window rows were dropped"
+            assert windows is None or windows[pos // PAGE_SIZE] == w, (
+                f"{what}: the engine's window table says window page {windows[pos // PAGE_SIZE]} for position "
+                f"{pos}, the core holds {w}")
             assert self.wkv[w, pos % PAGE_SIZE] == fingerprint(salt, tokens[: pos + 1]), (
                 f"{what}: window rows of position {pos} hold someone else's KV")
         self.seen["window:checked"] += cached > 0
@@ -255,15 +286,14 @@ class Simulator:
         assert r.context_tokens == len(context)
         assert 0 <= r.cached_tokens <= len(context) - 1
         assert r.capacity_tokens >= len(context) + reserve > r.capacity_tokens - PAGE_SIZE
-        del m.table[r.page_offset :]
-        m.table.extend(r.page_ids.tolist())
+        self._apply(m, r.page_offset, r.page_ids, r.window_page_ids)
         assert len(m.table) * PAGE_SIZE == r.capacity_tokens
         for pos in range(r.cached_tokens):
             page = m.table[pos // PAGE_SIZE]
             assert self.kv[page, pos % PAGE_SIZE] == fingerprint(m.salt, context[: pos + 1]), (
                 f"session {sid}: cached position {pos} in page {page} holds someone else's KV"
             )
-        self.check_window(m.salt, context, m.table, r.cached_tokens, f"session {sid}")
+        self.check_window(m.salt, context, m.table, r.cached_tokens, f"session {sid}", m.windows)
         self._write(m, context, r.cached_tokens, len(context))
         m.turn = (context, r.cached_tokens, r.capacity_tokens)
         self.seen[f"append:turn{min(r.turn, 4)}"] += 1
@@ -317,8 +347,7 @@ class Simulator:
         assert m is not None and m.turn is not None
         context, cached, capacity = m.turn
         assert r.capacity_tokens >= capacity + reserve > r.capacity_tokens - PAGE_SIZE
-        del m.table[r.page_offset :]
-        m.table.extend(r.page_ids.tolist())
+        self._apply(m, r.page_offset, r.page_ids, r.window_page_ids)
         assert len(m.table) * PAGE_SIZE == r.capacity_tokens
         m.turn = (context, cached, r.capacity_tokens)
         self.seen["extend"] += 1

@@ -176,3 +176,54 @@ def test_a_tier_beside_window_rows_kept_apart_is_refused() -> None:
     with pytest.raises(ValueError, match="a tier beyond a pool whose window rows are kept apart is not supported"):
         KVCacheCore(CoreConfig(num_pages=16, page_size=PS, window_pages=8, window_tokens=W),
                     tier=Namespace("t", 1, 1, 1, "float16", PS))
+
+
+def test_appends_and_extends_send_each_new_pages_window_page_beside_it(make_core: Callable[..., CheckedCore]) -> None:
+    core = make_core(32, PS, window_pages=32, window_tokens=W)
+    prompt, answer = toks(range(1, 25)), toks(range(100, 108))
+    core.open_session("a", streaming=True)
+    r = core.append("a", prompt, 4)
+    assert (r.page_offset, r.page_ids.tolist(), r.window_page_ids.tolist()) == (0, [1, 2, 3, 4, 5, 6, 7],
+                                                                                  [1, 2, 3, 4, 5, 6, 7])
+    x = core.extend("a", 8)
+    assert (x.page_offset, x.page_ids.tolist(), x.window_page_ids.tolist()) == (7, [8, 9], [8, 9])
+    core.commit("a", answer)  # KV for 31 tokens: pages 1-8 stay (the prompt's 6 pinned in the radix), 9 is freed
+    # The next turn's delta starts at the session's synced end: its new pages, with their window pages (page 9 and
+    # its window page 9 came back to the top of their free lists).
+    r = core.append("a", toks(7, 7, 7, 7, 7, 7), 0)
+    assert (r.page_offset, r.page_ids.tolist(), r.window_page_ids.tolist()) == (8, [9, 10], [9, 10])
+    # The pinned prompt keeps its rows, pages 7-8 (the window before the turn's end at 7 pages, and the page it
+    # continues on) theirs: everything this turn reads in the window layers, as the engine's table says.
+    assert windows(core, [1, 2, 3, 4, 5, 6, 7, 8]) == [1, 2, 3, 4, 5, 6, 7, 8]
+    core.commit("a", toks(9))
+    assert r.window_page_ids.dtype == np.int32
+
+
+def test_a_duplicates_window_page_moves_to_the_trees_page_and_the_next_delta_says_so(
+        make_core: Callable[..., CheckedCore]) -> None:
+    core = make_core(32, PS, window_pages=32, window_tokens=W)
+    prompt, answer = toks(range(1, 25)), toks(range(100, 108))
+    chat_turn(core, "a", prompt, answer)
+    other = np.concatenate([prompt[:20], toks(5, 5, 5, 5, 5)])
+    core.open_session("b", streaming=True)
+    r = core.append("b", other, 0)  # the window before every hit point is gone: all computed, on new pages
+    assert (r.cached_tokens, r.page_ids.tolist(), r.window_page_ids.tolist()) == (
+        0, [8, 9, 10, 11, 12, 13, 14], [8, 1, 2, 3, 4, 5, 9])
+    core.commit("b", toks(6))  # the prompt's 6 pages go to the radix: 8-12 are the tree's 1-5 (duplicates)
+    r = core.append("b", toks(3), 0)
+    # The page table switched to the tree's pages, so the delta is re-sent from the first duplicate: the tree's
+    # pages 1-5 (without window rows since "a") took over b's window pages of the same tokens, and b's own pages
+    # keep theirs.
+    assert (r.page_offset, r.page_ids.tolist(), r.window_page_ids.tolist()) == (0, [1, 2, 3, 4, 5, 13, 14],
+                                                                                  [8, 1, 2, 3, 4, 5, 9])
+    core.commit("b", toks(4))
+
+
+def test_a_pool_without_window_pages_sends_no_window_page_ids(make_core: Callable[..., CheckedCore]) -> None:
+    core = make_core(32, PS)
+    core.open_session("a")
+    r = core.append("a", toks(range(1, 10)), 4)
+    x = core.extend("a", 4)
+    assert (r.page_ids.tolist(), r.window_page_ids.tolist(), x.page_ids.tolist(), x.window_page_ids.tolist()) == (
+        [1, 2, 3, 4], [], [5], [])
+    core.commit("a", toks(1))

@@ -129,3 +129,52 @@ def test_extension_for_counts_an_extension_queued_in_a_batch_until_the_batch_run
     assert s.extension_for(3) == 0 and s.extension_for(5) == 2  # the queued 3 count until the Step answers
     with pytest.raises(ValueError, match="num_tokens must be >= 0"):
         s.extension_for(-1)
+
+
+WINDOW_LAYOUT = PoolLayout(num_layers=2, num_kv_heads=2, head_dim=3, dtype="float32", page_size=4, num_pages=16,
+                           sliding_window=6, window_layers=(0,), window_pages=8)
+"""Layer 0 attends within 6 tokens and its rows live in window pages; layer 1's in the pages."""
+
+
+def make_window_session() -> tuple[_SessionState, torch.Tensor, torch.Tensor]:
+    tensor = torch.zeros(WINDOW_LAYOUT.shape, dtype=torch.float32)
+    window = torch.zeros(WINDOW_LAYOUT.window_shape, dtype=torch.float32)
+    info = PoolInfo(WINDOW_LAYOUT, "host_shm", "", b"", "", WINDOW_LAYOUT.size_bytes, "i", 0, 0, "t",
+                    window_offset_bytes=WINDOW_LAYOUT.window_offset_bytes,
+                    window_size_bytes=WINDOW_LAYOUT.window_size_bytes)
+    return _SessionState("s", 1, 4, "cpu", True, MappedPool(info, tensor, window=window)), tensor, window
+
+
+def window_append(s: _SessionState, offset: int, pages: list[int], windows: list[int], *, context: int) -> None:
+    s._apply("append", AppendResult("s", 1, 1, 0, context, 4 * (offset + len(pages)), offset,
+                                    np.array(pages, dtype=np.int32), offset + len(pages), 0,
+                                    window_page_ids=np.array(windows, dtype=np.int32)))
+
+
+def test_a_window_layers_kv_goes_to_the_window_pages_beside_the_page_ids() -> None:
+    s, pool, window = make_window_session()
+    window_append(s, 0, [9, 2, 14], [5, 1, 7], context=10)
+    assert s.window_table.tolist() == [5, 1, 7] and s.page_table.tolist() == [9, 2, 14]
+    k, v = kv(10, 100.0)
+    s.write_kv(0, k, v, 0)
+    s.write_kv(1, -k, -v, 0)
+    for pos in range(10):
+        assert torch.equal(window[0, 0, [5, 1, 7][pos // 4], pos % 4], k[0, :, pos])
+        assert torch.equal(pool[0, 1, [9, 2, 14][pos // 4], pos % 4], -v[0, :, pos])
+    gk, gv = s.gather_kv(0, 10, start=4)
+    assert torch.equal(gk, k[:, :, 4:]) and torch.equal(gv, v[:, :, 4:])
+    # The next turn's delta: the service dropped page 0's window rows (the window never reaches there again), and
+    # the engine's table says so where it is re-sent; the window's positions read back as written.
+    window_append(s, 0, [9, 2, 14, 3], [0, 1, 7, 2], context=14)
+    assert s.window_table.tolist() == [0, 1, 7, 2]
+    assert torch.equal(s.gather_kv(0, 10, start=4)[0], k[:, :, 4:])
+    with pytest.raises(RuntimeError) as err:
+        s.gather_kv(0, 10, start=2)
+    assert str(err.value) == ("positions [2, 10) of a window layer reach page 0 of the table, whose window rows the "
+                              "service dropped (window page 0): read only the window")
+
+
+def test_window_page_ids_that_do_not_match_the_page_ids_are_refused() -> None:
+    s, _, _ = make_window_session()
+    with pytest.raises(RuntimeError, match=r"^the service sent 2 window page ids for 3 pages$"):
+        window_append(s, 0, [9, 2, 14], [5, 1], context=10)

@@ -354,8 +354,9 @@ def test_an_int32_array_packs_as_the_generic_path_does() -> None:
 
 @pytest.mark.parametrize("cls, values", [
     (OpenedSession, ("s", 7, 600.0, "i9")),
-    (AppendResult, ("s", 7, 1, 16, 32, 48, 2, np.array([4, 5], dtype=np.int32), 4, 16, 3)),
-    (ExtendResult, ("s", 7, 1, 64, 3, np.array([6], dtype=np.int32), 4)),
+    (AppendResult, ("s", 7, 1, 16, 32, 48, 2, np.array([4, 5], dtype=np.int32), 4, 16, 3,
+                    np.array([2, 0], dtype=np.int32))),
+    (ExtendResult, ("s", 7, 1, 64, 3, np.array([6], dtype=np.int32), 4, np.array([1], dtype=np.int32))),
     (CommitResult, ("s", 66, 65, 5, False)),
     (CloseResult, ("s", True, 64)),
     (MatchResult, (32, np.array([4, 5], dtype=np.int32), 0)),

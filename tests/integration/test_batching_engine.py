@@ -161,3 +161,28 @@ def test_a_pool_too_small_for_everyone_queues_and_preempts_yet_stays_exact(
     assert sum(d.preemptions for d in done) >= 1  # growth ran out of pages mid-decode at least once
     assert max(d.admitted_step for d in done) > 0  # and admissions had to wait
     assert_clean(server)
+
+
+WINDOW_FLAGS = ("--sliding-window", "8", "--window-layers", "0")
+
+
+def test_a_batch_on_a_window_pages_pool_equals_dense_and_the_one_region_pool(
+        start_server: Callable[..., ServerProcess]) -> None:
+    """Layer 0 attends within 8 tokens; with --window-pages its rows live in window pages, read through each
+    session's window table in the batched forward (prefills beside decodes, decodes across page boundaries)."""
+    config = ModelConfig(sliding_window=8, window_layers=(0,))
+    generated = {}
+    for pool in ((), ("--window-pages", "64")):
+        server = start_server(*MODEL_POOL, *WINDOW_FLAGS, *pool)
+        requests = mixed_requests()
+        with KVCacheClient(server.target) as client:
+            engine = BatchingEngine(client, config, max_batch=4)
+            for r in requests:
+                engine.submit(r)
+            done = engine.run()
+            engine.close()
+        for d in done:
+            assert_exact(engine.model, d.request.tokens, d)
+        generated[pool] = {tuple(d.request.tokens): (d.generated, d.prefix_hit_tokens) for d in done}
+        assert_clean(server)
+    assert generated[()] == generated[("--window-pages", "64")]

@@ -149,6 +149,42 @@ def test_serve_model_builds_the_layer_groups_of_a_window_model(start_server: Cal
                                                                      (12, 2, 9, 16, 2, 32))
 
 
+def test_serve_window_pages_keeps_the_window_rows_apart_and_says_so(start_server: Callable[..., ServerProcess],
+                                                                     tmp_path: os.PathLike[str]) -> None:
+    """The same tiny Gemma-3 with --window-pages: the pages hold the 2 full layers' rows, the window pages the 10
+    window layers'; the start line and GetPoolInfo name both regions."""
+    model = Path(tmp_path) / "tiny-gemma-3"
+    model.mkdir()
+    shutil.copy(Path(REPO) / "tests" / "models" / "gemma-3-tiny.json", model / "config.json")
+    server = start_server("--model", str(model), "--num-pages", "9", "--window-pages", "5")
+    # 9 pages x 2 layers x K, V x 16 tokens x 2 heads x 32 x 4 B = 144 KiB; 5 window pages x 10 layers = 400 KiB
+    assert server.banner[3] == ("  pool     8 pages x 16 tokens = 128 tokens, 544.0 KiB (12 layers, 2 kv heads x 32, "
+                                "float32, 16 tokens/page, sliding window 64 on layers 0-4,6-10, window rows apart in 4 "
+                                "window pages)\n")
+    assert server.banner[4:6] == [
+        "  groups   sliding window 64 on layers 0-4,6-10; full attention on layers 5,11\n",
+        "  window   4 window pages x 16 tokens = 64 tokens of the window layers' rows, 400.0 KiB; a page holds the 2 "
+        "full-attention layers' rows (16.0 KiB), a window page the 10 window layers' (80.0 KiB)\n"]
+    info = json.loads(run_try_line(server.banner[-1].replace(" list", " kvcache.v1.KVCacheService/GetPoolInfo")))
+    assert (info["layout"]["window_pages"], info["size_bytes"], info["window_offset_bytes"],
+            info["window_size_bytes"]) == (5, str(544 << 10), str(144 << 10), str(400 << 10))
+    with KVCacheClient(server.target) as client:
+        pool = client.get_pool_info().layout
+    assert (pool.window_pages, pool.shape, pool.window_shape) == (5, (2, 2, 9, 16, 2, 32), (10, 2, 5, 16, 2, 32))
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--num-pages", "9", "--window-pages", "5"), "--window-pages: 5 needs --sliding-window (the window layers whose "
+     "rows the window pages hold), got --sliding-window 0"),
+    (("--num-pages", "9", "--sliding-window", "8", "--window-pages", "10"),
+     "--window-pages: 10 is more than the pool's 9 pages (--num-pages): a page holds at most one window page"),
+])
+def test_serve_refuses_window_pages_that_cannot_make_a_pool_in_one_line(args: tuple[str, ...], message: str) -> None:
+    proc = run_cli("serve", "--listen", "127.0.0.1:0", *args)
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr == f"kvcache-service: error: {message}\n"
+
+
 def run_try_line(line: str) -> str:
     """Run the banner's `try` command exactly as printed, from the repository (where `make run` runs)."""
     proc = subprocess.run(["bash", "-c", line.split("try", 1)[1].strip()], cwd=REPO, capture_output=True,

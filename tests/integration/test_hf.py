@@ -259,10 +259,17 @@ class Gathered:
         return out
 
 
+APART = {"one-region": (), "window-pages": ("--window-pages", "128")}
+"""The window pool as one region (every page holds every layer's rows), and with its window rows kept apart in
+window pages (docs/design.md §13): the same tokens either way."""
+
+
+@pytest.mark.parametrize("pool", sorted(APART))
 @pytest.mark.parametrize("family", sorted(WINDOW_FAMILIES))
 def test_a_sliding_window_model_equals_generate_with_its_own_sliding_cache_past_the_window(
-        start_server: Callable[..., ServerProcess], computed: Callable[[Any], Computed], family: str) -> None:
-    server = start_server(*pool_flags(), *WINDOW_FAMILIES[family][1])
+        start_server: Callable[..., ServerProcess], computed: Callable[[Any], Computed], family: str,
+        pool: str) -> None:
+    server = start_server(*pool_flags(), *WINDOW_FAMILIES[family][1], *APART[pool])
     model = make_window_model(family)
     unwindowed = make_window_model(family, window=1000)  # the same weights attending to everything
     seen = computed(model)
@@ -294,9 +301,10 @@ def test_a_sliding_window_model_equals_generate_with_its_own_sliding_cache_past_
     assert_clean(server)
 
 
+@pytest.mark.parametrize("pool", sorted(APART))
 def test_a_window_models_closed_conversation_replayed_by_a_new_session_hits_the_radix_past_the_window(
-        start_server: Callable[..., ServerProcess]) -> None:
-    server = start_server(*pool_flags(), *WINDOW_FAMILIES["gemma3"][1])
+        start_server: Callable[..., ServerProcess], pool: str) -> None:
+    server = start_server(*pool_flags(), *WINDOW_FAMILIES["gemma3"][1], *APART[pool])
     model = make_window_model("gemma3")
     with KVCacheClient(server.target) as client:
         with SessionChat(client, model) as first:  # closes with cache=True
@@ -307,7 +315,8 @@ def test_a_window_models_closed_conversation_replayed_by_a_new_session_hits_the_
             new = tokens(3, 20)
             out = replay.turn(history + new, **gen(6))
             # The closed conversation's full pages (92 of its 93 tokens with K/V), far past the window, come from
-            # the radix: every layer's rows, so the window layer has the window before the hit point.
+            # the radix: every layer's rows, so the window layer has the window before the hit point (with window
+            # pages: the conversation's end is a hit point, whose window rows its commit kept).
             assert (out.cached_tokens, out.prefix_hit_tokens, out.computed_tokens) == (92, 92, 21)
             assert out.generated == dense_reference(model, history + new, **gen(6))
     assert_clean(server)

@@ -11,9 +11,11 @@ from typing import Any
 
 import pytest
 
-from engine_client import KVCacheClient, LayoutMismatch
+from engine_client import KVCacheClient, LayoutMismatch, PoolExhausted, check_layout
 from engine_client.reference import ModelConfig
+from engine_client.reference.check import model_for, tokens, verify
 from engine_client.reference.engine import ReferenceEngine
+from engine_client.reference.model import model_layout
 
 from .conftest import REPO, ServerProcess
 
@@ -180,3 +182,92 @@ def test_the_failover_demo_continues_a_killed_engines_chat_without_recompute() -
     assert ("same tokens as one engine serving the whole chat: yes (16 tokens); parks 1, adoptions 1, accounting "
             "verified: True") in lines
     assert lines[-1].startswith("kvcache-service: stopped cleanly (instance ")
+
+
+def chats(target: str) -> list[tuple[list[int], int, int]]:
+    """What the reference engine generates on the pool at `target` (the model check takes for it): a streaming chat
+    of four turns, then two regular chats that share a 30-token system prompt (the first closed into the radix).
+    Each turn's (generated, cached_tokens, prefix_hit_tokens); every turn also equals a no-cache recompute."""
+    out = []
+    with KVCacheClient(target) as client:
+        config = model_for(client.get_pool_info().layout)
+        engine = ReferenceEngine(client, config)
+        system = tokens(77, 30, config.vocab_size)
+        runs = [(True, [tokens(10 + t, 12, config.vocab_size) for t in range(4)], False),
+                (False, [system + tokens(20, 12, config.vocab_size), tokens(21, 12, config.vocab_size)], True),
+                (False, [system + tokens(30, 12, config.vocab_size), tokens(31, 12, config.vocab_size)], True)]
+        for streaming, turns, close_cache in runs:
+            with engine.chat(streaming=streaming, close_cache=close_cache) as chat:
+                for new in turns:
+                    context = chat.history + new
+                    result = chat.turn(new, 6)
+                    diff, match = verify(engine.model, context, result)
+                    assert match and diff <= 1e-4, (diff, result)
+                    out.append((result.generated, result.cached_tokens, result.prefix_hit_tokens))
+        engine.close()
+    return out
+
+
+def test_a_window_pages_pool_gives_the_tokens_of_a_one_region_pool(start_server: Callable[..., ServerProcess]) -> None:
+    one = chats(start_server(*WINDOW_POOL).target)
+    server = start_server(*WINDOW_POOL, "--window-pages", "64")
+    apart = chats(server.target)
+    assert [t[0] for t in apart] == [t[0] for t in one]  # the same tokens, turn by turn
+    assert [t[1:] for t in one] == [(0, 0), (17, 0), (35, 0), (53, 0), (0, 0), (44, 44), (28, 28), (44, 44)]
+    # The second regular chat's system prompt (7 pages) is no hit point of the first chat, whose commit kept the
+    # window rows before its turn's end only: the hit is cut to nothing and the engine computes it (tokens equal).
+    assert [t[1:] for t in apart] == [(0, 0), (17, 0), (35, 0), (53, 0), (0, 0), (44, 44), (0, 0), (44, 44)]
+    with KVCacheClient(server.target) as client:
+        st = client.get_stats(verify=True)
+    assert st.verified and st.window_pages == 63 and st.window_cut_hit_tokens == 28
+    assert st.window_policy_dropped_pages > 0 and st.window_held_pages + st.window_free_pages == 63
+    assert_clean(server)
+    # Window pages for little more than one turn: each take first sweeps the rows no hit point needs and then
+    # evicts whole radix pages; what the engine reads is never one of them, and the tokens stay the same.
+    tight = start_server(*WINDOW_POOL, "--window-pages", "14")
+    pressed = chats(tight.target)
+    assert [t[0] for t in pressed] == [t[0] for t in one]
+    with KVCacheClient(tight.target) as client:
+        st = client.get_stats(verify=True)
+    assert [t[1:] for t in pressed] == [t[1:] for t in apart]
+    assert (st.window_pressure_dropped_pages, st.window_evicted_pages, st.evicted_pages) == (1, 9, 9)
+    assert_clean(tight)
+
+
+def test_an_engine_that_reads_no_window_pages_refuses_such_a_pool_naming_both(
+        start_server: Callable[..., ServerProcess]) -> None:
+    server = start_server(*WINDOW_POOL, "--window-pages", "64")
+    with KVCacheClient(server.target) as client:
+        layout = client.get_pool_info().layout
+        with pytest.raises(LayoutMismatch) as refused:  # what the vLLM connector and SGLang's backend call
+            check_layout(layout, **model_layout(model_for(layout)))
+        assert str(refused.value) == (
+            "pool layout (layers=2, kv_heads=2, head_dim=32, dtype=float32, sliding window 8 on layer 0) keeps its "
+            "window layers' rows apart in 64 window pages (--window-pages), which this engine does not read (it reads "
+            "every layer's rows from the pages): serve the pool without --window-pages, or use an engine that reads "
+            "window pages (engine_client.reference)")
+        with pytest.raises(LayoutMismatch) as other:  # another window: both layouts and the flags that fit
+            ReferenceEngine(client, ModelConfig(head_dim=32, sliding_window=16, window_layers=(0,)))
+        assert str(other.value).startswith(
+            "pool layout (layers=2, kv_heads=2, head_dim=32, dtype=float32, sliding window 8 on layer 0) does not "
+            "match the model (layers=2, kv_heads=2, head_dim=32, dtype=float32, sliding window 16 on layer 0)")
+    assert_clean(server)
+
+
+def test_a_turn_that_needs_more_window_pages_than_the_pool_has_is_refused_and_changes_nothing(
+        start_server: Callable[..., ServerProcess]) -> None:
+    server = start_server(*WINDOW_POOL, "--window-pages", "8")
+    with KVCacheClient(server.target) as client:
+        config = model_for(client.get_pool_info().layout)
+        engine = ReferenceEngine(client, config)
+        with engine.chat(streaming=True) as chat:
+            with pytest.raises(PoolExhausted) as refused:
+                chat.turn(tokens(5, 40, config.vocab_size), 6)  # 46 slots: 12 pages, 12 window pages of 7
+            assert refused.value.message.endswith("needs 12 window pages; 7 free, the rest held by sessions, pinned "
+                                                  "or in flight (of 7)")
+            assert chat.history == [] and client.get_stats().window_free_pages == 7
+            new = tokens(6, 12, config.vocab_size)
+            result = chat.turn(new, 6)  # 18 slots: 5 pages
+            assert verify(engine.model, new, result)[1] and result.cached_tokens == 0
+        engine.close()
+    assert_clean(server)

@@ -224,8 +224,8 @@ page size the chart cannot read: poolBytes, an upper bound), else 1024 pages. */
 {{- define "kvcache.poolBytes" -}}
 {{- $pageBytes := include "kvcache.pageBytes" . | int64 -}}
 {{- $poolBytes := include "kvcache.bytes" .Values.config.poolBytes | int64 -}}
-{{- if and (or .Values.config.model .Values.modelConfig.configMap) (gt $poolBytes 0) -}}
-{{- /* the model's page size is unknown here: the pool is whole pages within poolBytes, at most that */ -}}
+{{- if and (or .Values.config.model .Values.modelConfig.configMap (gt (int64 .Values.config.windowPages) 0)) (gt $poolBytes 0) -}}
+{{- /* the model's page size is unknown here (or window pages share poolBytes with the pages): at most poolBytes */ -}}
 {{- $pageBytes = 1 -}}
 {{- end -}}
 {{- $numPages := int64 1024 -}}

@@ -112,7 +112,7 @@ STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
 status_code: _descriptor.FieldDescriptor
 
 class PoolLayout(_message.Message):
-    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "page_size", "num_pages", "groups")
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "page_size", "num_pages", "groups", "window_pages")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +120,7 @@ class PoolLayout(_message.Message):
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_PAGES_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -127,7 +128,8 @@ class PoolLayout(_message.Message):
     page_size: int
     num_pages: int
     groups: _containers.RepeatedCompositeFieldContainer[LayerGroup]
-    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[LayerGroup, _Mapping]]] = ...) -> None: ...
+    window_pages: int
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[LayerGroup, _Mapping]]] = ..., window_pages: _Optional[int] = ...) -> None: ...
 
 class LayerGroup(_message.Message):
     __slots__ = ("kind", "num_layers", "num_kv_heads", "head_dim", "sliding_window", "layers")
@@ -150,7 +152,7 @@ class GetPoolInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetPoolInfoResponse(_message.Message):
-    __slots__ = ("layout", "backend", "shm_path", "cuda_ipc_handle", "device_uuid", "size_bytes", "instance_id", "offset_bytes", "page_bytes", "server_version", "pool_socket", "step_socket")
+    __slots__ = ("layout", "backend", "shm_path", "cuda_ipc_handle", "device_uuid", "size_bytes", "instance_id", "offset_bytes", "page_bytes", "server_version", "pool_socket", "step_socket", "window_offset_bytes", "window_size_bytes")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +165,8 @@ class GetPoolInfoResponse(_message.Message):
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     POOL_SOCKET_FIELD_NUMBER: _ClassVar[int]
     STEP_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     layout: PoolLayout
     backend: str
     shm_path: str
@@ -175,7 +179,9 @@ class GetPoolInfoResponse(_message.Message):
     server_version: str
     pool_socket: str
     step_socket: str
-    def __init__(self, layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., backend: _Optional[str] = ..., shm_path: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., device_uuid: _Optional[str] = ..., size_bytes: _Optional[int] = ..., instance_id: _Optional[str] = ..., offset_bytes: _Optional[int] = ..., page_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., pool_socket: _Optional[str] = ..., step_socket: _Optional[str] = ...) -> None: ...
+    window_offset_bytes: int
+    window_size_bytes: int
+    def __init__(self, layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., backend: _Optional[str] = ..., shm_path: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., device_uuid: _Optional[str] = ..., size_bytes: _Optional[int] = ..., instance_id: _Optional[str] = ..., offset_bytes: _Optional[int] = ..., page_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., pool_socket: _Optional[str] = ..., step_socket: _Optional[str] = ..., window_offset_bytes: _Optional[int] = ..., window_size_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterEngineRequest(_message.Message):
     __slots__ = ("engine_id", "ttl_seconds")
@@ -320,7 +326,7 @@ class AppendSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., packed_token_ids: _Optional[bytes] = ..., reserve_tokens: _Optional[int] = ..., epoch: _Optional[int] = ..., engine_id: _Optional[str] = ..., packed_response: _Optional[bool] = ...) -> None: ...
 
 class AppendSessionResponse(_message.Message):
-    __slots__ = ("session_id", "epoch", "turn", "cached_tokens", "context_tokens", "capacity_tokens", "page_offset", "page_ids", "packed_page_ids", "num_pages", "prefix_hit_tokens", "tier_tokens")
+    __slots__ = ("session_id", "epoch", "turn", "cached_tokens", "context_tokens", "capacity_tokens", "page_offset", "page_ids", "packed_page_ids", "num_pages", "prefix_hit_tokens", "tier_tokens", "window_page_ids", "packed_window_page_ids")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TURN_FIELD_NUMBER: _ClassVar[int]
@@ -333,6 +339,8 @@ class AppendSessionResponse(_message.Message):
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIER_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_WINDOW_PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     turn: int
@@ -345,7 +353,9 @@ class AppendSessionResponse(_message.Message):
     num_pages: int
     prefix_hit_tokens: int
     tier_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., turn: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., context_tokens: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., page_offset: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., packed_page_ids: _Optional[bytes] = ..., num_pages: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., tier_tokens: _Optional[int] = ...) -> None: ...
+    window_page_ids: _containers.RepeatedScalarFieldContainer[int]
+    packed_window_page_ids: bytes
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., turn: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., context_tokens: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., page_offset: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., packed_page_ids: _Optional[bytes] = ..., num_pages: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., tier_tokens: _Optional[int] = ..., window_page_ids: _Optional[_Iterable[int]] = ..., packed_window_page_ids: _Optional[bytes] = ...) -> None: ...
 
 class CommitSessionRequest(_message.Message):
     __slots__ = ("session_id", "token_ids", "packed_token_ids", "kv_tokens", "abort", "turn", "epoch", "engine_id", "reuse")
@@ -408,7 +418,7 @@ class ExtendSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., reserve_tokens: _Optional[int] = ..., epoch: _Optional[int] = ..., engine_id: _Optional[str] = ..., packed_response: _Optional[bool] = ...) -> None: ...
 
 class ExtendSessionResponse(_message.Message):
-    __slots__ = ("session_id", "epoch", "turn", "capacity_tokens", "page_offset", "page_ids", "packed_page_ids", "num_pages")
+    __slots__ = ("session_id", "epoch", "turn", "capacity_tokens", "page_offset", "page_ids", "packed_page_ids", "num_pages", "window_page_ids", "packed_window_page_ids")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TURN_FIELD_NUMBER: _ClassVar[int]
@@ -417,6 +427,8 @@ class ExtendSessionResponse(_message.Message):
     PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     PACKED_PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_WINDOW_PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     turn: int
@@ -425,7 +437,9 @@ class ExtendSessionResponse(_message.Message):
     page_ids: _containers.RepeatedScalarFieldContainer[int]
     packed_page_ids: bytes
     num_pages: int
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., turn: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., page_offset: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., packed_page_ids: _Optional[bytes] = ..., num_pages: _Optional[int] = ...) -> None: ...
+    window_page_ids: _containers.RepeatedScalarFieldContainer[int]
+    packed_window_page_ids: bytes
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., turn: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., page_offset: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., packed_page_ids: _Optional[bytes] = ..., num_pages: _Optional[int] = ..., window_page_ids: _Optional[_Iterable[int]] = ..., packed_window_page_ids: _Optional[bytes] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id", "cache", "epoch", "engine_id", "mode")
@@ -546,7 +560,7 @@ class StepResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., columns: _Optional[_Union[StepColumnResults, _Mapping]] = ...) -> None: ...
 
 class StepColumnResults(_message.Message):
-    __slots__ = ("codes", "errors", "epochs", "turns", "cached_tokens", "context_tokens", "capacity_tokens", "page_offsets", "num_pages", "prefix_hit_tokens", "kv_tokens", "closed", "page_counts", "page_ids", "opened_ids", "timeouts", "instance_id", "tier_tokens")
+    __slots__ = ("codes", "errors", "epochs", "turns", "cached_tokens", "context_tokens", "capacity_tokens", "page_offsets", "num_pages", "prefix_hit_tokens", "kv_tokens", "closed", "page_counts", "page_ids", "opened_ids", "timeouts", "instance_id", "tier_tokens", "window_page_ids")
     CODES_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     EPOCHS_FIELD_NUMBER: _ClassVar[int]
@@ -565,6 +579,7 @@ class StepColumnResults(_message.Message):
     TIMEOUTS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     TIER_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     codes: bytes
     errors: _containers.RepeatedCompositeFieldContainer[_status_pb2.Status]
     epochs: bytes
@@ -583,7 +598,8 @@ class StepColumnResults(_message.Message):
     timeouts: bytes
     instance_id: str
     tier_tokens: bytes
-    def __init__(self, codes: _Optional[bytes] = ..., errors: _Optional[_Iterable[_Union[_status_pb2.Status, _Mapping]]] = ..., epochs: _Optional[bytes] = ..., turns: _Optional[bytes] = ..., cached_tokens: _Optional[bytes] = ..., context_tokens: _Optional[bytes] = ..., capacity_tokens: _Optional[bytes] = ..., page_offsets: _Optional[bytes] = ..., num_pages: _Optional[bytes] = ..., prefix_hit_tokens: _Optional[bytes] = ..., kv_tokens: _Optional[bytes] = ..., closed: _Optional[bytes] = ..., page_counts: _Optional[bytes] = ..., page_ids: _Optional[bytes] = ..., opened_ids: _Optional[_Iterable[str]] = ..., timeouts: _Optional[bytes] = ..., instance_id: _Optional[str] = ..., tier_tokens: _Optional[bytes] = ...) -> None: ...
+    window_page_ids: bytes
+    def __init__(self, codes: _Optional[bytes] = ..., errors: _Optional[_Iterable[_Union[_status_pb2.Status, _Mapping]]] = ..., epochs: _Optional[bytes] = ..., turns: _Optional[bytes] = ..., cached_tokens: _Optional[bytes] = ..., context_tokens: _Optional[bytes] = ..., capacity_tokens: _Optional[bytes] = ..., page_offsets: _Optional[bytes] = ..., num_pages: _Optional[bytes] = ..., prefix_hit_tokens: _Optional[bytes] = ..., kv_tokens: _Optional[bytes] = ..., closed: _Optional[bytes] = ..., page_counts: _Optional[bytes] = ..., page_ids: _Optional[bytes] = ..., opened_ids: _Optional[_Iterable[str]] = ..., timeouts: _Optional[bytes] = ..., instance_id: _Optional[str] = ..., tier_tokens: _Optional[bytes] = ..., window_page_ids: _Optional[bytes] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
     __slots__ = ("session_id", "epoch", "state", "streaming", "cache_salt", "engine_id", "context_tokens", "kv_tokens", "turns", "num_pages", "radix_pages", "held_pages", "in_flight_pages", "idle_seconds", "timeout_seconds", "demoted", "close_pending", "identity", "former_engine_id", "parked_seconds_left", "parent_session_id", "child_sessions")

@@ -513,3 +513,116 @@ def test_invalid_mla_config_raises(fields: dict[str, object], message: str) -> N
     mla = {"num_kv_heads": 1, "head_dim": 32, "kv_lora_rank": 48, "qk_rope_head_dim": 16}
     with pytest.raises(ValueError, match=message):
         ModelConfig(**(mla | fields))  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------ window rows kept apart (window pages)
+
+class WindowPagedSession:
+    """A session on a pool that keeps window rows apart: pages hold the full layers' rows, window pages the window
+    layers'. After each chunk the window pages of pages wholly before the next query's window are dropped (their
+    table entry 0, the window page filled with NaN and handed out again), as the service drops window rows no
+    later read needs."""
+
+    def __init__(self, model: ReferenceModel, page_size: int, num_pages: int = NUM_PAGES) -> None:
+        c = model.config
+        full = c.num_layers - len(c.window_layers)
+        shape = c.pool_shape(num_pages, page_size)
+        self.model, self.page_size = model, page_size
+        self.pool = torch.full((full, *shape[1:]), float("nan"), dtype=c.dtype)
+        self.window = torch.full((len(c.window_layers), *shape[1:]), float("nan"), dtype=c.dtype)
+        self.handout, self.window_handout = PageHandout(num_pages, seed=1), PageHandout(num_pages, seed=2)
+        self.pages: list[int] = []
+        self.windows: list[int] = []
+        self.done = 0
+        self.dropped = 0
+
+    def run(self, tokens: torch.Tensor) -> torch.Tensor:
+        end = self.done + tokens.numel()
+        while len(self.pages) * self.page_size < end:
+            self.pages += self.handout.take(1)
+            self.windows += self.window_handout.take(1)
+        out = self.model.forward_paged(tokens, self.done, self.pool, as_table(self.pages), window_pool=self.window,
+                                       window_table=as_table(self.windows))
+        self.done = end
+        first_needed = max(end - self.model.config.sliding_window + 1, 0) // self.page_size
+        for i in range(first_needed):
+            if self.windows[i]:
+                self.window[:, :, self.windows[i]] = float("nan")
+                self.window_handout._free.append(self.windows[i])
+                self.windows[i] = 0
+                self.dropped += 1
+        return out
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("chunks", [(37,), (5, 1, 13, 18), (1,) * 37], ids=["prefill", "chunked", "per-token"])
+def test_window_pages_paged_chunks_match_dense_with_the_rows_before_the_window_dropped(
+        window_model: ReferenceModel, page_size: int, chunks: tuple[int, ...]) -> None:
+    tokens = make_tokens(sum(chunks), seed=21)
+    session = WindowPagedSession(window_model, page_size)
+    bounds = [0, *torch.tensor(chunks).cumsum(0).tolist()]
+    paged = torch.cat([session.run(tokens[a:b]) for a, b in pairwise(bounds)])
+    torch.testing.assert_close(paged, window_model.forward_dense(tokens), atol=ATOL, rtol=0)
+    assert session.dropped > 0 and not session.window[:, :, 0].isfinite().any()  # window page 0 never written
+    assert not session.pool[:, :, 0].isfinite().any()
+
+
+def test_window_pages_and_one_region_give_the_same_logits(window_model: ReferenceModel) -> None:
+    tokens = make_tokens(30, seed=25)
+    one = PagedSession(window_model, make_pool(4), PageHandout())
+    apart = WindowPagedSession(window_model, 4)
+    for a, b in ((0, 12), (12, 13), (13, 30)):
+        torch.testing.assert_close(apart.run(tokens[a:b]), one.run(tokens[a:b]), atol=0, rtol=0)
+
+
+def window_parts(page_size: int = 4) -> tuple[ReferenceModel, torch.Tensor, torch.Tensor]:
+    model = ReferenceModel(ModelConfig(sliding_window=WINDOW, window_layers=(0,)))
+    shape = model.config.pool_shape(8, page_size)
+    return model, torch.zeros((1, *shape[1:])), torch.zeros((1, *shape[1:]))
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda m, p, w: m.forward_paged(make_tokens(4), 0, p, as_table([1]), window_pool=w),
+     r"^window_pool and window_table go together \(a pool that keeps window rows apart\), got window_pool set and "
+     r"window_table None$"),
+    (lambda m, p, w: m.forward_paged(make_tokens(4), 0, torch.cat([p, p]), as_table([1]), window_pool=w,
+                                     window_table=as_table([1])),
+     r"^the pool holds 2 full and 1 window layers, the model has 1 full and 1 window layers$"),
+    (lambda m, p, w: m.forward_paged(make_tokens(4), 8, p, as_table([1, 2, 3]), window_pool=w,
+                                     window_table=as_table([0, 0, 3])),
+     r"^window_table entries of pages 0-2 \(the window of positions \[1, 12\)\) must be in \[1, 8\), got min 0 max "
+     r"3: window page 0 means the service dropped those rows$"),
+    (lambda m, p, w: m.forward_paged(make_tokens(4), 0, p, as_table([1]), window_pool=w, window_table=as_table([])),
+     r"^window_table holds 0 pages but 4 context tokens need 1 at page_size 4$"),
+    (lambda m, p, w: ReferenceModel(ModelConfig()).forward_paged(make_tokens(4), 0, p, as_table([1]), window_pool=w,
+                                                                 window_table=as_table([1])),
+     r"^a window pool \(window_pool\) holds the rows of window layers, and this model has no sliding window$"),
+])
+def test_bad_window_pools_and_tables_are_refused_naming_both_sides(call: object, message: str) -> None:
+    model, pool, window = window_parts()
+    before = (pool.clone(), window.clone())
+    with pytest.raises(ValueError, match=message):
+        call(model, pool, window)  # type: ignore[operator]
+    assert torch.equal(pool, before[0]) and torch.equal(window, before[1])  # nothing written
+
+
+def test_window_pages_batch_matches_dense(window_model: ReferenceModel) -> None:
+    long, short = make_tokens(29, seed=23), make_tokens(11, seed=24)
+    a = WindowPagedSession(window_model, 4)
+    a.run(long[:20])  # 20 positions, then the window pages before the next query's window are dropped
+    b = WindowPagedSession(window_model, 4)
+    b.pool, b.window = a.pool, a.window  # one pool: b's pages and window pages from the ones a has not taken
+    b.handout._free = [p for p in a.handout._free if p not in a.pages]
+    b.window_handout._free = [w for w in a.window_handout._free if w not in a.windows]
+    a_pages, a_windows = a.pages + a.handout.take(3), a.windows + a.window_handout.take(3)
+    b.window_handout._free = [w for w in b.window_handout._free if w not in a_windows]
+    b.handout._free = [p for p in b.handout._free if p not in a_pages]
+    b_pages, b_windows = b.handout.take(3), b.window_handout.take(3)
+    out = window_model.forward_batch([(long[20:], 20, as_table(a_pages)), (short, 0, as_table(b_pages))], a.pool,
+                                     window_pool=a.window, window_tables=[as_table(a_windows), as_table(b_windows)])
+    torch.testing.assert_close(out[0], window_model.forward_dense(long)[20:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out[1], window_model.forward_dense(short), atol=ATOL, rtol=0)
+    assert a.windows[:2] == [0, 0]  # positions 0-7: dropped before the batch, never read by it
+    with pytest.raises(ValueError, match=r"^two sequences of the batch write the same window slot"):
+        window_model.forward_batch([(short, 0, as_table(b_pages)), (short, 0, as_table(a_pages[-3:]))], a.pool,
+                                   window_pool=a.window, window_tables=[as_table(b_windows), as_table(b_windows)])
