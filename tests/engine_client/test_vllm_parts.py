@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_client.vllm import transfer
+from engine_client.vllm import host_copy
 from engine_client.vllm.config import ConnectorConfig, ConnectorConfigError
 from engine_client.vllm.counters import COUNTER_HELP, Counters
 from engine_client.vllm.scheduler import WorkerReport
@@ -272,7 +272,7 @@ def test_host_copies_move_whole_blocks_and_the_rest_exactly_as_position_by_posit
         packing: str, dtype: torch.dtype, ranges: list[tuple[int, int]], chunk: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
     if chunk == "a block":  # several chunks, the last one short
-        monkeypatch.setattr(transfer, "_CHUNK_BYTES", 1)
+        monkeypatch.setattr(host_copy, "_CHUNK_BYTES", 1)
     with HostScratch() as scratch:
         copy_both_ways(packing, dtype, ranges, scratch)
         copy_both_ways(packing, dtype, ranges, scratch)  # the kept buffers, dirty from the first copies
