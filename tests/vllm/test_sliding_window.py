@@ -281,3 +281,30 @@ def test_a_gemma3_chat_on_a_window_pages_pool_hits_where_the_window_rows_end_und
     assert (22 * layout.bytes_per_page + 10 * layout.bytes_per_window_page,
             22 * (layout.bytes_per_page + layout.bytes_per_window_page)) == (851_968, 1_441_792)
     assert "cannot copy" not in second.log_text() and "cannot copy" not in first.log_text()
+
+
+def test_a_streaming_gemma3_chat_on_a_window_pages_pool_loads_the_window_before_each_turns_history(
+        gemma: dict[str, VllmEngine], window_gemma: dict[str, VllmEngine], window_kvcache: ServerProcess) -> None:
+    # A streaming session's page table lives across turns: entries for pages its commits moved past go stale, and
+    # each turn (vLLM's own prefix cache off) loads its whole history, the window layers only the window before
+    # it (pages of positions history - 31 .. history - 1), which the session keeps. Tokens equal vLLM alone's.
+    alone, second = gemma["alone"], window_gemma["second"]
+    target = window_kvcache.target
+    users = [prompt(830, 106), prompt(831, 60), prompt(832, 56), prompt(833, 56)]
+    conversation: list[int] = []
+    cached, before = [], counts(second)
+    for i, user in enumerate(users):
+        params = {"kvcache_session_id": "window-chat", **({"kvcache_close_session": True} if i == 3 else {})}
+        turn = request(conversation + user, 8)
+        want = alone.generate([turn])[0]["tokens"]
+        out = second.generate([{**turn, "kv_transfer_params": params}])[0]
+        assert out["tokens"] == want
+        cached.append(out["num_cached_tokens"])
+        conversation = turn["prompt"] + out["tokens"]
+        drained(target)
+    assert cached == [0, 113, 181, 245]  # each turn's whole history: the session's committed KV
+    after = counts(second)
+    # full layer: every page of each history (8 + 12 + 16); window layers: the window's 3 pages (82-112: 5-7;
+    # 150-180: 9-11; 214-244: 13-15)
+    assert tuple(a - b for a, b in zip(after[:3], before[:3], strict=True)) == (113 + 181 + 245, 8 + 12 + 16, 9)
+    assert after[3] == 0
