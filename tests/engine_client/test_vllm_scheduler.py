@@ -19,6 +19,7 @@ import torch
 from engine_client import KVCacheClient, LayoutMismatch
 from engine_client.mapping import map_pool
 from engine_client.vllm.config import ConnectorConfig
+from engine_client.vllm.plans import StepPlan
 from engine_client.vllm.scheduler import SchedulerSide, WorkerReport
 from engine_client.vllm.transfer import LayerKV, Transfers, layer_kv, mla_latent
 from engine_client.vllm.worker import WorkerSide, head_shard
@@ -547,6 +548,61 @@ def test_on_a_window_pages_pool_window_layers_load_and_save_through_the_window_p
         assert (worker.invalid_blocks(), worker.counters.load_errors) == ({7, 8, 9, 12, 13}, 1)
     finally:
         side.close()
+        worker.close()
+        mapped.close()
+        client.close()
+    verify_stats(pool.target)
+    pool.close()
+
+
+def test_with_every_layer_windowed_the_pages_hold_no_rows_and_every_copy_goes_through_window_pages(
+        tmp_path: Path) -> None:
+    # a Mistral-style model (window 32 on both layers, one KV cache group) on a window-pages pool: the pages' region
+    # holds no layer, so a save and a load of [0, 64) touch only the window region, through the plan's window pages
+    pool = ServerProcess("--page-size", str(PAGE), "--num-pages", "64", "--num-layers", "2", "--num-kv-heads", "2",
+                         "--head-dim", "64", "--dtype", "float32", "--sliding-window", "32", "--window-pages", "8",
+                         log_path=tmp_path / "mistral.log")
+    raw = [torch.randn(4, 2, BLOCK, 128, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    views = [cpu_view(t, heads=2) for t in raw]
+    worker = WorkerSide(lambda: KVCacheClient(pool.target), block_size=BLOCK, shard=head_shard(0, 1, 2))
+    client = KVCacheClient(pool.target)
+    mapped = map_pool(client)
+    try:
+        worker.register([("l0", views[0]), ("l1", views[1])], num_kv_heads=2, head_dim=64, dtype=torch.float32,
+                        windows=(32,))
+        assert mapped.window is not None
+        assert (tuple(mapped.tensor.shape), tuple(mapped.window.shape)) == ((0, 2, 64, PAGE, 2, 64),
+                                                                            (2, 2, 8, PAGE, 2, 64))
+        info = client.get_pool_info()
+        span = (0, 64, np.array([9, 4, 12, 30], np.int32), np.array([[2, 3]], np.int32),
+                np.array([6, 1, 3, 7], np.int32))
+        plan = StepPlan(instance_id=info.instance_id, page_size=PAGE, saves=Transfers.build([span]),
+                        save_reqs=["a"])
+        worker.begin(plan)
+        worker.save("l0")
+        worker.save("l1")
+        report = worker.end()
+        assert report is not None and report.saved == {"a": (0, 64)}
+        for layer in range(2):
+            for pos in range(64):
+                w, block, o = [6, 1, 3, 7][pos // PAGE], 2 + pos // BLOCK, pos % BLOCK
+                assert torch.equal(mapped.window[layer, 0, w, pos % PAGE], views[layer].k[block, o])
+                assert torch.equal(mapped.window[layer, 1, w, pos % PAGE], views[layer].v[block, o])
+        assert not mapped.window[:, :, [0, 2, 4, 5]].any()  # the window pages the plan does not name
+        kept = [t.clone() for t in raw]
+        for t in raw:
+            t.zero_()
+        worker.begin(StepPlan(instance_id=info.instance_id, page_size=PAGE, loads=Transfers.build([span]),
+                              load_reqs=["a"]))
+        worker.load("l0")
+        worker.load("l1")
+        worker.end()
+        for layer in range(2):  # a load into a window layer: only the window before 64, positions 33-63
+            assert torch.equal(views[layer].k[3, 1:], cpu_view(kept[layer], 2).k[3, 1:])
+            assert torch.equal(views[layer].v[3, 1:], cpu_view(kept[layer], 2).v[3, 1:])
+            assert not views[layer].k[3, 0].any() and not views[layer].k[2].any()
+        assert (worker.counters.load_pages, worker.counters.load_window_pages, worker.counters.load_errors) == (2, 2, 0)
+    finally:
         worker.close()
         mapped.close()
         client.close()
