@@ -27,7 +27,7 @@ class SessionView:
     streaming session, its committed tokens and whether a turn is queued, in flight or committing."""
 
     __slots__ = ("busy", "commit_ticket", "committing", "generation", "id", "kv_tokens", "num_pages", "pages",
-                 "parent", "salt", "streaming", "tokens")
+                 "parent", "salt", "streaming", "tokens", "windows")
 
     def __init__(self, session_id: str, streaming: bool, salt: str, generation: int) -> None:
         self.id = session_id
@@ -36,6 +36,9 @@ class SessionView:
         self.generation = generation
         """The connection it was opened on (a newer one means the session is gone)."""
         self.pages = np.zeros(16, np.int32)
+        self.windows = np.zeros(16, np.int32)
+        """On a pool that keeps window rows apart (docs/design.md §13): each page's window page, as the deltas sent
+        it (0: dropped). Entries for the window a turn reads or writes are current; older ones may be stale."""
         self.num_pages = 0
         self.tokens: npt.NDArray[np.int32] = np.zeros(0, np.int32)
         """Committed tokens (streaming sessions)."""
@@ -49,14 +52,24 @@ class SessionView:
         self.parent = ""
         """The session it works for, as its open named it ("": top-level)."""
 
-    def apply(self, offset: int, page_ids: npt.NDArray[np.int32]) -> None:
-        """An append's or extend's page-table delta: `page_ids` from page `offset` on."""
+    def apply(self, offset: int, page_ids: npt.NDArray[np.int32],
+              window_ids: npt.NDArray[np.int32] | None = None) -> None:
+        """An append's or extend's page-table delta: `page_ids` from page `offset` on, and with a window pool
+        their `window_ids` (one each; empty or None for other pools)."""
         end = offset + page_ids.size
         if end > self.pages.size:
-            grown = np.zeros(max(end, 2 * self.pages.size), np.int32)
+            size = max(end, 2 * self.pages.size)
+            grown = np.zeros(size, np.int32)
             grown[: self.num_pages] = self.pages[: self.num_pages]
             self.pages = grown
+            windows = np.zeros(size, np.int32)
+            windows[: self.num_pages] = self.windows[: self.num_pages]
+            self.windows = windows
         self.pages[offset:end] = page_ids
+        if window_ids is not None and window_ids.size:
+            if window_ids.size != page_ids.size:
+                raise ValueError(f"{window_ids.size} window page ids for {page_ids.size} page ids: one each")
+            self.windows[offset:end] = window_ids
         self.num_pages = end
 
     def reset(self) -> None:
@@ -69,3 +82,8 @@ class SessionView:
         """The pages that hold positions `[lo, hi)` (a copy)."""
         pages: npt.NDArray[np.int32] = self.pages[lo // page_size: (hi - 1) // page_size + 1].copy()
         return pages
+
+    def window_range(self, lo: int, hi: int, page_size: int) -> npt.NDArray[np.int32]:
+        """The window pages of `page_range(lo, hi, page_size)` (a copy; meaningful on a window pool only)."""
+        windows: npt.NDArray[np.int32] = self.windows[lo // page_size: (hi - 1) // page_size + 1].copy()
+        return windows

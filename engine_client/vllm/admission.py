@@ -103,7 +103,7 @@ class Admission:
             s.end_lookup(r)
             return
         res = outcome.value
-        sess.apply(res.page_offset, res.page_ids)
+        sess.apply(res.page_offset, res.page_ids, res.window_page_ids)
         if res.context_tokens != r.prompt.size:  # the session held other tokens than the scheduler thought
             batch.abort(sess.id)
             if sess.streaming:

@@ -70,7 +70,8 @@ class KVCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     It supports vLLM's hybrid KV cache manager (`SupportsHMA`): a model with sliding-window and full-attention
     layers keeps its per-group block tables, and the connector copies each layer through its own group's
-    blocks, never touching the null block where a window dropped one.
+    blocks, never touching the null block where a window dropped one; on a pool that keeps its window rows apart
+    (`--window-pages`) the window layers' rows go through the window pages the page tables name.
     """
 
     _cache_hit_source = CacheHitSource.HOST

@@ -1,6 +1,9 @@
 """vLLM's paged KV and the pool's layers as views for the copies (transfer.py): never copies of either.
 
-- the pool: `pool[layer]` is `[2, num_pages, page_size, heads, dim]` (K then V), token-major;
+- the pool: `pool[layer]` is `[2, num_pages, page_size, heads, dim]` (K then V), token-major; on a pool that
+  keeps its window rows apart (`--window-pages`, docs/design.md §13) a sliding-window layer's is its layer of
+  the window region, `[2, window_pages, page_size, heads, dim]`, indexed through each page's window page
+  (`Transfers.window_pages`, `TransferIndex(window=True)`);
 - vLLM 0.32: a per-layer tensor with logical axes `[B, H, N, C]` (blocks, the rank's KV heads, tokens of
   a block, content) whose memory order is the engine's `KVCacheLayout` (LBHNC "HND", LBNHC "NHD", ...):
   `layer_kv` checks the tensor's strides against that layout and views it as K and V, each `[blocks,

@@ -25,8 +25,13 @@ from engine_client.vllm.transfer import NULL_BLOCK, Transfers
 
 __all__ = ["Planner", "StepPlan"]
 
-Span = tuple[int, int, Any, Any]
-"""Positions `[lo, hi)`, their pool pages, and `[groups, n]` vLLM blocks."""
+Span = tuple[int, int, Any, Any, Any]
+"""Positions `[lo, hi)`, their pool pages, `[groups, n]` vLLM blocks, and the pages' window pages (a window-pages
+pool; else empty)."""
+
+
+_NO_WINDOWS = np.zeros(0, np.int32)
+"""A span's window pages on a pool without window pages (never written)."""
 
 
 @dataclass
@@ -121,9 +126,10 @@ class Planner:
             lo, hi = r.save_span(computed, end, min((len(b) for b in r.blocks), default=0) * self._block_size)
             if hi > lo:
                 save = self._span(r, sess, lo, hi, ps)
-                if (save[3] == NULL_BLOCK).any():
-                    # positions a sliding window already dropped (vLLM's own prefix hit, before kvcache's): a
-                    # session commits a contiguous prefix, so this request saves nothing more
+                if (save[3] == NULL_BLOCK).any() or (save[4] == 0).any():
+                    # positions a sliding window already dropped (vLLM's own prefix hit, before kvcache's), or
+                    # pages without window rows (never handed out for a turn's own pages): a session commits a
+                    # contiguous prefix, so this request saves nothing more
                     r.saving = False
                     self._s.counters.window_skipped_saves += 1
                 else:
@@ -136,14 +142,17 @@ class Planner:
             self._s.ops.on(outcome, lambda o: self._on_extended(r, o))
 
     def _span(self, r: Request, sess: SessionView, lo: int, hi: int, ps: int) -> Span:
-        """Positions `[lo, hi)`: their pool pages and, `[groups, n]`, their vLLM blocks in every group."""
+        """Positions `[lo, hi)`: their pool pages, `[groups, n]` their vLLM blocks in every group, and on a pool
+        that keeps window rows apart their pages' window pages (where the window layers' rows are)."""
         bs = self._block_size
         first, last = lo // bs, (hi - 1) // bs + 1
         blocks = np.zeros((len(r.blocks), last - first), np.int32)  # a group's table shorter than the range: null
         for g, table in enumerate(r.blocks):
             row = table[first:last]
             blocks[g, : len(row)] = row
-        return lo, hi, sess.page_range(lo, hi, ps), blocks
+        info = self._s.info
+        windows = sess.window_range(lo, hi, ps) if info is not None and info.layout.window_pages else _NO_WINDOWS
+        return lo, hi, sess.page_range(lo, hi, ps), blocks, windows
 
     def _on_extended(self, r: Request, outcome: StepOutcome[ExtendResult]) -> None:
         r.extending = False
@@ -151,7 +160,7 @@ class Planner:
             r.saving = r.saving and outcome.error is None and r.sess is not None  # no room: stop saving there
             return
         res = outcome.value
-        r.sess.apply(res.page_offset, res.page_ids)
+        r.sess.apply(res.page_offset, res.page_ids, res.window_page_ids)
         r.capacity = res.capacity_tokens
 
     # ------------------------------------------------------------------ finishing

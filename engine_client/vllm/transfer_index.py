@@ -9,8 +9,10 @@ pool's side of a layer (`PoolLayer`: K and V planes and their numpy view) is bui
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -28,7 +30,9 @@ class Transfers:
     first being the page that holds position `starts[t]`; its vLLM blocks are `blocks[g, block_base[t]:]` in
     each of vLLM's KV cache groups `g` (one row per group: a hybrid model's window and full-attention layers
     have block tables of their own, the window's holding vLLM's null block 0 where the window dropped a
-    block), the first holding `starts[t]`.
+    block), the first holding `starts[t]`. On a pool that keeps its window rows apart (`--window-pages`,
+    docs/design.md §13) `window_pages` is parallel to `pages`: each page's window page, where the window layers'
+    rows of its positions are (0: the pool dropped them); empty on other pools.
     """
 
     starts: Int64Array
@@ -38,6 +42,8 @@ class Transfers:
     blocks: Int32Array
     """`[groups, blocks]`."""
     block_base: Int64Array
+    window_pages: Int32Array = field(default_factory=lambda: np.zeros(0, np.int32))
+    """With a window-pages pool: `pages`' window pages, one each (0: dropped); empty otherwise."""
 
     @classmethod
     def empty(cls, groups: int = 1) -> Transfers:
@@ -45,9 +51,10 @@ class Transfers:
         return cls(z64, z64, z32, z64, np.zeros((groups, 0), np.int32), z64)
 
     @classmethod
-    def build(cls, ranges: list[tuple[int, int, Int32Array, Int32Array]], groups: int = 1) -> Transfers:
-        """From `(start, end, pages, blocks)` per transfer, `pages`/`blocks` beginning at start's page/block;
-        `blocks` is `[groups, n]` (or `[n]` with one group)."""
+    def build(cls, ranges: Sequence[tuple[Any, ...]], groups: int = 1) -> Transfers:
+        """From `(start, end, pages, blocks)` or `(start, end, pages, blocks, window_pages)` per transfer,
+        `pages`/`blocks` beginning at start's page/block; `blocks` is `[groups, n]` (or `[n]` with one group),
+        `window_pages` one per page (all transfers have them, or none)."""
         if not ranges:
             return cls.empty(groups)
         starts = np.fromiter((r[0] for r in ranges), np.int64, len(ranges))
@@ -55,9 +62,15 @@ class Transfers:
         page_sizes = np.fromiter((r[2].size for r in ranges), np.int64, len(ranges))
         rows = [np.asarray(r[3], np.int32).reshape(groups, -1) for r in ranges]
         block_sizes = np.fromiter((b.shape[1] for b in rows), np.int64, len(ranges))
-        return cls(starts, ends, np.concatenate([r[2] for r in ranges]).astype(np.int32, copy=False),
-                   np.cumsum(page_sizes) - page_sizes, np.concatenate(rows, axis=1),
-                   np.cumsum(block_sizes) - block_sizes)
+        pages = np.concatenate([r[2] for r in ranges]).astype(np.int32, copy=False)
+        windowed = [r[4] for r in ranges if len(r) > 4 and r[4].size]
+        if windowed and len(windowed) != len(ranges):
+            raise ValueError(f"{len(windowed)} of {len(ranges)} transfers carry window page ids: all or none")
+        window = np.concatenate(windowed).astype(np.int32, copy=False) if windowed else np.zeros(0, np.int32)
+        if window.size and window.size != pages.size:
+            raise ValueError(f"{window.size} window page ids for {pages.size} pages: one per page")
+        return cls(starts, ends, pages, np.cumsum(page_sizes) - page_sizes, np.concatenate(rows, axis=1),
+                   np.cumsum(block_sizes) - block_sizes, window)
 
     def __len__(self) -> int:
         return int(self.starts.size)
@@ -91,19 +104,32 @@ class TransferIndex:
     """Per-token index tensors of a set of transfers in one KV cache group: pool slot (on the pool's device),
     vLLM block and offset in the block (on vLLM's). Positions whose block is vLLM's null block in that group
     (outside a sliding window) are left out; `pages` counts the pool pages the rest read or write (a page
-    split between two transfers counts twice)."""
+    split between two transfers counts twice).
+
+    A window group on a window-pages pool (`window=True`) is indexed through `Transfers.window_pages`: its slots
+    are window-page slots of the pool's window region, and positions whose window page is 0 (rows the pool
+    dropped) are left out too, counted in `dropped`. `within` (a load's `W - 1`) keeps only the last `within`
+    positions before each transfer's end: the window a query at the end attends to, the only rows a load into a
+    window layer needs (docs/design.md §13: the pool keeps them for every hit point; page-table entries before
+    them may be stale, so they are never read)."""
 
     pool_slots: torch.Tensor
     blocks: torch.Tensor
     offsets: torch.Tensor
     pages: int = 0
+    dropped: int = 0
+    """Positions left out because their window page is 0 (the pool dropped their window rows)."""
     _units: dict[tuple[int, int], BlockUnits] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(cls, t: Transfers, *, page_size: int, block_size: int, device: torch.device | str = "cpu",
-              pool_device: torch.device | str | None = None, group: int = 0) -> TransferIndex:
+              pool_device: torch.device | str | None = None, group: int = 0, window: bool = False,
+              within: int = 0) -> TransferIndex:
         """`device`: where vLLM's KV is; `pool_device`: where the pool is (default: the same); `group`: the
-        KV cache group whose blocks are copied."""
+        KV cache group whose blocks are copied; `window`: through the window pages; `within`: see the class."""
+        if window and t.window_pages.size != t.pages.size:
+            raise ValueError(f"a window group's transfers need one window page id per page: {t.window_pages.size} "
+                             f"for {t.pages.size} pages")
         lengths = t.ends - t.starts
         total = int(lengths.sum())
         which = np.repeat(np.arange(len(t)), lengths)
@@ -113,14 +139,22 @@ class TransferIndex:
         block_idx = t.block_base[which] + pos // block_size - (t.starts // block_size)[which]
         blocks = t.blocks[group][block_idx].astype(np.int64)
         keep = blocks != NULL_BLOCK
+        if within > 0:
+            keep &= pos >= t.ends[which] - within
+        ids = t.window_pages if window else t.pages
+        dropped = 0
+        if window:
+            held = ids[page_idx] != 0
+            dropped = int(np.count_nonzero(keep & ~held))
+            keep &= held
         if not keep.all():
             pos, page_idx, blocks = pos[keep], page_idx[keep], blocks[keep]
-        pool_slots = t.pages[page_idx].astype(np.int64) * page_size + pos % page_size
+        pool_slots = ids[page_idx].astype(np.int64) * page_size + pos % page_size
         offsets = pos % block_size
         pages = int(np.count_nonzero(np.diff(page_idx, prepend=-1))) if page_idx.size else 0
         dev = torch.device(device)
         return cls(torch.from_numpy(pool_slots).to(torch.device(pool_device) if pool_device is not None else dev),
-                   torch.from_numpy(blocks).to(dev), torch.from_numpy(offsets).to(dev), pages)
+                   torch.from_numpy(blocks).to(dev), torch.from_numpy(offsets).to(dev), pages, dropped)
 
     def __len__(self) -> int:
         return int(self.pool_slots.shape[0])

@@ -13,6 +13,11 @@ slice of every full-heads pool page (a replica rank loads it and leaves saving i
 its group) and reports its rank, so the scheduler side counts a save only once every rank made it.
 Asynchronous loads (`load_async`, from vLLM's start_load_kv) copy every layer at once and are reported
 to vLLM as finished receiving (`take_received`).
+
+On a pool that keeps its window rows apart (`--window-pages`, docs/design.md §13) a sliding-window layer's pool
+layer is its layer of the window region (`MappedPool.layer`) and its group's index goes through the plan's window
+page ids: a load reads only the window before its end (`TransferIndex` `within`), and a load whose window rows the
+pool no longer holds fails (vLLM recomputes) rather than leave vLLM's rows unwritten.
 """
 
 from __future__ import annotations
@@ -113,6 +118,11 @@ class _Step:
     async_ok: bool = True
 
 
+def _unwindowed(transfers: Transfers) -> bool:
+    """Transfers without a window page id for each of their pages (a plan made without the pool's window table)."""
+    return bool(len(transfers)) and transfers.window_pages.size != transfers.pages.size
+
+
 class WorkerSide:
     def __init__(self, client_factory: Callable[[], Any], *, block_size: int, shard: HeadShard | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
@@ -183,7 +193,7 @@ class WorkerSide:
     def _check(self, layout: Any) -> None:
         """The pool holds every KV head of the model, whatever the engine's tensor-parallel degree."""
         try:
-            check_layout(layout, **self._model)
+            check_layout(layout, **self._model, window_pages=True)  # window layers through window pages
         except LayoutMismatch as e:
             if self.shard.num_heads == self._model["num_kv_heads"]:
                 raise
@@ -232,7 +242,13 @@ class WorkerSide:
     def _set_pool(self, pool: MappedPool) -> None:
         self._pool = pool
         lo, hi = self.shard.lo, self.shard.hi
-        self._pool_layers = [PoolLayer(pool.tensor[i][:, :, :, lo:hi]) for i in range(len(self._layers))]
+        window = pool.window
+        layers = []
+        for i in range(len(self._layers)):
+            apart, j = pool.layer(i)
+            region = window if apart and window is not None else pool.tensor
+            layers.append(PoolLayer(region[j][:, :, :, lo:hi]))
+        self._pool_layers = layers
         if pool.tensor.device.type == "cpu" and self._engine_device().type == "cpu" and self._scratch is None:
             self._scratch = HostScratch()
         if pool.tensor.device.type == "cpu" and self._engine_device().type != "cpu" and self._staging is None:
@@ -263,23 +279,43 @@ class WorkerSide:
             self._fail_saves(step, problem)
             self._fail_async(step, problem)
             return
-        if len(plan.loads):
-            step.loads = self._index(plan.loads, plan.page_size)
-        if len(plan.saves):
-            step.saves = self._index(plan.saves, plan.page_size)
+        if self._pool is not None and self._pool.layout.window_pages:
+            why = "the plan names no window pages for a pool that keeps its window rows apart"
+            if _unwindowed(plan.loads):
+                self._fail_loads(step, why)
+            if _unwindowed(plan.saves):
+                self._fail_saves(step, why)
+            if _unwindowed(plan.async_loads):
+                self._fail_async(step, why)
+        if len(plan.loads) and step.load_ok:
+            step.loads = self._index(plan.loads, plan.page_size, load=True)
+            if any(index.dropped for index in step.loads):
+                self._fail_loads(step, "the pool dropped window rows a load needs")
+        if len(plan.saves) and step.save_ok:
+            step.saves = self._index(plan.saves, plan.page_size, load=False)
             if any(len(index) != plan.saves.num_tokens for index in step.saves):
-                self._fail_saves(step, "a save names vLLM's null block (a position outside a sliding window)")
-        if len(plan.async_loads):
-            step.async_loads = self._index(plan.async_loads, plan.page_size)
+                self._fail_saves(step, "a save names vLLM's null block (a position outside a sliding window) or a "
+                                       "page whose window rows the pool dropped")
+        if len(plan.async_loads) and step.async_ok:
+            step.async_loads = self._index(plan.async_loads, plan.page_size, load=True)
+            if any(index.dropped for index in step.async_loads):
+                self._fail_async(step, "the pool dropped window rows a load needs")
 
-    def _index(self, transfers: Transfers, page_size: int) -> list[TransferIndex]:
-        """One index per KV cache group the plan's block rows cover."""
+    def _index(self, transfers: Transfers, page_size: int, *, load: bool) -> list[TransferIndex]:
+        """One index per KV cache group the plan's block rows cover. On a window-pages pool a window group's goes
+        through the window pages, a load's only over the window before its end."""
+        pool = self._pool
         where = {"device": self._engine_device(),
-                 "pool_device": self._pool.tensor.device if self._pool is not None else torch.device("cpu")}
+                 "pool_device": pool.tensor.device if pool is not None else torch.device("cpu")}
         if transfers.groups != len(self._windows):
             raise ValueError(f"a plan of {transfers.groups} KV cache groups for a worker of {len(self._windows)}")
-        return [TransferIndex.build(transfers, page_size=page_size, block_size=self.block_size, group=g, **where)
-                for g in range(transfers.groups)]
+        apart = pool is not None and bool(pool.layout.window_pages)
+        out = []
+        for g, w in enumerate(self._windows):
+            window = apart and w > 0
+            out.append(TransferIndex.build(transfers, page_size=page_size, block_size=self.block_size, group=g,
+                                           window=window, within=w - 1 if window and load else 0, **where))
+        return out
 
     def _count_loads(self, indexes: list[TransferIndex]) -> None:
         """Pool pages a step's loads read: into any layer, and into sliding-window layers (only the window's)."""

@@ -191,6 +191,67 @@ def test_a_sliding_window_groups_index_leaves_out_the_positions_its_window_dropp
     assert (one.groups, one.blocks.tolist()) == (1, [[5]])
 
 
+def test_a_window_group_on_a_window_pages_pool_is_indexed_through_the_window_pages() -> None:
+    # a hit of 64 tokens (window 32, block 32) on pages 7, 3, 9, 4 whose window pages are 0 (dropped), 6, 2, 5: the
+    # full-attention group (row 0) reads every page; the window group (row 1, its first block null) only the window
+    # before the end, positions 33-63 (W - 1 = 31 of them), from window pages 2 and 5
+    pages, windows = np.array([7, 3, 9, 4], np.int32), np.array([0, 6, 2, 5], np.int32)
+    t = Transfers.build([(0, 64, pages, np.array([[1, 2], [0, 3]], np.int32), windows)], groups=2)
+    assert t.window_pages.tolist() == [0, 6, 2, 5]
+    full = TransferIndex.build(t, page_size=PS, block_size=BS, group=0)
+    assert full.pool_slots.tolist() == [pages[p // PS] * PS + p % PS for p in range(64)]
+    load = TransferIndex.build(t, page_size=PS, block_size=BS, group=1, window=True, within=31)
+    assert (len(load), load.pages, load.dropped) == (31, 2, 0)
+    assert load.pool_slots.tolist() == [2 * PS + p % PS for p in range(33, 48)] + [5 * PS + p % PS
+                                                                                 for p in range(48, 64)]
+    assert load.blocks.tolist() == [3] * 31 and load.offsets.tolist() == list(range(1, 32))
+    # a save (no `within`): every position of a real block, through its page's window page
+    save = TransferIndex.build(t, page_size=PS, block_size=BS, group=1, window=True)
+    assert (len(save), save.pages, save.dropped) == (32, 2, 0)
+    assert save.pool_slots.tolist() == [2 * PS + p % PS for p in range(32, 48)] + [5 * PS + p % PS
+                                                                                 for p in range(48, 64)]
+
+    region = torch.randn(2, 8, PS, H, D)  # one window layer of the window region: [K/V, window pages, ...]
+    view = cpu_view(torch.zeros(NB, H, BS, 2 * D))
+    load_layer(region, view, load)
+    assert torch.equal(view.k[3, 1:16], region[0, 2, 1:]) and torch.equal(view.v[3, 16:], region[1, 5])
+    assert not view.k[3, 0].any() and not view.v[3, 0].any()  # position 32: outside every query's window
+    assert not view.k[[0, 1, 2]].any() and not view.v[[0, 1, 2]].any()
+    saved = torch.zeros_like(region)
+    view.k[3, 0], view.v[3, 0] = 1.0, 2.0  # what vLLM computed at position 32
+    save_layer(view, saved, save)
+    assert torch.equal(saved[:, 2, 1:], region[:, 2, 1:]) and torch.equal(saved[:, 5], region[:, 5])
+    assert saved[0, 2, 0].eq(1.0).all() and saved[1, 2, 0].eq(2.0).all()
+    assert not saved[:, [0, 1, 3, 4, 6, 7]].any()  # no other window page written (6: page 3's, outside the block)
+
+
+def test_window_rows_the_pool_dropped_are_never_read_and_counted_where_a_load_needs_them() -> None:
+    # window pages 4, 0: the second page's window rows are gone although the window before the end (33-63) needs
+    # them; the index leaves them out and says how many (the worker then fails the load: vLLM recomputes)
+    t = Transfers.build([(0, 64, np.array([7, 3, 9, 4], np.int32), np.array([[1, 2], [0, 3]], np.int32),
+                          np.array([1, 1, 4, 0], np.int32))], groups=2)
+    index = TransferIndex.build(t, page_size=PS, block_size=BS, group=1, window=True, within=31)
+    assert (len(index), index.pages, index.dropped) == (15, 1, 16)
+    assert index.pool_slots.tolist() == [4 * PS + p % PS for p in range(33, 48)]
+    assert TransferIndex.build(t, page_size=PS, block_size=BS, group=0).dropped == 0  # full rows: all there
+
+
+@pytest.mark.parametrize(("ranges", "message"), [
+    ([(0, 16, np.array([7], np.int32), np.array([1], np.int32), np.array([2], np.int32)),
+      (16, 32, np.array([3], np.int32), np.array([2], np.int32))], "1 of 2 transfers carry window page ids: all or "
+                                                                     "none"),
+    ([(0, 32, np.array([7, 3], np.int32), np.array([1], np.int32), np.array([2], np.int32))],
+     "1 window page ids for 2 pages: one per page"),
+])
+def test_transfers_carry_one_window_page_id_per_page_or_none(ranges: list[tuple[object, ...]], message: str) -> None:
+    with pytest.raises(ValueError) as err:
+        Transfers.build(ranges)
+    assert str(err.value) == message
+    plain = Transfers.build([(0, 16, np.array([7], np.int32), np.array([1], np.int32))])
+    with pytest.raises(ValueError, match="a window group's transfers need one window page id per page: 0 for 1"):
+        TransferIndex.build(plain, page_size=PS, block_size=BS, window=True)
+
+
 def test_an_mla_latent_is_read_as_its_halves_and_copied_whole_through_the_pool() -> None:
     latent = torch.randn(NB, 16, 576, generator=torch.Generator().manual_seed(3))  # vLLM's [blocks, 16, latent]
     for kv in (latent, latent.unsqueeze(1)):  # register_kv_caches' [blocks, 1, 16, latent] too

@@ -17,9 +17,11 @@ import pytest
 import torch
 
 from engine_client import KVCacheClient, LayoutMismatch
+from engine_client.mapping import map_pool
 from engine_client.vllm.config import ConnectorConfig
+from engine_client.vllm.plans import StepPlan
 from engine_client.vllm.scheduler import SchedulerSide, WorkerReport
-from engine_client.vllm.transfer import LayerKV, layer_kv, mla_latent
+from engine_client.vllm.transfer import LayerKV, Transfers, layer_kv, mla_latent
 from engine_client.vllm.worker import WorkerSide, head_shard
 from tests.integration.conftest import ServerProcess, verify_stats
 from tests.loopback import free_port, wait_until
@@ -447,3 +449,162 @@ def test_dynamo_session_fields_make_an_agent_tree_and_a_final_subagent_turn_drop
     finally:
         side.close()
     verify_stats(server.target)
+
+
+def test_on_a_window_pages_pool_window_layers_load_and_save_through_the_window_pages_their_tables_name(
+        tmp_path: Path) -> None:
+    # layer 0 attends within 32 tokens (vLLM's KV cache group 1), layer 1 is full attention (group 0); the pool keeps
+    # layer 0's rows apart in window pages. The scheduler side plans with the page tables' window page ids, the
+    # worker copies layer 0 through them and layer 1 through the pages, both checked against the mapped pool.
+    pool = ServerProcess("--page-size", str(PAGE), "--num-pages", "64", "--num-layers", "2", "--num-kv-heads", "2",
+                         "--head-dim", "64", "--dtype", "float32", "--sliding-window", "32", "--window-layers", "0",
+                         "--window-pages", "16", log_path=tmp_path / "window-pages.log")
+    gen = torch.Generator().manual_seed(7)
+    raw = [torch.zeros(16, 2, BLOCK, 128) for _ in range(2)]
+    views = [cpu_view(t, heads=2) for t in raw]
+    worker = WorkerSide(lambda: KVCacheClient(pool.target), block_size=BLOCK, shard=head_shard(0, 1, 2))
+    config = ConnectorConfig.from_extra({"kvcache_target": pool.target, "kvcache_lookup_wait_seconds": 5.0}, env={})
+    side = SchedulerSide(config, block_size=BLOCK, engine_id="sched-window-pages", groups=2,
+                         client_factory=lambda: KVCacheClient(pool.target))
+    client = KVCacheClient(pool.target)
+    mapped = map_pool(client)
+    try:
+        worker.register([("l0", views[0]), ("l1", views[1])], num_kv_heads=2, head_dim=64, dtype=torch.float32,
+                        groups=[1, 0], windows=(0, 32))
+        assert (mapped.layer(0), mapped.layer(1), tuple(mapped.window.shape)) == (  # type: ignore[union-attr]
+            (True, 0), (False, 0), (1, 2, 16, PAGE, 2, 64))
+        wait_until(lambda: side.connected, "the connector connected to kvcache", poll=0.02)
+        rng = np.random.default_rng(12)
+        p = rng.integers(1, 500, 80).tolist()
+
+        # r1 computed whole and saved: layer 0's rows into the window pages of its pages, layer 1's into the pages
+        r1 = req("r1", p)
+        assert ask(side, r1)[0] == 0
+        side.allocated(r1, 0)
+        plan = side.build_step(hybrid_step(r1, 0, 80, [1, 2, 3], [4, 5, 6]))
+        pages, windows = plan.saves.pages.tolist(), plan.saves.window_pages.tolist()
+        assert windows == [1, 2, 3, 4, 5] and len(pages) == 5  # a fresh pool's window pages, in the order taken
+        for t in raw:
+            t.copy_(torch.randn(t.shape, generator=gen))
+        worker.begin(plan)
+        worker.save("l0")
+        worker.save("l1")
+        side.confirm(worker.end())
+        for pos in (0, 17, 40, 79):  # blocks 4, 5, 6 hold layer 0's positions, blocks 1, 2, 3 layer 1's
+            b, o, i = pos // BLOCK, pos % BLOCK, pos // PAGE
+            assert torch.equal(mapped.window[0, 0, windows[i], pos % PAGE], views[0].k[4 + b, o])  # type: ignore[index]
+            assert torch.equal(mapped.window[0, 1, windows[i], pos % PAGE], views[0].v[4 + b, o])  # type: ignore[index]
+            assert torch.equal(mapped.tensor[0, 0, pages[i], pos % PAGE], views[1].k[1 + b, o])
+            assert torch.equal(mapped.tensor[0, 1, pages[i], pos % PAGE], views[1].v[1 + b, o])
+        saved = [t.clone() for t in raw]
+        side.finished(req("r1", p, output=[3]))
+        side.build_step(hybrid_step(req("idle", [1]), 0, 0, [], []))
+        wait_until(lambda: client.get_stats().window_held_pages == 2, "r1's commit kept 2 window pages", 10,
+                   poll=0.02)
+
+        # r2 hits r1's 80 tokens: its commit kept only the window rows before its end (pages 3 and 4, window pages
+        # 4 and 5), so layer 0 loads positions 49-79 (the window before 80) from them and layer 1 all 80 from pages
+        r2 = req("r2", p + rng.integers(1, 500, 60).tolist())
+        assert ask(side, r2)[0] == 80
+        side.allocated(r2, 80)
+        plan = side.build_step(hybrid_step(r2, 80, 60, [7, 8, 9, 10, 11], [0, 12, 13, 14, 15]))
+        assert (plan.loads.starts.tolist(), plan.loads.ends.tolist(), plan.loads.pages.tolist()) == ([0], [80], pages)
+        assert plan.loads.window_pages.tolist() == [0, 0, 0, 4, 5]  # r2's table: r1's commit dropped the rest
+        assert len(plan.saves.window_pages) == len(plan.saves.pages) and 0 not in plan.saves.window_pages.tolist()
+        for t in raw:
+            t.zero_()
+        worker.begin(plan)
+        worker.load("l0")
+        worker.load("l1")
+        for pos in range(80):
+            b, o = pos // BLOCK, pos % BLOCK
+            assert torch.equal(views[1].k[7 + b, o], cpu_view(saved[1], 2).k[1 + b, o])
+            assert torch.equal(views[1].v[7 + b, o], cpu_view(saved[1], 2).v[1 + b, o])
+            window = [0, 12, 13][b]
+            if pos >= 49:
+                assert torch.equal(views[0].k[window, o], cpu_view(saved[0], 2).k[4 + b, o])
+                assert torch.equal(views[0].v[window, o], cpu_view(saved[0], 2).v[4 + b, o])
+            elif window:  # in a real block but outside every query's window: never read, never written
+                assert not views[0].k[window, o].any() and not views[0].v[window, o].any()
+        assert not views[0].k[0].any()  # vLLM's null block
+        worker.save("l0")
+        worker.save("l1")
+        side.confirm(worker.end())
+        assert (worker.counters.load_pages, worker.counters.load_window_pages, worker.counters.load_errors) == (5, 2, 0)
+        side.finished(req("r2", r2.prompt_token_ids, output=[4]))
+        side.build_step(hybrid_step(req("idle", [1]), 0, 0, [], []))
+        wait_until(lambda: not (client.get_stats().sessions_in_turn or client.list_sessions()),
+                   "no turn in flight and no session open", 10, poll=0.02)
+
+        # a load whose window the pool no longer holds (a plan naming window page 0 there) fails: vLLM recomputes
+        plan.loads = Transfers.build([(0, 80, np.array(pages, np.int32), np.array([[7, 8, 9], [0, 12, 13]], np.int32),
+                                       np.array([0, 0, 0, 4, 0], np.int32))], groups=2)
+        plan.saves = Transfers.empty(2)
+        worker.begin(plan)
+        worker.load("l0")
+        worker.load("l1")
+        report = worker.end()
+        assert report is not None and report.load_failed == {"r2"}
+        assert (worker.invalid_blocks(), worker.counters.load_errors) == ({7, 8, 9, 12, 13}, 1)
+    finally:
+        side.close()
+        worker.close()
+        mapped.close()
+        client.close()
+    verify_stats(pool.target)
+    pool.close()
+
+
+def test_with_every_layer_windowed_the_pages_hold_no_rows_and_every_copy_goes_through_window_pages(
+        tmp_path: Path) -> None:
+    # a Mistral-style model (window 32 on both layers, one KV cache group) on a window-pages pool: the pages' region
+    # holds no layer, so a save and a load of [0, 64) touch only the window region, through the plan's window pages
+    pool = ServerProcess("--page-size", str(PAGE), "--num-pages", "64", "--num-layers", "2", "--num-kv-heads", "2",
+                         "--head-dim", "64", "--dtype", "float32", "--sliding-window", "32", "--window-pages", "8",
+                         log_path=tmp_path / "mistral.log")
+    raw = [torch.randn(4, 2, BLOCK, 128, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    views = [cpu_view(t, heads=2) for t in raw]
+    worker = WorkerSide(lambda: KVCacheClient(pool.target), block_size=BLOCK, shard=head_shard(0, 1, 2))
+    client = KVCacheClient(pool.target)
+    mapped = map_pool(client)
+    try:
+        worker.register([("l0", views[0]), ("l1", views[1])], num_kv_heads=2, head_dim=64, dtype=torch.float32,
+                        windows=(32,))
+        assert mapped.window is not None
+        assert (tuple(mapped.tensor.shape), tuple(mapped.window.shape)) == ((0, 2, 64, PAGE, 2, 64),
+                                                                            (2, 2, 8, PAGE, 2, 64))
+        info = client.get_pool_info()
+        span = (0, 64, np.array([9, 4, 12, 30], np.int32), np.array([[2, 3]], np.int32),
+                np.array([6, 1, 3, 7], np.int32))
+        plan = StepPlan(instance_id=info.instance_id, page_size=PAGE, saves=Transfers.build([span]),
+                        save_reqs=["a"])
+        worker.begin(plan)
+        worker.save("l0")
+        worker.save("l1")
+        report = worker.end()
+        assert report is not None and report.saved == {"a": (0, 64)}
+        for layer in range(2):
+            for pos in range(64):
+                w, block, o = [6, 1, 3, 7][pos // PAGE], 2 + pos // BLOCK, pos % BLOCK
+                assert torch.equal(mapped.window[layer, 0, w, pos % PAGE], views[layer].k[block, o])
+                assert torch.equal(mapped.window[layer, 1, w, pos % PAGE], views[layer].v[block, o])
+        assert not mapped.window[:, :, [0, 2, 4, 5]].any()  # the window pages the plan does not name
+        kept = [t.clone() for t in raw]
+        for t in raw:
+            t.zero_()
+        worker.begin(StepPlan(instance_id=info.instance_id, page_size=PAGE, loads=Transfers.build([span]),
+                              load_reqs=["a"]))
+        worker.load("l0")
+        worker.load("l1")
+        worker.end()
+        for layer in range(2):  # a load into a window layer: only the window before 64, positions 33-63
+            assert torch.equal(views[layer].k[3, 1:], cpu_view(kept[layer], 2).k[3, 1:])
+            assert torch.equal(views[layer].v[3, 1:], cpu_view(kept[layer], 2).v[3, 1:])
+            assert not views[layer].k[3, 0].any() and not views[layer].k[2].any()
+        assert (worker.counters.load_pages, worker.counters.load_window_pages, worker.counters.load_errors) == (2, 2, 0)
+    finally:
+        worker.close()
+        mapped.close()
+        client.close()
+    verify_stats(pool.target)
+    pool.close()

@@ -10,7 +10,8 @@ hit point (`(hit - window + 1) // block` blocks dropped): for a hit of 288 token
 Engines (started once, two at a time): `alone` (vLLM without kvcache, the reference tokens), `first` (on
 kvcache, saves what it computes), `second` (on kvcache with vLLM's own prefix cache off, so every prefix
 it reuses comes from the pool) and `two` (the same at tensor-parallel size 2: a rank per KV head) for
-Gemma-3; `mistral-alone` and `mistral` (prefix cache off) for Mistral.
+Gemma-3; `mistral-alone` and `mistral` (prefix cache off) for Mistral; and for Gemma-3 on a pool that keeps its
+window rows apart (`--window-pages`), `first` and `second` again on that pool (`window_gemma`).
 Requests go one at a time, so a request's tokens never depend on what it was batched with.
 """
 
@@ -38,6 +39,7 @@ WINDOW = 32
 ARGS = ("--block-size", "32", "--num-blocks", "256", "--max-model-len", "1024")
 """The hybrid manager shares vLLM's blocks among its groups (four for the Gemma-3 model): 256 blocks of 32."""
 NO_PREFIX_CACHE = (*ARGS, "--no-prefix-caching")
+WINDOW_PAGES = 24
 DOCS = (300, 150, 77, 40)
 """Documents' lengths: kvcache's hits on them are 288, 144, 64 and 32 tokens (their whole pages)."""
 
@@ -86,6 +88,26 @@ def mistral(window_models: dict[str, Path], engine_log_dir: Path, mistral_kvcach
     specs: dict[str, dict[str, Any]] = {"alone": {"args": ARGS},
                                         "mistral": {"args": NO_PREFIX_CACHE, "kvcache": mistral_kvcache.target}}
     with started_engines(window_models["mistral"], engine_log_dir, "mistral", specs) as engines:
+        yield engines
+
+
+@pytest.fixture(scope="module")
+def window_kvcache(window_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+                   ) -> Iterator[ServerProcess]:
+    """The Gemma-3 model's pool with its window layers' rows kept apart in 24 window pages (23 usable)."""
+    server = ServerProcess("--model", str(window_models["gemma3"]), "--page-size", str(PAGE), "--num-pages", "512",
+                           "--window-pages", str(WINDOW_PAGES), log_path=tmp_path_factory.mktemp("kvcache-window")
+                           / "server.log")
+    yield server
+    stop_cleanly(server)
+
+
+@pytest.fixture(scope="module")
+def window_gemma(window_models: dict[str, Path], engine_log_dir: Path, window_kvcache: ServerProcess
+                 ) -> Iterator[dict[str, VllmEngine]]:
+    specs: dict[str, dict[str, Any]] = {"first": {"args": ARGS, "kvcache": window_kvcache.target},
+                                        "second": {"args": NO_PREFIX_CACHE, "kvcache": window_kvcache.target}}
+    with started_engines(window_models["gemma3"], engine_log_dir, "gemma3-window", specs) as engines:
         yield engines
 
 
@@ -185,3 +207,104 @@ def test_gemma3_engines_of_tp_1_and_2_share_window_prefixes_both_ways(gemma: dic
     after = counts(second)
     # 96 tokens: 6 pages into the full-attention layer, the window's 2 (positions 64-95) into the window layers
     assert (after[0] - before[0], after[1] - before[1], after[2] - before[2], after[3]) == (96, 6, 2, 0)
+
+
+def held(target: str) -> tuple[int, int, Any]:
+    """The pool's (pages held, window pages held, stats)."""
+    with KVCacheClient(target) as client:
+        st = client.get_stats()
+    return st.num_pages - 1 - st.free_pages, st.window_held_pages, st
+
+
+def test_a_gemma3_chat_on_a_window_pages_pool_hits_where_the_window_rows_end_under_pressure(
+        gemma: dict[str, VllmEngine], window_gemma: dict[str, VllmEngine], window_kvcache: ServerProcess) -> None:
+    # Four turns of a chat (106, 60, 56, 56 new tokens, 8 generated each: every turn longer than the window of 32) on
+    # `first`, after four documents filled the 23 window pages with the windows before their ends; then `second`
+    # (its own prefix cache off) replays every turn's prompt and asks a fifth turn. A commit keeps a turn's window
+    # rows only before its end (pages 5-6 for turn 1's end at page 7: kv 113; 9-10 for 11; 13-14 for 15; 17-18 for
+    # 19), so a replayed prompt, whose last full page lies past its own turn's end, hits exactly at the previous
+    # turn's end: 0, 112, 176, 240 instead of the 96, 160, 224, 288 a one-region pool gives; the fifth turn hits the
+    # whole conversation (304). Tokens equal vLLM alone's throughout.
+    alone, first, second = gemma["alone"], window_gemma["first"], window_gemma["second"]
+    target = window_kvcache.target
+    with KVCacheClient(target) as client:
+        layout = client.get_pool_info().layout
+    assert (layout.window_pages, layout.bytes_per_page, layout.bytes_per_window_page) == (WINDOW_PAGES, 16384, 49152)
+
+    docs = [request(prompt(800 + i, 150), 8) for i in range(4)]
+    assert [o["num_cached_tokens"] for o in each(first, docs)] == [0, 0, 0, 0]
+    drained(target)
+    pages0, windows0, _ = held(target)
+    assert (pages0, windows0) == (4 * 9, 4 * 2)  # each document: 9 pages, the window rows of its last 2
+
+    users = [prompt(810, 106), prompt(811, 60), prompt(812, 56), prompt(813, 56)]
+    conversation: list[int] = []
+    turns = []
+    for user in users:
+        turns.append(request(conversation + user, 8))
+        want = alone.generate([turns[-1]])[0]["tokens"]
+        out = first.generate([turns[-1]])[0]
+        assert out["tokens"] == want
+        conversation = turns[-1]["prompt"] + out["tokens"]
+        turns[-1]["cached"] = out["num_cached_tokens"]
+        drained(target)
+    assert [len(t["prompt"]) for t in turns] == [106, 174, 238, 302]
+    assert [t.pop("cached") for t in turns] == [0, 112, 176, 240]  # each turn hits the previous one's end
+    assert counts(first) == (16 + 16 + 16, 3, 3, 0)  # beyond vLLM's own blocks (96, 160, 224): one page each
+    pages, windows, st = held(target)
+    # the four turns (309 tokens of KV): 19 pages of the full layer's rows, window rows before each turn's end only
+    assert (pages - pages0, windows - windows0, st.evicted_pages, st.window_cut_hit_tokens) == (19, 8, 0, 0)
+    chat_bytes = 19 * layout.bytes_per_page + 8 * layout.bytes_per_window_page
+    assert (chat_bytes, 19 * (layout.bytes_per_page + layout.bytes_per_window_page)) == (704_512, 1_245_184)
+
+    before = st
+    m0 = second.metrics()
+    replays = [request(t["prompt"], 8) for t in turns] + [request(conversation + prompt(814, 40), 8)]
+    out = each(second, replays)
+    assert tokens(out) == tokens(each(alone, replays))
+    assert [o["num_cached_tokens"] for o in out] == [0, 112, 176, 240, 304]
+    assert m0["vllm:prefix_cache_hits_total"] == second.metrics()["vllm:prefix_cache_hits_total"] == 0
+    # full layers load every page of each hit (7 + 11 + 15 + 19), window layers the window before it: 2 pages each
+    assert counts(second) == (832, 52, 8, 0)
+    drained(target)
+    pages, windows, st = held(target)
+    assert st.window_cut_hit_tokens - before.window_cut_hit_tokens == 96 + 48 + 48 + 48
+    assert (st.reuse.matched_tokens - before.reuse.matched_tokens, st.reuse.loaded_tokens - before.reuse.loaded_tokens,
+            st.reuse.engine_cached_tokens - before.reuse.engine_cached_tokens) == (832, 832, 0)
+    # pressure: the first replay (no hit, 11 window pages for its prompt and decode) found 7 free and evicted the two
+    # oldest documents whole (their window rows first, then the pages left without any); the chat lost nothing
+    assert (st.window_evicted_pages, st.evicted_pages) == (18, 18)
+    with KVCacheClient(target) as client:
+        assert [client.match_prefix(d["prompt"]).cached_tokens for d in docs] == [0, 0, 144, 144]
+    # the five turns (357 tokens of KV): 22 pages and 10 window pages, besides the two documents left (9 + 2 each)
+    assert (pages - 2 * 9, windows - 2 * 2) == (22, 10)
+    assert (22 * layout.bytes_per_page + 10 * layout.bytes_per_window_page,
+            22 * (layout.bytes_per_page + layout.bytes_per_window_page)) == (851_968, 1_441_792)
+    assert "cannot copy" not in second.log_text() and "cannot copy" not in first.log_text()
+
+
+def test_a_streaming_gemma3_chat_on_a_window_pages_pool_loads_the_window_before_each_turns_history(
+        gemma: dict[str, VllmEngine], window_gemma: dict[str, VllmEngine], window_kvcache: ServerProcess) -> None:
+    # A streaming session's page table lives across turns: entries for pages its commits moved past go stale, and
+    # each turn (vLLM's own prefix cache off) loads its whole history, the window layers only the window before
+    # it (pages of positions history - 31 .. history - 1), which the session keeps. Tokens equal vLLM alone's.
+    alone, second = gemma["alone"], window_gemma["second"]
+    target = window_kvcache.target
+    users = [prompt(830, 106), prompt(831, 60), prompt(832, 56), prompt(833, 56)]
+    conversation: list[int] = []
+    cached, before = [], counts(second)
+    for i, user in enumerate(users):
+        params = {"kvcache_session_id": "window-chat", **({"kvcache_close_session": True} if i == 3 else {})}
+        turn = request(conversation + user, 8)
+        want = alone.generate([turn])[0]["tokens"]
+        out = second.generate([{**turn, "kv_transfer_params": params}])[0]
+        assert out["tokens"] == want
+        cached.append(out["num_cached_tokens"])
+        conversation = turn["prompt"] + out["tokens"]
+        drained(target)
+    assert cached == [0, 113, 181, 245]  # each turn's whole history: the session's committed KV
+    after = counts(second)
+    # full layer: every page of each history (8 + 12 + 16); window layers: the window's 3 pages (82-112: 5-7;
+    # 150-180: 9-11; 214-244: 13-15)
+    assert tuple(a - b for a, b in zip(after[:3], before[:3], strict=True)) == (113 + 181 + 245, 8 + 12 + 16, 9)
+    assert after[3] == 0
