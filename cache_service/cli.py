@@ -217,9 +217,15 @@ def _group_lines(layout: PoolLayout) -> list[str]:
     return [f"  groups   {groups}",
             f"  window   {layout.window_pages - 1:,} window pages x {layout.page_size} tokens = "
             f"{(layout.window_pages - 1) * layout.page_size:,} tokens of the window layers' rows, "
-            f"{format_bytes(layout.window_size_bytes)}; a page holds the {full} full-attention layer"
-            f"{'s' if full != 1 else ''}' rows ({format_bytes(layout.bytes_per_page)}), a window page the "
-            f"{len(layout.window_layers)} window layers' ({format_bytes(layout.bytes_per_window_page)})"]
+            f"{format_bytes(layout.window_size_bytes)}; a page holds the {full} full-attention "
+            f"{_layers(full)} rows ({format_bytes(layout.bytes_per_page)}), a window page the "
+            f"{len(layout.window_layers)} window {_layers(len(layout.window_layers))} "
+            f"({format_bytes(layout.bytes_per_window_page)})"]
+
+
+def _layers(n: int) -> str:
+    """The possessive of n layers: "layer's" for one, "layers'" for more."""
+    return "layer's" if n == 1 else "layers'"
 
 
 def _sizing_lines(server: Any) -> list[str]:
