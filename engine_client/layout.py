@@ -46,7 +46,7 @@ def check_layout(pool: PoolLayout, *, num_layers: int, num_kv_heads: int, head_d
                 f"pool layout {_describe(*have)} keeps its window layers' rows apart in {pool.window_pages} window "
                 "pages (--window-pages), which this engine does not read (it reads every layer's rows from the "
                 "pages): serve the pool without --window-pages, or use an engine that reads window pages "
-                "(engine_client.reference)")
+                "(the reference engine, engine_client.hf, the vLLM connector)")
         return
     if want[4] not in DTYPE_NAMES:
         raise LayoutMismatch(f"the model's dtype {want[4]} is not a pool dtype (one of {', '.join(DTYPE_NAMES)})")

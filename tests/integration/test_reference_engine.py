@@ -239,13 +239,13 @@ def test_an_engine_that_reads_no_window_pages_refuses_such_a_pool_naming_both(
     server = start_server(*WINDOW_POOL, "--window-pages", "64")
     with KVCacheClient(server.target) as client:
         layout = client.get_pool_info().layout
-        with pytest.raises(LayoutMismatch) as refused:  # what the vLLM connector and SGLang's backend call
+        with pytest.raises(LayoutMismatch) as refused:  # what SGLang's backend calls
             check_layout(layout, **model_layout(model_for(layout)))
         assert str(refused.value) == (
             "pool layout (layers=2, kv_heads=2, head_dim=32, dtype=float32, sliding window 8 on layer 0) keeps its "
             "window layers' rows apart in 64 window pages (--window-pages), which this engine does not read (it reads "
             "every layer's rows from the pages): serve the pool without --window-pages, or use an engine that reads "
-            "window pages (engine_client.reference)")
+            "window pages (the reference engine, engine_client.hf, the vLLM connector)")
         with pytest.raises(LayoutMismatch) as other:  # another window: both layouts and the flags that fit
             ReferenceEngine(client, ModelConfig(head_dim=32, sliding_window=16, window_layers=(0,)))
         assert str(other.value).startswith(
