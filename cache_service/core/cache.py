@@ -57,7 +57,7 @@ from cache_service.core.types import (
     TokenArray,
 )
 from cache_service.core.validate import check_count, token_bytes
-from cache_service.core.window import attach_window_rows
+from cache_service.core.window import attach_window_rows, window_page_ids
 
 Clock = Callable[[], float]
 
@@ -128,7 +128,7 @@ class KVCacheCore:
         s, (cached, context, capacity, offset, pages, num_pages, hit) = self.ops.append(
             session_id, token_bytes(token_ids), reserve_tokens, epoch, engine_id, identity)
         return AppendResult(s.id, s.epoch, s.turns + 1, cached, context, capacity, offset, _pages(pages), num_pages,
-                            hit, self._window_of(pages))
+                            hit, window_page_ids(self.window, pages))
 
     def extend(self, session_id: str, reserve_tokens: int, *, epoch: int = 0, engine_id: str = "",
                identity: str | None = "") -> ExtendResult:
@@ -139,14 +139,7 @@ class KVCacheCore:
         s, (capacity, offset, pages, num_pages) = self.ops.extend(session_id, reserve_tokens, epoch, engine_id,
                                                                   identity)
         return ExtendResult(s.id, s.epoch, s.turns + 1, capacity, offset, _pages(pages), num_pages,
-                            self._window_of(pages))
-
-    def _window_of(self, pages: bytes) -> npt.NDArray[np.int32]:
-        """The window pages of a page-table delta (empty without a window pool): read now, in the same call, so
-        they are the ones the engine must use for this turn's positions (docs/design.md §13)."""
-        if self.window is None:
-            return EMPTY_PAGES
-        return _pages(self.window.window_of(pages))
+                            window_page_ids(self.window, pages))
 
     def commit(self, session_id: str, token_ids: npt.ArrayLike = EMPTY_PAGES, *, kv_tokens: int | None = None,
                abort: bool = False, turn: int = 0, epoch: int = 0, engine_id: str = "",

@@ -33,11 +33,12 @@ from cache_service.core.config import CoreConfig
 from cache_service.core.errors import InvariantError
 from cache_service.core.events import WINDOW_REMOVED
 from cache_service.core.pages import PageAllocator
+from cache_service.core.types import EMPTY_PAGES, PageArray
 
 if TYPE_CHECKING:
     from cache_service.core.radix import RadixTree
 
-__all__ = ["WindowRows", "attach_window_rows", "window_span"]
+__all__ = ["WindowRows", "attach_window_rows", "window_page_ids", "window_span"]
 
 
 def window_span(window_tokens: int, page_size: int) -> int:
@@ -60,6 +61,15 @@ def attach_window_rows(config: CoreConfig, radix: RadixTree, pages: PageAllocato
     pages.window = window
     radix.usable = window.usable
     return window
+
+
+def window_page_ids(window: WindowRows | None, pages: bytes) -> PageArray:
+    """The window pages of a page-table delta `pages` (int32 LE; empty without a window pool): read in the call
+    that makes the delta, so they are the ones the engine must use for this turn's positions (docs/design.md
+    §13)."""
+    if window is None:
+        return EMPTY_PAGES
+    return np.frombuffer(window.window_of(pages), dtype=np.int32)
 
 
 class WindowRows:
