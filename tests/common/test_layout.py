@@ -156,12 +156,16 @@ def test_group_kinds_are_the_page_formats_and_the_window() -> None:
      "sliding_window needs attention full (window layers keep K and V per head), got attention mla"),
 ])
 def test_invalid_windows_are_refused_naming_the_field(overrides: dict[str, object], message: str) -> None:
-    values: dict[str, object] = dict(num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", page_size=16,
-                                     num_pages=2)
+    assert _refusal(num_pages=2, **overrides) == message
+
+
+def _refusal(**overrides: object) -> str:
+    """The ValueError a 4-layer float16 layout with `overrides` is refused with."""
+    values: dict[str, object] = dict(num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", page_size=16)
     values.update(overrides)
     with pytest.raises(ValueError) as err:
         PoolLayout(**values)  # type: ignore[arg-type]
-    assert str(err.value) == message
+    return str(err.value)
 
 
 @pytest.mark.parametrize(("text", "layers", "short"), [
@@ -238,9 +242,4 @@ def test_without_window_pages_a_window_pool_is_one_region_of_every_layer_as_befo
      "window_pages must be 0 or >= 2 (window page 0 is reserved), got -2"),
 ])
 def test_invalid_window_pages_are_refused_naming_both_sides(overrides: dict[str, object], message: str) -> None:
-    values: dict[str, object] = dict(num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", page_size=16,
-                                     num_pages=8)
-    values.update(overrides)
-    with pytest.raises(ValueError) as err:
-        PoolLayout(**values)  # type: ignore[arg-type]
-    assert str(err.value) == message
+    assert _refusal(num_pages=8, **overrides) == message
