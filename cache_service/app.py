@@ -73,6 +73,7 @@ def core_config(config: ServiceConfig, num_pages: int) -> CoreConfig:
         tier_tainted_quarantine_seconds=config.tier_tainted_quarantine,
         window_pages=config.window_pages,
         window_tokens=config.sliding_window if config.window_pages else 0,
+        window_prompt_ends=config.window_prompt_ends,
     )
 
 

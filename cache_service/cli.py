@@ -178,7 +178,7 @@ def _banner(server: Any) -> str:
         *_model_lines(cfg),
         f"  pool     {layout.num_pages - 1:,} pages x {layout.page_size} tokens = {layout.usable_tokens:,} tokens, "
         f"{format_bytes(layout.size_bytes)} ({layout.describe()})",
-        *_group_lines(layout),
+        *_group_lines(layout, cfg.window_prompt_ends),
         *_sizing_lines(server),
         f"  metrics  {metrics}",
         f"  auth     {_auth_line(server)}",
@@ -205,8 +205,9 @@ def _model_lines(cfg: ServiceConfig) -> list[str]:
     return [f"  model    {cfg.model}: {model.architecture}, {model.describe()}{dtype}"]
 
 
-def _group_lines(layout: PoolLayout) -> list[str]:
-    """With a sliding window: the pool's layer groups (GetPoolInfo's), pages whole across them."""
+def _group_lines(layout: PoolLayout, prompt_ends: bool) -> list[str]:
+    """With a sliding window: the pool's layer groups (GetPoolInfo's), pages whole across them or window rows
+    apart (kept before each turn's end, and each prompt's end with `prompt_ends`)."""
     if not layout.sliding_window:
         return []
     groups = "; ".join(f"{GROUP_KINDS[g.kind]}{f' {g.sliding_window}' if g.sliding_window else ''} on "
@@ -220,7 +221,9 @@ def _group_lines(layout: PoolLayout) -> list[str]:
             f"{format_bytes(layout.window_size_bytes)}; a page holds the {full} full-attention "
             f"{_layers(full)} rows ({format_bytes(layout.bytes_per_page)}), a window page the "
             f"{len(layout.window_layers)} window {_layers(len(layout.window_layers))} "
-            f"({format_bytes(layout.bytes_per_window_page)})"]
+            f"({format_bytes(layout.bytes_per_window_page)})",
+            f"           window rows kept before each turn's end{' and each prompt end' if prompt_ends else ''} "
+            f"(--window-prompt-ends {str(prompt_ends).lower()})"]
 
 
 def _layers(n: int) -> str:

@@ -167,6 +167,10 @@ class ServiceConfig:
                                 "full-attention layers' rows; a page's window rows are dropped where no later hit "
                                 "needs them (docs/attention-shapes.md). At most --num-pages; --pool-bytes is then "
                                 "both regions. 0: every page holds every layer's rows", metavar="N", at_least=0)
+    window_prompt_ends: bool = setting(False, "with --window-pages: keep the window rows before each turn's prompt "
+                                       "end too, not only before its committed end, so a replay of the same prompt "
+                                       "hits whole; costs up to twice the window rows a turn "
+                                       "(docs/attention-shapes.md)", metavar="BOOL")
     pool_memory_fraction: float = setting(0.25, "with --model and no --num-pages, --pool-bytes or "
                                           "--gpu-memory-fraction: the pool takes at most this share of the free "
                                           "memory where it lives (the GPU's; host memory, at most --shm-dir's free "
@@ -401,6 +405,8 @@ class ServiceConfig:
         need(self.num_pages != 1, "num-pages", "must be >= 2 (page 0 is reserved)")
         if self.window_pages:
             self._validate_window_pages(need)
+        need(self.window_pages > 0 or not self.window_prompt_ends, "window-prompt-ends",
+             "needs --window-pages (the window rows it keeps are the window pages'), got --window-pages 0")
         if self.pool_bytes and not self.window_pages:
             need(self.pool_bytes // self.bytes_per_page >= 2, "pool-bytes",
                  f"{format_bytes(self.pool_bytes)} holds fewer than 2 pages of {format_bytes(self.bytes_per_page)}")

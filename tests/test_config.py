@@ -355,7 +355,11 @@ def test_window_pages_keep_the_window_rows_apart_and_reach_the_core() -> None:
                                 sliding_window=16, window_layers=(0, 1, 2, 4, 5), window_pages=7)
     assert (config.bytes_per_page, config.window_region_bytes) == (2 * 256, 7 * 5 * 2 * 256)
     core = core_config(config, layout.num_pages)
-    assert (core.window_pages, core.window_tokens) == (7, 16)
+    assert (core.window_pages, core.window_tokens, core.window_prompt_ends) == (7, 16, False)
+    kept = parse([*GEMMA_FLAGS, "--num-pages", "10", "--window-pages", "7", "--window-prompt-ends", "true"])
+    assert core_config(kept, 10).window_prompt_ends is True
+    assert parse([*GEMMA_FLAGS, "--num-pages", "10", "--window-pages", "7"], {"KVCACHE_WINDOW_PROMPT_ENDS": "true"}
+                 ).window_prompt_ends is True
     # --pool-bytes is both regions: the window region first, the rest in pages of the full layer's rows
     sized = parse([*GEMMA_FLAGS, "--pool-bytes", str(7 * 5 * 2 * 256 + 12 * 2 * 256 + 100), "--window-pages", "7"])
     assert sized.resolved_num_pages == 12 and sized.layout().size_bytes == 7 * 5 * 2 * 256 + 12 * 2 * 256
@@ -391,6 +395,9 @@ def test_without_window_pages_nothing_changes() -> None:
     (["--sliding-window", "16", "--pool-bytes", "1Mi", "--window-pages", "4"],
      "--window-pages: with every layer windowed the pages hold no rows, so --pool-bytes cannot size them: set "
      "--num-pages"),
+    ([*GEMMA_FLAGS, "--num-pages", "10", "--window-prompt-ends", "true"],
+     "--window-prompt-ends: needs --window-pages (the window rows it keeps are the window pages'), got "
+     "--window-pages 0"),
 ])
 def test_window_pages_that_cannot_make_a_pool_are_refused_naming_both_sides(argv: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as err:

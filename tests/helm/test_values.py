@@ -274,6 +274,8 @@ FLAG_CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "sliding-window": ({"config": {"slidingWindow": 1024}}, {"value": "1024"}),
     "window-layers": ({"config": {"slidingWindow": 64, "numLayers": 8, "windowLayers": "0-4,6"}}, {"value": "0-4,6"}),
     "window-pages": ({"config": {"slidingWindow": 64, "windowPages": 512}}, {"value": "512"}),
+    "window-prompt-ends": ({"config": {"slidingWindow": 64, "windowPages": 512, "windowPromptEnds": True}},
+                           {"value": "true"}),
     "dtype": ({"config": {"dtype": "bfloat16"}}, {"value": "bfloat16"}),
     "page-size": ({"config": {"pageSize": 32}}, {"value": "32"}),
     "num-pages": ({"config": {"numPages": 4096}}, {"value": "4096"}),

@@ -156,15 +156,17 @@ def test_serve_window_pages_keeps_the_window_rows_apart_and_says_so(start_server
     model = Path(tmp_path) / "tiny-gemma-3"
     model.mkdir()
     shutil.copy(Path(REPO) / "tests" / "models" / "gemma-3-tiny.json", model / "config.json")
-    server = start_server("--model", str(model), "--num-pages", "9", "--window-pages", "5")
+    server = start_server("--model", str(model), "--num-pages", "9", "--window-pages", "5",
+                          "--window-prompt-ends", "true")
     # 9 pages x 2 layers x K, V x 16 tokens x 2 heads x 32 x 4 B = 144 KiB; 5 window pages x 10 layers = 400 KiB
     assert server.banner[3] == ("  pool     8 pages x 16 tokens = 128 tokens, 544.0 KiB (12 layers, 2 kv heads x 32, "
                                 "float32, 16 tokens/page, sliding window 64 on layers 0-4,6-10, window rows apart in 4 "
                                 "window pages)\n")
-    assert server.banner[4:6] == [
+    assert server.banner[4:7] == [
         "  groups   sliding window 64 on layers 0-4,6-10; full attention on layers 5,11\n",
         "  window   4 window pages x 16 tokens = 64 tokens of the window layers' rows, 400.0 KiB; a page holds the 2 "
-        "full-attention layers' rows (16.0 KiB), a window page the 10 window layers' (80.0 KiB)\n"]
+        "full-attention layers' rows (16.0 KiB), a window page the 10 window layers' (80.0 KiB)\n",
+        "           window rows kept before each turn's end and each prompt end (--window-prompt-ends true)\n"]
     info = json.loads(run_try_line(server.banner[-1].replace(" list", " kvcache.v1.KVCacheService/GetPoolInfo")))
     assert (info["layout"]["window_pages"], info["size_bytes"], info["window_offset_bytes"],
             info["window_size_bytes"]) == (5, str(544 << 10), str(144 << 10), str(400 << 10))
