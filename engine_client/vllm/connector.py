@@ -312,10 +312,15 @@ def _kv_groups(kv_cache_config: Any) -> _KVGroups:
 
 
 def _spec_words(spec: Any) -> str:
-    """A KV cache group's spec in a refusal: `SlidingWindowSpec(block 32, 2 KV heads x 64, window 32)`."""
+    """A KV cache group's spec in a refusal: `SlidingWindowSpec(block 32, 2 KV heads x 64, window 32)`; a
+    `MambaSpec` with its state's bytes a layer, which a hit would need as a snapshot at its hit point
+    (docs/attention-shapes.md, "Recurrent state")."""
     name = type(spec).__name__
     if not hasattr(spec, "num_kv_heads"):
-        return f"{name} (recurrent state, not per-token KV)" if "Mamba" in name else name
+        if "Mamba" not in name:
+            return name
+        return (f"{name}(block {spec.block_size}, recurrent state, {spec.state_content_size_bytes:,} B a layer: "
+                f"kvcache keeps no state snapshots (docs/attention-shapes.md))")
     window = getattr(spec, "sliding_window", None)
     return (f"{name}(block {spec.block_size}, {spec.num_kv_heads} KV heads x {spec.head_size}"
             f"{f', window {window}' if window else ''})")

@@ -183,8 +183,12 @@ def test_the_connector_reads_vllms_kv_cache_groups_and_refuses_those_it_cannot_c
            "attention of one window beside full attention, every layer with the same block size, KV heads and head "
            "size; this model has 2 KV cache groups: ")
     window = "SlidingWindowSpec(block 32, 2 KV heads x 64, window 32)"
-    assert out["mamba"] == why + "MambaSpec (recurrent state, not per-token KV), FullAttentionSpec(block 32, 2 KV " \
-                                 "heads x 64)"
+    state = "recurrent state, {} B a layer: kvcache keeps no state snapshots (docs/attention-shapes.md)"
+    assert out["mamba"] == why + f"MambaSpec(block 32, {state.format(16)}), FullAttentionSpec(block 32, 2 KV heads " \
+                                 "x 64)"
+    gdn = f"MambaSpec(block 256, {state.format('68,608')})"
+    assert out["qwen3-next"] == why.replace("2 KV cache groups", "4 KV cache groups") + \
+        f"{gdn}, {gdn}, {gdn}, FullAttentionSpec(block 256, 2 KV heads x 64)"
     assert out["two windows"] == why + f"{window}, SlidingWindowSpec(block 32, 2 KV heads x 64, window 64)"
     assert out["other heads"] == why + f"{window}, FullAttentionSpec(block 32, 4 KV heads x 64)"
 
