@@ -580,10 +580,12 @@ def format_event(batch: pb.WatchEventsResponse, event: pb.KvEvent) -> str:
         e = event.stored
         parent = f"{e.parent_block_hash:016x}" if e.HasField("parent_block_hash") else "-"
         return (f"{head} stored salt={e.cache_salt!r} pages={len(e.block_hashes)} hashes={_hashes(e.block_hashes)} "
-                f"parent={parent} tokens={len(e.token_ids)} medium={e.medium}")
+                f"parent={parent} tokens={len(e.token_ids)} medium={e.medium}"
+                + (" window_rows_only" if e.window_rows_only else ""))
     if kind == "removed":
         r = event.removed
-        return f"{head} removed salt={r.cache_salt!r} pages={len(r.block_hashes)} hashes={_hashes(r.block_hashes)}"
+        return (f"{head} removed salt={r.cache_salt!r} pages={len(r.block_hashes)} hashes={_hashes(r.block_hashes)}"
+                + (" window_rows_only" if r.window_rows_only else ""))
     if kind == "cleared":
         return f"{head} cleared"
     if kind == "session_opened":

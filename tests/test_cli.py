@@ -1,4 +1,5 @@
-"""The start line's grpcurl command (the rest of the command line runs as processes in tests/integration)."""
+"""The start line's grpcurl command and the `events` command's lines (the rest of the command line runs as
+processes in tests/integration)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import os
 
 import pytest
 
-from cache_service.cli import _grpcurl_line, tool_command
+from cache_service.cli import _grpcurl_line, format_event, tool_command
+from protos.kvcache.v1 import kvcache_pb2 as pb
 
 CERT = "/etc/kvcache/server.pem"
 
@@ -28,3 +30,16 @@ def test_grpcurl_line(address: str, security: str, expected: str) -> None:
 def test_grpcurl_line_names_the_certificate_by_its_absolute_path() -> None:
     line = _grpcurl_line("127.0.0.1:50051", "tls", "certs/server.pem")
     assert f"-cacert {os.path.abspath('certs/server.pem')} " in line
+
+
+def test_an_event_of_the_window_rows_alone_says_so() -> None:
+    batch = pb.WatchEventsResponse(seq=7)
+    stored = pb.KvEvent(stored=pb.BlockStored(block_hashes=[0xA5], parent_block_hash=0x8B, token_ids=[1, 2, 3, 4],
+                                              medium="CPU", window_rows_only=True))
+    removed = pb.KvEvent(removed=pb.BlockRemoved(block_hashes=[0xA5], medium="CPU", window_rows_only=True))
+    assert [format_event(batch, e) for e in (stored, removed)] == [
+        "seq 7 stored salt='' pages=1 hashes=00000000000000a5 parent=000000000000008b tokens=4 medium=CPU "
+        "window_rows_only",
+        "seq 7 removed salt='' pages=1 hashes=00000000000000a5 window_rows_only"]
+    stored.stored.window_rows_only = False
+    assert not format_event(batch, stored).endswith("window_rows_only")

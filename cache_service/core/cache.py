@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 from cache_service.core.accounting import Accounting
 from cache_service.core.config import CoreConfig
-from cache_service.core.events import Record, Stored, TierEntry, TierJournalSink
+from cache_service.core.events import Record, Removed, Stored, TierEntry, TierJournalSink
 from cache_service.core.leases import LeaseTable
 from cache_service.core.ledger import Counters, PageLedger
 from cache_service.core.lifecycle import Lifecycle
@@ -293,6 +293,7 @@ class KVCacheCore:
         """Announce that everything announced before is gone (a new instance starts empty)."""
         self.recorder.cleared()
 
-    def event_snapshot(self) -> list[Stored]:
-        """The whole tree as Stored records, parents before children (recording must be on)."""
+    def event_snapshot(self) -> list[Stored | Removed]:
+        """The whole tree as Stored records, parents before children (recording must be on); on a window pool a
+        run's pages without window rows follow it as a window-only Removed."""
         return self.recorder.snapshot()

@@ -43,6 +43,9 @@ class Stored(NamedTuple):
     """len(hashes) * page_size token ids, the pages' own."""
     tier: bool = False
     """The pages entered the tier beyond the pool (not the radix)."""
+    window: bool = False
+    """Only the pages' window-layer rows came back (window.py): radix pages announced before, whose window rows
+    alone had left (a `Removed` with `window` set), hold them again."""
 
 
 class Removed(NamedTuple):
@@ -58,6 +61,9 @@ class Removed(NamedTuple):
 
 WINDOW_REMOVED = "window_removed"
 """Change tuple `(WINDOW_REMOVED, salt, page ids bytes)`: radix pages whose window rows were dropped (window.py)."""
+WINDOW_STORED = "window_stored"
+"""Change tuple `(WINDOW_STORED, salt, parent page id | None, token bytes, page ids bytes)`: a run of radix pages
+(hashed already) whose window rows came back (window.py)."""
 TIER_STORED = "tier_stored"
 """Change tuple `(TIER_STORED, salt, parent page id | None, token bytes, page ids bytes, tier keys)`: radix pages
 (still in the radix at this point of the change order) that the tier now holds."""
@@ -261,6 +267,10 @@ class PageHashes:
                 self.tier_stored(change[1], change[2], change[3], change[4], change[5], out)
             elif kind == TIER_REMOVED:
                 self.tier_removed(change[1], out)
+            elif kind == WINDOW_STORED:
+                out.append(Stored(change[1], None if change[2] is None else int(self._hashes[change[2]]),
+                                  self._hashes[np.frombuffer(change[4], dtype=np.int32)].tolist(),
+                                  np.frombuffer(change[3], dtype="<i4"), False, True))
             elif kind == WINDOW_REMOVED:
                 out.append(Removed(change[1], self.removed(change[2]), False, True))
             elif kind == "removed":

@@ -12,8 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from cache_service.core.config import CoreConfig
-from cache_service.core.events import Cleared, PageHashes, Record, Stored, TierEntry
+from cache_service.core.events import Cleared, PageHashes, Record, Removed, Stored, TierEntry
 from cache_service.core.radix import RadixTree
 from cache_service.core.slot import Slots
 from cache_service.core.window import WindowRows
@@ -66,12 +68,25 @@ class Recorder:
         """Everything announced before is gone (a new instance starts empty)."""
         self._changes.append(Cleared())
 
-    def snapshot(self) -> list[Stored]:
-        """The whole tree as Stored records, parents before children. Changes not taken yet are resolved first
-        and kept for the next `take`."""
+    def snapshot(self) -> list[Stored | Removed]:
+        """The whole tree as Stored records, parents before children; on a window pool each run's pages without
+        window rows follow it as a Removed of their window rows (docs/design.md §13). Changes not taken yet are
+        resolved first and kept for the next `take`."""
         assert self.recording, "start_events() first"
         self._settle()
-        return self.hashes.snapshot(self._radix.runs())
+        runs = list(self._radix.runs())
+        stored = self.hashes.snapshot(runs)
+        if self._window is None:
+            return list(stored)
+        win = np.frombuffer(self._window.win, dtype=np.int32)
+        out: list[Stored | Removed] = []
+        for record, (salt, _, _, pages) in zip(stored, runs, strict=True):
+            out.append(record)
+            ids = np.frombuffer(pages, dtype=np.int32)
+            bare = ids[win[ids] == 0]
+            if bare.size:
+                out.append(Removed(salt, self.hashes.removed(bare.tobytes()), False, True))
+        return out
 
     def _settle(self) -> None:
         """Resolve the records so far into `_ready`, so what is made next comes after them."""

@@ -320,12 +320,13 @@ class Turns:
         ins = self._radix.insert(s.cache_salt, key, bytes(pages[pinned * 4 : num_pages * 4]), below=s.lock_node,
                                  src=src)
         existing = ins.num_existing_pages
+        end = pinned + existing
+        duplicates = bytes(pages[pinned * 4 : end * 4])
+        if self._pages.window is not None:
+            self._pages.window.adopt(s.cache_salt, int.from_bytes(pages[pinned * 4 - 4 : pinned * 4], "little")
+                                     if pinned else None, key, ins.pages, duplicates)
         if existing:
-            end = pinned + existing
-            duplicates = bytes(pages[pinned * 4 : end * 4])
             pages[pinned * 4 : end * 4] = ins.pages[: existing * 4]
-            if self._pages.window is not None:
-                self._pages.window.adopt(ins.pages[: existing * 4], duplicates)
             self._pages.give(duplicates, src)
             self._c.duplicate_pages += existing
             if s.synced_pages > pinned:

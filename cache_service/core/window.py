@@ -31,7 +31,7 @@ import numpy as np
 
 from cache_service.core.config import CoreConfig
 from cache_service.core.errors import InvariantError
-from cache_service.core.events import WINDOW_REMOVED
+from cache_service.core.events import WINDOW_REMOVED, WINDOW_STORED
 from cache_service.core.pages import PageAllocator
 from cache_service.core.types import EMPTY_PAGES, PageArray
 
@@ -221,16 +221,49 @@ class WindowRows:
 
     # ------------------------------------------------------------------ the session's hooks
 
-    def adopt(self, tree: bytes, ours: bytes) -> None:
-        """An insert found `tree` (the radix's pages) where a session brought `ours` (the same tokens, about to
-        be freed): a tree page without window rows takes over ours (the same KV), and our hit points carry over."""
+    def adopt(self, salt: str, parent: int | None, key: bytes, tree: bytes, ours: bytes) -> None:
+        """An insert of a session's run (`key`, its token bytes, after radix page `parent` or at its tree's start)
+        found the tree holding the first `len(ours)` pages of `tree` (the insert's pages) where the session brought
+        `ours` (the same tokens, about to be freed), and the rest of `tree` entered the tree. A tree page without
+        window rows takes over ours (the same KV), and our hit points carry over.
+
+        While recording: the tree pages that got their window rows back are announced again in the window group
+        (WINDOW_STORED, one record per run, before the insert's own record of the pages after them: parents
+        first), and the pages that entered without window rows (a commit dropped them first) are announced as
+        removed from it right after theirs, so a replay of the records holds, per group, the radix pages that
+        hold its rows (docs/design.md §13)."""
         win, mark = self.win, self.mark
-        for t, o in zip(memoryview(tree).cast("i"), memoryview(ours).cast("i"), strict=True):
+        n = len(ours) >> 2
+        ids = memoryview(tree).cast("i")
+        back: list[int] = []
+        for i, o in enumerate(memoryview(ours).cast("i")):
+            t = ids[i]
             if not win[t] and win[o]:
                 win[t] = win[o]
                 win[o] = 0
+                back.append(i)
             if mark[o]:
                 mark[t] = 1
+        changes = self.changes
+        if changes is None:
+            return
+        if back:
+            at = len(changes) - 1 if len(ids) > n else len(changes)  # the insert's record of the new pages is last
+            pb = self.page_size * 4
+            runs = []
+            j = 0
+            while j < len(back):
+                a = back[j]
+                while j + 1 < len(back) and back[j + 1] == back[j] + 1:
+                    j += 1
+                b = back[j] + 1
+                runs.append((WINDOW_STORED, salt, parent if a == 0 else ids[a - 1], key[a * pb : b * pb],
+                             tree[a * 4 : b * 4]))
+                j += 1
+            changes[at:at] = runs
+        bare = [p for p in ids[n:] if not win[p]]
+        if bare:
+            changes.append((WINDOW_REMOVED, salt, array("i", bare).tobytes()))
 
     def settle(self, pages: bytes | bytearray, since: int, hits: tuple[int, ...]) -> None:
         """A session committed: `hits` (in pages) are its hit points (where a later request's match of the

@@ -205,7 +205,8 @@ class EventHub:
 
     def snapshot(self, visible: Visible | None) -> list[pb.WatchEventsResponse]:
         """The current tree and open sessions as snapshot messages at `last_seq`: `cleared`, the stored
-        pages (parents before children), the opened sessions (each parked one followed by its `parked`).
+        pages (parents before children; on a window pool each run followed by the window-rows-only removal of its
+        pages without window rows), the opened sessions (each parked one followed by its `parked`).
         Call right after `flush` so the live batches that follow continue from it."""
         records: list[Record] = [Cleared(), *self.core.event_snapshot()]
         for info in self.core.list_sessions():

@@ -20,9 +20,10 @@ place in GetPoolInfo's `groups`), `kv_cache_spec_kind` ("full_attention", "slidi
 group, `kv_cache_spec_sliding_window`; a removed page once per group with its `group_idx`. Where a pool keeps
 its window rows apart (docs/design.md §13), a page whose window rows alone were freed is removed from the window
 group only (its full-attention rows stay): one `BlockRemoved` with the window group's `group_idx` (WatchEvents:
-`window_rows_only`). A one-group pool's
-events have no group fields, as before groups. WatchEvents announces each page once: its groups are the
-pool's (GetPoolInfo).
+`window_rows_only`), and a radix page whose window rows came back is stored again in the window group only: one
+`BlockStored` with its original hash, parent and token ids and the window group's `group_idx` (WatchEvents:
+`BlockStored.window_rows_only`). A one-group pool's events have no group fields, as before groups. WatchEvents
+announces each page once: its groups are the pool's (GetPoolInfo).
 """
 
 from __future__ import annotations
@@ -112,12 +113,13 @@ def wire_events(record: Record, medium: str, page_size: int, tier_medium: str = 
         return []
     if not groups or isinstance(record, Cleared):
         return [event]
-    if isinstance(record, Removed):  # only the window rows left: the window groups' events only
-        return [{**event, "group_idx": i} for i, g in enumerate(groups)
-                if not record.window or g.kind == "sliding_window"]
+    # Only the window rows left (or came back): the window groups' events only.
+    shown = [(i, g) for i, g in enumerate(groups)
+             if not (isinstance(record, Stored | Removed) and record.window) or g.kind == "sliding_window"]
+    if isinstance(record, Removed):
+        return [{**event, "group_idx": i} for i, _ in shown]
     return [{**event, "group_idx": i, "kv_cache_spec_kind": g.kind,
-             **({"kv_cache_spec_sliding_window": g.sliding_window} if g.sliding_window else {})}
-            for i, g in enumerate(groups)]
+             **({"kv_cache_spec_sliding_window": g.sliding_window} if g.sliding_window else {})} for i, g in shown]
 
 
 def wire_batch(ts: float, records: Iterable[Record], medium: str, page_size: int, dp_rank: int = 0,
@@ -137,7 +139,8 @@ def proto_event(record: Record, medium: str, page_size: int, tier_medium: str = 
         medium = tier_medium
     if isinstance(record, Stored):
         stored = pb.BlockStored(block_hashes=record.hashes, token_ids=record.token_ids.tolist(),
-                                block_size=page_size, medium=medium, cache_salt=record.cache_salt)
+                                block_size=page_size, medium=medium, cache_salt=record.cache_salt,
+                                window_rows_only=record.window)
         if record.parent_hash is not None:
             stored.parent_block_hash = record.parent_hash
         return pb.KvEvent(stored=stored)

@@ -138,6 +138,8 @@ class Simulator:
         """What a router that applied every event holds: page hash -> (salt, parent hash, tokens)."""
         self.tier_mirror: set[int] = set()
         """Hashes announced as held by the tier (records with tier set)."""
+        self.window_mirror: set[int] = set()
+        """Hashes announced as holding the window group's rows (a window pool only)."""
 
     def sync(self) -> None:
         """Drop models of sessions the core closed on its own (reaped); a turn in flight leaves a stale
@@ -596,30 +598,55 @@ class Simulator:
         for r in self.core.take_events():
             if isinstance(r, Stored | Removed) and r.tier:  # what the tier holds: a mirror of its own
                 self.apply_tier_event(r)
+            elif isinstance(r, Stored) and r.window:  # a page's window rows came back: as it was first announced
+                parent = r.parent_hash
+                for i, h in enumerate(r.hashes):
+                    assert h not in self.window_mirror, "window rows stored of a page that holds them"
+                    assert self.mirror.get(h) == (r.cache_salt, parent,
+                                                  tuple(r.token_ids[i * PAGE_SIZE : (i + 1) * PAGE_SIZE]))
+                    self.window_mirror.add(h)
+                    parent = h
+                self.seen["events:window_stored"] += len(r.hashes)
             elif isinstance(r, Stored):
                 assert r.parent_hash is None or r.parent_hash in self.mirror, "a parent was never announced"
                 parent = r.parent_hash
                 for i, h in enumerate(r.hashes):
                     assert h not in self.mirror, "a page announced twice"
                     self.mirror[h] = (r.cache_salt, parent, tuple(r.token_ids[i * PAGE_SIZE : (i + 1) * PAGE_SIZE]))
+                    self.window_mirror.add(h)
                     parent = h
                 self.seen["events:stored"] += len(r.hashes)
             elif isinstance(r, Removed) and r.window:  # only the window rows: the pages stay
                 assert all(h in self.mirror for h in r.hashes), "window rows removed of a page never announced"
+                assert all(h in self.window_mirror for h in r.hashes), "window rows removed twice"
+                self.window_mirror.difference_update(r.hashes)
                 self.seen["events:window_removed"] += len(r.hashes)
             elif isinstance(r, Removed):
                 for h in r.hashes:
                     assert h in self.mirror, "removal of a page never announced"
                     del self.mirror[h]
+                    self.window_mirror.discard(h)
                 self.seen["events:removed"] += len(r.hashes)
         tree = {}
-        for r in self.core.event_snapshot():
-            parent = r.parent_hash
-            for i, h in enumerate(r.hashes):
-                tree[h] = (r.cache_salt, parent, tuple(r.token_ids[i * PAGE_SIZE : (i + 1) * PAGE_SIZE]))
-                parent = h
+        snapshot = self.core.event_snapshot()
+        for r in snapshot:
+            if isinstance(r, Stored):
+                parent = r.parent_hash
+                for i, h in enumerate(r.hashes):
+                    tree[h] = (r.cache_salt, parent, tuple(r.token_ids[i * PAGE_SIZE : (i + 1) * PAGE_SIZE]))
+                    parent = h
         assert self.mirror == tree
         assert len(tree) == self.core.radix.cached_pages
+        window = self.core.window
+        if window is not None:
+            # Per group, the replay holds exactly the radix pages that hold its rows; so does a snapshot's.
+            stored = [r for r in snapshot if isinstance(r, Stored)]
+            held = {h for r, (_, _, _, pages) in zip(stored, self.core.radix.runs(), strict=True)
+                    for h, p in zip(r.hashes, np.frombuffer(pages, dtype=np.int32).tolist(), strict=True)
+                    if window.win[p]}
+            assert self.window_mirror == held
+            bare = {h for r in snapshot if isinstance(r, Removed) for h in r.hashes}
+            assert set(tree) - bare == held
 
 
 # ---------------------------------------------------------------------------- Hypothesis driver
@@ -879,6 +906,6 @@ def test_window_random_walks_free_window_rows() -> None:
         seen += random_walk(seed, 600, window=True).seen
     floors = {"append:radix_hit": 20, "append:session_hit": 20, "window:checked": 60, "window:policy_dropped": 20,
               "window:pressure_dropped": 5, "window:evicted": 5, "window:cut_hit_tokens": 2,
-              "events:window_removed": 5, "append:POOL_EXHAUSTED": 1, "stale_write": 2}
+              "events:window_removed": 5, "events:window_stored": 2, "append:POOL_EXHAUSTED": 1, "stale_write": 2}
     low = {what: seen[what] for what, floor in floors.items() if seen[what] < floor}
     assert not low, f"under-exercised: {low}; all: {dict(seen)}"

@@ -11,7 +11,7 @@ import pytest
 
 from cache_service.core import CoreConfig, KVCacheCore, Reason
 from cache_service.core.errors import InvariantError
-from cache_service.core.events import Removed
+from cache_service.core.events import Removed, Stored, chain_hashes, salt_hash
 from cache_service.core.tier_keys import Namespace
 from cache_service.core.window import window_span
 
@@ -122,6 +122,59 @@ def test_pressure_drops_unneeded_window_rows_then_evicts_whole_pages(make_core: 
     assert (st.window_free_pages, st.window_held_pages, st.evictable_pages) == (0, 8, 0)
     removed = [(r.window, len(r.hashes)) for r in core.take_events() if isinstance(r, Removed)]
     assert removed == [(True, 5), (False, 7)]  # the window group's rows of 5 pages; then 7 whole pages
+
+
+def blocks(core: KVCacheCore) -> list[tuple[str, int | None, list[int], list[int], bool]]:
+    """The block records drained (session changes left out): (kind, parent hash, hashes, token ids, window only)."""
+    return [("stored", r.parent_hash, r.hashes, r.token_ids.tolist(), r.window) if isinstance(r, Stored)
+            else ("removed", None, r.hashes, [], r.window)
+            for r in core.take_events() if isinstance(r, Stored | Removed)]
+
+
+def test_a_radix_page_whose_window_rows_come_back_is_stored_again_in_the_window_group(
+        make_core: Callable[..., CheckedCore]) -> None:
+    core = make_core(32, PS, window_pages=13, window_tokens=W)
+    core.start_events()
+    prompt, answer = toks(range(1, 25)), toks(range(100, 108))
+    h = chain_hashes(salt_hash(""), np.concatenate([prompt, answer]).tobytes(), PS * 4)
+    # A streaming first turn: pages 1-7 enter the radix with all their window rows (window pages 1-7; 5 free).
+    core.open_session("s", streaming=True)
+    core.append("s", prompt, 8)
+    core.commit("s", answer)
+    core.close("s", cache=True)
+    assert windows(core, [1, 2, 3, 4, 5, 6, 7]) == [1, 2, 3, 4, 5, 6, 7]
+    assert [(kind, len(hashes), window) for kind, _, hashes, _, window in blocks(core)] == [("stored", 6, False),
+                                                                                          ("stored", 1, False)]
+    # Another chat needs 6 window pages: the sweep drops the rows of pages 1-5 (no hit point needs them). Its commit
+    # keeps the rows of its last 2 pages (its turn end's window): its first 4 enter the radix without them.
+    other_chat = toks(range(200, 224))
+    core.open_session("t")
+    r = core.append("t", other_chat, 0)
+    assert (r.page_ids.tolist(), r.window_page_ids.tolist()) == ([8, 9, 10, 11, 12, 13], [1, 2, 3, 4, 5, 8])
+    core.commit("t", toks(9))
+    core.close("t")
+    assert windows(core, [1, 2, 3, 4, 5, 6, 7]) == [0, 0, 0, 0, 0, 6, 7]
+    ht = chain_hashes(salt_hash(""), other_chat.tobytes(), PS * 4)
+    assert blocks(core) == [("removed", None, h[4::-1], [], True),  # the sweep walks each run from its end
+                            ("stored", None, ht, other_chat.tolist(), False),
+                            ("removed", None, ht[:4], [], True)]
+    # A prompt that diverges at 20: its pinned match of 5 pages is cut to nothing (no window before it); the turn
+    # computes all 25 tokens, and at its commit the tree's page 5 takes over its window rows of tokens 17-20.
+    other = np.concatenate([prompt[:20], toks(5, 5, 5, 5, 5)])
+    core.open_session("b")
+    r = core.append("b", other, 0)
+    assert (r.cached_tokens, core.stats().window_cut_hit_tokens) == (0, 20)
+    core.commit("b", toks(6))
+    core.close("b")
+    assert windows(core, [1, 2, 3, 4, 5]) == [0, 0, 0, 0, 9]
+    h_new = chain_hashes(h[4].to_bytes(8, "big"), toks(5, 5, 5, 5).tobytes(), PS * 4)
+    # Page 5 is announced in the window group again, before the page the insert hung below it.
+    assert blocks(core) == [("stored", h[3], [h[4]], list(range(17, 21)), True),
+                            ("stored", h[4], h_new, [5, 5, 5, 5], False)]
+    assert core.match_prefix(other[:24]).cached_tokens == 24
+    # A snapshot says the same: each run's pages without window rows follow it as a window-only removal.
+    assert {h for r in core.event_snapshot() if isinstance(r, Removed) and r.window for h in r.hashes} == {
+        *h[:4], *ht[:4]}
 
 
 def test_pool_exhausted_when_window_pages_are_held_by_sessions(make_core: Callable[..., CheckedCore]) -> None:

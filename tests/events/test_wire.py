@@ -128,6 +128,19 @@ def test_window_rows_removed_alone_are_a_removal_from_the_window_group_only() ->
     assert not proto_event(Removed("t", [H2]), "GPU", 4).removed.window_rows_only
 
 
+def test_window_rows_back_alone_are_a_store_in_the_window_group_only() -> None:
+    """docs/design.md §13: a radix page whose window rows came back is stored again in group 0, as first stored."""
+    window_only = (STORED[:1].replace(b"\x88", b"\x8b") + STORED[1:] + s("group_idx") + b"\x00"
+                   + s("kv_cache_spec_kind") + s("sliding_window") + s("kv_cache_spec_sliding_window") + b"\x40")
+    back = Stored("", None, [H1, H2], np.arange(1, 9, dtype=np.int32), False, True)
+    assert wire_batch(2.0, [back], "GPU", 4, groups=GROUPS) == batch(2.0, window_only)
+    assert wire_batch(2.0, [back], "GPU", 4) == batch(2.0, STORED)  # one group: the page is back whole
+    watched = proto_event(back._replace(cache_salt="t", parent_hash=H1), "GPU", 4).stored
+    assert (list(watched.block_hashes), watched.parent_block_hash, list(watched.token_ids), watched.cache_salt,
+            watched.window_rows_only) == ([H1, H2], H1, list(range(1, 9)), "t", True)
+    assert not proto_event(back._replace(window=False), "GPU", 4).stored.window_rows_only
+
+
 DECODE = """
 import json, sys
 import msgspec
@@ -140,7 +153,8 @@ print(json.dumps([msgspec.to_builtins(e) | {"type": type(e).__name__} for e in b
 def test_vllms_own_decoder_reads_the_group_events() -> None:
     """vLLM 0.32's KVEventBatch decoder (in .venv-vllm) reads a two-group batch back to its own events."""
     assert VLLM_PYTHON.exists(), f"{VLLM_PYTHON} is missing: `make vllm-setup` makes the vLLM venv"
-    payload = wire_batch(2.0, [Stored("", None, [H1], np.arange(1, 5, dtype=np.int32)), Removed("", [H1])], "CPU", 4,
+    payload = wire_batch(2.0, [Stored("", None, [H1], np.arange(1, 5, dtype=np.int32)), Removed("", [H1]),
+                               Stored("", None, [H1], np.arange(1, 5, dtype=np.int32), False, True)], "CPU", 4,
                          groups=GROUPS)
     run = subprocess.run([str(VLLM_PYTHON), "-c", DECODE], input=payload, capture_output=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": ""})
@@ -152,4 +166,5 @@ def test_vllms_own_decoder_reads_the_group_events() -> None:
         {**stored, "group_idx": 1, "kv_cache_spec_kind": "full_attention"},
         {"type": "BlockRemoved", "block_hashes": [H1], "medium": "CPU", "group_idx": 0},
         {"type": "BlockRemoved", "block_hashes": [H1], "medium": "CPU", "group_idx": 1},
+        {**stored, "group_idx": 0, "kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 64},
     ]

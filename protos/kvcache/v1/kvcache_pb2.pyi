@@ -948,20 +948,22 @@ class KvEvent(_message.Message):
     def __init__(self, stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ..., session_opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., session_closed: _Optional[_Union[SessionClosed, _Mapping]] = ..., session_demoted: _Optional[_Union[SessionDemoted, _Mapping]] = ..., session_parked: _Optional[_Union[SessionParked, _Mapping]] = ..., session_adopted: _Optional[_Union[SessionAdopted, _Mapping]] = ...) -> None: ...
 
 class BlockStored(_message.Message):
-    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "medium", "cache_salt")
+    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "medium", "cache_salt", "window_rows_only")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MEDIUM_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_ROWS_ONLY_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
     parent_block_hash: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_size: int
     medium: str
     cache_salt: str
-    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., medium: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    window_rows_only: bool
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., medium: _Optional[str] = ..., cache_salt: _Optional[str] = ..., window_rows_only: _Optional[bool] = ...) -> None: ...
 
 class BlockRemoved(_message.Message):
     __slots__ = ("block_hashes", "medium", "cache_salt", "window_rows_only")
