@@ -22,6 +22,7 @@ Publishers give them the tier's medium (events.py).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -33,6 +34,9 @@ from cache_service.core.pages import PageAllocator
 from cache_service.core.radix import RadixTree
 from cache_service.core.radix_node import RadixNode
 from cache_service.core.tier_keys import KEY_BYTES, Namespace, chain
+
+if TYPE_CHECKING:
+    from cache_service.core.window import WindowRows
 
 Stage = Callable[[list[bytes], npt.NDArray[np.int32]], int]
 """`stage(keys, pages) -> n`: copy the first n pages' bytes out of the pool now (before they can be reused) for
@@ -51,6 +55,8 @@ class TierPages:
         self._alloc = pages
         self.radix: RadixTree | None = None
         """Set by the facade once the tree exists (the tree's free callback is `free_evicted`)."""
+        self.window: WindowRows | None = None
+        """A window pool's window rows (window.py sets it): values say by group what they hold."""
         n = config.num_pages
         self._keys: npt.NDArray[np.uint8] = np.zeros((n, KEY_BYTES), dtype=np.uint8)
         self._keyed: npt.NDArray[np.bool_] = np.zeros(n, dtype=np.bool_)
@@ -167,6 +173,10 @@ class TierPages:
         ids = np.frombuffer(b"".join(p.pages for p in path), dtype=np.int32)
         key = b"".join(p.key for p in path)
         want = np.isin(ids, np.asarray(pages, dtype=np.int32))
+        window = self.window
+        # A window pool's values hold window rows iff the page had them when the store read it (kept since:
+        # WindowRows.busy) or the value loaded had them: runs split where that changes.
+        rows = (np.frombuffer(window.win, dtype=np.int32)[ids] != 0) if window is not None else np.ones_like(want)
         pb = self._pb
         i, total = 0, ids.size
         salt = node.salt or ""
@@ -175,11 +185,11 @@ class TierPages:
                 i += 1
                 continue
             j = i
-            while j < total and want[j]:
+            while j < total and want[j] and rows[j] == rows[i]:
                 j += 1
             run = ids[i:j]
             changes.append((TIER_STORED, salt, int(ids[i - 1]) if i else None, key[i * pb:j * pb], run.tobytes(),
-                            [bytes(k) for k in self._keys[run]]))
+                            [bytes(k) for k in self._keys[run]], not bool(rows[i])))
             i = j
 
     # ------------------------------------------------------------------ accounting

@@ -136,6 +136,8 @@ class TierIndex(TierPages):
         self._clock = clock
         self._tainted_seconds = config.tier_tainted_quarantine_seconds
         self._offloading: npt.NDArray[np.bool_] = np.zeros(config.num_pages, dtype=np.bool_)
+        """Pages the store is reading (an offload in progress). A window pool's window rows of these are kept until
+        the store is done (`WindowRows.busy`): the value says it has them, so they must stay the page's."""
         self.offloading_pages = 0
         self.pinned_pages = 0
         """Radix pages held by offload pins (paths overlapping between offloads count once per offload)."""
@@ -155,6 +157,10 @@ class TierIndex(TierPages):
         """Finished loads whose pages stay pinned until `release`."""
         self.offloads: set[Offload] = set()
         self._scanned: tuple[int, ...] | None = None
+
+    def offloading_view(self) -> memoryview:
+        """The offloading bits as bytes over page ids (a window pool keeps those pages' window rows)."""
+        return self._offloading.view(np.uint8).data
 
     # ------------------------------------------------------------------ loads
 
@@ -200,6 +206,8 @@ class TierIndex(TierPages):
                 radix.evict(short)
             pages = self._alloc.take(n, LOADING)
             if pages is None:
+                pages = self._take_windowless(n)
+            if pages is None:
                 if match.node is not None:
                     radix.unlock(match.node)
                 return None
@@ -208,19 +216,47 @@ class TierIndex(TierPages):
         self.loads.add(load)
         return load
 
-    def finish(self, load: Load, loaded: int, tainted: Iterable[int] = ()) -> None:
+    def _take_windowless(self, n: int) -> bytes | None:
+        """A window pool whose window pages are short even after relief (window.py's `relieve`): `n` LOADING
+        pages without them, and window pages for as many of the last ones as are free; the values of the others
+        load without their window rows (docs/design.md §13). None without a window pool or free pages."""
+        window = self.window
+        if window is None:
+            return None
+        self._alloc.window = None
+        try:
+            pages = self._alloc.take(n, LOADING)
+        finally:
+            self._alloc.window = window
+        if pages is not None:
+            window.attach_free(pages)
+        return pages
+
+    def finish(self, load: Load, loaded: int, tainted: Iterable[int] = (), windowless: Iterable[int] = ()) -> None:
         """The store is done with `load`: its first `loaded` pages hold their keys' values, verified. They
-        join the radix; the rest are freed, `tainted` ones (a transfer that may still write) quarantined."""
+        join the radix; the rest are freed, `tainted` ones (a transfer that may still write) quarantined. A
+        window pool's `windowless` pages (values without window rows) lose the window page they were given
+        (its bytes are filler) before they join; duplicates of tree pages lacking window rows give the tree
+        theirs (`WindowRows.adopt`)."""
         if load.done:
             raise InvariantError("tier: a load finished twice")
         radix = self._tree()
         loaded = max(0, min(loaded, len(load.keys)))
         pages = load.pages
         node = None
+        window = self.window
+        if loaded and window is not None:
+            window.drop_loaded(windowless)
         if loaded:
             key = load.key[load.base * self._pb: (load.base + loaded) * self._pb]
+            changes = radix.changes
+            first = len(changes) if changes is not None else 0
             ins = radix.insert(load.salt, key, pages[: loaded * 4], below=load.node, src=LOADING)
             existing = ins.num_existing_pages
+            if window is not None:
+                window.loaded(changes, first)
+                if existing:
+                    window.adopt(ins.pages[: existing * 4], pages[: existing * 4])
             if existing:
                 self._alloc.give(pages[: existing * 4], LOADING)
                 self._c.duplicate_pages += existing

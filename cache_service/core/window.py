@@ -25,18 +25,21 @@ so every page that changes owner keeps its window page without the callers knowi
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from cache_service.core.config import CoreConfig
 from cache_service.core.errors import InvariantError
-from cache_service.core.events import WINDOW_REMOVED
+from cache_service.core.events import STORED_FULL, WINDOW_REMOVED
 from cache_service.core.pages import PageAllocator
+from cache_service.core.radix_node import STORED
 from cache_service.core.types import EMPTY_PAGES, PageArray
 
 if TYPE_CHECKING:
     from cache_service.core.radix import RadixTree
+    from cache_service.core.tiering import TierIndex
 
 __all__ = ["WindowRows", "attach_window_rows", "window_page_ids", "window_span"]
 
@@ -46,17 +49,17 @@ def window_span(window_tokens: int, page_size: int) -> int:
     return max(0, -(-(window_tokens - 1) // page_size))
 
 
-def attach_window_rows(config: CoreConfig, radix: RadixTree, pages: PageAllocator, *, tiered: bool
+def attach_window_rows(config: CoreConfig, radix: RadixTree, pages: PageAllocator, *, tier: TierIndex | None
                        ) -> WindowRows | None:
-    """The window rows of a pool that keeps them apart (`config.window_pages`), hooked into the allocator and the
-    tree; None for a pool without. A tier beyond such a pool is refused (ValueError): a tier value holds every
-    layer's rows of a page."""
+    """The window rows of a pool that keeps them apart (`config.window_pages`), hooked into the allocator, the
+    tree and the `tier` beyond the pool (its loads and offloads store and load by group; the pages its store
+    reads keep their window rows meanwhile, docs/design.md §8, §13); None for a pool without."""
     if not config.window_pages:
         return None
-    if tiered:
-        raise ValueError("a tier beyond a pool whose window rows are kept apart is not supported: a tier "
-                         "value holds every layer's rows of a page (docs/attention-shapes.md)")
     window = WindowRows(config.num_pages, config.window_pages, config.page_size, config.window_tokens)
+    if tier is not None:
+        window.busy = tier.offloading_view()
+        tier.window = window
     window.radix = radix
     pages.window = window
     radix.usable = window.usable
@@ -75,9 +78,9 @@ def window_page_ids(window: WindowRows | None, pages: bytes) -> PageArray:
 class WindowRows:
     """The window group's page space and which pages still hold their window rows. Single-threaded."""
 
-    __slots__ = ("_dirty", "_free", "_state", "changes", "cut_hit_tokens", "evicted_pages", "k", "mark", "num_pages",
-                 "page_size", "policy_dropped_pages", "pressure_dropped_pages", "radix", "win", "window_pages",
-                 "window_tokens")
+    __slots__ = ("_dirty", "_free", "_state", "busy", "changes", "cut_hit_tokens", "evicted_pages", "k", "mark",
+                 "num_pages", "page_size", "policy_dropped_pages", "pressure_dropped_pages", "radix", "win",
+                 "window_pages", "window_tokens")
 
     def __init__(self, num_pages: int, window_pages: int, page_size: int, window_tokens: int) -> None:
         if window_pages < 2:
@@ -91,6 +94,9 @@ class WindowRows:
         """Page -> its window page (0: none)."""
         self.mark = bytearray(num_pages)
         """1 where a hit may end right after the page (a hit point)."""
+        self.busy: Any = bytes(num_pages)
+        """Nonzero where a tier's store is reading the page (its value says whether it has window rows): those
+        window rows are not dropped and no window page moves to the page until the store is done."""
         self._free = array("i", range(window_pages - 1, 0, -1))
         """Free window pages, a stack (a fresh pool hands out 1, 2, 3, ...)."""
         self._state = bytearray(window_pages)
@@ -144,6 +150,46 @@ class WindowRows:
             w = free.pop()
             state[w] = 1
             win[p] = w
+
+    def attach_free(self, pages: bytes) -> None:
+        """Give window pages to as many of `pages` (just taken without them) as there are free ones, the last
+        pages first (a hit at their end needs the window before it); the others keep none."""
+        ids = memoryview(pages).cast("i")
+        self.attach(ids[max(0, len(ids) - len(self._free)):].tobytes())
+
+    def drop_loaded(self, pages: Iterable[int]) -> None:
+        """Tier loads' pages whose values held no window rows (in no radix node yet): their window pages hold
+        filler and go back free."""
+        win = self.win
+        self._drop([p for p in pages if win[p]])
+
+    def loaded(self, changes: list[Any] | None, first: int) -> None:
+        """A tier load's pages entered the radix (its STORED records from `changes[first:]`): the runs of pages
+        without window rows are announced to the full-attention groups only (STORED_FULL), and the radix may hold
+        rows no hit point needs now (the load extended a path past its former end)."""
+        self._dirty = True
+        if changes is None:
+            return
+        win = self.win
+        i = first
+        while i < len(changes):
+            change = changes[i]
+            if type(change) is not tuple or change[0] != STORED:
+                i += 1
+                continue
+            _, salt, parent, key, pages = change
+            ids = memoryview(pages).cast("i")
+            pb = len(key) // len(ids)
+            runs = []
+            start = 0
+            for j in range(1, len(ids) + 1):
+                if j == len(ids) or bool(win[ids[j]]) != bool(win[ids[start]]):
+                    runs.append((STORED if win[ids[start]] else STORED_FULL, salt,
+                                 parent if start == 0 else ids[start - 1], key[start * pb:j * pb],
+                                 pages[start * 4:j * 4]))
+                    start = j
+            changes[i:i + 1] = runs
+            i += len(runs)
 
     def detach(self, pages: bytes) -> None:
         """`pages` were freed: their window pages (where they have one) and hit points go with them."""
@@ -224,9 +270,9 @@ class WindowRows:
     def adopt(self, tree: bytes, ours: bytes) -> None:
         """An insert found `tree` (the radix's pages) where a session brought `ours` (the same tokens, about to
         be freed): a tree page without window rows takes over ours (the same KV), and our hit points carry over."""
-        win, mark = self.win, self.mark
+        win, mark, busy = self.win, self.mark, self.busy
         for t, o in zip(memoryview(tree).cast("i"), memoryview(ours).cast("i"), strict=True):
-            if not win[t] and win[o]:
+            if not win[t] and win[o] and not busy[t]:
                 win[t] = win[o]
                 win[o] = 0
             if mark[o]:
@@ -238,7 +284,7 @@ class WindowRows:
         own (not the radix's). Drops the window rows of its own pages that no hit point on the table needs; the
         page at the last hit point and after (the session's continuation) stay."""
         ids = memoryview(bytes(pages)).cast("i")
-        mark, win, k = self.mark, self.win, self.k
+        mark, win, k, busy = self.mark, self.win, self.k, self.busy
         last = max(hits)
         for h in hits:
             if h:
@@ -251,7 +297,7 @@ class WindowRows:
                 need = k
             if need > 0:
                 need -= 1
-            elif win[p]:
+            elif win[p] and not busy[p]:
                 dropped.append(p)
         self._drop(dropped)
         self.policy_dropped_pages += len(dropped)
@@ -267,7 +313,7 @@ class WindowRows:
         if radix is None or not self._dirty:
             return 0
         self._dirty = False
-        mark, win, k = self.mark, self.win, self.k
+        mark, win, k, busy = self.mark, self.win, self.k, self.busy
         total = 0
         demand: dict[int, int] = {}
         for node in reversed(radix.iter_nodes()):  # children before their parents
@@ -284,7 +330,7 @@ class WindowRows:
                     need = k
                 if need > 0:
                     need -= 1
-                elif win[p]:
+                elif win[p] and not busy[p]:
                     dropped.append(p)
             if dropped:
                 self._drop(dropped, node.salt or "")
