@@ -20,7 +20,8 @@ place in GetPoolInfo's `groups`), `kv_cache_spec_kind` ("full_attention", "slidi
 group, `kv_cache_spec_sliding_window`; a removed page once per group with its `group_idx`. Where a pool keeps
 its window rows apart (docs/design.md §13), a page whose window rows alone were freed is removed from the window
 group only (its full-attention rows stay): one `BlockRemoved` with the window group's `group_idx` (WatchEvents:
-`window_rows_only`). A one-group pool's
+`window_rows_only`); a page loaded from a tier value without its window rows (or such a value the tier holds) is
+stored in the full-attention groups only (`Stored.no_window`). A one-group pool's
 events have no group fields, as before groups. WatchEvents announces each page once: its groups are the
 pool's (GetPoolInfo).
 """
@@ -117,7 +118,7 @@ def wire_events(record: Record, medium: str, page_size: int, tier_medium: str = 
                 if not record.window or g.kind == "sliding_window"]
     return [{**event, "group_idx": i, "kv_cache_spec_kind": g.kind,
              **({"kv_cache_spec_sliding_window": g.sliding_window} if g.sliding_window else {})}
-            for i, g in enumerate(groups)]
+            for i, g in enumerate(groups) if not record.no_window or g.kind != "sliding_window"]
 
 
 def wire_batch(ts: float, records: Iterable[Record], medium: str, page_size: int, dp_rank: int = 0,
