@@ -116,9 +116,10 @@ def wire_events(record: Record, medium: str, page_size: int, tier_medium: str = 
     if isinstance(record, Removed):  # only the window rows left: the window groups' events only
         return [{**event, "group_idx": i} for i, g in enumerate(groups)
                 if not record.window or g.kind == "sliding_window"]
+    full_only = isinstance(record, Stored) and record.no_window  # no window rows: the window groups have none
     return [{**event, "group_idx": i, "kv_cache_spec_kind": g.kind,
              **({"kv_cache_spec_sliding_window": g.sliding_window} if g.sliding_window else {})}
-            for i, g in enumerate(groups) if not record.no_window or g.kind != "sliding_window"]
+            for i, g in enumerate(groups) if not full_only or g.kind != "sliding_window"]
 
 
 def wire_batch(ts: float, records: Iterable[Record], medium: str, page_size: int, dp_rank: int = 0,
