@@ -466,15 +466,18 @@ class DevicePoolMemory:
 
     def _copy_page(self, to_host: bool, host: int, page: int, window_page: int) -> None:
         """A page's chunks between `host` (contiguous, value order) and the pool: one strided copy of its
-        full-attention chunks and, on a window pool, one of its window page's."""
+        full-attention chunks and, on a window pool, one of its window page's (into the pool only where the page
+        has one)."""
         chunk = self.geometry.chunk_bytes
-        copy = self._copier.gather if to_host else self._copier.scatter
         c = chunk_offsets(self.layout, page)
-        if len(c):
-            copy(host, self._device_base + c.start, chunk, c.step, len(c))
         w = window_chunk_offsets(self.layout, window_page)
-        if len(w) and (to_host or window_page):
-            copy(host + len(c) * chunk, self._device_base + w.start, chunk, w.step, len(w))
+        for at, span in ((host, c), (host + len(c) * chunk, w)):
+            if not len(span) or (span is w and not to_host and not window_page):
+                continue
+            if to_host:
+                self._copier.gather(at, self._device_base + span.start, chunk, span.step, len(span))
+            else:
+                self._copier.scatter(self._device_base + span.start, at, chunk, span.step, len(span))
 
     def slot(self, slot: int) -> PageBuffers:
         view = self._view
