@@ -331,7 +331,11 @@ class TierIndex(TierPages):
             if not pages:
                 continue
             key = b"".join(n.key for n in path)[: end * pb]
-            match = radix.match(leaf.salt or "", key, lock=True, touch=False)
+            usable, radix.usable = radix.usable, None  # the pin holds the path whole, its window rows or not
+            try:
+                match = radix.match(leaf.salt or "", key, lock=True, touch=False)
+            finally:
+                radix.usable = usable
             if match.num_pages != end or match.node is None:
                 raise InvariantError(f"tier: the path of leaf {leaf.id} no longer matches its own tokens")
             self._offloading[pages] = True

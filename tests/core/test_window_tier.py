@@ -167,3 +167,20 @@ def test_a_load_of_pages_the_radix_holds_without_window_rows_gives_the_tree_them
     assert windows(core, [1, 2, 3, 4, 5, 6, 7]) == [0, 0, 0, 0, 0, 2, 1]
     assert core.match_prefix(context).page_ids.tolist() == [1, 2, 3, 4, 5, 6, 7]
     assert counts(core) == (16, 2, 14) and core.stats().free_pages == 9
+
+
+def test_an_offload_pins_part_of_a_path_whose_window_rows_are_gone_and_stores_it_without_them(
+        clock: FakeClock) -> None:
+    config = CoreConfig(num_pages=17, page_size=PS, window_pages=17, window_tokens=9, tier_watermark=1.0,
+                        tier_pin_fraction=0.25)  # pins 4 pages at most
+    core = CheckedCore(config, clock, tier=NS)
+    tier, _ = _parts(core)
+    _turn(core, "a", toks(range(1, 25)), toks(range(100, 108)))
+    assert windows(core, [1, 2, 3, 4, 5, 6, 7]) == [0, 0, 0, 0, 0, 6, 7]
+    assert core.match_prefix(toks(range(1, 17))).cached_tokens == 0  # a reader's match of 4 pages is cut to none
+    [job] = tier.plan_offload(100)  # the tier's pin is no reader: it holds the 4 pages whole
+    assert (job.pages, job.pinned, core.stats().radix_locked_pages) == ([1, 2, 3, 4], 4, 4)
+    core.start_events()
+    tier.offload_done(job, [True] * 4)
+    assert [(len(r.hashes), r.tier, r.no_window) for r in core.take_events()] == [(4, True, True)]
+    assert (core.stats().tier_stored_pages, core.stats().radix_locked_pages) == (4, 0)
