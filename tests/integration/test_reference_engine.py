@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from engine_client import KVCacheClient, LayoutMismatch, PoolExhausted, check_layout
@@ -17,6 +18,8 @@ from engine_client.reference import ModelConfig
 from engine_client.reference.check import model_for, tokens, verify
 from engine_client.reference.engine import ReferenceEngine
 from engine_client.reference.model import model_layout
+from protos.kvcache.v1 import kvcache_pb2 as pb
+from protos.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 
 from .conftest import REPO, ServerProcess
 
@@ -301,4 +304,8 @@ def test_a_window_pages_pool_with_a_disk_tier_loads_a_chat_back_by_group(
         st = client.get_stats(verify=True)
     assert (result.cached_tokens, result.prefix_hit_tokens) == (32, 32)  # the first chat's end: its window held
     assert st.window_free_pages + st.window_held_pages == 16
+    with grpc.insecure_channel(server.target) as channel:
+        tier = pb_grpc.KVCacheServiceStub(channel).GetStats(  # type: ignore[no-untyped-call]
+            pb.GetStatsRequest(), timeout=10).tier
+    assert tier.load_pages == 8 and tier.errors == []  # all 8 from the disk tier, every value sound
     assert_clean(server)
