@@ -163,9 +163,10 @@ class TierPages:
         if changes is not None and keys:
             changes.append((TIER_REMOVED, list(keys)))
 
-    def _announce(self, node: RadixNode, pages: list[int]) -> None:
+    def _announce(self, node: RadixNode, pages: list[int], windowless: frozenset[int] = frozenset()) -> None:
         """Record that the tier holds `pages` (on the keyed path to `node`), while events are recorded: one
-        TIER_STORED change per run of consecutive path pages."""
+        TIER_STORED change per run of consecutive path pages (a window pool's: per run of pages whose values hold
+        their window rows, or not: those with none now or in `windowless`)."""
         changes = self._tree().changes
         if changes is None or not pages:
             return
@@ -177,6 +178,8 @@ class TierPages:
         # A window pool's values hold window rows iff the page had them when the store read it (kept since:
         # WindowRows.busy) or the value loaded had them: runs split where that changes.
         rows = (np.frombuffer(window.win, dtype=np.int32)[ids] != 0) if window is not None else np.ones_like(want)
+        if windowless:
+            rows &= ~np.isin(ids, np.fromiter(windowless, dtype=np.int32))
         pb = self._pb
         i, total = 0, ids.size
         salt = node.salt or ""

@@ -109,14 +109,19 @@ class Load:
 class Offload:
     """An offload in progress: the store reads `pages` (radix pages, pinned by the tier's lock on `node`)."""
 
-    __slots__ = ("done", "keys", "node", "pages", "pinned")
+    __slots__ = ("done", "keys", "node", "pages", "pinned", "windowless")
 
-    def __init__(self, node: RadixNode, keys: list[bytes], pages: list[int], pinned: int) -> None:
+    def __init__(self, node: RadixNode, keys: list[bytes], pages: list[int], pinned: int,
+                 windowless: frozenset[int] = frozenset()) -> None:
         self.node = node
         self.keys = keys
         self.pages = pages
         self.pinned = pinned
         """Pages the pin holds (the path down to `node`, stored ones included)."""
+        self.windowless = windowless
+        """A window pool's: the pages without window rows when planned. The store reads each page's window rows
+        where it has them when it reads it; none is dropped meanwhile, but one may come (`WindowRows.adopt`), so
+        these are announced without them (what their values may well be)."""
         self.done = False
 
     @property
@@ -343,7 +348,9 @@ class TierIndex(TierPages):
             self.pinned_pages += end
             pin_room -= end
             room -= len(pages)
-            job = Offload(match.node, [bytes(self._keys[p]) for p in pages], pages, end)
+            win = self.window.win if self.window is not None else None
+            job = Offload(match.node, [bytes(self._keys[p]) for p in pages], pages, end,
+                          frozenset(p for p in pages if not win[p]) if win is not None else frozenset())
             self.offloads.add(job)
             jobs.append(job)
             if room <= 0 or pin_room <= 0:
@@ -377,7 +384,7 @@ class TierIndex(TierPages):
             self._stored[ok] = True
             self.stored_pages += len(ok)
             self._stored_at.update((bytes(self._keys[p]), p) for p in ok)
-            self._announce(job.node, ok)
+            self._announce(job.node, ok, job.windowless)
         self._tree().unlock(job.node)
 
     # ------------------------------------------------------------------ accounting

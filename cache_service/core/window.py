@@ -96,7 +96,8 @@ class WindowRows:
         """1 where a hit may end right after the page (a hit point)."""
         self.busy: Any = bytes(num_pages)
         """Nonzero where a tier's store is reading the page (its value says whether it has window rows): those
-        window rows are not dropped and no window page moves to the page until the store is done."""
+        window rows are not dropped until the store is done (a window page may still move to such a page: `adopt`,
+        the same KV; the tier then announces the value as without them, tiering.py)."""
         self._free = array("i", range(window_pages - 1, 0, -1))
         """Free window pages, a stack (a fresh pool hands out 1, 2, 3, ...)."""
         self._state = bytearray(window_pages)
@@ -270,9 +271,9 @@ class WindowRows:
     def adopt(self, tree: bytes, ours: bytes) -> None:
         """An insert found `tree` (the radix's pages) where a session brought `ours` (the same tokens, about to
         be freed): a tree page without window rows takes over ours (the same KV), and our hit points carry over."""
-        win, mark, busy = self.win, self.mark, self.busy
+        win, mark = self.win, self.mark
         for t, o in zip(memoryview(tree).cast("i"), memoryview(ours).cast("i"), strict=True):
-            if not win[t] and win[o] and not busy[t]:
+            if not win[t] and win[o]:
                 win[t] = win[o]
                 win[o] = 0
             if mark[o]:
