@@ -21,8 +21,8 @@ Publishers give them the tier's medium (events.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -35,8 +35,20 @@ from cache_service.core.radix import RadixTree
 from cache_service.core.radix_node import RadixNode
 from cache_service.core.tier_keys import KEY_BYTES, Namespace, chain
 
-if TYPE_CHECKING:
-    from cache_service.core.window import WindowRows
+
+class WindowRowsOfTier(Protocol):
+    """What the tier uses of a window pool's rows (`window.WindowRows`, docs/design.md §13): a layer below it."""
+
+    win: Any
+    """Page -> its window page (0: none)."""
+
+    def attach_free(self, pages: bytes) -> None: ...
+
+    def drop_loaded(self, pages: Iterable[int]) -> None: ...
+
+    def loaded(self, changes: list[Any] | None, first: int) -> None: ...
+
+    def adopt(self, tree: bytes, ours: bytes) -> None: ...
 
 Stage = Callable[[list[bytes], npt.NDArray[np.int32]], int]
 """`stage(keys, pages) -> n`: copy the first n pages' bytes out of the pool now (before they can be reused) for
@@ -55,7 +67,7 @@ class TierPages:
         self._alloc = pages
         self.radix: RadixTree | None = None
         """Set by the facade once the tree exists (the tree's free callback is `free_evicted`)."""
-        self.window: WindowRows | None = None
+        self.window: WindowRowsOfTier | None = None
         """A window pool's window rows (window.py sets it): values say by group what they hold."""
         n = config.num_pages
         self._keys: npt.NDArray[np.uint8] = np.zeros((n, KEY_BYTES), dtype=np.uint8)

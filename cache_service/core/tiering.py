@@ -225,14 +225,14 @@ class TierIndex(TierPages):
         """A window pool whose window pages are short even after relief (window.py's `relieve`): `n` LOADING
         pages without them, and window pages for as many of the last ones as are free; the values of the others
         load without their window rows (docs/design.md §13). None without a window pool or free pages."""
-        window = self.window
+        window, hooks = self.window, self._alloc.window
         if window is None:
             return None
         self._alloc.window = None
         try:
             pages = self._alloc.take(n, LOADING)
         finally:
-            self._alloc.window = window
+            self._alloc.window = hooks
         if pages is not None:
             window.attach_free(pages)
         return pages

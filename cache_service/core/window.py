@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -39,7 +39,14 @@ from cache_service.core.types import EMPTY_PAGES, PageArray
 
 if TYPE_CHECKING:
     from cache_service.core.radix import RadixTree
-    from cache_service.core.tiering import TierIndex
+
+
+class _Tier(Protocol):
+    """The tier beyond the pool as window rows see it (`tiering.TierIndex`, a layer above)."""
+
+    window: Any
+
+    def offloading_view(self) -> memoryview: ...
 
 __all__ = ["WindowRows", "attach_window_rows", "window_page_ids", "window_span"]
 
@@ -49,7 +56,7 @@ def window_span(window_tokens: int, page_size: int) -> int:
     return max(0, -(-(window_tokens - 1) // page_size))
 
 
-def attach_window_rows(config: CoreConfig, radix: RadixTree, pages: PageAllocator, *, tier: TierIndex | None
+def attach_window_rows(config: CoreConfig, radix: RadixTree, pages: PageAllocator, *, tier: _Tier | None
                        ) -> WindowRows | None:
     """The window rows of a pool that keeps them apart (`config.window_pages`), hooked into the allocator, the
     tree and the `tier` beyond the pool (its loads and offloads store and load by group; the pages its store
