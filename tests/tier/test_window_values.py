@@ -107,3 +107,48 @@ def test_pages_go_to_the_disk_tier_and_back_by_group(pool: HostShmPool, tmp_path
     # Page 6's value held no window rows: its window page got the filler, which `windowless` tells the core to drop.
     assert not np.array_equal(window[:, :, 5], np.full_like(window[:, :, 5], -7.0))
     memory.close()
+
+
+def test_eviction_staging_keeps_what_each_page_held_and_writes_it_with_its_flags(pool: HostShmPool,
+                                                                                 tmp_path: Path) -> None:
+    memory = page_memory(pool)
+    win = array("i", [0] * LAYOUT.num_pages)
+    memory.window = win
+    full = np.memmap(pool.path, dtype=np.float16, mode="r+", shape=LAYOUT.shape)
+    window = np.memmap(pool.path, dtype=np.float16, mode="r+", offset=LAYOUT.window_offset_bytes,
+                       shape=LAYOUT.window_shape)
+    rng = np.random.default_rng(3)
+    full[:, :, 1:3] = rng.standard_normal(full[:, :, 1:3].shape).astype(np.float16)
+    window[:, :, 6] = rng.standard_normal(window[:, :, 6].shape).astype(np.float16)
+    win[1] = 6
+    wrote_full, wrote_window = np.array(full[:, :, 1:3]), np.array(window[:, :, 6])
+    keys = [_key(11), _key(12)]
+
+    async def staged() -> None:
+        service = TierService(DiskTier(tmp_path / "tier", 1 << 20, G), memory, staging_bytes=4 * G.payload_bytes)
+        service.start(asyncio.get_running_loop())
+        assert service.stage(keys, np.array([1, 2], dtype=np.int32)) == 2
+        win[1] = 0  # evicted: the pages and their window page are someone else's now
+        full[:, :, 1:3] = np.float16(-7.0)
+        window[:, :, 6] = np.float16(-7.0)
+        win[9] = 2
+        res = await service.load(keys, [9, 10]).wait()  # from staging (or the store, once written)
+        assert res is not None and (res.loaded, res.windowless) == (2, (10,))
+        await asyncio.to_thread(service.close)  # drains: staging's values are written with their flags
+
+    async def restarted() -> None:  # a new service (the old one closed its mapping) on the same directory
+        again = page_memory(pool)
+        again.window = win
+        service = TierService(DiskTier(tmp_path / "tier", 1 << 20, G), again)
+        service.start(asyncio.get_running_loop())
+        win[11], win[12] = 3, 4
+        res = await service.load(keys, [11, 12]).wait()
+        assert res is not None and (res.loaded, res.windowless) == (2, (12,))
+        await asyncio.to_thread(service.close)
+
+    asyncio.run(staged())
+    assert np.array_equal(full[:, :, 9], wrote_full[:, :, 0]) and np.array_equal(window[:, :, 2], wrote_window)
+    full[:, :, 9:11] = np.float16(-7.0)
+    asyncio.run(restarted())
+    assert np.array_equal(full[:, :, 11], wrote_full[:, :, 0]) and np.array_equal(full[:, :, 12], wrote_full[:, :, 1])
+    assert np.array_equal(window[:, :, 3], wrote_window)
