@@ -20,6 +20,10 @@ limit of a quarter of the pool (`--tier-pin-fraction`); the pin ends when the st
 marks the stored pages. Eviction then takes the same LRU leaves, already stored. That is the write-back
 policy (HiCache's name); write-through (`--tier-policy`) offloads the same way with no watermark, so pages go
 to the tier as soon as they are evictable, where the store's bandwidth allows.
+
+A window pool (window.py) stores and loads by group: an offload's pin holds its path whole (the window cut of a
+match is for readers), and its pages keep their window rows until the store is done; a load's pages take window
+pages as any take does (or as many as are free), and `finish` drops those whose values held none.
 """
 
 from __future__ import annotations

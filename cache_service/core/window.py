@@ -20,6 +20,11 @@ with it when it is freed (`detach`), or earlier, on their own (`drop`), when no 
 
 `usable`, `relieve` and the page hooks run inside the allocator's and the radix's calls (they are its hooks),
 so every page that changes owner keeps its window page without the callers knowing the group exists.
+
+A tier beyond the pool stores and loads by group (docs/design.md §8, docs/tiers.md "Window pools"): the window
+rows of a page its store is reading are not dropped until it is done (`busy`); a load's pages take window pages
+as any take does, or as many as are free (`attach_free`), and those whose values held none give theirs back
+(`drop_loaded`) before they join the radix (`loaded` announces them to the full-attention groups only).
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ from cache_service.core.types import EMPTY_PAGES, PageArray
 if TYPE_CHECKING:
     from cache_service.core.radix import RadixTree
 
+__all__ = ["WindowRows", "attach_window_rows", "window_page_ids", "window_span"]
+
 
 class _Tier(Protocol):
     """The tier beyond the pool as window rows see it (`tiering.TierIndex`, a layer above)."""
@@ -47,8 +54,6 @@ class _Tier(Protocol):
     window: Any
 
     def offloading_view(self) -> memoryview: ...
-
-__all__ = ["WindowRows", "attach_window_rows", "window_page_ids", "window_span"]
 
 
 def window_span(window_tokens: int, page_size: int) -> int:

@@ -18,6 +18,12 @@ run on an H100 and an H200).
 ends the batch (for loads into a GPU pool: copies the pages whose value was sound into the pool).
 Worker threads call these; nothing here touches the asyncio loop or the core.
 
+A pool that keeps its window rows apart (docs/design.md §13) is two regions: a page's value is its chunks in the
+pages' region (its full-attention layers) and then its window page's in the window region (`window`: the core's
+page -> window page table, read for the pages a batch moves, which the core keeps from changing meanwhile).
+A page without a window page reads (offloads) and writes (loads) window page 0's chunks instead, which is never
+handed out: filler that the value's CRC does not cover and no page keeps.
+
 Eviction staging (`staging.py`) copies pages the tier lacks out of the pool at eviction, on the loop, into
 host memory this module allocates (`host_area`): `capture(page, address)` is one copy of the page's chunks
 into contiguous host memory (a host pool: one strided numpy copy; a GPU pool: the same strided device-to-host
