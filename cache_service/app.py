@@ -162,7 +162,8 @@ def tier_namespace(config: ServiceConfig, layout: PoolLayout) -> Namespace | Non
     if config.tier == "none":
         return None
     return Namespace(config.model_name, layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype,
-                     layout.page_size, layout.attention, layout.sliding_window, layout.window_layers)
+                     layout.page_size, layout.attention, layout.sliding_window, layout.window_layers,
+                     bool(layout.window_pages))
 
 
 class KVCacheServer:
@@ -316,6 +317,8 @@ class KVCacheServer:
             memory = page_memory(self.pool)
         except (TierConfigError, TierMemoryError) as e:
             raise ConfigError(str(e)) from None
+        if self._core is not None and self._core.window is not None:  # values by group (docs/design.md §8, §13)
+            memory.window = self._core.window.win
         try:
             backend = create_backend(cfg, self.pool)
         except TierConfigError as e:

@@ -435,14 +435,12 @@ class ServiceConfig:
              "needs --tls-cert and --tls-key: mutual TLS is TLS with client certificates")
 
     def _validate_window_pages(self, need: Callable[[bool, str, str], None]) -> None:
-        """--window-pages against the window, the sizing flags and the tier (docs/design.md §13)."""
+        """--window-pages against the window and the sizing flags (docs/design.md §13; a tier stores and loads a
+        window pool's pages by group, §8)."""
         n = self.window_pages
         need(bool(self.sliding_window), "window-pages",
              f"{n} needs --sliding-window (the window layers whose rows the window pages hold), got --sliding-window 0")
         need(n >= 2, "window-pages", f"must be 0 or >= 2 (window page 0 is reserved), got {n}")
-        need(self.tier == "none", "window-pages",
-             f"is not supported with --tier {self.tier}: a tier value holds every layer's rows of a page; set "
-             "--tier none or --window-pages 0")
         if self.bytes_per_page == 0:  # every layer windowed: the pages hold no rows, only the window pages do
             sized = ("--pool-bytes" if self.pool_bytes else "--gpu-memory-fraction" if self.gpu_memory_fraction
                      else "--model's free-memory sizing" if self.memory_sizing_fraction else "")

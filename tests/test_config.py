@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from cache_service.app import core_config
+from cache_service.app import core_config, tier_namespace
 from cache_service.config import (
     FLAGS,
     ConfigError,
@@ -367,6 +367,14 @@ def test_window_pages_keep_the_window_rows_apart_and_reach_the_core() -> None:
                  ).layout().window_pages == 5
     every = parse(["--sliding-window", "16", "--num-pages", "10", "--window-pages", "4"])  # Mistral: pages cost 0
     assert (every.bytes_per_page, every.layout().shape[0], every.layout().window_shape[0]) == (0, 0, 2)
+    # a tier stores and loads such a pool's pages by group (docs/design.md §8): its namespace says so
+    tiered = parse([*GEMMA_FLAGS, "--num-pages", "10", "--window-pages", "4", "--tier", "disk", "--tier-dir", "/t"])
+    namespace = tier_namespace(tiered, tiered.layout())
+    assert namespace is not None and namespace.window_apart
+    plain = parse([*GEMMA_FLAGS, "--num-pages", "10", "--tier", "disk", "--tier-dir", "/t"])
+    one_region = tier_namespace(plain, plain.layout())
+    assert one_region is not None and not one_region.window_apart
+    assert one_region.root("") != namespace.root("")  # the two layouts never share tier keys
 
 
 def test_without_window_pages_nothing_changes() -> None:
@@ -386,9 +394,6 @@ def test_without_window_pages_nothing_changes() -> None:
     ([*GEMMA_FLAGS, "--num-pages", "10", "--window-pages", "-3"], "--window-pages: must be >= 0, got -3"),
     ([*GEMMA_FLAGS, "--num-pages", "10", "--window-pages", "11"],
      "--window-pages: 11 is more than the pool's 10 pages (--num-pages): a page holds at most one window page"),
-    ([*GEMMA_FLAGS, "--num-pages", "10", "--window-pages", "4", "--tier", "disk", "--tier-dir", "/tmp/t"],
-     "--window-pages: is not supported with --tier disk: a tier value holds every layer's rows of a page; set "
-     "--tier none or --window-pages 0"),
     ([*GEMMA_FLAGS, "--pool-bytes", "9000", "--window-pages", "7"],
      "--pool-bytes: 8.8 KiB holds fewer than 2 pages of 512 B beside the window region (17.5 KiB for "
      "--window-pages 7)"),

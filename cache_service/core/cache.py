@@ -83,7 +83,7 @@ class KVCacheCore:
         if self.tier is not None:
             self.tier.radix = self.radix
             self.radix.evict_hook = self.tier.evicting
-        self.window = attach_window_rows(config, self.radix, self.pages, tiered=tier is not None)
+        self.window = attach_window_rows(config, self.radix, self.pages, tier=self.tier)
         """The window group's rows kept apart (window.py); None unless `config.window_pages`."""
         self.slots = Slots(config.page_size, self.radix, self.counters)
         self.sessions = SessionTable(self.slots)

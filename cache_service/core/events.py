@@ -46,6 +46,9 @@ class Stored(NamedTuple):
     window: bool = False
     """Only the pages' window-layer rows came back (window.py): radix pages announced before, whose window rows
     alone had left (a `Removed` with `window` set), hold them again."""
+    no_window: bool = False
+    """A window pool's pages without their window-layer rows (loaded from tier values without them, or such
+    values): announced to the full-attention groups only (docs/design.md §13)."""
 
 
 class Removed(NamedTuple):
@@ -64,9 +67,13 @@ WINDOW_REMOVED = "window_removed"
 WINDOW_STORED = "window_stored"
 """Change tuple `(WINDOW_STORED, salt, parent page id | None, token bytes, page ids bytes)`: a run of radix pages
 (hashed already) whose window rows came back (window.py)."""
+STORED_FULL = "stored_full"
+"""Change tuple `(STORED_FULL, salt, parent page id | None, token bytes, page ids bytes)`: a radix STORED run of
+pages without their window rows (loaded from tier values without them, window.py)."""
 TIER_STORED = "tier_stored"
-"""Change tuple `(TIER_STORED, salt, parent page id | None, token bytes, page ids bytes, tier keys)`: radix pages
-(still in the radix at this point of the change order) that the tier now holds."""
+"""Change tuple `(TIER_STORED, salt, parent page id | None, token bytes, page ids bytes, tier keys, no_window)`:
+radix pages (still in the radix at this point of the change order) that the tier now holds; `no_window`: their
+values hold no window rows (a window pool's)."""
 TIER_REMOVED = "tier_removed"
 """Change tuple `(TIER_REMOVED, tier keys)`: the tier no longer holds these (announced) pages."""
 
@@ -169,7 +176,7 @@ class PageHashes:
         return len(self._tier)
 
     def tier_stored(self, salt: str, parent_page: int | None, key: bytes, pages: bytes, keys: list[bytes],
-                    out: list[Record]) -> None:
+                    out: list[Record], no_window: bool = False) -> None:
         """Radix pages the tier holds now: one Stored(tier=True) per run of pages not announced yet (hashes
         from the table: the pages are still in the tree at this point of the change order)."""
         ids = np.frombuffer(pages, dtype=np.int32)
@@ -184,7 +191,7 @@ class PageHashes:
             elif not new and start >= 0:
                 first_parent = parent if start == 0 else hashes[start - 1]
                 out.append(Stored(salt, first_parent, hashes[start:i],
-                                  np.frombuffer(key[start * pb:i * pb], dtype="<i4"), True))
+                                  np.frombuffer(key[start * pb:i * pb], dtype="<i4"), True, False, no_window))
                 for k, h in zip(keys[start:i], hashes[start:i], strict=True):
                     self._tier[k] = (salt, h)
                 if self.journal is not None:
@@ -263,8 +270,11 @@ class PageHashes:
             kind = change[0] if type(change) is tuple else None
             if kind == "stored":
                 out.append(self.stored(change[1], change[2], change[3], change[4]))
+            elif kind == STORED_FULL:
+                out.append(self.stored(change[1], change[2], change[3], change[4])._replace(no_window=True))
             elif kind == TIER_STORED:
-                self.tier_stored(change[1], change[2], change[3], change[4], change[5], out)
+                self.tier_stored(change[1], change[2], change[3], change[4], change[5], out,
+                                 len(change) > 6 and change[6])
             elif kind == TIER_REMOVED:
                 self.tier_removed(change[1], out)
             elif kind == WINDOW_STORED:

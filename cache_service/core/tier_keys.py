@@ -46,12 +46,15 @@ class Namespace:
     """The layout's sliding window (0: none): a window pool shares pages only with one of the same window..."""
     window_layers: tuple[int, ...] = ()
     """... on the same layers (0-based, ascending)."""
+    window_apart: bool = False
+    """The pool keeps its window rows apart (`--window-pages`): its values hold the full layers' chunks, then the
+    window layers' (tier/value.py), so it never shares pages with a one-region pool of the same window."""
 
     def encode(self) -> bytes:
         """The canonical bytes of the namespace: the version, then each field length-prefixed (u32 LE); the
-        attention kind is a next field only when it is not "full", and a window three more ("sliding_window",
-        its tokens, its layers as "0,1,2") only when there is one (so full-attention and MLA keys stay what they
-        were)."""
+        attention kind is a next field only when it is not "full", a window three more ("sliding_window",
+        its tokens, its layers as "0,1,2") only when there is one, and "window_apart" when its rows are kept
+        apart (so full-attention, MLA and one-region window keys stay what they were)."""
         parts = [self.model_name.encode(), *(str(v).encode() for v in (
             self.num_layers, self.num_kv_heads, self.head_dim)), self.dtype.encode(), str(self.page_size).encode()]
         if self.attention != "full":
@@ -59,6 +62,8 @@ class Namespace:
         if self.sliding_window:
             parts += [b"sliding_window", str(self.sliding_window).encode(),
                       ",".join(str(i) for i in self.window_layers).encode()]
+        if self.window_apart:
+            parts.append(b"window_apart")
         return NAMESPACE_VERSION + b"".join(struct.pack("<I", len(p)) + p for p in parts)
 
     def root(self, cache_salt: str) -> bytes:

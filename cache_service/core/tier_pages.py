@@ -21,7 +21,8 @@ Publishers give them the tier's medium (events.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -33,6 +34,21 @@ from cache_service.core.pages import PageAllocator
 from cache_service.core.radix import RadixTree
 from cache_service.core.radix_node import RadixNode
 from cache_service.core.tier_keys import KEY_BYTES, Namespace, chain
+
+
+class WindowRowsOfTier(Protocol):
+    """What the tier uses of a window pool's rows (`window.WindowRows`, docs/design.md §13): a layer below it."""
+
+    win: Any
+    """Page -> its window page (0: none)."""
+
+    def attach_free(self, pages: bytes) -> None: ...
+
+    def drop_loaded(self, pages: Iterable[int]) -> None: ...
+
+    def loaded(self, changes: list[Any] | None, first: int) -> None: ...
+
+    def adopt(self, salt: str, parent: int | None, key: bytes, tree: bytes, ours: bytes, bare: bool = True) -> None: ...
 
 Stage = Callable[[list[bytes], npt.NDArray[np.int32]], int]
 """`stage(keys, pages) -> n`: copy the first n pages' bytes out of the pool now (before they can be reused) for
@@ -51,6 +67,8 @@ class TierPages:
         self._alloc = pages
         self.radix: RadixTree | None = None
         """Set by the facade once the tree exists (the tree's free callback is `free_evicted`)."""
+        self.window: WindowRowsOfTier | None = None
+        """A window pool's window rows (window.py sets it): values say by group what they hold."""
         n = config.num_pages
         self._keys: npt.NDArray[np.uint8] = np.zeros((n, KEY_BYTES), dtype=np.uint8)
         self._keyed: npt.NDArray[np.bool_] = np.zeros(n, dtype=np.bool_)
@@ -157,9 +175,10 @@ class TierPages:
         if changes is not None and keys:
             changes.append((TIER_REMOVED, list(keys)))
 
-    def _announce(self, node: RadixNode, pages: list[int]) -> None:
+    def _announce(self, node: RadixNode, pages: list[int], windowless: frozenset[int] = frozenset()) -> None:
         """Record that the tier holds `pages` (on the keyed path to `node`), while events are recorded: one
-        TIER_STORED change per run of consecutive path pages."""
+        TIER_STORED change per run of consecutive path pages (a window pool's: per run of pages whose values hold
+        their window rows, or not: those with none now or in `windowless`)."""
         changes = self._tree().changes
         if changes is None or not pages:
             return
@@ -167,6 +186,12 @@ class TierPages:
         ids = np.frombuffer(b"".join(p.pages for p in path), dtype=np.int32)
         key = b"".join(p.key for p in path)
         want = np.isin(ids, np.asarray(pages, dtype=np.int32))
+        window = self.window
+        # A window pool's values hold window rows iff the page had them when the store read it (kept since:
+        # WindowRows.busy) or the value loaded had them: runs split where that changes.
+        rows = (np.frombuffer(window.win, dtype=np.int32)[ids] != 0) if window is not None else np.ones_like(want)
+        if windowless:
+            rows &= ~np.isin(ids, np.fromiter(windowless, dtype=np.int32))
         pb = self._pb
         i, total = 0, ids.size
         salt = node.salt or ""
@@ -175,11 +200,11 @@ class TierPages:
                 i += 1
                 continue
             j = i
-            while j < total and want[j]:
+            while j < total and want[j] and rows[j] == rows[i]:
                 j += 1
             run = ids[i:j]
             changes.append((TIER_STORED, salt, int(ids[i - 1]) if i else None, key[i * pb:j * pb], run.tobytes(),
-                            [bytes(k) for k in self._keys[run]]))
+                            [bytes(k) for k in self._keys[run]], not bool(rows[i])))
             i = j
 
     # ------------------------------------------------------------------ accounting

@@ -20,6 +20,10 @@ limit of a quarter of the pool (`--tier-pin-fraction`); the pin ends when the st
 marks the stored pages. Eviction then takes the same LRU leaves, already stored. That is the write-back
 policy (HiCache's name); write-through (`--tier-policy`) offloads the same way with no watermark, so pages go
 to the tier as soon as they are evictable, where the store's bandwidth allows.
+
+A window pool (window.py) stores and loads by group: an offload's pin holds its path whole (the window cut of a
+match is for readers), and its pages keep their window rows until the store is done; a load's pages take window
+pages as any take does (or as many as are free), and `finish` drops those whose values held none.
 """
 
 from __future__ import annotations
@@ -109,14 +113,19 @@ class Load:
 class Offload:
     """An offload in progress: the store reads `pages` (radix pages, pinned by the tier's lock on `node`)."""
 
-    __slots__ = ("done", "keys", "node", "pages", "pinned")
+    __slots__ = ("done", "keys", "node", "pages", "pinned", "windowless")
 
-    def __init__(self, node: RadixNode, keys: list[bytes], pages: list[int], pinned: int) -> None:
+    def __init__(self, node: RadixNode, keys: list[bytes], pages: list[int], pinned: int,
+                 windowless: frozenset[int] = frozenset()) -> None:
         self.node = node
         self.keys = keys
         self.pages = pages
         self.pinned = pinned
         """Pages the pin holds (the path down to `node`, stored ones included)."""
+        self.windowless = windowless
+        """A window pool's: the pages without window rows when planned. The store reads each page's window rows
+        where it has them when it reads it; none is dropped meanwhile, but one may come (`WindowRows.adopt`), so
+        these are announced without them (what their values may well be)."""
         self.done = False
 
     @property
@@ -136,6 +145,8 @@ class TierIndex(TierPages):
         self._clock = clock
         self._tainted_seconds = config.tier_tainted_quarantine_seconds
         self._offloading: npt.NDArray[np.bool_] = np.zeros(config.num_pages, dtype=np.bool_)
+        """Pages the store is reading (an offload in progress). A window pool's window rows of these are kept until
+        the store is done (`WindowRows.busy`): the value says it has them, so they must stay the page's."""
         self.offloading_pages = 0
         self.pinned_pages = 0
         """Radix pages held by offload pins (paths overlapping between offloads count once per offload)."""
@@ -155,6 +166,10 @@ class TierIndex(TierPages):
         """Finished loads whose pages stay pinned until `release`."""
         self.offloads: set[Offload] = set()
         self._scanned: tuple[int, ...] | None = None
+
+    def offloading_view(self) -> memoryview:
+        """The offloading bits as bytes over page ids (a window pool keeps those pages' window rows)."""
+        return self._offloading.view(np.uint8).data
 
     # ------------------------------------------------------------------ loads
 
@@ -200,6 +215,8 @@ class TierIndex(TierPages):
                 radix.evict(short)
             pages = self._alloc.take(n, LOADING)
             if pages is None:
+                pages = self._take_windowless(n)
+            if pages is None:
                 if match.node is not None:
                     radix.unlock(match.node)
                 return None
@@ -208,19 +225,49 @@ class TierIndex(TierPages):
         self.loads.add(load)
         return load
 
-    def finish(self, load: Load, loaded: int, tainted: Iterable[int] = ()) -> None:
+    def _take_windowless(self, n: int) -> bytes | None:
+        """A window pool whose window pages are short even after relief (window.py's `relieve`): `n` LOADING
+        pages without them, and window pages for as many of the last ones as are free; the values of the others
+        load without their window rows (docs/design.md §13). None without a window pool or free pages."""
+        window, hooks = self.window, self._alloc.window
+        if window is None:
+            return None
+        self._alloc.window = None
+        try:
+            pages = self._alloc.take(n, LOADING)
+        finally:
+            self._alloc.window = hooks
+        if pages is not None:
+            window.attach_free(pages)
+        return pages
+
+    def finish(self, load: Load, loaded: int, tainted: Iterable[int] = (), windowless: Iterable[int] = ()) -> None:
         """The store is done with `load`: its first `loaded` pages hold their keys' values, verified. They
-        join the radix; the rest are freed, `tainted` ones (a transfer that may still write) quarantined."""
+        join the radix; the rest are freed, `tainted` ones (a transfer that may still write) quarantined. A
+        window pool's `windowless` pages (values without window rows) lose the window page they were given
+        (its bytes are filler) before they join; duplicates of tree pages lacking window rows give the tree
+        theirs (`WindowRows.adopt`)."""
         if load.done:
             raise InvariantError("tier: a load finished twice")
         radix = self._tree()
         loaded = max(0, min(loaded, len(load.keys)))
         pages = load.pages
         node = None
+        window = self.window
+        if loaded and window is not None:
+            window.drop_loaded(windowless)
         if loaded:
             key = load.key[load.base * self._pb: (load.base + loaded) * self._pb]
+            changes = radix.changes
+            first = len(changes) if changes is not None else 0
             ins = radix.insert(load.salt, key, pages[: loaded * 4], below=load.node, src=LOADING)
             existing = ins.num_existing_pages
+            if window is not None:
+                if existing:  # before `loaded` splits the insert's record: adopt's records go before it
+                    below = load.node.pages if load.base and load.node is not None else b""
+                    window.adopt(load.salt, int.from_bytes(below[-4:], "little") if below else None, key, ins.pages,
+                                 pages[: existing * 4], bare=False)
+                window.loaded(changes, first)
             if existing:
                 self._alloc.give(pages[: existing * 4], LOADING)
                 self._c.duplicate_pages += existing
@@ -295,7 +342,11 @@ class TierIndex(TierPages):
             if not pages:
                 continue
             key = b"".join(n.key for n in path)[: end * pb]
-            match = radix.match(leaf.salt or "", key, lock=True, touch=False)
+            usable, radix.usable = radix.usable, None  # the pin holds the path whole, its window rows or not
+            try:
+                match = radix.match(leaf.salt or "", key, lock=True, touch=False)
+            finally:
+                radix.usable = usable
             if match.num_pages != end or match.node is None:
                 raise InvariantError(f"tier: the path of leaf {leaf.id} no longer matches its own tokens")
             self._offloading[pages] = True
@@ -303,7 +354,9 @@ class TierIndex(TierPages):
             self.pinned_pages += end
             pin_room -= end
             room -= len(pages)
-            job = Offload(match.node, [bytes(self._keys[p]) for p in pages], pages, end)
+            win = self.window.win if self.window is not None else None
+            job = Offload(match.node, [bytes(self._keys[p]) for p in pages], pages, end,
+                          frozenset(p for p in pages if not win[p]) if win is not None else frozenset())
             self.offloads.add(job)
             jobs.append(job)
             if room <= 0 or pin_room <= 0:
@@ -337,7 +390,7 @@ class TierIndex(TierPages):
             self._stored[ok] = True
             self.stored_pages += len(ok)
             self._stored_at.update((bytes(self._keys[p]), p) for p in ok)
-            self._announce(job.node, ok)
+            self._announce(job.node, ok, job.windowless)
         self._tree().unlock(job.node)
 
     # ------------------------------------------------------------------ accounting

@@ -20,19 +20,26 @@ with it when it is freed (`detach`), or earlier, on their own (`drop`), when no 
 
 `usable`, `relieve` and the page hooks run inside the allocator's and the radix's calls (they are its hooks),
 so every page that changes owner keeps its window page without the callers knowing the group exists.
+
+A tier beyond the pool stores and loads by group (docs/design.md §8, docs/tiers.md "Window pools"): the window
+rows of a page its store is reading are not dropped until it is done (`busy`); a load's pages take window pages
+as any take does, or as many as are free (`attach_free`), and those whose values held none give theirs back
+(`drop_loaded`) before they join the radix (`loaded` announces them to the full-attention groups only).
 """
 
 from __future__ import annotations
 
 from array import array
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from cache_service.core.config import CoreConfig
 from cache_service.core.errors import InvariantError
-from cache_service.core.events import WINDOW_REMOVED, WINDOW_STORED
+from cache_service.core.events import STORED_FULL, WINDOW_REMOVED, WINDOW_STORED
 from cache_service.core.pages import PageAllocator
+from cache_service.core.radix_node import STORED
 from cache_service.core.types import EMPTY_PAGES, PageArray
 
 if TYPE_CHECKING:
@@ -41,22 +48,30 @@ if TYPE_CHECKING:
 __all__ = ["WindowRows", "attach_window_rows", "window_page_ids", "window_span"]
 
 
+class _Tier(Protocol):
+    """The tier beyond the pool as window rows see it (`tiering.TierIndex`, a layer above)."""
+
+    window: Any
+
+    def offloading_view(self) -> memoryview: ...
+
+
 def window_span(window_tokens: int, page_size: int) -> int:
     """Pages before a hit point whose window rows the hit needs: ceil((W - 1) / page_size)."""
     return max(0, -(-(window_tokens - 1) // page_size))
 
 
-def attach_window_rows(config: CoreConfig, radix: RadixTree, pages: PageAllocator, *, tiered: bool
+def attach_window_rows(config: CoreConfig, radix: RadixTree, pages: PageAllocator, *, tier: _Tier | None
                        ) -> WindowRows | None:
-    """The window rows of a pool that keeps them apart (`config.window_pages`), hooked into the allocator and the
-    tree; None for a pool without. A tier beyond such a pool is refused (ValueError): a tier value holds every
-    layer's rows of a page."""
+    """The window rows of a pool that keeps them apart (`config.window_pages`), hooked into the allocator, the
+    tree and the `tier` beyond the pool (its loads and offloads store and load by group; the pages its store
+    reads keep their window rows meanwhile, docs/design.md §8, §13); None for a pool without."""
     if not config.window_pages:
         return None
-    if tiered:
-        raise ValueError("a tier beyond a pool whose window rows are kept apart is not supported: a tier "
-                         "value holds every layer's rows of a page (docs/attention-shapes.md)")
     window = WindowRows(config.num_pages, config.window_pages, config.page_size, config.window_tokens)
+    if tier is not None:
+        window.busy = tier.offloading_view()
+        tier.window = window
     window.radix = radix
     pages.window = window
     radix.usable = window.usable
@@ -75,9 +90,9 @@ def window_page_ids(window: WindowRows | None, pages: bytes) -> PageArray:
 class WindowRows:
     """The window group's page space and which pages still hold their window rows. Single-threaded."""
 
-    __slots__ = ("_dirty", "_free", "_state", "changes", "cut_hit_tokens", "evicted_pages", "k", "mark", "num_pages",
-                 "page_size", "policy_dropped_pages", "pressure_dropped_pages", "radix", "win", "window_pages",
-                 "window_tokens")
+    __slots__ = ("_dirty", "_free", "_state", "busy", "changes", "cut_hit_tokens", "evicted_pages", "k", "mark",
+                 "num_pages", "page_size", "policy_dropped_pages", "pressure_dropped_pages", "radix", "win",
+                 "window_pages", "window_tokens")
 
     def __init__(self, num_pages: int, window_pages: int, page_size: int, window_tokens: int) -> None:
         if window_pages < 2:
@@ -91,6 +106,10 @@ class WindowRows:
         """Page -> its window page (0: none)."""
         self.mark = bytearray(num_pages)
         """1 where a hit may end right after the page (a hit point)."""
+        self.busy: Any = bytes(num_pages)
+        """Nonzero where a tier's store is reading the page (its value says whether it has window rows): those
+        window rows are not dropped until the store is done (a window page may still move to such a page: `adopt`,
+        the same KV; the tier then announces the value as without them, tiering.py)."""
         self._free = array("i", range(window_pages - 1, 0, -1))
         """Free window pages, a stack (a fresh pool hands out 1, 2, 3, ...)."""
         self._state = bytearray(window_pages)
@@ -144,6 +163,46 @@ class WindowRows:
             w = free.pop()
             state[w] = 1
             win[p] = w
+
+    def attach_free(self, pages: bytes) -> None:
+        """Give window pages to as many of `pages` (just taken without them) as there are free ones, the last
+        pages first (a hit at their end needs the window before it); the others keep none."""
+        ids = memoryview(pages).cast("i")
+        self.attach(ids[max(0, len(ids) - len(self._free)):].tobytes())
+
+    def drop_loaded(self, pages: Iterable[int]) -> None:
+        """Tier loads' pages whose values held no window rows (in no radix node yet): their window pages hold
+        filler and go back free."""
+        win = self.win
+        self._drop([p for p in pages if win[p]])
+
+    def loaded(self, changes: list[Any] | None, first: int) -> None:
+        """A tier load's pages entered the radix (its STORED records from `changes[first:]`): the runs of pages
+        without window rows are announced to the full-attention groups only (STORED_FULL), and the radix may hold
+        rows no hit point needs now (the load extended a path past its former end)."""
+        self._dirty = True
+        if changes is None:
+            return
+        win = self.win
+        i = first
+        while i < len(changes):
+            change = changes[i]
+            if type(change) is not tuple or change[0] != STORED:
+                i += 1
+                continue
+            _, salt, parent, key, pages = change
+            ids = memoryview(pages).cast("i")
+            pb = len(key) // len(ids)
+            runs = []
+            start = 0
+            for j in range(1, len(ids) + 1):
+                if j == len(ids) or bool(win[ids[j]]) != bool(win[ids[start]]):
+                    runs.append((STORED if win[ids[start]] else STORED_FULL, salt,
+                                 parent if start == 0 else ids[start - 1], key[start * pb:j * pb],
+                                 pages[start * 4:j * 4]))
+                    start = j
+            changes[i:i + 1] = runs
+            i += len(runs)
 
     def detach(self, pages: bytes) -> None:
         """`pages` were freed: their window pages (where they have one) and hit points go with them."""
@@ -221,7 +280,7 @@ class WindowRows:
 
     # ------------------------------------------------------------------ the session's hooks
 
-    def adopt(self, salt: str, parent: int | None, key: bytes, tree: bytes, ours: bytes) -> None:
+    def adopt(self, salt: str, parent: int | None, key: bytes, tree: bytes, ours: bytes, bare: bool = True) -> None:
         """An insert of a session's run (`key`, its token bytes, after radix page `parent` or at its tree's start)
         found the tree holding the first `len(ours)` pages of `tree` (the insert's pages) where the session brought
         `ours` (the same tokens, about to be freed), and the rest of `tree` entered the tree. A tree page without
@@ -231,7 +290,8 @@ class WindowRows:
         (WINDOW_STORED, one record per run, before the insert's own record of the pages after them: parents
         first), and the pages that entered without window rows (a commit dropped them first) are announced as
         removed from it right after theirs, so a replay of the records holds, per group, the radix pages that
-        hold its rows (docs/design.md §13)."""
+        hold its rows (docs/design.md §13). `bare` False: the caller announces the new pages by group itself (a
+        tier load's, `loaded`)."""
         win, mark = self.win, self.mark
         n = len(ours) >> 2
         ids = memoryview(tree).cast("i")
@@ -261,9 +321,11 @@ class WindowRows:
                              tree[a * 4 : b * 4]))
                 j += 1
             changes[at:at] = runs
-        bare = [p for p in ids[n:] if not win[p]]
-        if bare:
-            changes.append((WINDOW_REMOVED, salt, array("i", bare).tobytes()))
+        if not bare:
+            return
+        without = [p for p in ids[n:] if not win[p]]
+        if without:
+            changes.append((WINDOW_REMOVED, salt, array("i", without).tobytes()))
 
     def settle(self, pages: bytes | bytearray, since: int, hits: tuple[int, ...]) -> None:
         """A session committed: `hits` (in pages) are its hit points (where a later request's match of the
@@ -271,7 +333,7 @@ class WindowRows:
         own (not the radix's). Drops the window rows of its own pages that no hit point on the table needs; the
         page at the last hit point and after (the session's continuation) stay."""
         ids = memoryview(bytes(pages)).cast("i")
-        mark, win, k = self.mark, self.win, self.k
+        mark, win, k, busy = self.mark, self.win, self.k, self.busy
         last = max(hits)
         for h in hits:
             if h:
@@ -284,7 +346,7 @@ class WindowRows:
                 need = k
             if need > 0:
                 need -= 1
-            elif win[p]:
+            elif win[p] and not busy[p]:
                 dropped.append(p)
         self._drop(dropped)
         self.policy_dropped_pages += len(dropped)
@@ -300,7 +362,7 @@ class WindowRows:
         if radix is None or not self._dirty:
             return 0
         self._dirty = False
-        mark, win, k = self.mark, self.win, self.k
+        mark, win, k, busy = self.mark, self.win, self.k, self.busy
         total = 0
         demand: dict[int, int] = {}
         for node in reversed(radix.iter_nodes()):  # children before their parents
@@ -317,7 +379,7 @@ class WindowRows:
                     need = k
                 if need > 0:
                     need -= 1
-                elif win[p]:
+                elif win[p] and not busy[p]:
                     dropped.append(p)
             if dropped:
                 self._drop(dropped, node.salt or "")

@@ -22,8 +22,9 @@ its window rows apart (docs/design.md §13), a page whose window rows alone were
 group only (its full-attention rows stay): one `BlockRemoved` with the window group's `group_idx` (WatchEvents:
 `window_rows_only`), and a radix page whose window rows came back is stored again in the window group only: one
 `BlockStored` with its original hash, parent and token ids and the window group's `group_idx` (WatchEvents:
-`BlockStored.window_rows_only`). A one-group pool's events have no group fields, as before groups. WatchEvents
-announces each page once: its groups are the pool's (GetPoolInfo).
+`BlockStored.window_rows_only`); a page loaded from a tier value without its window rows (or such a value the
+tier holds) is stored in the full-attention groups only (`Stored.no_window`). A one-group pool's events have no
+group fields, as before groups. WatchEvents announces each page once: its groups are the pool's (GetPoolInfo).
 """
 
 from __future__ import annotations
@@ -113,9 +114,11 @@ def wire_events(record: Record, medium: str, page_size: int, tier_medium: str = 
         return []
     if not groups or isinstance(record, Cleared):
         return [event]
-    # Only the window rows left (or came back): the window groups' events only.
+    # Only the window rows left (or came back): the window groups' events only; no window rows: the others only.
+    window = isinstance(record, Stored | Removed) and record.window
+    full_only = isinstance(record, Stored) and record.no_window
     shown = [(i, g) for i, g in enumerate(groups)
-             if not (isinstance(record, Stored | Removed) and record.window) or g.kind == "sliding_window"]
+             if (g.kind == "sliding_window" or not window) and (g.kind != "sliding_window" or not full_only)]
     if isinstance(record, Removed):
         return [{**event, "group_idx": i} for i, _ in shown]
     return [{**event, "group_idx": i, "kv_cache_spec_kind": g.kind,

@@ -36,6 +36,9 @@ class LoadResult:
     """Wall time of the load in the worker (staging, the store's get, verification)."""
     late: bool = False
     """The waiter had given up (--tier-timeout) before the load finished."""
+    windowless: tuple[int, ...] = ()
+    """A window pool's: of the loaded pages, those whose value held no window rows (their window pages, if they
+    got one, hold filler: the core drops them)."""
 
 
 Done = Callable[[Any], None]

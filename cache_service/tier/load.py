@@ -16,7 +16,7 @@ import numpy as np
 from cache_service.tier.backend import CLOSED, DOWN, ERROR, TAINTED, GetItem, GetResult, TierUnavailable
 from cache_service.tier.jobs import STOP, LoadJob, LoadResult, LookupJob
 from cache_service.tier.memory import PackedMemory, PageBuffers
-from cache_service.tier.value import HEADER_BYTES, Geometry, verify, verify_rows
+from cache_service.tier.value import HEADER_BYTES, WINDOW_ROWS, Geometry, header_flags, verify, verify_rows
 from cache_service.tier.worker import Worker
 
 _UNSOUND = frozenset({"bad_header", "wrong_key", "wrong_size", "bad_checksum", "short"})
@@ -189,9 +189,12 @@ class LoadWorker(Worker):
         ok: list[bool] = [False] * n
         staged = self.staging
         local = [False] * n
+        flags = [0] * n
         if staged is not None and staged.used:
             for i, k in enumerate(keys):
-                local[i] = staged.holds(k) and staged.read_into(k, staging.buffers[i])
+                got_flags = staged.read_flags_into(k, staging.buffers[i]) if staged.holds(k) else None
+                local[i] = got_flags is not None
+                flags[i] = got_flags or 0
         try:
             asked = [i for i in range(n) if not local[i]]
             try:
@@ -213,8 +216,10 @@ class LoadWorker(Worker):
                     break  # a store that answered fewer items than asked
                 elif isinstance(staging, _PackedLoad):
                     reason = res.reason  # verified by rows in `get`
+                    flags[i] = header_flags(staging.values[i, :HEADER_BYTES])
                 else:
                     reason = res.reason or verify(res.header, key, self.geometry, staging.buffers[i].views)
+                    flags[i] = header_flags(res.header)
                 reasons.append(reason)
                 ok[i] = not reason
         except Exception as e:
@@ -256,6 +261,8 @@ class LoadWorker(Worker):
         for job, count in zip(jobs, loaded, strict=True):
             mine = tuple(reasons[start:start + len(job.keys)])
             tainted = tuple(p for p, r in zip(job.pages, mine, strict=True) if r == TAINTED)
-            out.append(LoadResult(job.keys, job.pages, count, mine, tainted, seconds))
+            windowless = tuple(p for p, f in zip(job.pages[:count], flags[start:start + count], strict=True)
+                               if not f & WINDOW_ROWS) if self.geometry.window_chunks else ()
+            out.append(LoadResult(job.keys, job.pages, count, mine, tainted, seconds, windowless=windowless))
             start += len(job.keys)
         return out

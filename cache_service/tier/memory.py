@@ -18,6 +18,12 @@ run on an H100 and an H200).
 ends the batch (for loads into a GPU pool: copies the pages whose value was sound into the pool).
 Worker threads call these; nothing here touches the asyncio loop or the core.
 
+A pool that keeps its window rows apart (docs/design.md §13) is two regions: a page's value is its chunks in the
+pages' region (its full-attention layers) and then its window page's in the window region (`window`: the core's
+page -> window page table, read for the pages a batch moves, which the core keeps from changing meanwhile).
+A page without a window page reads (offloads) and writes (loads) window page 0's chunks instead, which is never
+handed out: filler that the value's CRC does not cover and no page keeps.
+
 Eviction staging (`staging.py`) copies pages the tier lacks out of the pool at eviction, on the loop, into
 host memory this module allocates (`host_area`): `capture(page, address)` is one copy of the page's chunks
 into contiguous host memory (a host pool: one strided numpy copy; a GPU pool: the same strided device-to-host
@@ -46,16 +52,38 @@ class TierMemoryError(RuntimeError):
 
 
 def geometry(layout: PoolLayout) -> Geometry:
-    """The value geometry of a pool layout: 2 * num_layers chunks of one page of one plane."""
-    return Geometry(num_chunks=2 * layout.num_layers, chunk_bytes=layout.page_bytes, layout=layout.describe())
+    """The value geometry of a pool layout: 2 * num_layers chunks of one page of one plane; a pool that keeps its
+    window rows apart has its window layers' chunks last (`window_chunks`)."""
+    window = 2 * len(layout.window_layers) if layout.window_pages else 0
+    return Geometry(num_chunks=2 * layout.num_layers, chunk_bytes=layout.page_bytes, layout=layout.describe(),
+                    window_chunks=window)
 
 
 def chunk_offsets(layout: PoolLayout, page: int) -> range:
     """Byte offsets in the pool of a page's chunks, in value order (each layer's K, then its V): `start` is the
-    first, `step` the distance between two (one K or V plane of the pool)."""
+    first, `step` the distance between two (one K or V plane of the pool). A window pool: its full-attention
+    layers' chunks only (`window_chunk_offsets` has the rest)."""
     plane = layout.num_pages * layout.page_bytes
     start = page * layout.page_bytes
-    return range(start, start + 2 * layout.num_layers * plane, plane)
+    return range(start, start + 2 * len(layout.full_layers) * plane, plane)
+
+
+def window_chunk_offsets(layout: PoolLayout, window_page: int) -> range:
+    """Byte offsets in the pool of a window page's chunks (the window layers' K and V, in layer order); empty
+    without window pages. Window page 0 is never handed out: it takes the window chunks of a page that has none
+    (filler a value's CRC does not cover, docs/design.md §13)."""
+    if not layout.window_pages:
+        return range(0)
+    plane = layout.window_pages * layout.page_bytes
+    start = layout.window_offset_bytes + window_page * layout.page_bytes
+    return range(start, start + 2 * len(layout.window_layers) * plane, plane)
+
+
+class WindowTable(Protocol):
+    """Page -> its window page (0: none): the core's `WindowRows.win`, read by the tier's threads for the pages
+    they move (which the core keeps from changing meanwhile: docs/tiers.md, "Window pools")."""
+
+    def __getitem__(self, page: int, /) -> int: ...
 
 
 class PageBuffers(NamedTuple):
@@ -64,6 +92,9 @@ class PageBuffers(NamedTuple):
 
     views: list[memoryview]
     addresses: list[int]
+    flags: int = 0
+    """The header flags of the value these bytes make (`Geometry.flags`: a window pool's, whether the page had
+    its window rows when its buffers were resolved)."""
 
 
 class Staging(Protocol):
@@ -80,6 +111,11 @@ class PageMemory(Protocol):
     """Host-addressable bytes of pool pages, for the tier's worker threads."""
 
     geometry: Geometry
+    window: WindowTable | None
+    """A window pool's page -> window page (set once the core exists); None: none (every page windowless)."""
+
+    def value_flags(self, pages: Sequence[int]) -> list[int]:
+        """The header flags of the pages' values as they are now (whether each has its window page)."""
 
     def regions(self) -> list[tuple[int, int]]:
         """(address, bytes) of the host memory the store transfers to and from: what to register."""
@@ -140,6 +176,19 @@ class HostArea:
                 owner.close()
 
 
+def _value_flags(memory: PageMemory, pages: Sequence[int]) -> list[int]:
+    g = memory.geometry
+    if not g.window_chunks:
+        return [0] * len(pages)
+    win = memory.window
+    return [g.flags(win is not None and win[p] != 0) for p in pages]
+
+
+def _window_page(memory: PageMemory, page: int) -> int:
+    win = memory.window
+    return 0 if win is None else int(win[page])
+
+
 # --------------------------------------------------------------------------------------------- host pools
 
 
@@ -165,9 +214,15 @@ class HostPoolMemory:
             raise TierMemoryError(f"cannot map the pool for the tier: {e}") from None
         self._array: npt.NDArray[np.uint8] | None = np.frombuffer(self._mmap, dtype=np.uint8)
         self._base = int(self._array.ctypes.data)
-        self._planes: npt.NDArray[np.uint8] | None = self._array.reshape(2 * layout.num_layers, layout.num_pages,
-                                                                         layout.page_bytes)
-        """The pool as `[2 * layers][pages][page bytes]`: `[:, page]` is a page's chunks in value order."""
+        full = 2 * len(layout.full_layers)
+        self._planes: npt.NDArray[np.uint8] | None = self._array[:layout.num_pages * layout.bytes_per_page].reshape(
+            full, layout.num_pages, layout.page_bytes)
+        """The pages' region as `[2 * layers][pages][page bytes]`: `[:, page]` is a page's chunks in value order
+        (a window pool: its full-attention layers')."""
+        self._window_planes: npt.NDArray[np.uint8] | None = self._array[layout.window_offset_bytes:].reshape(
+            2 * len(layout.window_layers), layout.window_pages, layout.page_bytes) if layout.window_pages else None
+        """A window pool's window region as `[2 * window layers][window pages][page bytes]`."""
+        self.window: WindowTable | None = None
 
     @property
     def base_address(self) -> int:
@@ -187,9 +242,13 @@ class HostPoolMemory:
             raise TierMemoryError("the tier's pool mapping is closed")
         if not 0 < page < self.layout.num_pages:
             raise ValueError(f"page {page} is outside the pool (1..{self.layout.num_pages - 1})")
-        offsets = chunk_offsets(self.layout, page)
+        offsets = [*chunk_offsets(self.layout, page), *window_chunk_offsets(self.layout, _window_page(self, page))]
         size = self.layout.page_bytes
-        return PageBuffers([array[o:o + size].data for o in offsets], [self._base + o for o in offsets])
+        return PageBuffers([array[o:o + size].data for o in offsets], [self._base + o for o in offsets],
+                           _value_flags(self, (page,))[0])
+
+    def value_flags(self, pages: Sequence[int]) -> list[int]:
+        return _value_flags(self, pages)
 
     def stage_out(self, pages: Sequence[int]) -> Staging:
         return _InPlace([self.page(p) for p in pages])
@@ -204,20 +263,35 @@ class HostPoolMemory:
         index = np.asarray(pages, dtype=np.intp)
         if index.size and (index.min() < 1 or index.max() >= self.layout.num_pages):
             raise ValueError(f"a page outside the pool (1..{self.layout.num_pages - 1})")
-        view = rows.reshape(len(index), planes.shape[0], planes.shape[2])
+        view = rows.reshape(len(index), self.geometry.num_chunks, self.layout.page_bytes)
         if not np.shares_memory(view, rows):
             raise ValueError("the rows must reshape into chunks without a copy")
         return planes, index, view
 
+    def _window_index(self, pages: Sequence[int]) -> Any:
+        win = self.window
+        return np.asarray([0 if win is None else win[p] for p in pages], dtype=np.intp)
+
     def gather(self, pages: Sequence[int], out: Any) -> None:
-        """The pages' payloads into the rows of `out` (`[n, payload_bytes]`), in value order."""
+        """The pages' payloads into the rows of `out` (`[n, payload_bytes]`), in value order (a window pool's
+        window chunks from each page's window page, window page 0's filler where it has none)."""
         planes, index, view = self._batch(pages, out)
-        view[:] = planes[:, index].transpose(1, 0, 2)
+        full = planes.shape[0]
+        view[:, :full] = planes[:, index].transpose(1, 0, 2)
+        if self._window_planes is not None:
+            view[:, full:] = self._window_planes[:, self._window_index(pages)].transpose(1, 0, 2)
 
     def scatter(self, pages: Sequence[int], src: Any) -> None:
-        """The rows of `src` (`[n, payload_bytes]`) into the pages."""
+        """The rows of `src` (`[n, payload_bytes]`) into the pages (a window pool's window chunks into the window
+        pages of the pages that have one)."""
         planes, index, view = self._batch(pages, src)
-        planes[:, index] = view.transpose(1, 0, 2)
+        full = planes.shape[0]
+        planes[:, index] = view[:, :full].transpose(1, 0, 2)
+        if self._window_planes is not None:
+            windex = self._window_index(pages)
+            has = windex != 0
+            if has.any():
+                self._window_planes[:, windex[has]] = view[has, full:].transpose(1, 0, 2)
 
     def host_area(self, nbytes: int) -> HostArea:
         mm = mmap.mmap(-1, nbytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -231,15 +305,19 @@ class HostPoolMemory:
             raise TierMemoryError("the tier's pool mapping is closed")
         if not 0 < page < self.layout.num_pages:
             raise ValueError(f"page {page} is outside the pool (1..{self.layout.num_pages - 1})")
-        chunks, size = planes.shape[0], self.layout.page_bytes
-        dst = np.ctypeslib.as_array((ctypes.c_uint8 * (chunks * size)).from_address(address))
-        dst.reshape(chunks, size)[:] = planes[:, page]
+        chunks, size = self.geometry.num_chunks, self.layout.page_bytes
+        dst = np.ctypeslib.as_array((ctypes.c_uint8 * (chunks * size)).from_address(address)).reshape(chunks, size)
+        full = planes.shape[0]
+        dst[:full] = planes[:, page]
+        if self._window_planes is not None:
+            dst[full:] = self._window_planes[:, _window_page(self, page)]
 
     def close(self) -> None:
         if self._mmap is None:
             return
         self._array = None
         self._planes = None
+        self._window_planes = None
         mm, self._mmap = self._mmap, None
         with contextlib.suppress(BufferError):  # a view is still referenced: the mapping goes with the last one
             mm.close()
@@ -336,13 +414,16 @@ class CudaCopier:
 
 
 class _Slots:
-    def __init__(self, memory: DevicePoolMemory, pages: Sequence[int], slots: list[int], inbound: bool) -> None:
+    def __init__(self, memory: DevicePoolMemory, pages: Sequence[int], slots: list[int], inbound: bool,
+                 flags: Sequence[int] = ()) -> None:
         self._memory = memory
         self._pages = list(pages)
         self._slots = slots
         self._inbound = inbound
         self._done = False
         self.buffers = [memory.slot(s) for s in slots]
+        if flags:
+            self.buffers = [b._replace(flags=f) for b, f in zip(self.buffers, flags, strict=True)]
 
     def finish(self, ok: Sequence[bool]) -> None:
         if self._done:
@@ -377,6 +458,7 @@ class DevicePoolMemory:
             (ctypes.c_char * (slots * self._slot_bytes)).from_address(self._host)).cast("B")
         self._free = list(range(slots - 1, -1, -1))
         self._cond = threading.Condition()
+        self.window: WindowTable | None = None
 
     @property
     def max_batch_pages(self) -> int:
@@ -384,6 +466,24 @@ class DevicePoolMemory:
 
     def regions(self) -> list[tuple[int, int]]:
         return [(self._host, self._nslots * self._slot_bytes)]
+
+    def value_flags(self, pages: Sequence[int]) -> list[int]:
+        return _value_flags(self, pages)
+
+    def _copy_page(self, to_host: bool, host: int, page: int, window_page: int) -> None:
+        """A page's chunks between `host` (contiguous, value order) and the pool: one strided copy of its
+        full-attention chunks and, on a window pool, one of its window page's (into the pool only where the page
+        has one)."""
+        chunk = self.geometry.chunk_bytes
+        c = chunk_offsets(self.layout, page)
+        w = window_chunk_offsets(self.layout, window_page)
+        for at, span in ((host, c), (host + len(c) * chunk, w)):
+            if not len(span) or (span is w and not to_host and not window_page):
+                continue
+            if to_host:
+                self._copier.gather(at, self._device_base + span.start, chunk, span.step, len(span))
+            else:
+                self._copier.scatter(self._device_base + span.start, at, chunk, span.step, len(span))
 
     def slot(self, slot: int) -> PageBuffers:
         view = self._view
@@ -408,16 +508,13 @@ class DevicePoolMemory:
 
     def stage_out(self, pages: Sequence[int]) -> Staging:
         slots = self._take(len(pages))
-        chunk = self.geometry.chunk_bytes
         try:
             for page, slot in zip(pages, slots, strict=True):
-                c = chunk_offsets(self.layout, page)
-                self._copier.gather(self._host + slot * self._slot_bytes, self._device_base + c.start, chunk, c.step,
-                                    len(c))
+                self._copy_page(True, self._host + slot * self._slot_bytes, page, _window_page(self, page))
         except BaseException:
             self.release(slots)
             raise
-        return _Slots(self, pages, slots, inbound=False)
+        return _Slots(self, pages, slots, inbound=False, flags=self.value_flags(pages))
 
     def stage_in(self, pages: Sequence[int]) -> Staging:
         return _Slots(self, pages, self._take(len(pages)), inbound=True)
@@ -430,13 +527,11 @@ class DevicePoolMemory:
     def capture(self, page: int, address: int) -> None:
         if self._view is None:
             raise TierMemoryError("the tier's staging area is closed")
-        c = chunk_offsets(self.layout, page)
-        self._copier.gather(address, self._device_base + c.start, self.geometry.chunk_bytes, c.step, len(c))
+        self._copy_page(True, address, page, _window_page(self, page))
 
     def copy_slot_to_page(self, slot: int, page: int) -> None:
-        c = chunk_offsets(self.layout, page)
-        self._copier.scatter(self._device_base + c.start, self._host + slot * self._slot_bytes,
-                             self.geometry.chunk_bytes, c.step, len(c))
+        """A verified slot into its page (a window pool's window chunks only where the page has a window page)."""
+        self._copy_page(False, self._host + slot * self._slot_bytes, page, _window_page(self, page))
 
     def close(self) -> None:
         if self._view is None:

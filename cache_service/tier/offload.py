@@ -16,7 +16,7 @@ import numpy as np
 from cache_service.tier.backend import CLOSED, DOWN, ERROR, PackedBackend, PutItem, TierUnavailable
 from cache_service.tier.jobs import STOP, OffloadJob, OffloadResult
 from cache_service.tier.memory import PackedMemory, PageBuffers
-from cache_service.tier.value import HEADER_BYTES, checksum, header, pack_headers
+from cache_service.tier.value import HEADER_BYTES, checksum, covered_chunks, header, pack_headers
 from cache_service.tier.worker import Worker
 
 DROPPED_CHECK_SECONDS = 0.5
@@ -136,7 +136,8 @@ class OffloadWorker(Worker):
                     self.link.note("put", Counter({ERROR: n}))
                     return [ERROR] * n
                 try:
-                    items = [PutItem(k, header(k, geometry, checksum(b.views)), b)
+                    items = [PutItem(k, header(k, geometry, checksum(covered_chunks(geometry, b.flags, b.views)),
+                                                 b.flags), b)
                              for k, b in zip(keys, staging.buffers, strict=True)]
                     reasons = self.backend.put(items)
                 except TierUnavailable as e:
@@ -166,8 +167,9 @@ class OffloadWorker(Worker):
         n = len(keys)
         try:
             values = np.empty((n, self.geometry.value_bytes), np.uint8)
+            flags = self.memory.value_flags(pages) if self.geometry.window_chunks else None
             packed.gather(pages, values[:, HEADER_BYTES:])
-            pack_headers(values, keys, self.geometry)
+            pack_headers(values, keys, self.geometry, flags)
         except Exception as e:
             self.log.warning("tier_staging_failed", operation="put", error=str(e))
             return [ERROR] * n

@@ -114,7 +114,7 @@ class TierPath:
         return loads, matched
 
     def _loaded(self, load: Load, result: LoadResult) -> None:
-        self._index.finish(load, result.loaded, result.tainted)
+        self._index.finish(load, result.loaded, result.tainted, result.windowless)
 
     def release(self, loads: Sequence[Load | None]) -> None:
         for load in loads:

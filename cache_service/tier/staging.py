@@ -50,6 +50,8 @@ class EvictionStaging:
         """Released slots; slots never used yet are `_fresh` and up (no list of a million small values)."""
         self._fresh = 0
         self._slot_of: dict[bytes, int] = {}
+        self._flags = [0] * self.slots if memory.geometry.window_chunks else []
+        """A window pool's: each slot's value flags (whether its page had its window rows when captured)."""
         self._lock = threading.Lock()
         self.crashed_pages = 0
         """Slots the previous process's ledger still held (it died before writing them): lost."""
@@ -88,6 +90,8 @@ class EvictionStaging:
                     break
                 try:
                     self._memory.capture(int(page), self._address(slot))
+                    if self._flags:
+                        self._flags[slot] = self._memory.value_flags((int(page),))[0]
                 except BaseException:
                     self._free.append(slot)
                     raise
@@ -109,19 +113,24 @@ class EvictionStaging:
             raise ValueError("eviction staging is closed")
         start = slot * self._slot_bytes
         offsets = range(start, start + self._slot_bytes, self._chunk)
-        return PageBuffers([area.view[o:o + self._chunk] for o in offsets], [area.address + o for o in offsets])
+        return PageBuffers([area.view[o:o + self._chunk] for o in offsets], [area.address + o for o in offsets],
+                           self._flags[slot] if self._flags else 0)
 
     def read_into(self, key: bytes, buffers: PageBuffers) -> bool:
         """Copy the staged value of `key` into `buffers` (a load's page); False when it is not staged (any
         more). The slot cannot be released meanwhile."""
+        return self.read_flags_into(key, buffers) is not None
+
+    def read_flags_into(self, key: bytes, buffers: PageBuffers) -> int | None:
+        """`read_into`, answering the staged value's flags (None: not staged)."""
         with self._lock:
             slot = self._slot_of.get(key)
             if slot is None:
-                return False
+                return None
             src = self.buffers(slot)
             for dst, chunk in zip(buffers.views, src.views, strict=True):
                 dst[:] = chunk
-            return True
+            return src.flags
 
     def release(self, keys: Sequence[bytes]) -> None:
         """The store is done with these keys' slots (written or failed): they are free again."""

@@ -24,9 +24,11 @@ by the verification the finish is told about), or leaves them tainted (quarantin
 stale writer). No LOADING page may be readable: in no page table, no match and no radix node, and every
 cached position of every append and match must still hold its exact fingerprint.
 
-A window pool (docs/design.md §13; window.py), run by its own machine and walks without the tier: every page has
-window rows in a window page of their own, which the engine writes beside the page's full rows (`wkv`); the core
-drops them at commits and under pressure. Every cached position's full rows must hold their fingerprint, and
+A window pool (docs/design.md §13; window.py), run by its own machine and walks: every page has window rows in a
+window page of their own, which the engine writes beside the page's full rows (`wkv`); the core drops them at
+commits and under pressure. Its tier stores each page's full rows and, where the page still has them, its window
+rows; a load writes the window rows back only where the value has them and the page got a window page, and tells
+the core which values had none. Every cached position's full rows must hold their fingerprint, and
 the window rows before every hit point (the last WINDOW - 1 positions before an append's `cached_tokens` and a
 match's end) too, in a window page that is the page's own at that moment; a stalled engine poisons its turn's
 window pages too, which must stay quarantined with their pages.
@@ -67,6 +69,8 @@ FOREIGN = {Reason.NOT_OWNER, Reason.SESSION_BUSY, Reason.LEASE_EXPIRED, Reason.E
 gone, an unknown adopter."""
 PARKED_TIMEOUT = 10.0
 NAMESPACE = Namespace("sim", 1, 1, 1, "float16", PAGE_SIZE)
+Value = tuple[tuple[object, ...], tuple[object, ...] | None]
+"""A tier value: a page's full rows, and its window rows where it had them (a window pool's)."""
 LOADING_GARBAGE = "loading"
 WINDOW = 5
 """The window pool's sliding window: a hit needs the window rows of the 2 pages before it."""
@@ -116,15 +120,15 @@ class Simulator:
                 window_pages=WINDOW_PAGES if window else 0, window_tokens=WINDOW if window else 0,
                 window_prompt_ends=prompt_ends,
             ),
-            self.clock, tier=None if window else NAMESPACE,
+            self.clock, tier=NAMESPACE,
         )
         self.kv = np.zeros((NUM_PAGES, PAGE_SIZE), dtype=object)
         self.wkv = np.zeros((WINDOW_PAGES, PAGE_SIZE), dtype=object)
         """The window pages' rows (a window pool only)."""
-        self.store: dict[bytes, tuple[tuple[object, ...], bool]] = {}
-        """The tier: key -> (the page's KV, sound). A value made unsound fails verification at a load."""
+        self.store: dict[bytes, tuple[Value, bool]] = {}
+        """The tier: key -> (the page's KV by group, sound). A value made unsound fails verification at a load."""
         self.loads: list[Load] = []
-        self.offloads: list[tuple[Offload, list[tuple[object, ...]]]] = []
+        self.offloads: list[tuple[Offload, list[Value]]] = []
         self.offloaded: list[tuple[str, list[int]]] = []
         """(salt, tokens) of the paths offloads were planned for: what a later prompt may want back."""
         """Offloads in progress, with the KV their pages held when they were planned (pinned: unchanged)."""
@@ -447,13 +451,19 @@ class Simulator:
     STAGING_ROOM = 2
     """Pages eviction staging takes per evicted node (the rest are lost): some evictions fit, some do not."""
 
+    def value(self, page: int) -> Value:
+        """What the tier stores of a page: its full rows and, on a window pool where it still has them, its window
+        rows (docs/design.md §8, §13)."""
+        w = self.core.window.win[page] if self.core.window is not None else 0
+        return tuple(self.kv[page]), tuple(self.wkv[w]) if w else None
+
     def stage(self, keys: list[bytes], pages: np.ndarray) -> int:
         """Eviction staging written at once: the staged values are the evicted pages' KV (the core calls this
         before the pages can be reused), so a later load of them must give the right tokens' KV."""
         n = min(len(keys), self.STAGING_ROOM)
         for key, page in zip(keys[:n], pages[:n].tolist(), strict=True):
             assert self.core.pages.is_allocated(page), f"page {page} was freed before it was staged"
-            self.store[key] = (tuple(self.kv[page]), True)
+            self.store[key] = (self.value(page), True)
         self.seen["tier:staged"] += n
         self.seen["tier:staging_full"] += n < len(keys)
         return n
@@ -463,7 +473,7 @@ class Simulator:
         if tier is None:
             return
         for job in tier.plan_offload(room, force=force):
-            self.offloads.append((job, [tuple(self.kv[p]) for p in job.pages]))
+            self.offloads.append((job, [self.value(p) for p in job.pages]))
             parts, n = [], job.node
             while n is not None and n.parent is not None:
                 parts.append(n.key)
@@ -479,8 +489,9 @@ class Simulator:
         tier = self.core.tier
         assert tier is not None
         for page, before in zip(job.pages, values, strict=True):  # pinned: nobody reused or rewrote it
-            assert self.core.pages.is_allocated(page) and tuple(self.kv[page]) == before, (
-                f"page {page} changed while an offload was reading it")
+            now = self.value(page)  # window rows it had stay (a page without may get a duplicate's: the same KV)
+            assert self.core.pages.is_allocated(page) and now[0] == before[0] and before[1] in (None, now[1]), (
+                f"page {page} (or its window rows) changed while an offload was reading it")
         if outcome == "partial" and len(job.pages) > 1:
             keep = len(job.pages) // 2
             tier.offload_done(job, None, accepted=keep)
@@ -515,6 +526,8 @@ class Simulator:
             return
         for page in load.page_list:  # the store writes while the load runs
             self.kv[page, :] = LOADING_GARBAGE
+            if self.core.window is not None and self.core.window.win[page]:
+                self.wkv[self.core.window.win[page], :] = LOADING_GARBAGE
         self.loads.append(load)
         self.seen["tier:load_begun"] += 1
 
@@ -528,6 +541,7 @@ class Simulator:
         assert tier is not None
         loaded = 0
         tainted: list[int] = []
+        windowless: list[int] = []
         pages = load.page_list
         if outcome == "tainted":
             tainted = pages
@@ -537,11 +551,19 @@ class Simulator:
                 value, sound = self.store.get(key, (None, False))
                 if not sound or value is None:
                     break
-                self.kv[page, :] = value
+                full, rows = value
+                self.kv[page, :] = full
+                w = self.core.window.win[page] if self.core.window is not None else 0
+                if rows is None:
+                    windowless.append(page)  # its window page (if any) keeps the garbage: the core drops it
+                elif w:
+                    self.wkv[w, :] = rows
                 loaded += 1
+                self.seen["tier:loaded_window_rows"] += rows is not None and w != 0
+                self.seen["tier:loaded_windowless"] += rows is None
         if outcome == "late":
             tier.release(load)
-        tier.finish(load, loaded, tainted)
+        tier.finish(load, loaded, tainted, windowless)
         tier.release(load)
         self.seen[f"tier:load_{outcome}"] += 1
         self.seen["tier:loaded_pages"] += load.loaded
@@ -613,9 +635,11 @@ class Simulator:
                 for i, h in enumerate(r.hashes):
                     assert h not in self.mirror, "a page announced twice"
                     self.mirror[h] = (r.cache_salt, parent, tuple(r.token_ids[i * PAGE_SIZE : (i + 1) * PAGE_SIZE]))
-                    self.window_mirror.add(h)
+                    if not r.no_window:  # a tier load's page without window rows: the full groups only
+                        self.window_mirror.add(h)
                     parent = h
                 self.seen["events:stored"] += len(r.hashes)
+                self.seen["events:stored_full"] += len(r.hashes) if r.no_window else 0
             elif isinstance(r, Removed) and r.window:  # only the window rows: the pages stay
                 assert all(h in self.mirror for h in r.hashes), "window rows removed of a page never announced"
                 assert all(h in self.window_mirror for h in r.hashes), "window rows removed twice"
@@ -752,7 +776,8 @@ TestCoreStateMachine = CoreMachine.TestCase
 
 
 class WindowMachine(CoreMachine):
-    """The same machine on a window pool (no tier): window rows dropped at commits and under pressure."""
+    """The same machine on a window pool: window rows dropped at commits and under pressure, stored in the tier
+    and loaded back by group."""
 
     window = True
 
@@ -906,6 +931,7 @@ def test_window_random_walks_free_window_rows() -> None:
         seen += random_walk(seed, 600, window=True).seen
     floors = {"append:radix_hit": 20, "append:session_hit": 20, "window:checked": 60, "window:policy_dropped": 20,
               "window:pressure_dropped": 5, "window:evicted": 5, "window:cut_hit_tokens": 2,
-              "events:window_removed": 5, "events:window_stored": 2, "append:POOL_EXHAUSTED": 1, "stale_write": 2}
+              "events:window_removed": 5, "events:window_stored": 2, "append:POOL_EXHAUSTED": 1, "stale_write": 2,
+              "tier:loaded_window_rows": 5, "tier:loaded_windowless": 5, "tier:offload_ok": 10, "events:stored_full": 4}
     low = {what: seen[what] for what, floor in floors.items() if seen[what] < floor}
     assert not low, f"under-exercised: {low}; all: {dict(seen)}"

@@ -37,6 +37,13 @@ def test_a_window_is_three_more_fields_naming_it_and_its_layers() -> None:
     assert len(others) == 4  # another window, other window layers or none: pages are never shared
 
 
+def test_window_rows_kept_apart_are_one_more_field() -> None:
+    one_region = Namespace("gemma3", 6, 4, 256, "bfloat16", 16, "full", 1024, (0, 1, 2, 3, 4))
+    apart = Namespace("gemma3", 6, 4, 256, "bfloat16", 16, "full", 1024, (0, 1, 2, 3, 4), window_apart=True)
+    assert apart.encode() == one_region.encode() + b"\x0c\0\0\0window_apart"
+    assert apart.root("") != one_region.root("")  # the values' chunks are in another order: never shared
+
+
 def test_roots_are_pinned() -> None:
     assert LLAMA.root("").hex() == "3fd25ad78fc8aecb4eca11c92e46917dd5b5f6d81b830d5473e8c04d65fda4a3"
     assert LLAMA.root("tenant-a").hex() == "396d19788b8627c67e4dd03acffdc1c9ad348f77062656fde95f5cb81d22fa1e"

@@ -12,7 +12,6 @@ import pytest
 from cache_service.core import CoreConfig, KVCacheCore, Reason
 from cache_service.core.errors import InvariantError
 from cache_service.core.events import Removed, Stored, chain_hashes, salt_hash
-from cache_service.core.tier_keys import Namespace
 from cache_service.core.window import window_span
 
 from .conftest import CheckedCore, raises_reason, toks
@@ -223,12 +222,6 @@ def test_invariant_check_catches_a_window_page_held_twice(make_core: Callable[..
 def test_config_refusals(kwargs: dict[str, int], message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         CoreConfig(num_pages=16, page_size=PS, **kwargs)
-
-
-def test_a_tier_beside_window_rows_kept_apart_is_refused() -> None:
-    with pytest.raises(ValueError, match="a tier beyond a pool whose window rows are kept apart is not supported"):
-        KVCacheCore(CoreConfig(num_pages=16, page_size=PS, window_pages=8, window_tokens=W),
-                    tier=Namespace("t", 1, 1, 1, "float16", PS))
 
 
 def test_appends_and_extends_send_each_new_pages_window_page_beside_it(make_core: Callable[..., CheckedCore]) -> None:

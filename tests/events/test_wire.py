@@ -141,6 +141,15 @@ def test_window_rows_back_alone_are_a_store_in_the_window_group_only() -> None:
     assert not proto_event(back._replace(window=False), "GPU", 4).stored.window_rows_only
 
 
+def test_a_page_stored_without_its_window_rows_is_stored_in_the_full_attention_group_only() -> None:
+    """docs/design.md §13: a page loaded from a tier value without window rows (`no_window`) has no rows in the
+    window group: only the full-attention group (1) hears of it."""
+    full = (STORED[:1].replace(b"\x88", b"\x8a") + STORED[1:] + s("group_idx") + b"\x01"
+            + s("kv_cache_spec_kind") + s("full_attention"))
+    loaded = Stored("", None, [H1, H2], np.arange(1, 9, dtype=np.int32), False, False, True)
+    assert wire_batch(2.0, [loaded], "GPU", 4, groups=GROUPS) == batch(2.0, full)
+
+
 DECODE = """
 import json, sys
 import msgspec

@@ -7,8 +7,10 @@ import json
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from engine_client import KVCacheClient, LayoutMismatch, PoolExhausted, check_layout
@@ -16,6 +18,8 @@ from engine_client.reference import ModelConfig
 from engine_client.reference.check import model_for, tokens, verify
 from engine_client.reference.engine import ReferenceEngine
 from engine_client.reference.model import model_layout
+from protos.kvcache.v1 import kvcache_pb2 as pb
+from protos.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 
 from .conftest import REPO, ServerProcess
 
@@ -270,4 +274,38 @@ def test_a_turn_that_needs_more_window_pages_than_the_pool_has_is_refused_and_ch
             result = chat.turn(new, 6)  # 18 slots: 5 pages
             assert verify(engine.model, new, result)[1] and result.cached_tokens == 0
         engine.close()
+    assert_clean(server)
+
+
+def test_a_window_pages_pool_with_a_disk_tier_loads_a_chat_back_by_group(
+        start_server: Callable[..., ServerProcess], tmp_path: Path) -> None:
+    """The tier stores each page's full rows and, where it still has them, its window rows (docs/design.md §8,
+    §13): a chat evicted to the disk tier is loaded back with the window rows before its end, and the next turn
+    on it equals a no-cache recompute."""
+    server = start_server(*WINDOW_POOL, "--num-pages", "17", "--window-pages", "17", "--tier", "disk", "--tier-dir",
+                          str(tmp_path / "tier"), "--tier-policy", "write-through")
+    with KVCacheClient(server.target) as client:
+        config = model_for(client.get_pool_info().layout)
+        engine = ReferenceEngine(client, config)
+        with engine.chat(streaming=False, close_cache=True) as first:
+            first.turn(tokens(40, 30, config.vocab_size), 6)  # 35 tokens of KV: 8 pages in the radix
+            history = list(first.history)
+        for seed in range(3):  # other chats take the pool: the first one's pages leave for the tier
+            with engine.chat(streaming=False, close_cache=True) as other:
+                other.turn(tokens(50 + seed, 30, config.vocab_size), 6)
+        st = client.get_stats(verify=True)
+        assert st.verified and st.evicted_pages >= 8 and client.match_prefix(history).cached_tokens == 32
+        with engine.chat(streaming=False) as again:
+            context = history + tokens(60, 8, config.vocab_size)
+            result = again.turn(context, 4)
+            diff, match = verify(engine.model, context, result)
+            assert match and diff <= 1e-4, (diff, result)
+        engine.close()
+        st = client.get_stats(verify=True)
+    assert (result.cached_tokens, result.prefix_hit_tokens) == (32, 32)  # the first chat's end: its window held
+    assert st.window_free_pages + st.window_held_pages == 16
+    with grpc.insecure_channel(server.target) as channel:
+        tier = pb_grpc.KVCacheServiceStub(channel).GetStats(  # type: ignore[no-untyped-call]
+            pb.GetStatsRequest(), timeout=10).tier
+    assert tier.load_pages == 8 and tier.errors == []  # all 8 from the disk tier, every value sound
     assert_clean(server)

@@ -13,7 +13,7 @@ import pytest
 
 from cache_service.memory import PoolError, PoolLayout
 from cache_service.memory.cuda_vmm import ACCESS_READWRITE, CudaVmmPool
-from cache_service.tier.memory import DevicePoolMemory, TierMemoryError, chunk_offsets, geometry
+from cache_service.tier.memory import DevicePoolMemory, TierMemoryError, chunk_offsets, geometry, window_chunk_offsets
 from tests.fakes import GRANULARITY, VA, FakeVmmDriver
 from tests.tier.conftest import LAYOUT, Pool
 
@@ -148,6 +148,50 @@ def test_a_load_reaches_the_device_only_for_sound_pages(device: tuple[
     assert copier.copies == [("h2d", 128, LAYOUT.num_pages * 128, 4)]  # page 5 only, in one copy
     staging.finish([True, True])  # once only
     assert copier.copies == [("h2d", 128, LAYOUT.num_pages * 128, 4)]
+
+
+WINDOW = PoolLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float16", page_size=4, num_pages=16,
+                    sliding_window=8, window_layers=(0, 2), window_pages=8)
+"""Window rows apart: layer 1's rows in the pages, layers 0 and 2's in 8 window pages (128-byte chunks)."""
+
+
+def test_a_window_pools_page_is_its_full_chunks_then_its_window_pages(device: tuple[
+        npt.NDArray[np.uint8], DevicePoolMemory, HostCopier]) -> None:
+    g = geometry(WINDOW)
+    assert (g.num_chunks, g.window_chunks, g.chunk_bytes) == (6, 4, 128)
+    assert list(chunk_offsets(WINDOW, 3)) == [3 * 128, 16 * 128 + 3 * 128]
+    at = WINDOW.window_offset_bytes
+    assert at == 2 * 16 * 128
+    assert list(window_chunk_offsets(WINDOW, 5)) == [at + 5 * 128 + i * 8 * 128 for i in range(4)]
+    pool = np.random.default_rng(1).integers(0, 255, WINDOW.size_bytes, dtype=np.uint8)
+    copier = HostCopier()
+    memory = DevicePoolMemory(WINDOW, int(pool.ctypes.data), copier, slots=4)
+    win = [0] * 16
+    win[3] = 5
+    memory.window = win
+
+    def chunks(page: int, window_page: int) -> bytes:
+        offsets = [*chunk_offsets(WINDOW, page), *window_chunk_offsets(WINDOW, window_page)]
+        return b"".join(pool[o:o + 128].tobytes() for o in offsets)
+
+    out = memory.stage_out([3, 4])  # page 4 has no window page: window page 0's bytes are its filler
+    assert [b"".join(bytes(v) for v in b.views) for b in out.buffers] == [chunks(3, 5), chunks(4, 0)]
+    assert [b.flags for b in out.buffers] == [g.flags(True), g.flags(False)] == [3, 1]
+    assert copier.copies == [("d2h", 128, 16 * 128, 2), ("d2h", 128, 8 * 128, 4)] * 2
+    out.finish([True, True])
+    copier.copies.clear()
+    before = pool.copy()
+    win[6] = 2
+    staging = memory.stage_in([6, 7])
+    for i, buffers in enumerate(staging.buffers):
+        for view in buffers.views:
+            view[:] = bytes([0xB0 + i]) * len(view)
+    staging.finish([True, True])
+    assert chunks(6, 2) == b"\xb0" * 768
+    window_zero = b"".join(before[o:o + 128].tobytes() for o in window_chunk_offsets(WINDOW, 0))
+    assert chunks(7, 0) == b"\xb1" * 256 + window_zero  # page 7 has no window page: window page 0 is left alone
+    assert copier.copies == [("h2d", 128, 16 * 128, 2), ("h2d", 128, 8 * 128, 4), ("h2d", 128, 16 * 128, 2)]
+    memory.close()
 
 
 def test_a_batch_waits_for_free_slots(device: tuple[npt.NDArray[np.uint8], DevicePoolMemory, HostCopier]) -> None:

@@ -8,6 +8,8 @@ import asyncio
 import os
 import signal
 import time
+import uuid
+from array import array
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from cache_service.core.tier_keys import key_text
-from cache_service.memory import PoolLayout
+from cache_service.memory import HostShmPool, PoolLayout
 from cache_service.tier import MooncakeTier, TierConfigError, TierService, page_memory
 from cache_service.tier.backend import DOWN, FULL, MISSING, TAINTED, WRONG_SIZE
 from cache_service.tier.jobs import OffloadResult
@@ -362,3 +364,41 @@ def test_what_the_master_evicts_is_reported_dropped(tmp_path: Path) -> None:
     finally:
         pool.close()
         cluster.stop()
+
+
+def test_a_window_pools_values_round_trip_by_group(cluster: MooncakeCluster, tmp_path: Path) -> None:
+    """docs/design.md §8, §13: through registered pool memory, a page's full chunks and its window page's; the
+    flags travel in the header, a value without window rows comes back `windowless`."""
+    layout = PoolLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float16", page_size=4, num_pages=16,
+                        sliding_window=8, window_layers=(0, 2), window_pages=8)
+    pool = HostShmPool(layout, shm_dir=str(tmp_path), prefix="mcwin", instance_id=uuid.uuid4().hex[:12])
+    memory = page_memory(pool)
+    win = array("i", [0] * layout.num_pages)
+    memory.window = win
+    full = np.memmap(pool.path, dtype=np.float16, mode="r+", shape=layout.shape)
+    window = np.memmap(pool.path, dtype=np.float16, mode="r+", offset=layout.window_offset_bytes,
+                       shape=layout.window_shape)
+    rng = np.random.default_rng(5)
+    full[:, :, 1:3] = rng.standard_normal(full[:, :, 1:3].shape).astype(np.float16)
+    window[:, :, 2] = rng.standard_normal(window[:, :, 2].shape).astype(np.float16)
+    win[1] = 2
+    wrote_full, wrote_window = np.array(full[:, :, 1:3]), np.array(window[:, :, 2])
+    keys = keys_for(120, 2)
+
+    async def scenario() -> None:
+        service = TierService(MooncakeTier(cluster.address, geometry(layout)), memory)
+        service.start(asyncio.get_running_loop())
+        assert service.wait_up(30)
+        assert (await offload(service, [(keys[0], 1), (keys[1], 2)])).reasons == ("", "")
+        win[5], win[6] = 5, 6
+        result = await service.load(keys, [5, 6]).wait()
+        assert result is not None and (result.loaded, result.windowless) == (2, (6,))
+        assert service.stats().errors == {}
+        await asyncio.to_thread(service.close)
+
+    try:
+        asyncio.run(scenario())
+        assert np.array_equal(full[:, :, 5:7], wrote_full) and np.array_equal(window[:, :, 5], wrote_window)
+    finally:
+        memory.close()
+        pool.close()
