@@ -19,7 +19,13 @@ the other core between its kernels (docs/vllm.md, "Copies near bandwidth").
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import numpy.typing as npt
@@ -28,6 +34,63 @@ from engine_client.vllm.kv_views import HostBlocks, LayerKV, PoolLayer
 from engine_client.vllm.transfer_index import BlockUnits, TransferIndex
 
 Int64Array = npt.NDArray[np.int64]
+
+
+def _load_kernel() -> ModuleType | None:
+    """The compiled kernel (`_block_copy.c`, built by setup.py) when it is built from the source beside it; None
+    (the numpy path) when it is not built, KVCACHE_PURE_PYTHON is set, or the build is stale (with a warning)."""
+    if os.environ.get("KVCACHE_PURE_PYTHON"):
+        return None
+    try:
+        from engine_client.vllm import _block_copy  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    source = Path(__file__).with_name("_block_copy.c")
+    if source.exists() and hashlib.sha256(source.read_bytes()).hexdigest() != _block_copy.SOURCE_HASH:
+        warnings.warn("kvcache: engine_client/vllm/_block_copy.c changed since it was compiled; host copies run "
+                      "numpy (run `make native` to rebuild)", RuntimeWarning, stacklevel=2)
+        return None
+    return _block_copy  # type: ignore[no-any-return]
+
+
+kernel: ModuleType | None = _load_kernel()
+"""The compiled whole-block kernel, or None: whole blocks then move through numpy (`numpy_only`)."""
+
+
+@contextmanager
+def numpy_only() -> Iterator[None]:
+    """Whole blocks move through the numpy path inside the block (the bench's before/after, the equality tests)."""
+    global kernel
+    held, kernel = kernel, None
+    try:
+        yield
+    finally:
+        kernel = held
+
+
+def _address(a: npt.NDArray[np.generic]) -> int:
+    return int(a.__array_interface__["data"][0])
+
+
+def _kernel_copy(pages: npt.NDArray[np.generic], whole: HostBlocks, units: BlockUnits, *, load: bool) -> bool:
+    """Move the units with the compiled kernel (a load: pool pages into vLLM's blocks; a save: back) and say
+    True, or say False where it does not apply: no kernel, a pool page whose heads are not `dim` contiguous
+    elements each, a block's run not contiguous, or pool and blocks of different element sizes."""
+    if kernel is None:
+        return False
+    size = whole.rows.itemsize
+    _, _, page_size, heads, dim = pages.shape
+    if pages.itemsize != size or pages.strides[4] != size or whole.rows.strides[1] != size:
+        return False
+    blocks = np.ascontiguousarray(units.blocks, np.int64)  # held until the kernel returns
+    page_ids = np.ascontiguousarray(units.pages, np.int64)
+    # _block_copy.c's parameters, in its enum's order
+    params = np.array([int(load), size, len(units), page_ids.size // len(units), page_size, heads, dim,
+                       _address(blocks), _address(page_ids), _address(whole.rows), whole.rows.strides[0],
+                       whole.k_at[0], *whole.k_at[1], whole.v_at[0], *whole.v_at[1],
+                       _address(pages[0]), _address(pages[1]), *pages.strides[1:4]], np.int64)
+    kernel.copy_blocks(params)
+    return True
 
 
 _CHUNK_BYTES = 512 << 10
@@ -117,6 +180,8 @@ def _load_blocks(pages: npt.NDArray[np.generic], whole: HostBlocks, units: Block
                  scratch: HostScratch | None) -> None:
     """Pool pages (`[2, pages, page_size, heads, dim]`) into whole vLLM blocks, a chunk at a time: gather the
     chunk's pages (K, then V), lay them out as vLLM's blocks in a cached image, write each image as one run."""
+    if _kernel_copy(pages, whole, units, load=True):
+        return
     bs, heads, dim = whole.shape
 
     def work(at: slice, on: Int64Array, image: npt.NDArray[np.generic], kv: tuple[npt.NDArray[np.generic], ...],
@@ -132,6 +197,8 @@ def _load_blocks(pages: npt.NDArray[np.generic], whole: HostBlocks, units: Block
 def _save_blocks(whole: HostBlocks, pages: npt.NDArray[np.generic], units: BlockUnits,
                  scratch: HostScratch | None) -> None:
     """Whole vLLM blocks into pool pages, a chunk at a time: the mirror of `_load_blocks`."""
+    if _kernel_copy(pages, whole, units, load=False):
+        return
     bs, heads, dim = whole.shape
 
     def work(at: slice, on: Int64Array, image: npt.NDArray[np.generic], kv: tuple[npt.NDArray[np.generic], ...],
