@@ -68,6 +68,12 @@ def numpy_only() -> Iterator[None]:
         kernel = held
 
 
+_STREAM_LOAD_BYTES = 1 << 20
+"""A load of this many bytes a layer or more writes vLLM's blocks with streaming stores (it would not stay in a
+core's 1 MiB L2 for the forward pass anyway); a smaller one writes through the cache, where attention reads
+it next. A save always streams: the pool's pages are read by a later step or another engine, not this one."""
+
+
 def _address(a: npt.NDArray[np.generic]) -> int:
     return int(a.__array_interface__["data"][0])
 
@@ -84,11 +90,13 @@ def _kernel_copy(pages: npt.NDArray[np.generic], whole: HostBlocks, units: Block
         return False
     blocks = np.ascontiguousarray(units.blocks, np.int64)  # held until the kernel returns
     page_ids = np.ascontiguousarray(units.pages, np.int64)
+    stream = not load or len(units) * whole.rows.shape[1] * size >= _STREAM_LOAD_BYTES
+    flags = kernel.PREFETCH_SRC | (kernel.STREAM if stream else 0)
     # _block_copy.c's parameters, in its enum's order
     params = np.array([int(load), size, len(units), page_ids.size // len(units), page_size, heads, dim,
                        _address(blocks), _address(page_ids), _address(whole.rows), whole.rows.strides[0],
                        whole.k_at[0], *whole.k_at[1], whole.v_at[0], *whole.v_at[1],
-                       _address(pages[0]), _address(pages[1]), *pages.strides[1:4]], np.int64)
+                       _address(pages[0]), _address(pages[1]), *pages.strides[1:4], flags], np.int64)
     kernel.copy_blocks(params)
     return True
 
