@@ -64,8 +64,8 @@ import torch
 
 from bench.common import REPO, machine_load
 from engine_client import KVCacheClient
-from engine_client.vllm.demo import KVCacheService, computed, tokens
 from engine_client.vllm import host_copy
+from engine_client.vllm.demo import KVCacheService, computed, tokens
 from engine_client.vllm.driver import EngineProcess, save_model
 from engine_client.vllm.transfer import (
     HostScratch,
