@@ -401,15 +401,15 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__block_copy(void) {
-    const char *tiles = "none (element by element)";
+    const char *tiles = "no SIMD tiles";
 #if defined(__SSE2__)
-    tiles = "sse2";
+    tiles = "SIMD tiles: sse2";
 #endif
 #ifdef HAVE_AVX2_PATH
     __builtin_cpu_init();
     use_avx2 = __builtin_cpu_supports("avx2");
     if (use_avx2)
-        tiles = "avx2 (4-byte loads), sse2";
+        tiles = "SIMD tiles: avx2 and sse2";
 #endif
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)

@@ -1,20 +1,24 @@
 """Host copies between vLLM's CPU KV and a host pool (transfer.py's `load_layer` / `save_layer` on CPU).
 
-On CPU the copies run through numpy views of the same memory (bit-exact: elements are moved as integers
-of their size). The positions that fill whole vLLM blocks on whole pool pages (`BlockUnits`, found once
-a step: a prefill's saved blocks, a hit's loaded ones) move a chunk of blocks at a time (`_CHUNK_BYTES`)
-in three passes: gather the chunk's pages (a run of page_size tokens each), lay them out as vLLM's blocks
-in an image that stays in cache (CPU attention's transposed K is built there), write each block as one
-run (`HostBlocks`); a save mirrors it, all on the calling thread, in buffers the worker keeps
-(`HostScratch`). Scattering tokens straight into vLLM's blocks writes runs of 64 to 256 bytes at random
-places and costs more. Any other position (a partial first or last block, a decode step's token) goes
-through the per-token index: a gather of the pool's rows and a scatter into vLLM's blocks, for K and for
-V. No second thread: torch would split copies across vLLM's OpenMP threads (its CPU worker binds one per
-core and forbids `torch.set_num_threads` after that), and a copy split across OpenMP threads waits at a
-barrier for any thread the OS has descheduled (on this shared 2-core machine torch's vectorised transpose,
-`channel_shuffle`, took ~4 us a 256 KiB page on one thread and 35-1,400 us on two under load); a Python
-helper thread beside the caller (numpy releases the GIL) competes with vLLM's OpenMP thread spinning on
-the other core between its kernels (docs/vllm.md, "Copies near bandwidth").
+The positions that fill whole vLLM blocks on whole pool pages (`BlockUnits`, found once a step: a prefill's
+saved blocks, a hit's loaded ones) move through the compiled kernel (`_block_copy.c`, built by setup.py, the
+module `kernel`) where it is built: one pass a layer, a block at a time, head by head, its pool pages read and
+the block written (CPU attention's transposed K in SIMD tiles, contiguous runs copied whole), the next block's
+memory prefetched while this one moves, and the destination written with streaming stores (a save always: the
+pool is read by a later step; a load of `_STREAM_LOAD_BYTES` or more a layer, which would not stay in cache for
+the forward pass anyway). It is single-threaded and releases the GIL. Without the kernel (not built, a stale
+build, KVCACHE_PURE_PYTHON=1; `numpy_only()`) whole blocks move through numpy views of the same memory, a
+chunk of blocks at a time (`_CHUNK_BYTES`) in three passes: gather the chunk's pages (a run of page_size tokens
+each), lay them out as vLLM's blocks in an image that stays in cache, write each block as one run
+(`HostBlocks`), in buffers the worker keeps (`HostScratch`); a save mirrors it. The two paths are bit-exact
+(elements are moved as integers of their size) and tested equal (tests/engine_client/test_vllm_host_copy.py).
+Any other position (a partial first or last block, a decode step's token) goes through the per-token index: a
+gather of the pool's rows and a scatter into vLLM's blocks, for K and for V.
+
+No second thread: torch would split copies across vLLM's OpenMP threads (its CPU worker binds one per core and
+forbids `torch.set_num_threads` after that), and a copy split across OpenMP threads waits at a barrier for any
+thread the OS has descheduled; a helper thread beside the caller competes with vLLM's OpenMP thread spinning on
+the other core between its kernels (docs/vllm.md, "Copies near bandwidth", with the measured costs).
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ kernel: ModuleType | None = _load_kernel()
 
 @contextmanager
 def numpy_only() -> Iterator[None]:
-    """Whole blocks move through the numpy path inside the block (the bench's before/after, the equality tests)."""
+    """Whole blocks move through the numpy path inside the `with` (the bench's before/after, the equality tests)."""
     global kernel
     held, kernel = kernel, None
     try:
