@@ -165,9 +165,12 @@ def copy_cost(shape: dict[str, int], pages: int, rounds: int) -> dict[str, float
     both sides): us per page (all layers) to load and save, each round alternating with the bound measured
     on the same bytes (a contiguous copy of `pages` pages: numpy on one thread, torch's `copy_` on its
     threads), medians of rounds; `load_numpy_us`/`save_numpy_us` are the same copies through host_copy's numpy
-    path (`numpy_only`), timed in the same rounds (equal to the others where the kernel is not built). The
-    copies use what the worker builds (`PoolLayer` once a pool, the index
-    once a step, the scratch buffers once a worker)."""
+    path (`numpy_only`), timed in the same rounds (equal to the others where the kernel is not built). Each timed
+    copy starts from the same state: an untimed contiguous copy of the same bytes before it reads every cache
+    clean (torch's `copy_` and numpy's writes leave dirty lines, which the next copy would otherwise write back
+    on its time). torch's `copy_` is timed after all of them: for a while after it, its OpenMP threads spin on the
+    other core, and whatever ran next (the bound included) took up to twice as long. The copies use what the
+    worker builds (`PoolLayer` once a pool, the index once a step, the scratch buffers once a worker)."""
     layers, heads, dim = shape["layers"], shape["kv_heads"], shape["head_dim"]
     num_blocks = pages * PAGE // BLOCK + 8
     pool = torch.randn(layers, 2, pages + 8, PAGE, heads, dim)
@@ -181,11 +184,12 @@ def copy_cost(shape: dict[str, int], pages: int, rounds: int) -> dict[str, float
     t = Transfers.build([(0, pages * PAGE, page_ids, block_ids)])
     page_bytes = layers * 2 * PAGE * heads * dim * 4
     src = np.ones(page_bytes * pages // 4, np.int32)
-    dst = np.empty_like(src)
+    dst, settle = np.empty_like(src), np.empty_like(src)
     tsrc, tdst = torch.from_numpy(src), torch.from_numpy(dst)
     times: dict[str, list[float]] = {k: [] for k in ("numpy", "torch", "load", "save", "load_numpy", "save_numpy")}
 
     def timed(key: str, fn: Any) -> None:
+        np.copyto(settle, src)  # untimed: the caches hold clean lines only, whatever ran before
         start = time.perf_counter()
         fn()
         times[key].append(time.perf_counter() - start)
@@ -207,10 +211,11 @@ def copy_cost(shape: dict[str, int], pages: int, rounds: int) -> dict[str, float
             timed("load", load)
             with host_copy.numpy_only():
                 timed("load_numpy", load)
-            timed("torch", lambda: tdst.copy_(tsrc))
             timed("save", save)
             with host_copy.numpy_only():
                 timed("save_numpy", save)
+    for _ in range(rounds):  # after the others: whatever runs next pays for its OpenMP threads' spinning
+        timed("torch", lambda: tdst.copy_(tsrc))
     us = {k: statistics.median(v) / pages * 1e6 for k, v in times.items()}
     return {"load_us": us["load"], "save_us": us["save"], "load_numpy_us": us["load_numpy"],
             "save_numpy_us": us["save_numpy"], "compiled": compiled, "memcpy_us": us["numpy"], "torch_us": us["torch"],

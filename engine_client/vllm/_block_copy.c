@@ -273,6 +273,7 @@ static void move_page_head(int load, const char *page_head, isize pool_token, ch
 }
 
 #define LINE 64
+#define AHEAD 2 /* blocks: prefetching the block after next measured ~3% faster than the next one */
 
 static inline void prefetch_range(const char *at, isize bytes, int write) {
     for (isize i = 0; i < bytes; i += LINE) {
@@ -281,7 +282,7 @@ static inline void prefetch_range(const char *at, isize bytes, int write) {
     }
 }
 
-/* The next unit's memory as ranges, prefetched a share at a time between this unit's steps (a burst of a whole
+/* The memory of the unit AHEAD units on as ranges, prefetched a share at a time between this unit's steps (a burst of a whole
  * unit's prefetches would stall on the core's outstanding misses before this unit's work began). */
 typedef struct {
     const char *at[2 * MAX_PARTS + 1];
@@ -329,14 +330,14 @@ static void copy_blocks_impl(const int64_t *p) {
     for (isize u = 0; u < units; u++) {
         char *block = rows + block_ids[u] * row_stride;
         Ahead ahead = {.n = 0};
-        if (u + 1 < units && parts <= MAX_PARTS) {
+        if (u + AHEAD < units && parts <= MAX_PARTS) {
             if (pf_pool)
                 for (isize part = 0; part < parts; part++)
                     for (int which = 0; which < 2; which++)
-                        ahead_add(&ahead, pool[which] + page_ids[(u + 1) * parts + part] * page_stride, page_bytes,
+                        ahead_add(&ahead, pool[which] + page_ids[(u + AHEAD) * parts + part] * page_stride, page_bytes,
                                   !load);
             if (pf_block)
-                ahead_add(&ahead, rows + block_ids[u + 1] * row_stride, block_bytes, load);
+                ahead_add(&ahead, rows + block_ids[u + AHEAD] * row_stride, block_bytes, load);
             isize total = 0;
             for (int i = 0; i < ahead.n; i++) total += ahead.bytes[i];
             ahead.share = (total + 2 * heads - 1) / (2 * heads);

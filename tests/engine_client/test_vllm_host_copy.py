@@ -6,6 +6,8 @@ The numpy path is tested against the position-by-position reference in test_vllm
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import torch
@@ -26,6 +28,16 @@ needs_kernel = pytest.mark.skipif(host_copy.kernel is None, reason="the compiled
 
 HEADS, DIM = 2, 16
 HND, NHD = (0, 1, 2, 3), (0, 2, 1, 3)
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """torch's checks here on one thread: its parallel kernels wait at a barrier for any thread the OS has
+    descheduled, seconds a test on a busy machine (the copies under test are single-threaded anyway)."""
+    held = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(held)
 
 
 def layer(packing: str, num_blocks: int, block_size: int, dtype: torch.dtype,
