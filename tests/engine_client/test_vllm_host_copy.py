@@ -7,6 +7,7 @@ The numpy path is tested against the position-by-position reference in test_vllm
 from __future__ import annotations
 
 from collections.abc import Iterator
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -68,10 +69,14 @@ PAGE_AND_BLOCK = [(16, 32), (16, 16), (8, 64), (4, 8), (2, 8)]
 (2-byte elements, AVX2's 4-byte) and then every tile a remainder."""
 
 
+CASES = [(packing, dtype, page, block) for packing in ("cpu_vec", "split-hnd", "split-nhd", "mla")
+         for dtype in (torch.float32, torch.bfloat16) for page, block in PAGE_AND_BLOCK]
+CASES += [("cpu_vec", torch.float16, 16, 32), ("cpu_vec", torch.float16, 4, 8)]
+"""Every packing, element size and page/block shape; float16 (bfloat16's size: the same moves) once or twice."""
+
+
 @needs_kernel
-@pytest.mark.parametrize("packing", ["cpu_vec", "split-hnd", "split-nhd", "mla"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("page_size", "block_size"), PAGE_AND_BLOCK)
+@pytest.mark.parametrize(("packing", "dtype", "page_size", "block_size"), CASES)
 @pytest.mark.parametrize("stream", [False, True], ids=["cached", "streamed"])
 def test_the_kernel_moves_bit_for_bit_what_the_numpy_path_and_the_per_token_index_move(
         packing: str, dtype: torch.dtype, page_size: int, block_size: int, stream: bool,
@@ -110,7 +115,7 @@ def test_the_kernel_moves_bit_for_bit_what_the_numpy_path_and_the_per_token_inde
         got[block_ids, offsets] = old[block_ids, offsets]
     assert torch.equal(bits(raw), bits(before))  # put back the positions loaded: nothing else was written
 
-    assert flags == [host_copy.kernel.PREFETCH_SRC | (host_copy.kernel.STREAM if stream else 0)]  # the load
+    assert flags == [compiled().PREFETCH_SRC | (compiled().STREAM if stream else 0)]  # the load
     raw.copy_(random_bits(tuple(raw.shape), dtype, gen))
     saved = random_bits(tuple(pool.shape), dtype, gen)
     numpy_saved = saved.clone()
@@ -118,7 +123,7 @@ def test_the_kernel_moves_bit_for_bit_what_the_numpy_path_and_the_per_token_inde
     with host_copy.numpy_only():
         save_layer(view, numpy_saved, index)
     assert torch.equal(bits(saved), bits(numpy_saved))
-    assert flags[1:] == [host_copy.kernel.PREFETCH_SRC | host_copy.kernel.STREAM]  # a save streams
+    assert flags[1:] == [compiled().PREFETCH_SRC | compiled().STREAM]  # a save streams
     for plane, put in enumerate((view.k, view.v)):
         assert torch.equal(bits(PoolLayer(saved).planes[plane][slots]), bits(put[block_ids, offsets]))
     back = torch.zeros_like(raw)
@@ -128,10 +133,14 @@ def test_the_kernel_moves_bit_for_bit_what_the_numpy_path_and_the_per_token_inde
         assert torch.equal(bits(got[block_ids, offsets]), bits(put[block_ids, offsets]))
 
 
+def compiled() -> ModuleType:
+    assert host_copy.kernel is not None
+    return host_copy.kernel
+
+
 def spy_on_the_kernel(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The flags of each call the copies make to the kernel, from now on (the kernel still does the copy)."""
-    real, flags = host_copy.kernel, []
-    assert real is not None
+    real, flags = compiled(), []
 
     class Spy:
         STREAM, PREFETCH_SRC = real.STREAM, real.PREFETCH_SRC
@@ -157,7 +166,7 @@ def layer_like(packing: str, raw: torch.Tensor, block_size: int) -> LayerKV:
 @needs_kernel
 def test_a_kernel_built_from_another_source_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
     assert host_copy._load_kernel() is host_copy.kernel  # built from the source beside it
-    monkeypatch.setattr(host_copy.kernel, "SOURCE_HASH", "0" * 64)
+    monkeypatch.setattr(compiled(), "SOURCE_HASH", "0" * 64)
     with pytest.warns(RuntimeWarning, match=r"_block_copy\.c changed since it was compiled; host copies run numpy"):
         assert host_copy._load_kernel() is None
     monkeypatch.setenv("KVCACHE_PURE_PYTHON", "1")
