@@ -9,8 +9,8 @@
  * CPU has it, 8x8 of 4 bytes on loads); any other layout element by element. Elements move as integers of
  * their size (loads, shuffles and stores, no floating-point operation): every bit pattern is kept.
  *
- * What makes it fast is memory, not arithmetic (docs/vllm.md, "Copies near bandwidth"): the next block's
- * memory is prefetched a share between each of this block's steps (F_PREFETCH_SRC / F_PREFETCH_DST), and
+ * What makes it fast is memory, not arithmetic (docs/vllm.md, "Copies near bandwidth"): the memory of the
+ * block after next is prefetched, a share between each of this block's steps (F_PREFETCH_SRC / _DST), and
  * with F_STREAM the destination is written with non-temporal stores (no read of lines about to be
  * overwritten, nothing of the copy left in cache; an sfence before returning). One thread; the GIL is
  * released for the copy.

@@ -3,10 +3,10 @@
 The positions that fill whole vLLM blocks on whole pool pages (`BlockUnits`, found once a step: a prefill's
 saved blocks, a hit's loaded ones) move through the compiled kernel (`_block_copy.c`, built by setup.py, the
 module `kernel`) where it is built: one pass a layer, a block at a time, head by head, its pool pages read and
-the block written (CPU attention's transposed K in SIMD tiles, contiguous runs copied whole), the next block's
-memory prefetched while this one moves, and the destination written with streaming stores (a save always: the
-pool is read by a later step; a load of `_STREAM_LOAD_BYTES` or more a layer, which would not stay in cache for
-the forward pass anyway). It is single-threaded and releases the GIL. Without the kernel (not built, a stale
+the block written (CPU attention's transposed K in SIMD tiles, contiguous runs copied whole), the memory of
+the block after next prefetched while this one moves, and the destination written with streaming stores (a
+save always: the pool is read by a later step; a load of `_STREAM_LOAD_BYTES` or more a layer, which would not
+stay in cache for the forward pass anyway). It is single-threaded and releases the GIL. Without the kernel (not built, a stale
 build, KVCACHE_PURE_PYTHON=1; `numpy_only()`) whole blocks move through numpy views of the same memory, a
 chunk of blocks at a time (`_CHUNK_BYTES`) in three passes: gather the chunk's pages (a run of page_size tokens
 each), lay them out as vLLM's blocks in an image that stays in cache, write each block as one run
@@ -190,8 +190,9 @@ def _each_chunk(whole: HostBlocks, units: BlockUnits, scratch: HostScratch | Non
 
 def _load_blocks(pages: npt.NDArray[np.generic], whole: HostBlocks, units: BlockUnits,
                  scratch: HostScratch | None) -> None:
-    """Pool pages (`[2, pages, page_size, heads, dim]`) into whole vLLM blocks, a chunk at a time: gather the
-    chunk's pages (K, then V), lay them out as vLLM's blocks in a cached image, write each image as one run."""
+    """Pool pages (`[2, pages, page_size, heads, dim]`) into whole vLLM blocks: through the kernel where it applies,
+    else a chunk at a time: gather the chunk's pages (K, then V), lay them out as vLLM's blocks in a cached image,
+    write each image as one run."""
     if _kernel_copy(pages, whole, units, load=True):
         return
     bs, heads, dim = whole.shape
