@@ -1,19 +1,19 @@
 """Host copies between vLLM's CPU KV and a host pool (transfer.py's `load_layer` / `save_layer` on CPU).
 
-The positions that fill whole vLLM blocks on whole pool pages (`BlockUnits`, found once a step: a prefill's
-saved blocks, a hit's loaded ones) move through the compiled kernel (`_block_copy.c`, built by setup.py, the
-module `kernel`) where it is built: one pass a layer, a block at a time, head by head, its pool pages read and
-the block written (CPU attention's transposed K in SIMD tiles, contiguous runs copied whole), the memory of
-the block after next prefetched while this one moves, and the destination written with streaming stores (a
-save always: the pool is read by a later step; a load of `_STREAM_LOAD_BYTES` or more a layer, which would not
-stay in cache for the forward pass anyway). It is single-threaded and releases the GIL. Without the kernel (not built, a stale
-build, KVCACHE_PURE_PYTHON=1; `numpy_only()`) whole blocks move through numpy views of the same memory, a
-chunk of blocks at a time (`_CHUNK_BYTES`) in three passes: gather the chunk's pages (a run of page_size tokens
-each), lay them out as vLLM's blocks in an image that stays in cache, write each block as one run
-(`HostBlocks`), in buffers the worker keeps (`HostScratch`); a save mirrors it. The two paths are bit-exact
-(elements are moved as integers of their size) and tested equal (tests/engine_client/test_vllm_host_copy.py).
-Any other position (a partial first or last block, a decode step's token) goes through the per-token index: a
-gather of the pool's rows and a scatter into vLLM's blocks, for K and for V.
+The positions that fill whole vLLM blocks on whole pool pages (`BlockUnits`, found once a step: a prefill's saved
+blocks, a hit's loaded ones) move through the compiled kernel (`_block_copy.c`, built by setup.py, the module
+`kernel`) where it is built: one pass a layer, a block at a time, head by head, its pool pages read and the block
+written (CPU attention's transposed K in SIMD tiles, contiguous runs copied whole), the memory of the block after
+next prefetched while this one moves, and the destination written with streaming stores (a save always: the pool is
+read by a later step; a load of `_STREAM_LOAD_BYTES` or more a layer, which would not stay in cache for the forward
+pass anyway). It is single-threaded and releases the GIL. Without the kernel (not built, a stale build,
+KVCACHE_PURE_PYTHON=1; `numpy_only()`) whole blocks move through numpy views of the same memory, a chunk of blocks
+at a time (`_CHUNK_BYTES`) in three passes: gather the chunk's pages (a run of page_size tokens each), lay them out
+as vLLM's blocks in an image that stays in cache, write each block as one run (`HostBlocks`), in buffers the worker
+keeps (`HostScratch`); a save mirrors it. The two paths are bit-exact (elements are moved as integers of their
+size) and tested equal (tests/engine_client/test_vllm_host_copy.py). Any other position (a partial first or last
+block, a decode step's token) goes through the per-token index: a gather of the pool's rows and a scatter into
+vLLM's blocks, for K and for V.
 
 No second thread: torch would split copies across vLLM's OpenMP threads (its CPU worker binds one per core and
 forbids `torch.set_num_threads` after that), and a copy split across OpenMP threads waits at a barrier for any
