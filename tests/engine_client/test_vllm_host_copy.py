@@ -69,10 +69,12 @@ PAGE_AND_BLOCK = [(16, 32), (16, 16), (8, 64), (4, 8), (2, 8)]
 (2-byte elements, AVX2's 4-byte) and then every tile a remainder."""
 
 
-CASES = [(packing, dtype, page, block) for packing in ("cpu_vec", "split-hnd", "split-nhd", "mla")
-         for dtype in (torch.float32, torch.bfloat16) for page, block in PAGE_AND_BLOCK]
+CASES = [("cpu_vec", dtype, page, block) for dtype in (torch.float32, torch.bfloat16) for page, block in PAGE_AND_BLOCK]
 CASES += [("cpu_vec", torch.float16, 16, 32), ("cpu_vec", torch.float16, 4, 8)]
-"""Every packing, element size and page/block shape; float16 (bfloat16's size: the same moves) once or twice."""
+CASES += [(packing, dtype, page, block) for packing in ("split-hnd", "split-nhd", "mla")
+          for dtype in (torch.float32, torch.bfloat16) for page, block in ((16, 32), (2, 8))]
+"""CPU attention's packing (the transposed K: tiles and their remainders) on every page/block shape and element
+size, float16 (bfloat16's size: the same moves) twice; the packings that copy contiguous runs on two shapes."""
 
 
 @needs_kernel
