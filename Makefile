@@ -20,13 +20,15 @@ help: ## list the targets
 
 setup: $(STAMP) ## create .venv and install kvcache[dev,mooncake] (torch 2.13.0 CPU unless a torch is importable; libibverbs1)
 
-$(STAMP): pyproject.toml setup.py $(wildcard cache_service/*/*.pxd) scripts/setup.sh scripts/ensure_libibverbs.sh
+$(STAMP): pyproject.toml setup.py $(wildcard cache_service/*/*.pxd) engine_client/vllm/_block_copy.c scripts/setup.sh scripts/ensure_libibverbs.sh
 	@bash scripts/setup.sh "$(PYTHON)" "$(VENV)"
 	@touch $@
 
-native: setup ## rebuild the compiled hot path in place after editing its modules (cache_service/native.py)
+native: setup ## rebuild the compiled hot path in place after editing its modules (cache_service/native.py) or the vLLM host-copy kernel
 	@$(PY) setup.py -q build_ext --inplace > $(VENV)/native-build.log 2>&1 || { tail -30 $(VENV)/native-build.log; exit 1; }
 	@$(PY) -c 'from cache_service import native; print(f"[native] hot path: {native.mode()}")'
+	@$(PY) -c 'from engine_client.vllm import _block_copy as k; print(f"[native] vLLM host-copy kernel: built ({k.TILES})")' \
+		2>/dev/null || echo "[native] vLLM host-copy kernel: not built (host copies run numpy)"
 
 conformance-setup: $(CONFORMANCE)/.stamp ## NVIDIA Dynamo's KV indexer in its own venv (its pins clash with ours)
 

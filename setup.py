@@ -1,6 +1,8 @@
 """The compiled hot path: the modules of `cache_service/native.py`'s COMPILED, built with Cython in pure-Python
 mode (the `.py` is the one source; the `.pxd` beside it declares the C types), when Cython and a C compiler are
-there. Everything else about the package is in pyproject.toml.
+there, and the vLLM connector's host-copy kernel (`engine_client/vllm/_block_copy.c`, plain C: a C compiler is
+all it needs; `host_copy.py` runs its numpy path without it). Everything else about the package is in
+pyproject.toml.
 
 A module that fails to build is a warning, not a failed install: the service then runs the `.py` files (the
 build is all or nothing, see `native.py`). `pip install -e .` (what `make setup` runs) builds in place and
@@ -10,6 +12,7 @@ is never shadowed by a stale extension.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -25,10 +28,25 @@ from native import COMPILED, MANIFEST, PROFILED, source_hash  # noqa: E402  (cac
 sys.path.pop(0)
 
 
+BLOCK_COPY = "engine_client/vllm/_block_copy.c"
+"""The host copies' kernel: built with the source's hash in it, which host_copy.py checks against the source at
+import (an edited `.c` is never shadowed by a stale build)."""
+
+
+def _block_copy() -> Extension:
+    digest = hashlib.sha256((ROOT / BLOCK_COPY).read_bytes()).hexdigest()
+    return Extension("engine_client.vllm._block_copy", [BLOCK_COPY], optional=True,
+                     define_macros=[("KVCACHE_SOURCE_HASH", f'"{digest}"')], extra_compile_args=["-O3"])
+
+
 def _extensions() -> list[Extension]:
     if os.environ.get("KVCACHE_PURE_PYTHON"):
         print("[setup] KVCACHE_PURE_PYTHON is set: not compiling the hot path", file=sys.stderr)
         return []
+    return [_block_copy(), *_cython_extensions()]
+
+
+def _cython_extensions() -> list[Extension]:
     try:
         from Cython.Build import cythonize
     except ImportError:

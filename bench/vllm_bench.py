@@ -64,6 +64,7 @@ import torch
 
 from bench.common import REPO, machine_load
 from engine_client import KVCacheClient
+from engine_client.vllm import host_copy
 from engine_client.vllm.demo import KVCacheService, computed, tokens
 from engine_client.vllm.driver import EngineProcess, save_model
 from engine_client.vllm.transfer import (
@@ -163,8 +164,13 @@ def copy_cost(shape: dict[str, int], pages: int, rounds: int) -> dict[str, float
     """The connector's copy code on the bench model's layout (vLLM's CPU attention, pages at random places on
     both sides): us per page (all layers) to load and save, each round alternating with the bound measured
     on the same bytes (a contiguous copy of `pages` pages: numpy on one thread, torch's `copy_` on its
-    threads), medians of rounds. The copies use what the worker builds (`PoolLayer` once a pool, the index
-    once a step, the scratch buffers once a worker)."""
+    threads), medians of rounds; `load_numpy_us`/`save_numpy_us` are the same copies through host_copy's numpy
+    path (`numpy_only`), timed in the same rounds (equal to the others where the kernel is not built). Each timed
+    copy starts from the same state: an untimed contiguous copy of the same bytes before it reads every cache
+    clean (torch's `copy_` and numpy's writes leave dirty lines, which the next copy would otherwise write back
+    on its time). torch's `copy_` is timed after all of them: for a while after it, its OpenMP threads spin on the
+    other core, and whatever ran next (the bound included) took up to twice as long. The copies use what the
+    worker builds (`PoolLayer` once a pool, the index once a step, the scratch buffers once a worker)."""
     layers, heads, dim = shape["layers"], shape["kv_heads"], shape["head_dim"]
     num_blocks = pages * PAGE // BLOCK + 8
     pool = torch.randn(layers, 2, pages + 8, PAGE, heads, dim)
@@ -178,11 +184,12 @@ def copy_cost(shape: dict[str, int], pages: int, rounds: int) -> dict[str, float
     t = Transfers.build([(0, pages * PAGE, page_ids, block_ids)])
     page_bytes = layers * 2 * PAGE * heads * dim * 4
     src = np.ones(page_bytes * pages // 4, np.int32)
-    dst = np.empty_like(src)
+    dst, settle = np.empty_like(src), np.empty_like(src)
     tsrc, tdst = torch.from_numpy(src), torch.from_numpy(dst)
-    times: dict[str, list[float]] = {k: [] for k in ("numpy", "torch", "load", "save")}
+    times: dict[str, list[float]] = {k: [] for k in ("numpy", "torch", "load", "save", "load_numpy", "save_numpy")}
 
     def timed(key: str, fn: Any) -> None:
+        np.copyto(settle, src)  # untimed: the caches hold clean lines only, whatever ran before
         start = time.perf_counter()
         fn()
         times[key].append(time.perf_counter() - start)
@@ -197,14 +204,21 @@ def copy_cost(shape: dict[str, int], pages: int, rounds: int) -> dict[str, float
         for layer in range(layers):
             save_layer(views[layer], pool_layers[layer], index, scratch=scratch)
 
+    compiled = host_copy.kernel is not None
     with HostScratch() as scratch:
         for _ in range(rounds):
             timed("numpy", lambda: np.copyto(dst, src))
             timed("load", load)
-            timed("torch", lambda: tdst.copy_(tsrc))
+            with host_copy.numpy_only():
+                timed("load_numpy", load)
             timed("save", save)
+            with host_copy.numpy_only():
+                timed("save_numpy", save)
+    for _ in range(rounds):  # after the others: whatever runs next pays for its OpenMP threads' spinning
+        timed("torch", lambda: tdst.copy_(tsrc))
     us = {k: statistics.median(v) / pages * 1e6 for k, v in times.items()}
-    return {"load_us": us["load"], "save_us": us["save"], "memcpy_us": us["numpy"], "torch_us": us["torch"],
+    return {"load_us": us["load"], "save_us": us["save"], "load_numpy_us": us["load_numpy"],
+            "save_numpy_us": us["save_numpy"], "compiled": compiled, "memcpy_us": us["numpy"], "torch_us": us["torch"],
             "page_kib": page_bytes / 1024, "memcpy_gbps": page_bytes / us["numpy"] / 1e3,
             "torch_gbps": page_bytes / us["torch"] / 1e3, "torch_threads": torch.get_num_threads()}
 
@@ -625,15 +639,18 @@ def print_table(r: dict[str, Any], shape: dict[str, int], doc_tokens: int, chats
 
 
 def print_copy(c: dict[str, float], shape: dict[str, int]) -> None:
-    """The in-process copy rows: the copy code per full page beside the memcpy bound of the same run."""
+    """The in-process copy rows: the copy code per full page (compiled kernel and numpy path, same rounds)
+    beside the memcpy bound of the same run."""
     bound = c["memcpy_us"]
+    path = "compiled kernel" if c["compiled"] else "numpy path: the kernel is not built"
     print(f"worker side, one page = {c['page_kib']:.0f} KiB ({shape['layers']} layers, K+V): load "
-          f"{c['load_us']:.2f} us, save {c['save_us']:.2f} us a page (the copy code, full pages, median)")
+          f"{c['load_us']:.2f} us, save {c['save_us']:.2f} us a page (the copy code, {path}, full pages, median)")
+    print(f"  numpy path, same rounds: load {c['load_numpy_us']:.2f} us ({bound / c['load_numpy_us']:.0%}), save "
+          f"{c['save_numpy_us']:.2f} us ({bound / c['save_numpy_us']:.0%}) a page")
     print(f"  bound, same run: a contiguous copy of the same bytes {bound:.2f} us a page with numpy on one thread "
           f"({c['memcpy_gbps']:.1f} GB/s), {c['torch_us']:.2f} us with torch's copy_ on {c['torch_threads']} "
           f"threads ({c['torch_gbps']:.1f} GB/s); the copy code at {bound / c['load_us']:.0%} (load) and "
           f"{bound / c['save_us']:.0%} (save) of numpy's bandwidth (target >= 50%)")
-
 
 if __name__ == "__main__":
     sys.exit(main())

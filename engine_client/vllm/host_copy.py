@@ -1,25 +1,35 @@
 """Host copies between vLLM's CPU KV and a host pool (transfer.py's `load_layer` / `save_layer` on CPU).
 
-On CPU the copies run through numpy views of the same memory (bit-exact: elements are moved as integers
-of their size). The positions that fill whole vLLM blocks on whole pool pages (`BlockUnits`, found once
-a step: a prefill's saved blocks, a hit's loaded ones) move a chunk of blocks at a time (`_CHUNK_BYTES`)
-in three passes: gather the chunk's pages (a run of page_size tokens each), lay them out as vLLM's blocks
-in an image that stays in cache (CPU attention's transposed K is built there), write each block as one
-run (`HostBlocks`); a save mirrors it, all on the calling thread, in buffers the worker keeps
-(`HostScratch`). Scattering tokens straight into vLLM's blocks writes runs of 64 to 256 bytes at random
-places and costs more. Any other position (a partial first or last block, a decode step's token) goes
-through the per-token index: a gather of the pool's rows and a scatter into vLLM's blocks, for K and for
-V. No second thread: torch would split copies across vLLM's OpenMP threads (its CPU worker binds one per
-core and forbids `torch.set_num_threads` after that), and a copy split across OpenMP threads waits at a
-barrier for any thread the OS has descheduled (on this shared 2-core machine torch's vectorised transpose,
-`channel_shuffle`, took ~4 us a 256 KiB page on one thread and 35-1,400 us on two under load); a Python
-helper thread beside the caller (numpy releases the GIL) competes with vLLM's OpenMP thread spinning on
-the other core between its kernels (docs/vllm.md, "Copies near bandwidth").
+The positions that fill whole vLLM blocks on whole pool pages (`BlockUnits`, found once a step: a prefill's saved
+blocks, a hit's loaded ones) move through the compiled kernel (`_block_copy.c`, built by setup.py, the module
+`kernel`) where it is built: one pass a layer, a block at a time, head by head, its pool pages read and the block
+written (CPU attention's transposed K in SIMD tiles, contiguous runs copied whole), the memory of the block after
+next prefetched while this one moves, and the destination written with streaming stores (a save always: the pool is
+read by a later step; a load of `_STREAM_LOAD_BYTES` or more a layer, which would not stay in cache for the forward
+pass anyway). It is single-threaded and releases the GIL. Without the kernel (not built, a stale build,
+KVCACHE_PURE_PYTHON=1; `numpy_only()`) whole blocks move through numpy views of the same memory, a chunk of blocks
+at a time (`_CHUNK_BYTES`) in three passes: gather the chunk's pages (a run of page_size tokens each), lay them out
+as vLLM's blocks in an image that stays in cache, write each block as one run (`HostBlocks`), in buffers the worker
+keeps (`HostScratch`); a save mirrors it. The two paths are bit-exact (elements are moved as integers of their
+size) and tested equal (tests/engine_client/test_vllm_host_copy.py). Any other position (a partial first or last
+block, a decode step's token) goes through the per-token index: a gather of the pool's rows and a scatter into
+vLLM's blocks, for K and for V.
+
+No second thread: torch would split copies across vLLM's OpenMP threads (its CPU worker binds one per core and
+forbids `torch.set_num_threads` after that), and a copy split across OpenMP threads waits at a barrier for any
+thread the OS has descheduled; a helper thread beside the caller competes with vLLM's OpenMP thread spinning on
+the other core between its kernels (docs/vllm.md, "Copies near bandwidth", with the measured costs).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import numpy.typing as npt
@@ -28,6 +38,71 @@ from engine_client.vllm.kv_views import HostBlocks, LayerKV, PoolLayer
 from engine_client.vllm.transfer_index import BlockUnits, TransferIndex
 
 Int64Array = npt.NDArray[np.int64]
+
+
+def _load_kernel() -> ModuleType | None:
+    """The compiled kernel (`_block_copy.c`, built by setup.py) when it is built from the source beside it; None
+    (the numpy path) when it is not built, KVCACHE_PURE_PYTHON is set, or the build is stale (with a warning)."""
+    if os.environ.get("KVCACHE_PURE_PYTHON"):
+        return None
+    try:
+        from engine_client.vllm import _block_copy  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    source = Path(__file__).with_name("_block_copy.c")
+    if source.exists() and hashlib.sha256(source.read_bytes()).hexdigest() != _block_copy.SOURCE_HASH:
+        warnings.warn("kvcache: engine_client/vllm/_block_copy.c changed since it was compiled; host copies run "
+                      "numpy (run `make native` to rebuild)", RuntimeWarning, stacklevel=2)
+        return None
+    return _block_copy  # type: ignore[no-any-return]
+
+
+kernel: ModuleType | None = _load_kernel()
+"""The compiled whole-block kernel, or None: whole blocks then move through numpy (`numpy_only`)."""
+
+
+@contextmanager
+def numpy_only() -> Iterator[None]:
+    """Whole blocks move through the numpy path inside the `with` (the bench's before/after, the equality tests)."""
+    global kernel
+    held, kernel = kernel, None
+    try:
+        yield
+    finally:
+        kernel = held
+
+
+_STREAM_LOAD_BYTES = 1 << 20
+"""A load of this many bytes a layer or more writes vLLM's blocks with streaming stores (it would not stay in a
+core's 1 MiB L2 for the forward pass anyway); a smaller one writes through the cache, where attention reads
+it next. A save always streams: the pool's pages are read by a later step or another engine, not this one."""
+
+
+def _address(a: npt.NDArray[np.generic]) -> int:
+    return int(a.__array_interface__["data"][0])
+
+
+def _kernel_copy(pages: npt.NDArray[np.generic], whole: HostBlocks, units: BlockUnits, *, load: bool) -> bool:
+    """Move the units with the compiled kernel (a load: pool pages into vLLM's blocks; a save: back) and say
+    True, or say False where it does not apply: no kernel, a pool page whose heads are not `dim` contiguous
+    elements each, a block's run not contiguous, or pool and blocks of different element sizes."""
+    if kernel is None:
+        return False
+    size = whole.rows.itemsize
+    _, _, page_size, heads, dim = pages.shape
+    if pages.itemsize != size or pages.strides[4] != size or whole.rows.strides[1] != size:
+        return False
+    blocks = np.ascontiguousarray(units.blocks, np.int64)  # held until the kernel returns
+    page_ids = np.ascontiguousarray(units.pages, np.int64)
+    stream = not load or len(units) * whole.rows.shape[1] * size >= _STREAM_LOAD_BYTES
+    flags = kernel.PREFETCH_SRC | (kernel.STREAM if stream else 0)
+    # _block_copy.c's parameters, in its enum's order
+    params = np.array([int(load), size, len(units), page_ids.size // len(units), page_size, heads, dim,
+                       _address(blocks), _address(page_ids), _address(whole.rows), whole.rows.strides[0],
+                       whole.k_at[0], *whole.k_at[1], whole.v_at[0], *whole.v_at[1],
+                       _address(pages[0]), _address(pages[1]), *pages.strides[1:4], flags], np.int64)
+    kernel.copy_blocks(params)
+    return True
 
 
 _CHUNK_BYTES = 512 << 10
@@ -115,8 +190,11 @@ def _each_chunk(whole: HostBlocks, units: BlockUnits, scratch: HostScratch | Non
 
 def _load_blocks(pages: npt.NDArray[np.generic], whole: HostBlocks, units: BlockUnits,
                  scratch: HostScratch | None) -> None:
-    """Pool pages (`[2, pages, page_size, heads, dim]`) into whole vLLM blocks, a chunk at a time: gather the
-    chunk's pages (K, then V), lay them out as vLLM's blocks in a cached image, write each image as one run."""
+    """Pool pages (`[2, pages, page_size, heads, dim]`) into whole vLLM blocks: through the kernel where it applies,
+    else a chunk at a time: gather the chunk's pages (K, then V), lay them out as vLLM's blocks in a cached image,
+    write each image as one run."""
+    if _kernel_copy(pages, whole, units, load=True):
+        return
     bs, heads, dim = whole.shape
 
     def work(at: slice, on: Int64Array, image: npt.NDArray[np.generic], kv: tuple[npt.NDArray[np.generic], ...],
@@ -132,6 +210,8 @@ def _load_blocks(pages: npt.NDArray[np.generic], whole: HostBlocks, units: Block
 def _save_blocks(whole: HostBlocks, pages: npt.NDArray[np.generic], units: BlockUnits,
                  scratch: HostScratch | None) -> None:
     """Whole vLLM blocks into pool pages, a chunk at a time: the mirror of `_load_blocks`."""
+    if _kernel_copy(pages, whole, units, load=False):
+        return
     bs, heads, dim = whole.shape
 
     def work(at: slice, on: Int64Array, image: npt.NDArray[np.generic], kv: tuple[npt.NDArray[np.generic], ...],
