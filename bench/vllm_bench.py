@@ -5,6 +5,7 @@
     .venv/bin/python -m bench.vllm_bench --tp       # tensor parallel (TP=2) and the prefill/decode split instead
     .venv/bin/python -m bench.vllm_bench --mla      # an MLA model (DeepSeek-V2) instead
     .venv/bin/python -m bench.vllm_bench --window   # sliding-window models (Gemma-3-style, Mistral-style) instead
+    .venv/bin/python -m bench.vllm_bench --window --conversations 4   # long chats on pools of window rows apart
     .venv/bin/python -m bench.vllm_bench --copy     # the in-process copy rows only (no vLLM engines)
 
 The engines are real vLLM processes (`.venv-vllm`, `make vllm-setup`) driven through
@@ -44,6 +45,10 @@ question on each of 4 documents, engine B other questions on the same documents;
 engine under another cache salt (a cold prefix cache, one engine fewer on a 2-core machine). Reported: prompt
 tokens computed, TTFT, the pages B loaded (into every layer, and into the window layers: only the window
 before each hit point), and KV bytes per token: the pool's per layer group against vLLM's own allocation.
+
+With `--window --conversations N`, N conversations of 8 turns up to 16,384 tokens of a Gemma-3-style model (window
+512) on two pools of the same bytes, whole pages against window rows kept apart (`bench/vllm_window_chats.py`
+says how): the bytes each pool holds per conversation, and a second engine's hit rate and prefill tokens.
 
 Tokens with kvcache must equal vLLM alone. The machine is shared: times are medians, read them as such.
 """
@@ -495,11 +500,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mla", action="store_true", help="an MLA model (DeepSeek-V2), vLLM alone vs on kvcache, instead")
     p.add_argument("--window", action="store_true",
                    help="sliding-window models (Gemma-3-style, Mistral-style), vLLM alone vs on kvcache, instead")
+    p.add_argument("--conversations", type=int, default=0,
+                   help="with --window: N long conversations on pools of whole pages and of window rows apart")
     p.add_argument("--copy", action="store_true",
                    help="only the connector's copy code in this process, beside the memcpy bound (no vLLM engines)")
     p.add_argument("--rounds", type=int, default=0, help="rounds of the copy rows (default 20; 5 with --quick)")
     p.add_argument("--vllm-python", default=str(REPO / ".venv-vllm" / "bin" / "python"))
     args = p.parse_args(argv)
+    if (args.conversations and not args.window) or args.conversations < 0:
+        p.error("--conversations N takes --window and N > 0 (the long-chat workload runs a Gemma-3-style model)")
     rounds = args.rounds or (5 if args.quick else 20)
     if args.copy:
         shape = QUICK if args.quick else FULL
@@ -515,6 +524,11 @@ def main(argv: list[str] | None = None) -> int:
     doc_tokens, chats = (64, 2) if args.quick else (1024, 4)
     bursts, burst = (2, 8) if args.quick else (5, 32)
     work = Path(tempfile.mkdtemp(prefix="kvcache-vllm-bench-"))
+    if args.conversations:
+        from bench.vllm_window_chats import run as window_chats
+
+        print(f"[vllm_bench] logs in {work}")
+        return window_chats(python, work, args.conversations, args.quick)
     described = (f"random DeepSeek-V2 {MLA_SHAPE['layers']} layers x {MLA_SHAPE['hidden']} hidden, MLA" if args.mla
                  else f"random Gemma-3-style and Mistral-style, {WINDOW_SHAPE['hidden']} hidden, window "
                       f"{WINDOW_SHAPE['sliding_window']}" if args.window

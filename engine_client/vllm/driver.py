@@ -75,7 +75,8 @@ def save_tokenizer(out: str | Path, vocab: int = 512) -> int:
 
 def save_model(family: str, out: str | Path, *, layers: int = 2, hidden: int = 128, heads: int = 2,
                kv_heads: int = 2, head_dim: int = 64, intermediate: int = 256, vocab: int = 512, seed: int = 0,
-               dtype: str = "float32", sliding_window: int = 32, tokenizer: bool = False) -> Path:
+               dtype: str = "float32", sliding_window: int = 32, tokenizer: bool = False,
+               max_positions: int = 4096) -> Path:
     """A random-initialised checkpoint of `family` (`FAMILIES`) saved in `out` (nothing downloaded). deepseek_v2
     is MLA with vLLM's CPU kernel's latent (kv_lora_rank 512 + qk_rope_head_dim 64; `kv_heads` and `head_dim`
     do not apply), 4 routed experts of which 2 per token, its first layer dense, weights drawn with std 0.06 (at
@@ -83,7 +84,8 @@ def save_model(family: str, out: str | Path, *, layers: int = 2, hidden: int = 1
     layers amplify such changes). gemma3 (text-only Gemma-3) attends within the last `sliding_window` tokens in
     every layer but each sixth, which is full attention (Gemma-3's ratio; with fewer than six layers, the last);
     mistral attends within the window in every layer. With `tokenizer`, `save_tokenizer` writes one beside it and
-    the model's vocabulary is the tokenizer's (`<s>` and `</s>` its BOS and EOS)."""
+    the model's vocabulary is the tokenizer's (`<s>` and `</s>` its BOS and EOS). `max_positions`: the config's
+    `max_position_embeddings` (vLLM's longest `--max-model-len` for it)."""
     import torch
     from transformers import (
         DeepseekV2Config,
@@ -104,7 +106,7 @@ def save_model(family: str, out: str | Path, *, layers: int = 2, hidden: int = 1
         special = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": None}
     shape = {"vocab_size": vocab, "hidden_size": hidden, "intermediate_size": intermediate,
              "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-             "head_dim": head_dim, "max_position_embeddings": 4096, "tie_word_embeddings": False, **special}
+             "head_dim": head_dim, "max_position_embeddings": max_positions, "tie_word_embeddings": False, **special}
     torch.manual_seed(seed)
     if family == "llama":
         model = LlamaForCausalLM(LlamaConfig(**shape))

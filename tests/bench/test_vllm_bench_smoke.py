@@ -32,3 +32,26 @@ def test_vllm_bench_copy_prints_the_copy_rows_without_engines(capsys: pytest.Cap
     assert "worker side, one page = 32 KiB (2 layers, K+V)" in out
     assert "bound, same run: a contiguous copy of the same bytes" in out and "(target >= 50%)" in out
     assert "starting engines" not in out
+
+
+def test_vllm_bench_window_conversations_prints_both_pools(capsys: pytest.CaptureFixture[str]) -> None:
+    # The tiny Gemma-3-style model (window 32), 2 conversations of 3 turns of 72 + 24 tokens, on two pools of 24
+    # whole pages' bytes: 24 whole pages, or 52 pages of the full layer's rows and 18 window pages.
+    assert vllm_bench.main(["--window", "--conversations", "2", "--quick"]) == 0
+    out = capsys.readouterr().out
+    rows = {line[:28].strip(): line[28:].split() for line in out.splitlines() if line.startswith(("before:", "after:"))}
+    before, after = rows["before: whole pages"], rows["after: window rows apart"]
+    assert before[:3] == ["24", "-", "1/2"]  # 18 pages a conversation: 24 hold one whole
+    # each conversation whole: 18 pages and the window rows before its 3 turns' ends (2 window pages each): 0.75 MiB
+    assert after[:4] == ["52", "18", "2/2", "0.75"]
+    # B's replays hit each previous turn's end (0, 0, 96, 96, 192, 192 of 1,008 prompt tokens): 432 computed
+    assert after[4:6] == ["57.1%", "432"]
+    assert "target (full rows + the window before each turn's end, x1.2) 0.90 MiB" in out
+    assert "[vllm_bench] tokens equal on both pools (engine A's and engine B's): yes" in out
+    assert "[vllm_bench] after within the target: yes; kvcache's accounting invariant after the run: holds" in out
+
+
+def test_vllm_bench_conversations_need_window() -> None:
+    with pytest.raises(SystemExit) as e:
+        vllm_bench.main(["--conversations", "2"])
+    assert e.value.code == 2
