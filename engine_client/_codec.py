@@ -143,7 +143,7 @@ def heartbeat(r: pb.HeartbeatResponse) -> HeartbeatResult:
 
 
 def match(r: pb.MatchPrefixResponse) -> MatchResult:
-    return MatchResult(r.cached_tokens, unpack_pages(r), r.tier_tokens)
+    return MatchResult(r.cached_tokens, unpack_pages(r), r.tier_tokens, unpack_pages(r, "window_page_ids"))
 
 
 def opened(r: pb.OpenSessionResponse) -> OpenedSession:

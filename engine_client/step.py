@@ -682,4 +682,4 @@ class _ColumnResults:
                 opened = self._opened = dict(zip(opens, ids, strict=True))
             return _opened(opened[i], self._epochs[i], self._timeouts[i], self.instance_id)
         ends = self._ends
-        return _matched(self._cached[i], pages[ends[i]:ends[i + 1]], self._tier[i])
+        return _matched(self._cached[i], pages[ends[i]:ends[i + 1]], self._tier[i], self._window(i))

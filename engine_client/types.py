@@ -77,6 +77,10 @@ class MatchResult:
     page_ids: PageIds
     tier_tokens: int = 0
     """Of cached_tokens, how many only the service's tier holds (an append loads them; no page ids yet)."""
+    window_page_ids: PageIds = field(default_factory=no_pages)
+    """With a window pool: one per page_ids entry, its window page (0: dropped) when the service matched; those
+    of the pages the window before the match's end covers are nonzero. A probe pins nothing: read KV through a
+    session's append, whose ids are current. Empty for other pools."""
 
 
 @dataclass(frozen=True, slots=True)

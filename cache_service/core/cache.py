@@ -101,9 +101,10 @@ class KVCacheCore:
     # ================================================================== probes
 
     def match_prefix(self, token_ids: npt.ArrayLike, cache_salt: str = "") -> MatchResult:
-        """Read-only: how many leading tokens (whole pages) are cached under `cache_salt`. No LRU touch."""
+        """Read-only: how many leading tokens (whole pages) are cached under `cache_salt`, their pages and, with a
+        window pool, their window pages as they are now (nothing is pinned). No LRU touch."""
         cached, pages = self.ops.match(token_bytes(token_ids), cache_salt)
-        return MatchResult(cached, _pages(pages))
+        return MatchResult(cached, _pages(pages), window_page_ids(self.window, pages))
 
     # ================================================================== sessions
 

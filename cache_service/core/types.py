@@ -58,6 +58,10 @@ class MatchResult(NamedTuple):
 
     cached_tokens: int
     page_ids: PageArray
+    window_page_ids: PageArray = EMPTY_PAGES
+    """With a window pool: one per `page_ids` entry, its window page (0: dropped), read at the match. The match ends
+    where the `k` pages before its end (all, when fewer) have theirs (window.py `usable`); the probe pins nothing,
+    so later drops make them stale (docs/design.md §13). Empty otherwise."""
 
 
 class OpenResult(NamedTuple):

@@ -184,7 +184,7 @@ def run_columns(core: KVCacheCore, cols: pb.StepColumns, default_engine: str, wh
                 r_page_counts[i] = len(pages) >> 2
                 page_parts.append(pages)
                 if window is not None:
-                    win_parts.append(bytes(len(pages)))  # a match pins nothing: its answer names no window pages
+                    win_parts.append(window.window_of(pages))
             else:
                 raise KVCacheError(Reason.INVALID_ARGUMENT, f"ops[{i}] names no operation (set one of "
                                    f"{', '.join(KIND_NAMES.values())})", field="ops", index=i)

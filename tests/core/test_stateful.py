@@ -444,7 +444,11 @@ class Simulator:
         for pos in range(res.cached_tokens):
             page = int(res.page_ids[pos // PAGE_SIZE])
             assert self.kv[page, pos % PAGE_SIZE] == fingerprint(salt, probe[: pos + 1])
-        self.check_window(salt, probe, res.page_ids.tolist(), res.cached_tokens, "match")
+        pages, windows = res.page_ids.tolist(), res.window_page_ids.tolist()
+        window = self.core.window
+        # The probe's window ids are the core's at the answer, one per page: a reader at its end finds its window.
+        assert windows == ([window.win[p] for p in pages] if window is not None else [])
+        self.check_window(salt, probe, pages, res.cached_tokens, "match", windows)
 
     # ------------------------------------------------------------------ the tier
 

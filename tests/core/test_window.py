@@ -265,6 +265,35 @@ def test_a_duplicates_window_page_moves_to_the_trees_page_and_the_next_delta_say
     core.commit("b", toks(4))
 
 
+def test_a_match_sends_each_pages_window_page_nonzero_only_before_its_hit_points(
+        make_core: Callable[..., CheckedCore]) -> None:
+    core = make_core(32, PS, window_pages=32, window_tokens=W)
+    prompt, answer = toks(range(1, 25)), toks(range(100, 108))
+    chat_turn(core, "a", prompt, answer)
+    first = np.concatenate([prompt, answer])
+    m = core.match_prefix(first)
+    assert (m.cached_tokens, m.page_ids.tolist(), m.window_page_ids.tolist()) == (
+        28, [1, 2, 3, 4, 5, 6, 7], [0, 0, 0, 0, 0, 6, 7])
+    assert m.window_page_ids.dtype == np.int32
+    # A second turn of the chat: its commit's end (12 pages) is a hit point beside the first turn's (7 pages). Its
+    # new pages 8-13 took window pages 8, 1, 2, 3, 4, 5 (those "a" dropped came back first); its commit kept 3-4.
+    second = np.concatenate([first, toks(range(200, 212))])
+    chat_turn(core, "b", second, toks(range(300, 308)))
+    context = np.concatenate([second, toks(range(300, 308))])
+    m = core.match_prefix(context)
+    assert (m.cached_tokens, m.page_ids.tolist(), m.window_page_ids.tolist()) == (
+        48, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [0, 0, 0, 0, 0, 6, 7, 0, 0, 0, 3, 4])
+    # A probe of 10 pages ends at the hit point before them: pages 8-10 of the path lack the window before 40.
+    m = core.match_prefix(context[:40])
+    assert (m.cached_tokens, m.page_ids.tolist(), m.window_page_ids.tolist()) == (
+        28, [1, 2, 3, 4, 5, 6, 7], [0, 0, 0, 0, 0, 6, 7])
+    m = core.match_prefix(context[:24])  # no window is whole before 24
+    assert (m.cached_tokens, m.page_ids.tolist(), m.window_page_ids.tolist()) == (0, [], [])
+    # A probe reads, it pins nothing: the accounting is the chat's.
+    st = core.stats()
+    assert (st.window_held_pages, st.window_free_pages, st.window_cut_hit_tokens) == (4, 27, 0)
+
+
 def test_a_pool_without_window_pages_sends_no_window_page_ids(make_core: Callable[..., CheckedCore]) -> None:
     core = make_core(32, PS)
     core.open_session("a")
@@ -273,3 +302,6 @@ def test_a_pool_without_window_pages_sends_no_window_page_ids(make_core: Callabl
     assert (r.page_ids.tolist(), r.window_page_ids.tolist(), x.page_ids.tolist(), x.window_page_ids.tolist()) == (
         [1, 2, 3, 4], [], [5], [])
     core.commit("a", toks(1))
+    core.close("a", cache=True)
+    m = core.match_prefix(toks(range(1, 10)))
+    assert (m.cached_tokens, m.page_ids.tolist(), m.window_page_ids.tolist()) == (8, [1, 2], [])

@@ -23,7 +23,7 @@ from engine_client import (
     SessionBusy,
     check_layout,
 )
-from engine_client._codec import pack_tokens, pool_info
+from engine_client._codec import match, pack_tokens, pool_info
 from engine_client.errors import KVCacheClientError, PoolMappingError, error_from_rpc
 from protos.kvcache.v1 import kvcache_pb2 as pb
 
@@ -174,3 +174,20 @@ def test_check_layout_compares_the_window_and_names_the_flags_that_fit() -> None
                      head_dim=64, dtype="float32", sliding_window=32, window_layers=(0, 1, 2, 3))
     assert str(err.value).endswith("--dtype float32 --sliding-window 32` (make run ARGS=\"--num-layers 4 "
                                    "--num-kv-heads 2 --head-dim 64 --dtype float32 --sliding-window 32\")")
+
+
+@pytest.mark.parametrize("response", [
+    pb.MatchPrefixResponse(cached_tokens=8, page_ids=[3, 4], window_page_ids=[0, 7]),
+    pb.MatchPrefixResponse(cached_tokens=8, packed_page_ids=np.array([3, 4], "<i4").tobytes(),
+                           packed_window_page_ids=np.array([0, 7], "<i4").tobytes()),
+], ids=["listed", "packed"])
+def test_a_matchs_window_page_ids_are_read_listed_or_packed(response: pb.MatchPrefixResponse) -> None:
+    got = match(response)
+    assert (got.cached_tokens, got.page_ids.tolist(), got.window_page_ids.tolist(), got.tier_tokens) == (
+        8, [3, 4], [0, 7], 0)
+    assert got.window_page_ids.dtype == np.int32 and got.window_page_ids.flags.writeable  # the record's own
+
+
+def test_a_one_region_pools_match_has_no_window_page_ids() -> None:
+    got = match(pb.MatchPrefixResponse(cached_tokens=4, packed_page_ids=np.array([3], "<i4").tobytes()))
+    assert (got.page_ids.tolist(), got.window_page_ids.tolist()) == ([3], [])

@@ -359,7 +359,7 @@ def test_an_int32_array_packs_as_the_generic_path_does() -> None:
     (ExtendResult, ("s", 7, 1, 64, 3, np.array([6], dtype=np.int32), 4, np.array([1], dtype=np.int32))),
     (CommitResult, ("s", 66, 65, 5, False)),
     (CloseResult, ("s", True, 64)),
-    (MatchResult, (32, np.array([4, 5], dtype=np.int32), 0)),
+    (MatchResult, (32, np.array([4, 5], dtype=np.int32), 0, np.array([0, 3], dtype=np.int32))),
 ], ids=lambda v: v.__name__ if isinstance(v, type) else "")
 def test_records_made_for_column_results_are_the_records_themselves(cls: type, values: tuple[Any, ...]) -> None:
     made = _record_maker(cls)(*values)

@@ -1,16 +1,18 @@
 """A pool that keeps its window rows apart (--window-pages, docs/design.md §13) over gRPC: GetPoolInfo names both
 regions, and every way an engine gets a page table (AppendSession and ExtendSession alone, listed or packed; Step
-as messages or as columns) carries the same window page ids beside the page ids. A one-region pool sends none."""
+as messages or as columns) or probes one (MatchPrefix, a Step's match op) carries the same window page ids beside
+the page ids. A one-region pool sends none."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import pytest
 
-from engine_client import ClientOptions, KVCacheClient
+from engine_client import AsyncKVCacheClient, ClientOptions, KVCacheClient
 from engine_client.step import StepBatch
 from kvcache_common.layout import PoolLayout
 from protos.kvcache.v1 import kvcache_pb2 as pb
@@ -162,6 +164,102 @@ def test_a_one_region_pool_sends_no_window_page_ids(start_thread_server: Callabl
     deltas = scenario(PATHS[path](server))
     assert [d[2] for d in deltas] == [[], [], [], []]
     assert deltas[0][:2] == (0, [1, 2, 3, 4, 5, 6, 7, 8])
+
+
+Probe = tuple[int, list[int], list[int]]
+"""A match's cached_tokens, page ids and window page ids."""
+
+
+def _listed(stub: Any, packed: bool, tokens: list[int]) -> Probe:
+    r = stub.MatchPrefix(pb.MatchPrefixRequest(token_ids=tokens, packed_response=packed), timeout=10)
+    if packed:
+        assert not r.page_ids and not r.window_page_ids
+        return (r.cached_tokens, np.frombuffer(r.packed_page_ids, "<i4").tolist(),
+                np.frombuffer(r.packed_window_page_ids, "<i4").tolist())
+    assert not r.packed_page_ids and not r.packed_window_page_ids
+    return r.cached_tokens, list(r.page_ids), list(r.window_page_ids)
+
+
+def _probed(records: Sequence[Any]) -> list[Probe]:
+    return [(r.cached_tokens, r.page_ids.tolist(), r.window_page_ids.tolist()) for r in records]
+
+
+def _aio_probes(target: str, probes: list[list[int]]) -> list[Probe]:
+    async def run() -> list[Any]:
+        async with AsyncKVCacheClient(target) as client:
+            return [await client.match_prefix(tokens) for tokens in probes]
+    return _probed(asyncio.run(run()))
+
+
+def _client_probes(target: str, probes: list[list[int]]) -> list[Probe]:
+    with KVCacheClient(target) as client:
+        return _probed([client.match_prefix(tokens) for tokens in probes])
+
+
+def _stepped_probes(target: str, probes: list[list[int]], columns: bool, lane: bool) -> list[Probe]:
+    """Every probe a match op of one Step: each op's window ids are its own slice of the answer's."""
+    with KVCacheClient(target, ClientOptions(step_lane=lane)) as client:
+        batch = StepBatch(columns=columns)
+        outcomes = [batch.match(tokens) for tokens in probes]
+        client.step(batch)
+        assert (client._lane is not None) == lane
+        return _probed([o.value for o in outcomes])
+
+
+MATCH_PATHS: dict[str, Callable[[ThreadServer, list[list[int]]], list[Probe]]] = {
+    "unary-listed": lambda s, probes: [_listed(s.stub, False, t) for t in probes],
+    "unary-packed": lambda s, probes: [_listed(s.stub, True, t) for t in probes],
+    "client": lambda s, probes: _client_probes(s.target, probes),
+    "aio-client": lambda s, probes: _aio_probes(s.target, probes),
+    "step-messages": lambda s, probes: _stepped_probes(s.target, probes, columns=False, lane=True),
+    "step-columns": lambda s, probes: _stepped_probes(s.target, probes, columns=True, lane=True),
+    "step-messages-grpc": lambda s, probes: _stepped_probes(s.target, probes, columns=False, lane=False),
+    "step-columns-grpc": lambda s, probes: _stepped_probes(s.target, probes, columns=True, lane=False),
+}
+
+TURN = list(range(200, 212))
+ANSWER2 = list(range(300, 308))
+CHAT = PROMPT + ANSWER + TURN + ANSWER2
+"""Two turns of one chat as regular requests: their committed ends are hit points at 7 and 12 pages."""
+
+
+def chat(server: ThreadServer) -> list[list[int]]:
+    """The chat's two turns, each cached at its close; returns the probes: the whole chat, a prefix of 10 pages
+    (its window before 40 is gone), the first prompt (no window is whole before 24)."""
+    api = Unary(server, packed=True)
+    api.open("a", False)
+    api.append("a", PROMPT, 8)
+    api.commit("a", ANSWER)
+    api.close("a")
+    api.open("b", False)
+    api.append("b", PROMPT + ANSWER + TURN, 8)
+    api.commit("b", ANSWER2)
+    api.close("b")
+    return [CHAT, CHAT[:40], PROMPT]
+
+
+@pytest.mark.parametrize("path", list(MATCH_PATHS))
+def test_a_match_carries_each_pages_window_page_nonzero_only_before_its_hit_points(
+        start_thread_server: Callable[..., ThreadServer], path: str) -> None:
+    server = start_thread_server(**WINDOW)
+    assert MATCH_PATHS[path](server, chat(server)) == [
+        # the window before each turn's end (pages 6-7 and the second turn's last two) kept, the rest dropped
+        (48, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [0, 0, 0, 0, 0, 6, 7, 0, 0, 0, 3, 4]),
+        (28, [1, 2, 3, 4, 5, 6, 7], [0, 0, 0, 0, 0, 6, 7]),  # cut back to the first turn's end
+        (0, [], []),
+    ]
+    st = server.verify()  # a probe pins nothing and changes no count
+    assert (st.window_held_pages, st.window_free_pages, st.window_cut_hit_tokens, st.radix_locked_pages) == (
+        4, 27, 0, 0)
+
+
+@pytest.mark.parametrize("path", list(MATCH_PATHS))
+def test_a_one_region_pools_match_sends_no_window_page_ids(start_thread_server: Callable[..., ThreadServer],
+                                                            path: str) -> None:
+    server = start_thread_server(**{**WINDOW, "window_pages": 0})
+    probes = MATCH_PATHS[path](server, chat(server))
+    assert [p[2] for p in probes] == [[], [], []]
+    assert [p[0] for p in probes] == [48, 40, 24]  # every layer's rows kept: each probe hits all its whole pages
 
 
 def test_get_pool_info_names_both_regions(start_thread_server: Callable[..., ThreadServer]) -> None:

@@ -268,16 +268,20 @@ class MatchPrefixRequest(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., packed_token_ids: _Optional[bytes] = ..., cache_salt: _Optional[str] = ..., packed_response: _Optional[bool] = ...) -> None: ...
 
 class MatchPrefixResponse(_message.Message):
-    __slots__ = ("cached_tokens", "page_ids", "packed_page_ids", "tier_tokens")
+    __slots__ = ("cached_tokens", "page_ids", "packed_page_ids", "tier_tokens", "window_page_ids", "packed_window_page_ids")
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     PACKED_PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     TIER_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_WINDOW_PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     cached_tokens: int
     page_ids: _containers.RepeatedScalarFieldContainer[int]
     packed_page_ids: bytes
     tier_tokens: int
-    def __init__(self, cached_tokens: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., packed_page_ids: _Optional[bytes] = ..., tier_tokens: _Optional[int] = ...) -> None: ...
+    window_page_ids: _containers.RepeatedScalarFieldContainer[int]
+    packed_window_page_ids: bytes
+    def __init__(self, cached_tokens: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., packed_page_ids: _Optional[bytes] = ..., tier_tokens: _Optional[int] = ..., window_page_ids: _Optional[_Iterable[int]] = ..., packed_window_page_ids: _Optional[bytes] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("session_id", "streaming", "timeout_seconds", "cache_salt", "engine_id", "parent_session_id")
