@@ -71,8 +71,8 @@ class Shape:
 
 FULL = Shape(hidden=512, intermediate=1024, heads=8, window=512, turns=8, user=1792, answer=256,
              pool_tokens=32768, window_share=0.35)
-QUICK = Shape(hidden=128, intermediate=256, heads=2, kv_heads=2, window=32, turns=3, user=72, answer=24,
-              pool_tokens=384, window_share=0.35)
+QUICK = Shape(hidden=128, intermediate=256, heads=2, kv_heads=2, window=32, turns=4, user=80, answer=16,
+              pool_tokens=576, window_share=0.4)
 B_TOKENS = 4
 """Tokens engine B generates for each replayed prompt."""
 
@@ -195,6 +195,7 @@ def chats(sides: list[Side], shape: Shape, conversations: int) -> tuple[list[lis
             req = {"prompt": contexts[c], "max_tokens": 1}
             for s in sides:  # alternating: the two pools' requests close in time
                 assert s.a is not None
+                settle(s.service.target)  # the previous request committed: each pool sees one order of events
                 s.a_tokens.append(s.a.generate([req])[0]["tokens"])
     for s in sides:
         settle(s.service.target)
@@ -204,6 +205,7 @@ def chats(sides: list[Side], shape: Shape, conversations: int) -> tuple[list[lis
         req = {"prompt": prompt, "max_tokens": B_TOKENS}
         for s in sides:
             assert s.b is not None
+            settle(s.service.target)
             s.b_out.append(s.b.generate([req])[0])
         if (i + 1) % conversations == 0:
             print(f"[vllm_bench]   {i + 1}/{len(prompts)}")
@@ -237,9 +239,9 @@ def report(sides: list[Side], shape: Shape, conversations: int, prompt_tokens: i
         hit = sum(o["num_cached_tokens"] for o in s.b_out)
         total = prompt_tokens
         st = s.stats_b
-        per = s.held_bytes / s.held / 2**20 if s.held else 0.0
+        per = f"{s.held_bytes / s.held / 2**20:.2f}" if s.held else "-"
         print(f"{s.label + (': whole pages' if not s.window_pages else ': window rows apart'):<28}{s.num_pages:>8,}"
-              f"{s.window_pages or '-':>11}{f'{s.held}/{conversations}':>12}{per:>12.2f}"
+              f"{f'{s.window_pages:,}' if s.window_pages else '-':>11}{f'{s.held}/{conversations}':>12}{per:>12}"
               f"{hit / total if total else 0:>12.1%}{total - hit:>11,}"
               f"{statistics.median(o['ttft'] for o in s.b_out) * 1000:>9.0f} ms"
               f"{st.window_policy_dropped_pages + st.window_pressure_dropped_pages:>13,}{st.evicted_pages:>9,}")
