@@ -264,7 +264,8 @@ def test_bad_session_requests_get_sglangs_own_error_and_leak_nothing(rig: Rig) -
     """A session id SGLang does not know, turns of a streaming session that are not appends, a closed session:
     SGLang's own error, kvcache's sessions unchanged by each, the session's next good turn an append as before
     (the invariant fixture checks kvcache's pool after; SGLang's strict idle check would stop its scheduler)."""
-    with rig.client() as c:
+    with rig.client() as c:  # no turn of an earlier test still committing: the end compares against this
+        wait_until(lambda: all(state != "IN_TURN" for _, state, _ in sessions(c)), "no session in a turn")
         before = sessions(c)
     refused(rig.a, "Invalid request: session id nope does not exist", tokens(20), "nope")
     rig.a.open_session("chat-bad")
