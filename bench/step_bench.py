@@ -169,7 +169,7 @@ def _engine(target: str, index: int, use_step: bool, seconds: float, start_at: f
     while time.time() < start_at:
         time.sleep(0.001)
     done = 0
-    end = start_at + seconds
+    end = max(start_at, time.time()) + seconds  # a worker spawned late on a loaded machine still runs its window
     while time.time() < end:
         done += one_step()
     channel.close()
