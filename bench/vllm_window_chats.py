@@ -31,7 +31,6 @@ agree between the pools, and so must A's.
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -39,9 +38,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import machine_load
+from cache_service.core.window import window_span
 from engine_client import KVCacheClient
 from engine_client.vllm.demo import KVCacheService, tokens
 from engine_client.vllm.driver import EngineProcess, save_model
+from kvcache_common.layout import DTYPE_BYTES, window_flags
+from kvcache_common.model import ModelLayout, read_model_layout
 
 PAGE = 16
 
@@ -63,8 +65,12 @@ class Shape:
     head_dim: int = 64
     layers: int = 6
 
+    @property
+    def conversation_tokens(self) -> int:
+        return self.turns * (self.user + self.answer)
+
     def vllm_args(self) -> tuple[str, ...]:
-        longest = self.turns * (self.user + self.answer) + 64
+        longest = self.conversation_tokens + 64
         return ("--block-size", "32", "--max-model-len", str(longest), "--kv-cache-mib", "512" if longest > 4096
                 else "64", "--max-num-seqs", "8", "--max-num-batched-tokens", "8192")
 
@@ -79,10 +85,11 @@ B_TOKENS = 4
 
 @dataclass
 class Side:
-    """One pool and its two engines, and what they measured."""
+    """One pool, a client of it and its two engines, and what they measured."""
 
     label: str
     service: KVCacheService
+    client: KVCacheClient
     num_pages: int
     window_pages: int
     a: EngineProcess | None = None
@@ -91,63 +98,61 @@ class Side:
     b_out: list[dict[str, Any]] = field(default_factory=list)
     held: int = 0
     held_bytes: int = 0
-    window_held: int = 0
-    stats_a: Any = None
     stats_b: Any = None
     layout: Any = None
     holds: bool = False
 
+    def close(self) -> None:
+        for e in (self.a, self.b):
+            if e is not None:
+                e.close()
+        self.client.close()
+        self.service.close()
 
-def pool_split(shape: Shape, share: float) -> tuple[int, int]:
+
+def pool_split(shape: Shape, layout: ModelLayout, share: float) -> tuple[int, int]:
     """(usable pages, usable window pages) of a pool of `shape.pool_tokens` tokens of whole pages' bytes: all
     whole pages without `share`, else pages of full rows and `share` window pages a page in the same bytes."""
-    layer_token = 2 * shape.kv_heads * shape.head_dim * 4
-    window_layers = shape.layers - shape.layers // 6
-    whole = shape.layers * layer_token * PAGE
-    budget = shape.pool_tokens // PAGE * whole
     if not share:
         return shape.pool_tokens // PAGE, 0
-    num = int(budget / ((shape.layers - window_layers) * layer_token * PAGE + share * window_layers * layer_token
-                        * PAGE))
+    layer_page = 2 * layout.num_kv_heads * layout.head_dim * DTYPE_BYTES["float32"] * PAGE
+    windowed = len(layout.window_layers)
+    num = int(shape.pool_tokens // PAGE * layout.num_layers * layer_page
+              / ((layout.num_layers - windowed) * layer_page + share * windowed * layer_page))
     return num, int(num * share)
 
 
-def start_side(label: str, shape: Shape, work: Path, share: float) -> Side:
-    num, wpages = pool_split(shape, share)
-    flags = ["--sliding-window", str(shape.window), "--window-layers", f"0-{shape.layers - 2}"]
+def start_side(label: str, shape: Shape, layout: ModelLayout, work: Path, share: float) -> Side:
+    num, wpages = pool_split(shape, layout, share)
+    flags = window_flags(layout.sliding_window, layout.window_layers, layout.num_layers).split()
     if wpages:
         flags += ["--window-pages", str(wpages + 1)]  # window page 0: none
-    service = KVCacheService(work / f"kvcache-{label}.log", layers=shape.layers, kv_heads=shape.kv_heads,
-                             head_dim=shape.head_dim, num_pages=num + 1, args=tuple(flags))
-    return Side(label, service, num, wpages)
+    service = KVCacheService(work / f"kvcache-{label}.log", layers=layout.num_layers, kv_heads=layout.num_kv_heads,
+                             head_dim=layout.head_dim, num_pages=num + 1, args=tuple(flags))
+    return Side(label, service, KVCacheClient(service.target), num, wpages)
 
 
 def held_bytes(side: Side, contexts: list[list[int]]) -> None:
     """What the pool holds of each conversation whose whole context is cached (a read-only probe)."""
-    with KVCacheClient(side.service.target) as client:
-        side.layout = client.get_pool_info().layout
-        for ctx in contexts:
-            m = client.match_prefix(ctx)
-            if m.cached_tokens < len(ctx) // PAGE * PAGE:  # A's last request: the whole context and one token
-                continue
-            windows = sum(1 for w in m.window_page_ids if w)
-            side.held += 1
-            side.window_held += windows
-            side.held_bytes += (len(m.page_ids) * side.layout.bytes_per_page
-                                + windows * side.layout.bytes_per_window_page)
-        side.stats_a = client.get_stats()
+    side.layout = side.client.get_pool_info().layout
+    for ctx in contexts:
+        m = side.client.match_prefix(ctx)
+        if m.cached_tokens < len(ctx) // PAGE * PAGE:  # A's last request: the whole context and one token
+            continue
+        side.held += 1
+        side.held_bytes += (len(m.page_ids) * side.layout.bytes_per_page
+                            + sum(1 for w in m.window_page_ids if w) * side.layout.bytes_per_window_page)
 
 
-def settle(target: str, timeout: float = 60.0) -> None:
+def settle(side: Side, timeout: float = 60.0) -> None:
     """Every request's commit landed (the connector sends finishes asynchronously)."""
-    with KVCacheClient(target) as client:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            st = client.get_stats()
-            if st.sessions_in_turn == 0 and st.in_flight_pages == 0:
-                return
-            time.sleep(0.1)
-    raise SystemExit(f"[vllm_bench] kvcache at {target}: requests still in flight after {timeout:.0f} s")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = side.client.get_stats()
+        if st.sessions_in_turn == 0 and st.in_flight_pages == 0:
+            return
+        time.sleep(0.1)
+    raise SystemExit(f"[vllm_bench] kvcache at {side.service.target}: requests still in flight after {timeout:.0f} s")
 
 
 def run(python: Path, work: Path, conversations: int, quick: bool) -> int:
@@ -158,12 +163,13 @@ def run(python: Path, work: Path, conversations: int, quick: bool) -> int:
     model = save_model("gemma3", work / "gemma3-chats", layers=shape.layers, hidden=shape.hidden,
                        heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
                        intermediate=shape.intermediate, sliding_window=shape.window,
-                       max_positions=max(4096, shape.turns * (shape.user + shape.answer) + 64))
-    chat_tokens = shape.turns * (shape.user + shape.answer)
+                       max_positions=max(4096, shape.conversation_tokens + 64))
+    layout = read_model_layout(model)
     print(f"[vllm_bench] machine load {machine_load()}; {conversations} conversations x {shape.turns} turns of "
-          f"{shape.user} + {shape.answer} tokens ({chat_tokens:,} a conversation), window {shape.window}, pools of "
-          f"{shape.pool_tokens:,} tokens of whole pages")
-    sides = [start_side("before", shape, work, 0.0), start_side("after", shape, work, shape.window_share)]
+          f"{shape.user} + {shape.answer} tokens ({shape.conversation_tokens:,} a conversation), window "
+          f"{shape.window}, pools of {shape.pool_tokens:,} tokens of whole pages")
+    sides = [start_side("before", shape, layout, work, 0.0),
+             start_side("after", shape, layout, work, shape.window_share)]
     try:
         engines = start(python, model, work, {
             f"{s.label}-{e}": {"args": (*shape.vllm_args(), *(("--no-prefix-caching",) if e == "b" else ())),
@@ -173,10 +179,7 @@ def run(python: Path, work: Path, conversations: int, quick: bool) -> int:
         prompts, same = chats(sides, shape, conversations)
     finally:
         for s in sides:
-            for e in (s.a, s.b):
-                if e is not None:
-                    e.close()
-            s.service.close()
+            s.close()
     return 0 if report(sides, shape, conversations, sum(map(len, prompts)), same) else 1
 
 
@@ -195,25 +198,23 @@ def chats(sides: list[Side], shape: Shape, conversations: int) -> tuple[list[lis
             req = {"prompt": contexts[c], "max_tokens": 1}
             for s in sides:  # alternating: the two pools' requests close in time
                 assert s.a is not None
-                settle(s.service.target)  # the previous request committed: each pool sees one order of events
+                settle(s)  # the previous request committed: each pool sees one order of events
                 s.a_tokens.append(s.a.generate([req])[0]["tokens"])
     for s in sides:
-        settle(s.service.target)
+        settle(s)
         held_bytes(s, contexts)
     print(f"[vllm_bench] engine B replays {len(prompts)} prompts on both pools")
     for i, prompt in enumerate(prompts):
         req = {"prompt": prompt, "max_tokens": B_TOKENS}
         for s in sides:
             assert s.b is not None
-            settle(s.service.target)
+            settle(s)
             s.b_out.append(s.b.generate([req])[0])
         if (i + 1) % conversations == 0:
             print(f"[vllm_bench]   {i + 1}/{len(prompts)}")
     for s in sides:
-        settle(s.service.target)
-        with KVCacheClient(s.service.target) as client:
-            st = client.get_stats(verify=True)
-        s.stats_b = st
+        settle(s)
+        st = s.stats_b = s.client.get_stats(verify=True)
         s.holds = bool(st.verified and st.accounting_holds)
     before, after = sides
     same = (before.a_tokens == after.a_tokens
@@ -224,8 +225,8 @@ def chats(sides: list[Side], shape: Shape, conversations: int) -> tuple[list[lis
 def target_bytes(side: Side, shape: Shape) -> float:
     """A conversation's full rows for every position plus the window rows before each turn's end, x1.2."""
     layout = side.layout
-    pages = shape.turns * (shape.user + shape.answer) // PAGE
-    k = math.ceil((shape.window - 1) / PAGE)
+    pages = shape.conversation_tokens // PAGE
+    k = window_span(shape.window, PAGE)
     return 1.2 * (pages * layout.bytes_per_page + shape.turns * k * layout.bytes_per_window_page)
 
 
@@ -234,21 +235,19 @@ def report(sides: list[Side], shape: Shape, conversations: int, prompt_tokens: i
     print()
     print(f"{'pool (same bytes)':<28}{'pages':>8}{'window pg':>11}{'chats held':>12}{'MiB / chat':>12}"
           f"{'B hit rate':>12}{'B prefill':>11}{'B TTFT p50':>12}{'win dropped':>13}{'evicted':>9}")
-    ok = same
     for s in sides:
         hit = sum(o["num_cached_tokens"] for o in s.b_out)
-        total = prompt_tokens
         st = s.stats_b
-        per = f"{s.held_bytes / s.held / 2**20:.2f}" if s.held else "-"
+        mib = f"{s.held_bytes / s.held / 2**20:.2f}" if s.held else "-"
         print(f"{s.label + (': whole pages' if not s.window_pages else ': window rows apart'):<28}{s.num_pages:>8,}"
-              f"{f'{s.window_pages:,}' if s.window_pages else '-':>11}{f'{s.held}/{conversations}':>12}{per:>12}"
-              f"{hit / total if total else 0:>12.1%}{total - hit:>11,}"
+              f"{f'{s.window_pages:,}' if s.window_pages else '-':>11}{f'{s.held}/{conversations}':>12}{mib:>12}"
+              f"{hit / prompt_tokens if prompt_tokens else 0:>12.1%}{prompt_tokens - hit:>11,}"
               f"{statistics.median(o['ttft'] for o in s.b_out) * 1000:>9.0f} ms"
               f"{st.window_policy_dropped_pages + st.window_pressure_dropped_pages:>13,}{st.evicted_pages:>9,}")
-        ok = ok and s.holds
+    holds = all(s.holds for s in sides)
     after = sides[1]
     target = target_bytes(after, shape) / 2**20
-    whole = shape.turns * (shape.user + shape.answer) // PAGE * sides[0].layout.bytes_per_page / 2**20
+    whole = shape.conversation_tokens // PAGE * sides[0].layout.bytes_per_page / 2**20
     per = after.held_bytes / after.held / 2**20 if after.held else 0.0
     print(f"per conversation: every layer's rows {whole:.2f} MiB; target (full rows + the window before each turn's "
           f"end, x1.2) {target:.2f} MiB; after holds {per:.2f} MiB ({per / whole if whole else 0:.2f}x of whole "
@@ -257,5 +256,5 @@ def report(sides: list[Side], shape: Shape, conversations: int, prompt_tokens: i
           f"{'yes' if same else 'NO'}")
     within = bool(after.held) and per <= target
     print(f"[vllm_bench] after within the target: {'yes' if within else 'no'}; kvcache's accounting invariant "
-          f"after the run: {'holds' if all(s.holds for s in sides) else 'BROKEN'}")
-    return ok and within
+          f"after the run: {'holds' if holds else 'BROKEN'}")
+    return same and holds and within

@@ -56,13 +56,18 @@ class Unary:
         self.stub.CloseSession(pb.CloseSessionRequest(session_id=sid, cache=True), timeout=10)
 
 
-def _delta(r: Any, packed: bool) -> Delta:
+def _ids(r: Any, packed: bool) -> tuple[list[int], list[int]]:
+    """A response's page ids and window page ids, from the form `packed` asked for (the other form empty)."""
     if packed:
         assert not r.page_ids and not r.window_page_ids
-        return (r.page_offset, np.frombuffer(r.packed_page_ids, "<i4").tolist(),
+        return (np.frombuffer(r.packed_page_ids, "<i4").tolist(),
                 np.frombuffer(r.packed_window_page_ids, "<i4").tolist())
     assert not r.packed_page_ids and not r.packed_window_page_ids
-    return r.page_offset, list(r.page_ids), list(r.window_page_ids)
+    return list(r.page_ids), list(r.window_page_ids)
+
+
+def _delta(r: Any, packed: bool) -> Delta:
+    return (r.page_offset, *_ids(r, packed))
 
 
 class Stepped:
@@ -172,12 +177,7 @@ Probe = tuple[int, list[int], list[int]]
 
 def _listed(stub: Any, packed: bool, tokens: list[int]) -> Probe:
     r = stub.MatchPrefix(pb.MatchPrefixRequest(token_ids=tokens, packed_response=packed), timeout=10)
-    if packed:
-        assert not r.page_ids and not r.window_page_ids
-        return (r.cached_tokens, np.frombuffer(r.packed_page_ids, "<i4").tolist(),
-                np.frombuffer(r.packed_window_page_ids, "<i4").tolist())
-    assert not r.packed_page_ids and not r.packed_window_page_ids
-    return r.cached_tokens, list(r.page_ids), list(r.window_page_ids)
+    return (r.cached_tokens, *_ids(r, packed))
 
 
 def _probed(records: Sequence[Any]) -> list[Probe]:
